@@ -1,0 +1,164 @@
+"""Model catalogue: transformer shapes from the models' Hugging Face `config.json`, and the
+parameter, FLOP and KV-cache counts a roofline needs.
+
+Counted parameters: per layer the q/k/v/o projections, the (gated, SwiGLU) MLP or its experts
+plus the router, and two RMSNorm vectors; the input embedding; the LM head unless tied; the final
+norm. Small terms are left out on purpose (Qwen2.5's q/k/v biases, Qwen3's per-head q/k norms:
+< 0.01% of the parameters).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.perf.errors import unknown_name
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer with grouped-query attention and a gated MLP."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int               # query heads
+    kv_heads: int            # key/value heads (GQA)
+    head_dim: int
+    intermediate: int        # MLP width (per expert for MoE)
+    vocab: int
+    experts: int = 1         # MoE experts per layer (1 = dense)
+    experts_per_token: int = 1
+    max_context: int = 131072
+    tied_embeddings: bool = False
+    dtype_bytes: int = 2     # bf16 weights and KV cache
+
+    # --- parameter counts -----------------------------------------------------------------
+    @property
+    def attn_params_per_layer(self) -> int:
+        q = self.hidden * self.heads * self.head_dim
+        kv = 2 * self.hidden * self.kv_heads * self.head_dim
+        o = self.heads * self.head_dim * self.hidden
+        return q + kv + o
+
+    @property
+    def expert_params(self) -> int:
+        """One gated MLP (gate, up, down) — one expert for MoE, the whole MLP for dense."""
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def router_params_per_layer(self) -> int:
+        return self.hidden * self.experts if self.experts > 1 else 0
+
+    @property
+    def dense_params_per_layer(self) -> int:
+        """Parameters of a layer that every token uses (attention, norms, router)."""
+        return self.attn_params_per_layer + 2 * self.hidden + self.router_params_per_layer
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus LM head (counted once when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def body_params(self) -> int:
+        """Non-embedding parameters (all experts), including the final norm."""
+        return self.layers * (self.dense_params_per_layer + self.experts * self.expert_params) + self.hidden
+
+    @property
+    def active_body_params(self) -> int:
+        """Non-embedding parameters one token passes through (top-k experts for MoE)."""
+        return self.layers * (self.dense_params_per_layer + self.experts_per_token * self.expert_params) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.body_params + self.embedding_params
+
+    @property
+    def active_params(self) -> int:
+        return self.active_body_params + self.embedding_params
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 1
+
+    # --- bytes ----------------------------------------------------------------------------
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, all KV heads."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    # --- FLOPs ----------------------------------------------------------------------------
+    @property
+    def body_flops_per_token(self) -> int:
+        """Matmul FLOPs of one token through the layers (2 per active weight)."""
+        return 2 * self.active_body_params
+
+    @property
+    def lm_head_flops_per_token(self) -> int:
+        """Logits of one position (engines compute them only for positions they sample)."""
+        return 2 * self.hidden * self.vocab
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        """All linear FLOPs of one token: layers plus LM head."""
+        return self.body_flops_per_token + self.lm_head_flops_per_token
+
+    @property
+    def attn_flops_per_pair(self) -> int:
+        """FLOPs of one (query, key) pair over all layers and heads: QK^T (2*d) plus PV (2*d)."""
+        return 4 * self.layers * self.heads * self.head_dim
+
+
+def _m(name, layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, **kw) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, **kw)
+
+
+MODELS: dict[str, ModelSpec] = {
+    # Qwen/Qwen3-32B config.json; max_position_embeddings 40960, 131072 with YaRN (as served
+    # for long agent contexts). ~32.8B params, untied embeddings.
+    "qwen3-32b": _m("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936, max_context=131072),
+    # meta-llama/Llama-3.1-70B config.json: ~70.6B params.
+    "llama-3.1-70b": _m("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, max_context=131072),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 8 experts, top-2; ~46.7B total, ~12.9B active.
+    "mixtral-8x7b": _m("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000,
+                       experts=8, experts_per_token=2, max_context=32768),
+    # Qwen/Qwen2.5-{7,14,32}B config.json (32768 native, 131072 with YaRN per the model cards).
+    "qwen2.5-7b": _m("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, max_context=131072),
+    "qwen2.5-14b": _m("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 152064, max_context=131072),
+    "qwen2.5-32b": _m("qwen2.5-32b", 64, 5120, 40, 8, 128, 27648, 152064, max_context=131072),
+}
+
+_ALIASES: dict[str, str] = {
+    "llama3.1-70b": "llama-3.1-70b", "meta-llama-3.1-70b": "llama-3.1-70b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b",
+}
+_ORGS = ("meta-llama/", "qwen/", "mistralai/")
+_SUFFIXES = ("-instruct", "-chat", "-base", "-v0.1", "-hf")
+
+
+def _norm(name: str) -> str:
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    for org in _ORGS:
+        if key.startswith(org):
+            key = key[len(org):]
+    changed = True
+    while changed:
+        changed = False
+        for suf in _SUFFIXES:
+            if key.endswith(suf) and key not in MODELS:
+                key, changed = key[: -len(suf)], True
+    return _ALIASES.get(key, key)
+
+
+def get_model(name: str | ModelSpec) -> ModelSpec:
+    """Look a model up by name (case-insensitive; HF ids such as
+    'meta-llama/Llama-3.1-70B-Instruct' are accepted); a ModelSpec is returned unchanged."""
+    if isinstance(name, ModelSpec):
+        return name
+    try:
+        return MODELS[_norm(str(name))]
+    except KeyError:
+        raise unknown_name("model", name, MODELS) from None

@@ -1,0 +1,267 @@
+"""Roofline estimate of one iteration of a serving engine, plus KV capacity and KV transfer time.
+
+One iteration runs a mixed batch (prefill chunks and decode sequences) through the model under
+tensor parallelism `tp` inside one node. Per GPU:
+
+    compute = (body FLOPs x query tokens + LM-head FLOPs x sampled rows + attention FLOPs x pairs)
+              / tp / (peak x mfu)
+    memory  = (streamed weights / tp + KV read and written on this GPU + activation traffic)
+              / (hbm_bw x mbu)
+    comm    = 2 all-reduces per layer of (query tokens x hidden x dtype) bytes + a logits gather
+    time    = max(compute, memory) + comm + step_overhead
+
+`max` is the roofline assumption that compute and memory traffic overlap perfectly within a
+step; communication is added because tensor-parallel engines (vLLM, SGLang) run the all-reduces
+between the GEMMs rather than overlapping them. See docs/cost-models.md.
+
+What is left out (all small next to the terms kept): norms/rotary/softmax FLOPs, flash-attention
+re-reads of K/V tiles from L2, embedding-table gathers beyond one row per token, the MoE
+all-to-all (Mixtral under TP shards every expert, so it uses the same all-reduces as dense).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tandem.perf.errors import DoesNotFitError, ParallelismError
+from tandem.perf.hardware import GIB, GPU, get_gpu
+from tandem.perf.models import ModelSpec, get_model
+
+# Memory reserved per GPU besides weights and KV: CUDA context, NCCL buffers, CUDA-graph pools and
+# the peak activations of a max_num_batched_tokens forward. vLLM's profiling run typically finds
+# 1-3 GiB on 70B-class models; 2 GiB is used unless the caller knows better.
+ACTIVATION_RESERVE_GIB = 2.0
+# Fraction of device memory the engine may use (vLLM's gpu_memory_utilization default).
+MEM_UTIL = 0.9
+
+
+@dataclass(slots=True)
+class BatchShape:
+    """Shape of one iteration's batch, as the cost model needs it."""
+
+    prefill_tokens: int = 0           # sum of new (query) tokens of the prefill chunks
+    prefill_attn_pairs: float = 0.0   # sum over chunks of l_new*(l_hist + (l_new+1)/2): causal (query, key) pairs
+    prefill_kv_read_tokens: int = 0   # sum of l_hist over chunks: history KV the chunks read
+    num_prefill: int = 0              # prefill chunks (each samples/logits one row)
+    num_decode: int = 0               # decode sequences, one query token each
+    decode_ctx_tokens: int = 0        # sum of their context lengths (KV entries each attends to)
+
+    def add_prefill(self, l_hist: int, l_new: int) -> None:
+        """Add one prefill chunk of l_new tokens on top of l_hist tokens of resident KV."""
+        self.prefill_tokens += l_new
+        self.prefill_attn_pairs += l_new * (l_hist + (l_new + 1) / 2)
+        self.prefill_kv_read_tokens += l_hist
+        self.num_prefill += 1
+
+    def add_decode(self, ctx: int) -> None:
+        """Add one decode sequence attending to ctx KV entries."""
+        self.num_decode += 1
+        self.decode_ctx_tokens += ctx
+
+
+def check_tp(model: ModelSpec, gpu: GPU, tp: int) -> None:
+    """Raise ParallelismError if `tp` cannot run `model` inside one node of `gpu`s."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ParallelismError(f"tensor-parallel degree must be a positive integer, got {tp!r}")
+    if tp > gpu.gpus_per_node:
+        raise ParallelismError(
+            f"tp{tp} exceeds the {gpu.gpus_per_node} GPUs of one {gpu.name} node; "
+            f"tensor parallelism is modelled inside a node only")
+    if model.heads % tp:
+        raise ParallelismError(f"{model.name} has {model.heads} attention heads, not divisible by tp{tp}")
+    if model.kv_heads % tp and tp % model.kv_heads:
+        raise ParallelismError(f"{model.name} has {model.kv_heads} KV heads; tp{tp} neither divides nor is a multiple of it")
+
+
+def supported_tps(model: ModelSpec | str, gpu: GPU | str) -> tuple[int, ...]:
+    """Power-of-two tensor-parallel degrees up to one node that `model` can be sharded over."""
+    model, gpu = get_model(model), get_gpu(gpu)
+    out, tp = [], 1
+    while tp <= gpu.gpus_per_node:
+        try:
+            check_tp(model, gpu, tp)
+            out.append(tp)
+        except ParallelismError:
+            pass
+        tp *= 2
+    return tuple(out)
+
+
+def kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
+    """KV heads each GPU stores: sharded when tp <= kv_heads, else replicated (one per GPU)."""
+    return max(1, model.kv_heads // tp)
+
+
+def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int) -> int:
+    return 2 * model.layers * kv_heads_per_gpu(model, tp) * model.head_dim * model.dtype_bytes
+
+
+class Roofline:
+    """Iteration-time estimator for one worker: `model` on `tp` GPUs of kind `gpu`.
+
+    All per-step coefficients are precomputed in seconds; `step_time` is a handful of float
+    multiply-adds.
+    """
+
+    __slots__ = ("model", "gpu", "tp", "_c_tok", "_c_row", "_c_pair", "_m_w", "_m_kv", "_m_act",
+                 "_moe", "_n_exp", "_p_miss", "_m_expert", "_ar_fixed", "_ar_tok", "_g_fixed",
+                 "_g_row", "_overhead")
+
+    def __init__(self, model: ModelSpec | str, gpu: GPU | str, tp: int = 1):
+        model, gpu = get_model(model), get_gpu(gpu)
+        check_tp(model, gpu, tp)
+        self.model, self.gpu, self.tp = model, gpu, tp
+        flops, bw, d = gpu.flops, gpu.mem_bw, model.dtype_bytes
+        h, L = model.hidden, model.layers
+
+        # Compute (s per unit): heads, MLP columns and vocab are all sharded tp ways.
+        self._c_tok = model.body_flops_per_token / tp / flops
+        self._c_row = model.lm_head_flops_per_token / tp / flops
+        self._c_pair = model.attn_flops_per_pair / tp / flops
+
+        # Weights streamed every step: the layers' dense part, the final norm and the LM-head
+        # matrix (the input embedding is only gathered row by row). Experts handled below.
+        dense_streamed = L * model.dense_params_per_layer + h + model.vocab * h
+        self._m_w = dense_streamed * d / tp / bw
+        self._moe = model.is_moe
+        self._n_exp = float(model.experts)
+        # A token misses a given expert with prob 1 - k/E (uniform routing); T tokens touch
+        # E*(1 - (1-k/E)^T) distinct experts per layer in expectation (k for T=1, -> E).
+        self._p_miss = 1.0 - model.experts_per_token / model.experts
+        if not self._moe:
+            dense_streamed_mlp = L * model.expert_params
+            self._m_w += dense_streamed_mlp * d / tp / bw
+            self._m_expert = 0.0
+        else:
+            self._m_expert = L * model.expert_params * d / tp / bw  # per distinct expert touched, all layers
+
+        # KV bytes on this GPU per token read or written.
+        self._m_kv = kv_bytes_per_token_per_gpu(model, tp) / bw
+        # Activation traffic per query token (fused add+norm kernels): ~10 hidden-sized
+        # reads/writes per layer on every GPU (the residual stream is replicated), plus the
+        # sharded q/k/v/attention-output tensors and the MLP's gate/up/act/down tensors.
+        ffn = model.experts_per_token * model.intermediate
+        sharded = (2 * (model.heads + 2 * model.kv_heads) + 2 * model.heads) * model.head_dim + 6 * ffn
+        self._m_act = L * d * (10 * h + sharded / tp) / bw
+
+        # Communication: 2 all-reduces per layer (after attention and after the MLP) over the
+        # query tokens' hidden states, and one gather of the vocab-sharded logits rows.
+        if tp > 1:
+            link = gpu.nvlink_gbs * 1e9 * gpu.link_eff
+            hops = math.ceil(math.log2(tp))
+            ring = 2 * (tp - 1) / tp  # ring all-reduce moves 2(n-1)/n of the buffer per GPU
+            self._ar_fixed = 2 * L * hops * gpu.nvlink_latency_s
+            self._ar_tok = 2 * L * ring * h * d / link
+            self._g_fixed = hops * gpu.nvlink_latency_s
+            self._g_row = (tp - 1) / tp * model.vocab * d / link
+        else:
+            self._ar_fixed = self._ar_tok = self._g_fixed = self._g_row = 0.0
+        self._overhead = gpu.step_overhead_s
+
+    # ------------------------------------------------------------------------------------
+    def step_time_args(self, prefill_tokens: float, prefill_attn_pairs: float, prefill_kv_read_tokens: float,
+                       num_prefill: float, num_decode: float, decode_ctx_tokens: float) -> float:
+        """`step_time` without building a BatchShape (same fields, same order)."""
+        tokens = prefill_tokens + num_decode
+        if tokens <= 0:
+            return 0.0
+        rows = num_prefill + num_decode
+        compute = (self._c_tok * tokens + self._c_row * rows
+                   + self._c_pair * (prefill_attn_pairs + decode_ctx_tokens))
+        memory = (self._m_w
+                  + self._m_kv * (prefill_kv_read_tokens + 2 * prefill_tokens + decode_ctx_tokens + num_decode)
+                  + self._m_act * tokens)
+        if self._moe:
+            memory += self._m_expert * self._n_exp * (1.0 - self._p_miss ** tokens)
+        comm = self._ar_fixed + self._ar_tok * tokens + self._g_fixed + self._g_row * rows  # all 0 at tp1
+        return (compute if compute > memory else memory) + comm + self._overhead
+
+    def step_time(self, shape: BatchShape) -> float:
+        """Seconds of one iteration over `shape` (0 for an empty batch)."""
+        return self.step_time_args(shape.prefill_tokens, shape.prefill_attn_pairs, shape.prefill_kv_read_tokens,
+                                   shape.num_prefill, shape.num_decode, shape.decode_ctx_tokens)
+
+    def prefill_time(self, l_hist: int, l_incr: int, chunk_tokens: int | None = None) -> float:
+        """Prefill of l_incr new tokens after l_hist resident tokens, alone on the worker; in
+        chunks of `chunk_tokens` (one iteration each) when given, else one iteration."""
+        if l_incr <= 0:
+            return 0.0
+        if not chunk_tokens or l_incr <= chunk_tokens:
+            return self.step_time_args(l_incr, l_incr * (l_hist + (l_incr + 1) / 2), l_hist, 1, 0, 0)
+        total, done = 0.0, 0
+        while done < l_incr:
+            n = min(chunk_tokens, l_incr - done)
+            h = l_hist + done
+            total += self.step_time_args(n, n * (h + (n + 1) / 2), h, 1, 0, 0)
+            done += n
+        return total
+
+    def decode_time(self, batch: int, ctx_tokens_total: int) -> float:
+        """One decode iteration of `batch` sequences whose contexts sum to ctx_tokens_total."""
+        return self.step_time_args(0, 0.0, 0, 0, batch, ctx_tokens_total)
+
+    # ------------------------------------------------------------------------------------
+    def allreduce_time(self, nbytes: float) -> float:
+        """One all-reduce of nbytes over this worker's tp GPUs (0 at tp1)."""
+        if self.tp == 1:
+            return 0.0
+        g = self.gpu
+        hops = math.ceil(math.log2(self.tp))
+        return hops * g.nvlink_latency_s + 2 * (self.tp - 1) / self.tp * nbytes / (g.nvlink_gbs * 1e9 * g.link_eff)
+
+    def breakdown(self, shape: BatchShape) -> dict[str, float]:
+        """The terms of `step_time` (compute, memory, comm, overhead, total) for inspection."""
+        s = shape
+        tokens = s.prefill_tokens + s.num_decode
+        rows = s.num_prefill + s.num_decode
+        compute = self._c_tok * tokens + self._c_row * rows + self._c_pair * (s.prefill_attn_pairs + s.decode_ctx_tokens)
+        memory = (self._m_w + self._m_kv * (s.prefill_kv_read_tokens + 2 * s.prefill_tokens + s.decode_ctx_tokens + s.num_decode)
+                  + self._m_act * tokens)
+        if self._moe:
+            memory += self._m_expert * self._n_exp * (1.0 - self._p_miss ** tokens)
+        comm = self._ar_fixed + self._ar_tok * tokens + self._g_fixed + self._g_row * rows
+        return {"compute": compute, "memory": memory, "comm": comm, "overhead": self._overhead,
+                "total": self.step_time(s), "bound": "compute" if compute > memory else "memory"}
+
+    def __repr__(self) -> str:
+        return f"Roofline({self.model.name}, {self.gpu.name}, tp{self.tp})"
+
+
+def kv_capacity_tokens(model: ModelSpec | str, gpu: GPU | str, tp: int, mem_util: float = MEM_UTIL,
+                       activation_reserve_gb: float = ACTIVATION_RESERVE_GIB) -> int:
+    """KV-cache tokens one worker (tp GPUs) holds after weights and the reserve.
+
+    Per GPU: hbm x mem_util - weights/tp - reserve (GiB, like hbm_gb), divided by the KV bytes
+    per token stored on one GPU (KV heads sharded, or replicated when tp > kv_heads).
+    Raises DoesNotFitError when nothing is left.
+    """
+    model, gpu = get_model(model), get_gpu(gpu)
+    check_tp(model, gpu, tp)
+    usable = gpu.hbm_bytes * mem_util - activation_reserve_gb * GIB
+    weights = model.weight_bytes / tp
+    free = usable - weights
+    tokens = int(free // kv_bytes_per_token_per_gpu(model, tp)) if free > 0 else 0
+    if tokens <= 0:
+        raise DoesNotFitError(
+            f"{model.name} does not fit tp{tp} x {gpu.name}: weights {model.weight_bytes / 1e9:.1f} GB "
+            f"({weights / 1e9:.1f} GB per GPU) vs memory {usable / 1e9:.1f} GB usable per GPU "
+            f"({gpu.hbm_gb:g} GB x {mem_util:g} - {activation_reserve_gb:g} GiB reserve) at tp{tp}")
+    return tokens
+
+
+def kv_transfer_time(model: ModelSpec | str, gpu: GPU | str, tokens: int, src_tp: int, dst_tp: int,
+                     same_node: bool) -> float:
+    """Alpha-beta (Hockney) time to move the KV of `tokens` tokens between two workers.
+
+    alpha: one link latency (NVLink hop inside a node, NIC latency across nodes).
+    beta: each GPU moves its own KV-head shard over its own link, so min(src_tp, dst_tp) links
+    run in parallel, each at nvlink_gbs (same node) or net_gbs (its NIC share) x link_eff.
+    Only unique KV is moved (kv_bytes_per_token x tokens), whatever the replication.
+    """
+    if tokens <= 0:
+        return 0.0
+    model, gpu = get_model(model), get_gpu(gpu)
+    links = min(src_tp, dst_tp)
+    per_link = (gpu.nvlink_gbs if same_node else gpu.net_gbs) * 1e9 * gpu.link_eff
+    alpha = gpu.nvlink_latency_s if same_node else gpu.net_latency_s
+    return alpha + tokens * model.kv_bytes_per_token / (links * per_link)
