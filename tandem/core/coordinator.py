@@ -1,0 +1,149 @@
+"""The coordinator core: binds sessions, routes every prefill, tracks rounds and tool gaps, keeps records."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from tandem.core.actions import Delivered, HistoryReady, KVArrived, Release, Submit, ToolCall, Transfer
+from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
+from tandem.policy.binding import LeastKVBinder
+from tandem.policy.routing import ClusterView, Router
+from tandem.workload.records import RoundRecord, SessionRecord
+from tandem.workload.session import Session
+
+
+class CoordinatorView(ClusterView, Protocol):
+    """Routing's view plus what binding needs: homes for sessions and their resident KV."""
+
+    def home_workers(self) -> Sequence[int]: ...
+    def capacity(self, worker: int) -> int: ...
+    def begin_round(self, worker: int, session_id: str) -> int: ...
+
+
+@dataclass(slots=True)
+class _Live:
+    session: Session
+    record: SessionRecord
+    worker: int
+    k: int = 0                 # current round
+    context: int = 0           # tokens of all finished rounds (inputs + outputs)
+    task: PrefillTask | None = None
+    committed: int = 0         # tokens this session adds to its worker's committed KV
+
+
+class Coordinator:
+    """Sans-I/O: `on_*` methods take events and return actions; time comes in as `now`."""
+
+    def __init__(self, view: CoordinatorView, router: Router, binder: LeastKVBinder | None = None) -> None:
+        self.view = view
+        self.router = router
+        self.binder = binder or LeastKVBinder()
+        self.live: dict[str, _Live] = {}
+        self.records: list[SessionRecord] = []
+        self.committed: dict[int, int] = {w: 0 for w in view.home_workers()}
+        self.capacity = {w: view.capacity(w) for w in view.home_workers()}
+
+    # ------------------------------------------------------------------ arrivals
+    def on_session_arrival(self, session: Session, now: float) -> list:
+        """Bind a new session to a worker by KV commitment and start its first round."""
+        w = self.binder.bind(self.view.home_workers(), self.committed, self.capacity)
+        rec = SessionRecord(session.session_id, session.arrival_s, session.slo, len(session.rounds), decode_worker=w)
+        self.records.append(rec)
+        st = _Live(session, rec, w)
+        self.live[session.session_id] = st
+        return self._start_round(st, now)
+
+    def on_tool_result(self, session_id: str, now: float) -> list:
+        """The tool call of `session_id` returned: its next round's input is here."""
+        st = self.live.get(session_id)
+        return self._start_round(st, now) if st is not None else []
+
+    def _start_round(self, st: _Live, now: float) -> list:
+        s, k, w = st.session, st.k, st.worker
+        rnd = s.rounds[k]
+        rec = RoundRecord(k, now, rnd.input_tokens)
+        st.record.rounds.append(rec)
+        need = st.context + rnd.input_tokens + rnd.output_tokens
+        if need > self.capacity[w]:
+            return self._fail(st, now, f"round {k} needs {need} tokens of KV but worker {w} holds at most "
+                                       f"{self.capacity[w]}")
+        hist = self.view.begin_round(w, s.session_id)
+        l_incr = st.context - hist + rnd.input_tokens     # includes the previous round's last token
+        rec.history_tokens = hist
+        rec.recomputed_tokens = max(0, st.context - hist - (1 if k else 0))
+        self.committed[w] += rnd.input_tokens + rnd.output_tokens
+        st.committed += rnd.input_tokens + rnd.output_tokens
+        slo = s.slo
+        task = PrefillTask(s.session_id, k, hist, l_incr, now,
+                           ttft_slo_s=slo.ttft_s if slo else math.inf,
+                           itl_slo_s=slo.itl_s if slo else math.inf,
+                           output_tokens=rnd.output_tokens, decode_worker=w)
+        target = self.router.route(task, self.view, now)
+        task.local = target == w
+        rec.prefill_where = "local" if task.local else "remote"
+        rec.prefill_worker = target
+        st.task = task
+        return [Submit(target, task)]
+
+    # ------------------------------------------------------------------ worker events
+    def on_event(self, ev, now: float) -> list:
+        """Consume one event from a worker core."""
+        if isinstance(ev, RoundDone):
+            return self._round_done(ev, now)
+        if isinstance(ev, FirstToken):
+            st = self.live.get(ev.session_id)
+            if st is not None:
+                rec = st.record.rounds[-1]
+                rec.first_token_s = ev.time_s
+                rec.prefill_start_s = ev.prefill_start_s
+            return []
+        if isinstance(ev, PrefillDone):
+            t = ev.task
+            return [Transfer(ev.worker, t.decode_worker, t.l_incr, "incremental", t)]
+        if isinstance(ev, FetchHistory):
+            t = ev.task
+            return [Transfer(t.decode_worker, t.worker, ev.tokens, "history", t)]
+        if isinstance(ev, SessionFailed):
+            st = self.live.get(ev.session_id)
+            return self._fail(st, now, ev.reason) if st is not None else []
+        raise TypeError(f"unknown worker event {ev!r}")
+
+    def on_transfer_done(self, tr: Transfer, now: float, elapsed_s: float) -> list:
+        """A KV transfer finished after `elapsed_s`."""
+        st = self.live.get(tr.task.session_id)
+        if st is not None and st.task is tr.task:
+            st.record.rounds[-1].kv_transfer_s += elapsed_s
+        if tr.purpose == "history":
+            return [HistoryReady(tr.dst, tr.task)]
+        return [KVArrived(tr.dst, tr.task), Delivered(tr.src, tr.task)]
+
+    def _round_done(self, ev: RoundDone, now: float) -> list:
+        st = self.live.get(ev.session_id)
+        if st is None:
+            return []
+        rnd = st.session.rounds[st.k]
+        rec = st.record.rounds[-1]
+        rec.finish_s = ev.time_s
+        rec.output_tokens = rnd.output_tokens
+        rec.itl_sum_s, rec.itl_count, rec.itl_max_s = ev.itl_sum, ev.itl_count, ev.itl_max
+        rec.preemptions = ev.preemptions
+        st.context += rnd.input_tokens + rnd.output_tokens
+        st.k += 1
+        st.task = None
+        if st.k < len(st.session.rounds):
+            return [ToolCall(ev.session_id, rnd.tool_s)]
+        st.record.finish_s = now
+        return self._end(st)
+
+    def _fail(self, st: _Live, now: float, reason: str) -> list:
+        st.record.failed = True
+        st.record.fail_reason = reason
+        st.record.finish_s = now
+        return self._end(st)
+
+    def _end(self, st: _Live) -> list:
+        sid = st.session.session_id
+        del self.live[sid]
+        self.committed[st.worker] -= st.committed
+        return [Release(st.worker, sid)]

@@ -1,0 +1,49 @@
+"""In-process state store: the coordinator's view of worker queues, windowed stats and KV residency."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tandem.core.types import PREFILL
+from tandem.core.worker import WorkerCore
+
+
+class InProcessState:
+    """Reads worker cores directly (one process); a Redis-backed store offers the same methods."""
+
+    def __init__(self, workers: list[WorkerCore], cost, nodes: list[int]) -> None:
+        self.workers = workers
+        self.cost = cost            # perf.ampd_cost.AMPDCostModel: t_pre / t_kv estimates
+        self.nodes = nodes
+        self._prefill = [w.id for w in workers if w.role == PREFILL]
+        self._homes = [w.id for w in workers if w.role != PREFILL]
+
+    def prefill_workers(self) -> Sequence[int]:
+        return self._prefill
+
+    def home_workers(self) -> Sequence[int]:
+        return self._homes
+
+    def windowed_ttft(self, worker: int, now: float) -> float:
+        return self.workers[worker].ttft.mean(now)
+
+    def windowed_itl(self, worker: int, now: float) -> float:
+        return self.workers[worker].itl.mean(now)
+
+    def queued_prefill_s(self, worker: int) -> float:
+        return self.workers[worker].queued_est_s
+
+    def t_pre(self, worker: int, l_hist: int, l_incr: int) -> float:
+        return self.cost.t_pre(l_hist, l_incr, self.workers[worker].cfg.tp)
+
+    def t_kv(self, tokens: int, src: int, dst: int) -> float:
+        ws = self.workers
+        return self.cost.t_kv(tokens, ws[src].cfg.tp, ws[dst].cfg.tp, self.nodes[src] == self.nodes[dst])
+
+    def can_hold(self, worker: int, tokens: int) -> bool:
+        return tokens <= self.workers[worker].capacity_tokens
+
+    def capacity(self, worker: int) -> int:
+        return self.workers[worker].capacity_tokens
+
+    def begin_round(self, worker: int, session_id: str) -> int:
+        return self.workers[worker].begin_round(session_id)

@@ -1,0 +1,361 @@
+"""A worker's sans-I/O core: prefill queue, step scheduler, KV residency; plans steps, consumes results."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from tandem.core.block_manager import BlockManager, OutOfBlocks
+from tandem.core.stats import WindowedMean
+from tandem.core.types import (
+    COLOCATED, DECODE, PREFILL, BatchShape, FetchHistory, FirstToken, PrefillDone, PrefillTask,
+    RoundDone, Seq, SessionFailed, StepPlan, StepResult,
+)
+from tandem.policy.reorder import FCFS, Picker
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Scheduling knobs of one worker (vLLM names where they exist)."""
+
+    role: str
+    tp: int
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    mix_decode_with_prefill: bool = False   # co-located chunked prefill: decodes ride along prefill chunks
+    retain_s: float = 0.0                   # idle session KV is pinned this long after a round (Continuum TTL)
+    window_s: float = 10.0                  # windowed TTFT/ITL statistics
+
+
+class WorkerCore:
+    """One prefill, decode or co-located worker. Shells call events in, `schedule`, `on_step_done`, `drain`."""
+
+    def __init__(self, wid: int, cfg: WorkerConfig, picker: Picker | None = None,
+                 t_pre: Callable[[int, int], float] | None = None) -> None:
+        self.id = wid
+        self.cfg = cfg
+        self.role = cfg.role
+        self.picker = picker or FCFS()
+        self.t_pre = t_pre or (lambda h, n: 0.0)
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
+        self.capacity_tokens = cfg.num_blocks * cfg.block_size
+        self.queue: list[PrefillTask] = []          # waiting prefill tasks, in picking order
+        self.active: list[PrefillTask] = []         # admitted prefills (memory held), chunk by chunk
+        self.seqs: dict[str, Seq] = {}              # session residency (decode / co-located)
+        self.running: list[Seq] = []                # sequences decoding
+        self.idle: dict[str, Seq] = {}              # resident between rounds, oldest first (LRU)
+        self.pending_kv: list[PrefillTask] = []     # remote KV that arrived before memory was free
+        self.ttft = WindowedMean(cfg.window_s)
+        self.itl = WindowedMean(cfg.window_s)
+        self.queued_est_s = 0.0                     # Σ estimated compute of queued tasks (AMPD Eq. 1-2)
+        self.busy = False
+        self.wake_s = math.inf                      # when a pinned idle session becomes evictable
+        self.events: list = []
+        self._order = 0
+        self._ctx = 0                               # Σ num_tokens over running sequences
+        self.steps = 0
+        self.busy_s = 0.0
+
+    # ---------------------------------------------------------------- events in
+    def attach(self, sid: str) -> Seq:
+        """Make this worker the home of session `sid` (AMPD binding)."""
+        seq = self.seqs.get(sid)
+        if seq is None:
+            seq = self.seqs[sid] = Seq(sid)
+        return seq
+
+    def begin_round(self, sid: str) -> int:
+        """A new round of `sid` arrives: pin its KV and return how many history tokens are resident."""
+        seq = self.attach(sid)
+        self.idle.pop(sid, None)
+        seq.state = "prefill"
+        return seq.num_tokens
+
+    def submit(self, task: PrefillTask, now: float) -> None:
+        """Enqueue a prefill task routed to this worker."""
+        task.worker = self.id
+        task.est_s = self.t_pre(task.l_hist, task.l_incr)
+        if task.recompute:
+            self.queue.insert(0, task)
+        else:
+            self.queue.append(task)
+        self.queued_est_s += task.est_s
+
+    def on_history_fetched(self, task: PrefillTask, now: float) -> None:
+        """The lazily read history KV of a remote task has arrived here."""
+        task.kv_ready = True
+
+    def on_delivered(self, task: PrefillTask, now: float) -> None:
+        """A remote task's new KV reached its decode worker: free it here and count its TTFT."""
+        self.blocks.free(task)
+        self.ttft.add(now, now - task.enqueue_s)
+
+    def on_kv_received(self, task: PrefillTask, now: float) -> None:
+        """Incremental KV computed remotely has landed on this (decode) worker: start decoding."""
+        seq = self.seqs.get(task.session_id)
+        if seq is None:
+            return                                   # session ended or failed meanwhile
+        if not self._reserve(seq, seq.num_tokens + task.l_incr, now, preempt=True):
+            if not self._never_fits(seq.num_tokens + task.l_incr + 1, task, now):
+                self.pending_kv.append(task)
+            return
+        self._start_decoding(seq, task, now)
+
+    def release(self, sid: str) -> None:
+        """The session is over (or failed): free its KV and forget it."""
+        seq = self.seqs.pop(sid, None)
+        if seq is None:
+            return
+        self.idle.pop(sid, None)
+        if seq.state == "running":
+            self.running.remove(seq)
+            self._ctx -= seq.num_tokens
+        kept = [t for t in self.queue if t.session_id != sid]
+        if len(kept) != len(self.queue):
+            self.queue = kept
+            self.queued_est_s = sum(t.est_s for t in kept)
+        self.active = [t for t in self.active if t.session_id != sid]
+        self.pending_kv = [t for t in self.pending_kv if t.session_id != sid]
+        self.blocks.free(seq)
+
+    # ---------------------------------------------------------------- scheduling
+    def schedule(self, now: float) -> StepPlan | None:
+        """Form the next step: admit prefills (picker order), then prefill chunks and/or decodes."""
+        if self.pending_kv:
+            self._retry_pending(now)
+        self._admit(now)
+        budget = self.cfg.max_num_batched_tokens
+        plan = StepPlan(self.id)
+        shape = plan.shape
+        if self.role != PREFILL and self.running:
+            ready = any(t.kv_ready for t in self.active)
+            if self.cfg.mix_decode_with_prefill or not ready:
+                self._grow_running(now)
+                if self.running:
+                    plan.decode = list(self.running)
+                    n = len(plan.decode)
+                    shape.num_decode = n
+                    shape.decode_ctx_tokens = self._ctx + n
+                    budget -= n
+                    if not self.cfg.mix_decode_with_prefill:
+                        return plan
+        for t in self.active:
+            if budget <= 0:
+                break
+            if not t.kv_ready:
+                continue
+            n = t.l_incr - t.done
+            if n > budget:
+                n = budget
+            before = t.l_hist + t.done
+            plan.prefill.append((t, n))
+            budget -= n
+            shape.prefill_tokens += n
+            shape.prefill_attn_pairs += n * (before + (n + 1) / 2)
+            shape.prefill_kv_read_tokens += before
+            shape.num_prefill += 1
+        if not plan.prefill and not plan.decode:
+            return None
+        return plan
+
+    def _admit(self, now: float) -> None:
+        budget = self.cfg.max_num_batched_tokens
+        pending = sum(t.l_incr - t.done for t in self.active)
+        while self.queue and pending < budget:
+            i = self.picker.pick(self.queue, now)
+            t = self.queue[i]
+            if self.role == PREFILL:
+                owner, need = t, t.l_hist + t.l_incr
+            else:
+                owner = self.seqs.get(t.session_id)
+                if owner is None:                    # released while queued
+                    self.queue.pop(i)
+                    self.queued_est_s -= t.est_s
+                    continue
+                need = owner.num_tokens + t.l_incr
+            if not self._reserve(owner, need, now, preempt=False):
+                self._never_fits(need, t, now)
+                break
+            self.queue.pop(i)
+            self.queued_est_s -= t.est_s
+            t.start_s = now
+            self.active.append(t)
+            pending += t.l_incr
+            if self.role == PREFILL and t.l_hist > 0:
+                t.kv_ready = False
+                self.events.append(FetchHistory(t, t.l_hist))
+
+    def _grow_running(self, now: float) -> None:
+        """Every running sequence writes one more token of KV this step; preempt by recompute if short."""
+        for seq in self.running:
+            if seq.num_tokens + 1 > seq.cap:
+                break
+        else:
+            return
+        for seq in list(self.running):
+            if seq.state == "running" and seq.num_tokens + 1 > seq.cap:
+                if not self._reserve(seq, seq.num_tokens + 1, now, preempt=True):
+                    self._preempt(seq, now)          # could not free enough: preempt itself
+
+    def _reserve(self, owner, tokens: int, now: float, preempt: bool) -> bool:
+        """Ensure `owner` holds blocks for `tokens`, evicting idle KV and, if allowed, preempting."""
+        blocks = self.blocks
+        try:
+            blocks.grow(owner, tokens)
+        except OutOfBlocks:
+            need = blocks.extra_blocks(owner, tokens)
+            if not self._evict_idle(need, now):
+                if not preempt or not self._preempt_for(need, owner, now):
+                    return False
+            blocks.grow(owner, tokens)
+        if isinstance(owner, Seq):
+            owner.cap = blocks.held(owner) * self.cfg.block_size
+        return True
+
+    def _evict_idle(self, need: int, now: float) -> bool:
+        """Free idle sessions' KV, least recently used first, skipping pinned ones; True if enough."""
+        blocks = self.blocks
+        wake = math.inf
+        for sid in list(self.idle):
+            if blocks.num_free >= need:
+                break
+            seq = self.idle[sid]
+            if seq.retain_until > now:
+                wake = min(wake, seq.retain_until)
+                continue
+            del self.idle[sid]
+            blocks.free(seq)
+            seq.num_tokens, seq.cap, seq.state = 0, 0, "evicted"
+        if blocks.num_free < need and wake < self.wake_s:
+            self.wake_s = wake
+        return blocks.num_free >= need
+
+    def _preempt_for(self, need: int, keep, now: float) -> bool:
+        """Preempt running sequences, latest admitted first, until `need` blocks are free."""
+        victims = sorted((s for s in self.running if s is not keep), key=lambda s: s.order, reverse=True)
+        for seq in victims:
+            if self.blocks.num_free >= need:
+                break
+            self._preempt(seq, now)
+        return self.blocks.num_free >= need
+
+    def _preempt(self, seq: Seq, now: float) -> None:
+        """vLLM's preemption by recompute: drop the KV, re-prefill the whole context locally first."""
+        self.running.remove(seq)
+        self._ctx -= seq.num_tokens
+        tokens = seq.num_tokens
+        self.blocks.free(seq)
+        seq.num_tokens, seq.cap, seq.state = 0, 0, "prefill"
+        seq.preemptions += 1
+        task = PrefillTask(seq.session_id, -1, 0, tokens, now, decode_worker=self.id, recompute=True)
+        self.submit(task, now)
+
+    def _never_fits(self, tokens: int, task: PrefillTask, now: float) -> bool:
+        """Fail the task's session when its KV exceeds this worker's whole pool; True if it failed."""
+        if tokens <= self.capacity_tokens:
+            return False
+        self.events.append(SessionFailed(
+            task.session_id, self.id, now,
+            f"KV of {tokens} tokens exceeds the {self.role} worker's capacity of {self.capacity_tokens} tokens"))
+        if task in self.queue:
+            self.queue.remove(task)
+            self.queued_est_s -= task.est_s
+        return True
+
+    def _retry_pending(self, now: float) -> None:
+        still = []
+        for task in self.pending_kv:
+            seq = self.seqs.get(task.session_id)
+            if seq is None:
+                continue
+            if self._reserve(seq, seq.num_tokens + task.l_incr, now, preempt=True):
+                self._start_decoding(seq, task, now)
+            else:
+                still.append(task)
+        self.pending_kv = still
+
+    # ---------------------------------------------------------------- results
+    def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        """Apply a finished step: advance prefills, commit one token per decoding sequence."""
+        self.steps += 1
+        self.busy_s += result.elapsed_s
+        for t, n in plan.prefill:
+            t.done += n
+            if t.done >= t.l_incr:
+                self.active.remove(t)
+                if self.role == PREFILL:
+                    self.events.append(PrefillDone(t, self.id, now))
+                else:
+                    seq = self.seqs.get(t.session_id)
+                    if seq is not None:
+                        self._start_decoding(seq, t, now)
+        if plan.decode:
+            itl_sum, n_tok = 0.0, 0
+            finished = False
+            for seq in plan.decode:
+                if seq.state != "running":
+                    continue
+                seq.num_tokens += 1
+                gap = now - seq.last_token_s
+                seq.itl_sum += gap
+                seq.itl_count += 1
+                if gap > seq.itl_max:
+                    seq.itl_max = gap
+                itl_sum += gap
+                n_tok += 1
+                seq.last_token_s = now
+                seq.to_decode -= 1
+                if seq.to_decode <= 0:
+                    finished = True
+            self._ctx += n_tok
+            self.itl.add(now, itl_sum, n_tok)
+            if finished:
+                keep = []
+                for seq in self.running:
+                    if seq.to_decode > 0:
+                        keep.append(seq)
+                    else:
+                        self._ctx -= seq.num_tokens
+                        self._finish_round(seq, now)
+                self.running = keep
+
+    def _start_decoding(self, seq: Seq, task: PrefillTask, now: float) -> None:
+        seq.num_tokens += task.l_incr
+        if not task.recompute:
+            self.events.append(FirstToken(seq.session_id, self.id, now, task.start_s if task.start_s is not None else now))
+            if task.local:
+                self.ttft.add(now, now - task.enqueue_s)
+            seq.to_decode = task.output_tokens - 1
+            seq.last_token_s = now
+            seq.itl_sum, seq.itl_count, seq.itl_max = 0.0, 0, 0.0
+        seq.cap = self.blocks.held(seq) * self.cfg.block_size
+        if seq.to_decode <= 0:
+            self._finish_round(seq, now)
+            return
+        seq.state = "running"
+        self._order += 1
+        seq.order = self._order
+        self.running.append(seq)
+        self._ctx += seq.num_tokens
+
+    def _finish_round(self, seq: Seq, now: float) -> None:
+        seq.state = "idle"
+        seq.retain_until = now + self.cfg.retain_s
+        self.idle[seq.session_id] = seq
+        self.events.append(RoundDone(seq.session_id, self.id, now, 0, seq.itl_sum, seq.itl_count,
+                                     seq.itl_max, seq.preemptions))
+        seq.preemptions = 0
+
+    def drain(self) -> list:
+        """Hand the events produced since the last call to the shell."""
+        ev, self.events = self.events, []
+        return ev
+
+    # ---------------------------------------------------------------- published state
+    @property
+    def kv_usage(self) -> float:
+        return self.blocks.usage
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.active or self.running or self.pending_kv)

@@ -1,0 +1,89 @@
+"""Where a prefill task runs: AMPD adaptive routing (Alg. 1) and the baselines' fixed rules."""
+from __future__ import annotations
+
+import random
+from typing import Protocol, Sequence
+
+from tandem.core.types import PrefillTask
+
+
+class ClusterView(Protocol):
+    """What routing may read about the cluster: the state store's windowed stats and queues."""
+
+    def prefill_workers(self) -> Sequence[int]: ...
+    def windowed_ttft(self, worker: int, now: float) -> float: ...
+    def windowed_itl(self, worker: int, now: float) -> float: ...
+    def queued_prefill_s(self, worker: int) -> float: ...
+    def t_pre(self, worker: int, l_hist: int, l_incr: int) -> float: ...
+    def t_kv(self, tokens: int, src: int, dst: int) -> float: ...
+    def can_hold(self, worker: int, tokens: int) -> bool: ...
+
+
+def remote_cost(task: PrefillTask, worker: int, view: ClusterView) -> float:
+    """AMPD Eq. 2: prefill compute + history read + incremental write-back + queueing on `worker`."""
+    d = task.decode_worker
+    t_kv = view.t_kv(task.l_hist, d, worker) if task.l_hist else 0.0
+    return (view.t_pre(worker, task.l_hist, task.l_incr) + t_kv + view.t_kv(task.l_incr, worker, d)
+            + view.queued_prefill_s(worker))
+
+
+def local_cost(task: PrefillTask, view: ClusterView) -> float:
+    """AMPD Eq. 1: prefill compute on the decode worker plus its queued prefill work."""
+    d = task.decode_worker
+    return view.t_pre(d, task.l_hist, task.l_incr) + view.queued_prefill_s(d)
+
+
+def _eligible(task: PrefillTask, view: ClusterView) -> list[int]:
+    need = task.l_hist + task.l_incr
+    return [w for w in view.prefill_workers() if view.can_hold(w, need)]
+
+
+class Router(Protocol):
+    def route(self, task: PrefillTask, view: ClusterView, now: float) -> int:
+        """Return the worker id to run `task` on (its decode worker id means local execution)."""
+        ...
+
+
+class AdaptiveRouter:
+    """AMPD Alg. 1: a prefill worker with TTFT slack, else local if ITL has slack, else the cheapest."""
+
+    def __init__(self, rng: random.Random, alpha: float = 0.9, beta: float = 0.85, allow_local: bool = True) -> None:
+        self.rng, self.alpha, self.beta, self.allow_local = rng, alpha, beta, allow_local
+
+    def route(self, task: PrefillTask, view: ClusterView, now: float) -> int:
+        d = task.decode_worker
+        prefill = _eligible(task, view)
+        self.rng.shuffle(prefill)
+        ttft_thres = self.alpha * task.ttft_slo_s
+        for w in prefill:                                   # lines 1-3
+            if view.windowed_ttft(w, now) <= ttft_thres:
+                return w
+        if self.allow_local and view.windowed_itl(d, now) <= self.beta * task.itl_slo_s:
+            return d                                        # lines 4-5
+        best, best_t = -1, float("inf")
+        if self.allow_local:
+            best, best_t = d, local_cost(task, view)        # line 6
+        for w in prefill:                                   # lines 7-9
+            t = remote_cost(task, w, view)
+            if t < best_t:
+                best, best_t = w, t
+        return best if best >= 0 else d
+
+
+class LeastCostRemoteRouter:
+    """Dynamo-like: always remote, to the prefill worker with the lowest estimated completion (KV-aware)."""
+
+    def route(self, task: PrefillTask, view: ClusterView, now: float) -> int:
+        best, best_t = -1, float("inf")
+        for w in _eligible(task, view):
+            t = remote_cost(task, w, view)
+            if t < best_t:
+                best, best_t = w, t
+        return best if best >= 0 else task.decode_worker
+
+
+class LocalRouter:
+    """Co-located serving: every prefill runs on the session's own worker."""
+
+    def route(self, task: PrefillTask, view: ClusterView, now: float) -> int:
+        return task.decode_worker

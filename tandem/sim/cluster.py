@@ -1,0 +1,126 @@
+"""Build a simulated cluster from a deployment and a policy, run sessions through it, return records."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from tandem.core.coordinator import Coordinator
+from tandem.core.deploy import Deployment, DeploymentError, parse_deploy
+from tandem.core.state import InProcessState
+from tandem.core.types import COLOCATED, DECODE, PREFILL
+from tandem.core.worker import WorkerConfig, WorkerCore
+from tandem.perf.ampd_cost import AMPDCostModel
+from tandem.perf.hardware import get_gpu
+from tandem.perf.models import get_model
+from tandem.perf.roofline import Roofline, kv_capacity_tokens
+from tandem.policy.presets import POLICIES, get_policy, make_picker, make_router
+from tandem.sim.network import Network
+from tandem.sim.loop import EventLoop
+from tandem.workload.records import SessionRecord
+from tandem.workload.session import Session
+
+__all__ = ["SimConfig", "SimResult", "simulate", "build", "ConfigError", "POLICIES"]
+
+
+class ConfigError(ValueError):
+    """The simulation configuration is inconsistent (policy vs deployment, bad knob values)."""
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """Everything a simulation run needs besides the sessions."""
+
+    model: str
+    gpu: str
+    gpus: int
+    deploy: str
+    policy: str = "ampd"
+    seed: int = 0
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192          # prefill and decode workers
+    colocated_max_num_batched_tokens: int = 2048  # vLLM-style chunked prefill budget per step
+    mem_util: float = 0.9
+    window_s: float = 10.0                      # AMPD windowed TTFT/ITL
+    alpha: float = 0.9
+    beta: float = 0.85
+    reorder_window: int = 3
+    continuum_ttl_s: float = 30.0
+    perf: str | None = None                     # fitted cost-model JSON (tandem profile); roofline if None
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[SessionRecord]
+    sim_time_s: float
+    wall_s: float
+    events: int
+    deployment: str
+    policy: str
+    workers: list[dict] = field(default_factory=list)
+
+
+def place(dep: Deployment, gpus_per_node: int, gpus: int) -> list[int]:
+    """Node index of every worker: GPUs are packed in order; a worker never straddles two nodes."""
+    nodes, used = [], 0
+    for _, tp in dep.workers():
+        if tp > gpus_per_node:
+            raise DeploymentError(f"tp{tp} spans more than one node of {gpus_per_node} GPUs")
+        if used % gpus_per_node + tp > gpus_per_node:
+            used += gpus_per_node - used % gpus_per_node
+        nodes.append(used // gpus_per_node)
+        used += tp
+    if used > gpus:
+        raise DeploymentError(f"deployment {dep} cannot be packed into {gpus} GPUs without splitting a worker "
+                              f"across nodes of {gpus_per_node}")
+    return nodes
+
+
+def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
+    """Instantiate the cores, the cost models and the shell for `cfg`."""
+    model, gpu = get_model(cfg.model), get_gpu(cfg.gpu)
+    try:
+        spec = get_policy(cfg.policy)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.gpus < 1:
+        raise ConfigError(f"--gpus must be at least 1, got {cfg.gpus}")
+    dep = parse_deploy(cfg.deploy, cfg.gpus)
+    if spec.disaggregated != dep.disaggregated:
+        kind = "a disaggregated deployment (P:...,D:...)" if spec.disaggregated else "a co-located deployment (C:...)"
+        raise ConfigError(f"policy {spec.name} needs {kind}, got {dep}")
+    nodes = place(dep, gpu.gpus_per_node, cfg.gpus)
+    tps = tuple(sorted({tp for _, tp in dep.workers()}))
+    if cfg.perf:
+        cost = AMPDCostModel.from_json(cfg.perf)
+    else:
+        cost = AMPDCostModel.from_roofline(model.name, gpu.name, tps)
+    rng = random.Random(cfg.seed)
+    workers, timers = [], []
+    for wid, (role, tp) in enumerate(dep.workers()):
+        cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
+        wc = WorkerConfig(
+            role=role, tp=tp, num_blocks=cap // cfg.block_size, block_size=cfg.block_size,
+            max_num_batched_tokens=cfg.colocated_max_num_batched_tokens if role == COLOCATED else cfg.max_num_batched_tokens,
+            mix_decode_with_prefill=role == COLOCATED,
+            retain_s=cfg.continuum_ttl_s if spec.retain_idle_kv else 0.0,
+            window_s=cfg.window_s)
+        t_pre = (lambda h, n, _tp=tp: cost.t_pre(h, n, _tp))
+        workers.append(WorkerCore(wid, wc, make_picker(spec, cfg.reorder_window), t_pre))
+        timers.append(Roofline(model, gpu, tp).step_time)
+    state = InProcessState(workers, cost, nodes)
+    coord = Coordinator(state, make_router(spec, rng, cfg.alpha, cfg.beta))
+    net = Network(nodes, [w.cfg.tp for w in workers],
+                  nvlink_bps=gpu.nvlink_gbs * 1e9 * gpu.link_eff, net_bps=gpu.net_gbs * 1e9 * gpu.link_eff,
+                  nvlink_latency_s=gpu.nvlink_latency_s, net_latency_s=gpu.net_latency_s, schedule=None)
+    loop = EventLoop(coord, workers, timers, net, model.kv_bytes_per_token)
+    return coord, workers, loop
+
+
+def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResult:
+    """Run `sessions` through the deployment and policy of `cfg`; every session ends completed or failed."""
+    coord, workers, loop = build(cfg)
+    loop.progress = progress
+    wall = loop.run(sessions)
+    stats = [{"id": w.id, "role": w.role, "tp": w.cfg.tp, "steps": w.steps, "busy_s": w.busy_s,
+              "kv_capacity_tokens": w.capacity_tokens} for w in workers]
+    return SimResult(coord.records, loop.now, wall, loop.events, cfg.deploy, cfg.policy, stats)
