@@ -30,7 +30,7 @@ class InProcessState:
         return self.workers[worker].itl.mean(now)
 
     def queued_prefill_s(self, worker: int) -> float:
-        return self.workers[worker].queued_est_s
+        return self.workers[worker].pending_prefill_s()
 
     def t_pre(self, worker: int, l_hist: int, l_incr: int) -> float:
         return self.cost.t_pre(l_hist, l_incr, self.workers[worker].cfg.tp)

@@ -353,6 +353,13 @@ class WorkerCore:
         return ev
 
     # ---------------------------------------------------------------- published state
+    def pending_prefill_s(self) -> float:
+        """Estimated compute left in this worker's prefill queue and admitted prefills (AMPD Eq. 1-2 queue term)."""
+        left = self.queued_est_s
+        for t in self.active:
+            left += t.est_s * (t.l_incr - t.done) / t.l_incr
+        return left
+
     @property
     def kv_usage(self) -> float:
         return self.blocks.usage

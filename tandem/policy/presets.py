@@ -14,7 +14,7 @@ class PolicySpec:
 
     name: str
     disaggregated: bool
-    router: str                  # adaptive | adaptive-remote | least-cost-remote | local
+    router: str                  # adaptive | adaptive-window | adaptive-remote | least-cost-remote | local
     picker: str                  # fcfs | ttft-aware | session-first
     retain_idle_kv: bool = False  # Continuum: pin a session's KV for a TTL across its tool call
     description: str = ""
@@ -23,6 +23,8 @@ class PolicySpec:
 POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
     PolicySpec("ampd", True, "adaptive", "ttft-aware",
                description="AMPD: adaptive local/remote routing (Alg. 1) + TTFT-aware prefill reordering (Alg. 2)"),
+    PolicySpec("ampd-window", True, "adaptive-window", "ttft-aware",
+               description="AMPD with Alg. 1 verbatim: TTFT slack read from the 10 s windowed mean TTFT"),
     PolicySpec("ampd-no-pr", True, "adaptive", "fcfs",
                description="AMPD without prefill reordering"),
     PolicySpec("ampd-no-ar-pr", True, "adaptive-remote", "fcfs",
@@ -48,6 +50,8 @@ def make_router(spec: PolicySpec, rng: random.Random, alpha: float = 0.9, beta: 
     """The routing object of a policy."""
     if spec.router == "adaptive":
         return AdaptiveRouter(rng, alpha, beta)
+    if spec.router == "adaptive-window":
+        return AdaptiveRouter(rng, alpha, beta, slack="window")
     if spec.router == "adaptive-remote":
         return AdaptiveRouter(rng, alpha, beta, allow_local=False)
     if spec.router == "least-cost-remote":

@@ -45,21 +45,37 @@ class Router(Protocol):
 
 
 class AdaptiveRouter:
-    """AMPD Alg. 1: a prefill worker with TTFT slack, else local if ITL has slack, else the cheapest."""
+    """AMPD Alg. 1: a prefill worker with TTFT slack, else local if the decode worker has ITL slack, else the cheapest.
 
-    def __init__(self, rng: random.Random, alpha: float = 0.9, beta: float = 0.85, allow_local: bool = True) -> None:
-        self.rng, self.alpha, self.beta, self.allow_local = rng, alpha, beta, allow_local
+    `slack="window"` is Alg. 1 verbatim: a prefill worker has slack when its windowed (10 s) mean
+    TTFT is <= alpha * SLO. That statistic lags by a window: a drained worker still looks slow and
+    a flooded one still looks fast, so routing swings between all-local and all-remote (measured
+    in docs/ampd-routing.md). `slack="predicted"` (tandem's default) asks the same question of the
+    prediction the algorithm already makes (Eq. 2): the task's wait so far plus its estimated remote
+    completion must be <= alpha * SLO; and local execution on ITL slack also needs Eq. 1's estimate
+    to meet the TTFT SLO.
+    """
+
+    def __init__(self, rng: random.Random, alpha: float = 0.9, beta: float = 0.85, allow_local: bool = True,
+                 slack: str = "predicted") -> None:
+        if slack not in ("predicted", "window"):
+            raise ValueError(f"slack must be 'predicted' or 'window', got {slack!r}")
+        self.rng, self.alpha, self.beta, self.allow_local, self.slack = rng, alpha, beta, allow_local, slack
 
     def route(self, task: PrefillTask, view: ClusterView, now: float) -> int:
         d = task.decode_worker
         prefill = _eligible(task, view)
-        self.rng.shuffle(prefill)
+        self.rng.shuffle(prefill)                           # line 1: random order
         ttft_thres = self.alpha * task.ttft_slo_s
+        waited = now - task.enqueue_s
+        predicted = self.slack == "predicted"
         for w in prefill:                                   # lines 1-3
-            if view.windowed_ttft(w, now) <= ttft_thres:
+            ttft = waited + remote_cost(task, w, view) if predicted else view.windowed_ttft(w, now)
+            if ttft <= ttft_thres:
                 return w
         if self.allow_local and view.windowed_itl(d, now) <= self.beta * task.itl_slo_s:
-            return d                                        # lines 4-5
+            if not predicted or waited + local_cost(task, view) <= task.ttft_slo_s:
+                return d                                    # lines 4-5
         best, best_t = -1, float("inf")
         if self.allow_local:
             best, best_t = d, local_cost(task, view)        # line 6
