@@ -122,7 +122,7 @@ class AMPDCostModel:
             err[f"dec/tp{tp}"] = dec_f[tp].median_rel_error(X, y)
         for (src, dst, same), (X, y) in (kv or {}).items():
             k = _kv_key(src, dst, same)
-            kv_f[k] = fit(X, y, key=1, breakpoints=1)
+            kv_f[k] = fit(X, y, key=1, breakpoints=[])  # alpha-beta: one segment
             err[f"kv/{k}"] = kv_f[k].median_rel_error(X, y)
         meta.setdefault("source", "samples")
         meta["fit_error"] = err
@@ -166,12 +166,12 @@ class AMPDCostModel:
 
 
 # --- roofline sampling grids ------------------------------------------------------------------
-# l_incr: 1 .. 128K log-spaced (~4 points per octave); l_hist: 0 and 256 .. 128K by octaves,
+# l_incr: 1 .. 128K log-spaced (2 points per octave); l_hist: 0 and 256 .. 128K by octaves,
 # keeping l_hist + l_incr within the model's context. Decode: batch 1 .. 512 log-spaced,
 # per-sequence context 128 .. 32K by octaves, within the worker's KV capacity when it fits.
-_L_INCR = sorted({int(round(v)) for v in np.geomspace(1, 131072, 69)})
+_L_INCR = sorted({int(round(v)) for v in np.geomspace(1, 131072, 35)})
 _L_HIST = [0] + [256 << i for i in range(10)]
-_BATCH = sorted({int(round(v)) for v in np.geomspace(1, 512, 37)})
+_BATCH = sorted({int(round(v)) for v in np.geomspace(1, 512, 28)})
 _CTX = [128 << i for i in range(9)]
 
 

@@ -25,7 +25,7 @@ from scipy.optimize import nnls
 
 # With at most this many distinct key values every boundary between them is a candidate
 # breakpoint; above it, candidates are this many quantiles of the key.
-MAX_CANDIDATES = 24
+MAX_CANDIDATES = 16
 
 
 @dataclass
@@ -133,31 +133,33 @@ def fit(X, y, key: int, breakpoints: Sequence[float] | int = 1) -> PiecewiseLine
 
 
 def _choose_breakpoints(Xw: np.ndarray, yw: np.ndarray, keys: np.ndarray, segments: int) -> list[float]:
-    """Breakpoints (as key values) for `segments` segments minimising total weighted SSE."""
+    """Breakpoints (as key values) for up to `segments` segments minimising total weighted SSE:
+    dynamic programming over candidate boundaries, then each breakpoint is refined over every
+    boundary between its neighbouring candidates."""
     if segments < 1:
         raise ValueError(f"need at least one segment, got {segments}")
-    n, k = Xw.shape
+    n = len(keys)
     # Row indices where the key changes value: the only places a breakpoint can separate rows.
     change = np.flatnonzero(keys[1:] > keys[:-1]) + 1
     if len(change) > MAX_CANDIDATES:
         pos = np.searchsorted(change, np.quantile(np.arange(1, n), np.linspace(0, 1, MAX_CANDIDATES + 2)[1:-1]))
-        change = np.unique(change[np.clip(pos, 0, len(change) - 1)])
-    cand = [0, *change.tolist(), n]  # segment boundaries as row indices
+        cand_rows = np.unique(change[np.clip(pos, 0, len(change) - 1)]).tolist()
+    else:
+        cand_rows = change.tolist()
+    cand = [0, *cand_rows, n]  # segment boundaries as row indices
     segments = min(segments, len(cand) - 1)
     min_rows = 2  # a segment must hold at least this many rows
-
+    INF = float("inf")
     cache: dict[tuple[int, int], float] = {}
 
-    def cost(i: int, j: int) -> float:
-        got = cache.get((i, j))
+    def cost(lo: int, hi: int) -> float:  # rows [lo, hi)
+        got = cache.get((lo, hi))
         if got is None:
-            lo, hi = cand[i], cand[j]
-            got = _nnls_segment(Xw[lo:hi], yw[lo:hi])[1] if hi - lo >= min_rows else float("inf")
-            cache[(i, j)] = got
+            got = _nnls_segment(Xw[lo:hi], yw[lo:hi])[1] if hi - lo >= min_rows else INF
+            cache[(lo, hi)] = got
         return got
 
     m = len(cand)
-    INF = float("inf")
     # best[s][j]: min cost of covering rows [0, cand[j]) with s segments; arg for backtracking.
     best = [[INF] * m for _ in range(segments + 1)]
     arg = [[-1] * m for _ in range(segments + 1)]
@@ -167,18 +169,32 @@ def _choose_breakpoints(Xw: np.ndarray, yw: np.ndarray, keys: np.ndarray, segmen
             for i in range(s - 1, j):
                 if best[s - 1][i] == INF:
                     continue
-                c = best[s - 1][i] + cost(i, j)
+                c = best[s - 1][i] + cost(cand[i], cand[j])
                 if c < best[s][j]:
                     best[s][j], arg[s][j] = c, i
-    # Fewer segments than asked if they fit as well (ties: fewer segments win).
-    s_best = min(range(1, segments + 1), key=lambda s: (best[s][m - 1] * (1 + 1e-9) ** s, s))
-    if best[s_best][m - 1] == INF:  # too few rows to split at all
+    # Fewest segments whose error is within noise of the best (an exact fit needs no split).
+    floor = min(best[s][m - 1] for s in range(1, segments + 1))
+    if floor == INF:  # too few rows to split at all
         return []
+    tol = floor * 1e-6 + 1e-12 * n
+    s_best = min(s for s in range(1, segments + 1) if best[s][m - 1] <= floor + tol)
     idx, j = [], m - 1
     for s in range(s_best, 0, -1):
-        i = arg[s][j]
-        idx.append(i)
-        j = i
+        j = arg[s][j]
+        idx.append(j)
     idx = sorted(i for i in idx if i > 0)
+    # Refine: move each boundary to the best change point between its neighbouring candidates.
+    rows = [cand[i] for i in idx]
+    for t, i in enumerate(idx):
+        left = rows[t - 1] if t > 0 else 0
+        right = rows[t + 1] if t + 1 < len(rows) else n
+        lo_c, hi_c = cand[max(i - 1, 0)], cand[min(i + 1, m - 1)]
+        options = change[(change > max(lo_c, left)) & (change < min(hi_c, right))]
+        best_r, best_c = rows[t], cost(left, rows[t]) + cost(rows[t], right)
+        for r in options.tolist():
+            c = cost(left, r) + cost(r, right)
+            if c < best_c:
+                best_r, best_c = r, c
+        rows[t] = best_r
     # Breakpoint halfway between the last key of one segment and the first of the next.
-    return [float((keys[cand[i] - 1] + keys[cand[i]]) / 2) for i in idx]
+    return [float((keys[r - 1] + keys[r]) / 2) for r in rows]
