@@ -100,7 +100,7 @@ def _parse_round(obj: object, where: str, k: int) -> Round:
         out = obj.get("output_tokens")
         tool = obj.get("tool_s", 0.0)
         if (
-            type(inp) is int and type(out) is int and inp >= (k == 0) and out >= 1
+            type(inp) is int and type(out) is int and inp >= (k == 0) and out >= 1  # round 0 needs >= 1
             and (type(tool) is float or type(tool) is int) and 0 <= tool < _INF
             and "hash_ids" not in obj and len(obj) == 2 + ("tool_s" in obj)
         ):
