@@ -37,7 +37,7 @@ class SimConfig:
     policy: str = "ampd"
     seed: int = 0
     block_size: int = 16
-    max_num_batched_tokens: int = 8192          # prefill and decode workers
+    max_num_batched_tokens: int = 2048          # prefill and decode workers (vLLM chunked-prefill budget)
     colocated_max_num_batched_tokens: int = 2048  # vLLM-style chunked prefill budget per step
     mem_util: float = 0.9
     window_s: float = 10.0                      # AMPD windowed TTFT/ITL
