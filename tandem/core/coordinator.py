@@ -35,8 +35,10 @@ class _Live:
 class Coordinator:
     """Sans-I/O: `on_*` methods take events and return actions; time comes in as `now`."""
 
-    def __init__(self, view: CoordinatorView, router: Router, binder: LeastKVBinder | None = None) -> None:
+    def __init__(self, view: CoordinatorView, router: Router, binder: LeastKVBinder | None = None,
+                 max_context: int | None = None) -> None:
         self.view = view
+        self.max_context = max_context
         self.router = router
         self.binder = binder or LeastKVBinder()
         self.live: dict[str, _Live] = {}
@@ -65,6 +67,9 @@ class Coordinator:
         rec = RoundRecord(k, now, rnd.input_tokens)
         st.record.rounds.append(rec)
         need = st.context + rnd.input_tokens + rnd.output_tokens
+        if self.max_context is not None and need > self.max_context:
+            return self._fail(st, now, f"round {k} needs a context of {need} tokens, beyond the model's "
+                                       f"maximum of {self.max_context}")
         if need > self.capacity[w]:
             return self._fail(st, now, f"round {k} needs {need} tokens of KV but worker {w} holds at most "
                                        f"{self.capacity[w]}")

@@ -108,7 +108,7 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
         workers.append(WorkerCore(wid, wc, make_picker(spec, cfg.reorder_window), t_pre))
         timers.append(Roofline(model, gpu, tp).step_time)
     state = InProcessState(workers, cost, nodes)
-    coord = Coordinator(state, make_router(spec, rng, cfg.alpha, cfg.beta))
+    coord = Coordinator(state, make_router(spec, rng, cfg.alpha, cfg.beta), max_context=model.max_context)
     net = Network(nodes, [w.cfg.tp for w in workers],
                   nvlink_bps=gpu.nvlink_gbs * 1e9 * gpu.link_eff, net_bps=gpu.net_gbs * 1e9 * gpu.link_eff,
                   nvlink_latency_s=gpu.nvlink_latency_s, net_latency_s=gpu.net_latency_s, schedule=None)
