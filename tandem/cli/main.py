@@ -1,0 +1,372 @@
+"""The `tandem` command: `simulate` one workload on one deployment, or run an `experiment` sweep.
+
+Every user error (bad names, deployments, workloads, files, arguments) ends as one line
+`tandem: error: <message>` on stderr with exit status 2; Ctrl-C exits with 130.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tandem.core.deploy import DeploymentError, parse_deploy
+from tandem.workload.session import SLO, WorkloadError
+
+PROG = "tandem"
+DEFAULT_SESSIONS = 200
+DEFAULT_RATE = 1.0
+
+
+class CLIError(Exception):
+    """A command-line usage error; its message is printed as `tandem: error: <message>`."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises CLIError instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise CLIError(message)
+
+
+_NOTES: list[str] = []
+
+
+def _note(message: str) -> None:
+    """Queue a note for stderr; notes are printed once validation passed, so an error stays one line."""
+    _NOTES.append(message)
+
+
+def _flush_notes() -> None:
+    for message in _NOTES:
+        print(f"{PROG}: note: {message}", file=sys.stderr)
+    _NOTES.clear()
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return x
+
+
+def _positive_int(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return x
+
+
+def _seed(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return x
+
+
+def _csv(item_type):
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return [item_type(t) for t in items]
+    return parse
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of every subcommand."""
+    p = _Parser(prog=PROG, description="Multi-round LLM serving under PD disaggregation: simulator and experiments.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    s = sub.add_parser("simulate", help="simulate one workload on one deployment with one policy",
+                       description="Simulate one workload (a generator name, a public trace name or a "
+                                   "JSONL session file) on one deployment and print its metrics.")
+    s.add_argument("--workload", required=True, metavar="NAME|FILE",
+                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long), public trace "
+                        "(azure-conv, azure-code, mooncake, sharegpt) or a .jsonl session file")
+    s.add_argument("--model", default="llama-3.1-70b", help="model name (default: %(default)s)")
+    s.add_argument("--gpu", default="h20", help="GPU name (default: %(default)s)")
+    s.add_argument("--gpus", type=_positive_int, default=None,
+                   help="GPUs in the cluster (default: AMPD's for the workload, else what --deploy uses)")
+    s.add_argument("--deploy", default=None, metavar="SPEC",
+                   help="deployment, e.g. 'P:tp4x1,D:tp4x1' or 'C:tp4x2' (default: a balanced one that fits)")
+    s.add_argument("--policy", default="ampd", help="serving policy (default: %(default)s)")
+    s.add_argument("--rate", type=_positive_float, default=None,
+                   help=f"session arrival rate per second (default: {DEFAULT_RATE:g} for generators)")
+    s.add_argument("--seed", type=_seed, default=0, help="seed of the workload and simulator (default: 0)")
+    s.add_argument("--sessions", type=_positive_int, default=None,
+                   help=f"sessions to generate (default: {DEFAULT_SESSIONS}); for traces, the first K")
+    s.add_argument("--override-arrivals", action="store_true",
+                   help="re-time a trace's sessions as a Poisson process at --rate")
+    s.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
+    s.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
+    s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    s.set_defaults(func=cmd_simulate)
+
+    e = sub.add_parser("experiment", help="sweep workloads x policies x rates (AMPD Fig. 4/5) and write a report",
+                       description="Run a preset sweep, optionally narrowed, and write results.json, "
+                                   "table.md/txt, summary.md and figures to --out.")
+    e.add_argument("--preset", default="demo", help="demo, paper or ablation (default: %(default)s)")
+    e.add_argument("--model", default=None, help="model (default: the preset's)")
+    e.add_argument("--gpu", default=None, help="GPU (default: the preset's)")
+    e.add_argument("--workloads", type=_csv(str), default=None, metavar="A,B", help="workloads")
+    e.add_argument("--policies", type=_csv(str), default=None, metavar="A,B", help="policies")
+    e.add_argument("--rates", type=_csv(_positive_float), default=None, metavar="R1,R2", help="arrival rates")
+    e.add_argument("--sessions", type=_positive_int, default=None, help="sessions per cell and seed")
+    e.add_argument("--seeds", type=_csv(_seed), default=None, metavar="0,1", help="seeds")
+    e.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: 1)")
+    e.add_argument("--out", default=None, metavar="DIR", help="report folder (default: reports/<preset>)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.set_defaults(func=cmd_experiment)
+    return p
+
+
+# --------------------------------------------------------------------------- simulate
+
+
+def _cluster():
+    """The simulator module, or None when this build has none (reported once the inputs are validated)."""
+    try:
+        from tandem.sim import cluster
+    except ImportError:
+        return None
+    return cluster
+
+
+def _load_workload(args, model: str) -> tuple[list, float | None, str]:
+    """Sessions for --workload, the arrival rate applied (None: the trace's own), and the workload kind."""
+    from tandem.workload import generators, traces
+    from tandem.workload.arrivals import with_arrivals
+    from tandem.workload.session import load_sessions
+
+    names = tuple(getattr(generators, "GENERATOR_NAMES", tuple(generators.WORKLOADS)))
+    if args.workload in names:
+        if args.override_arrivals:
+            _note("--override-arrivals only applies to traces; generated sessions always use --rate")
+        rate = args.rate if args.rate is not None else DEFAULT_RATE
+        slo = _slo(args, generators.PAPER_SLOS.get((model, args.workload)))
+        sessions = generators.generate(args.workload, args.sessions or DEFAULT_SESSIONS, rate, args.seed, slo=slo)
+        return sessions, rate, "generator"
+    if args.workload in traces.TRACE_FILES:
+        sessions = traces.load_trace(args.workload, limit=args.sessions)
+    elif Path(args.workload).suffix in (".jsonl", ".json", ".ndjson") or Path(args.workload).exists():
+        sessions = load_sessions(args.workload)
+        if args.sessions is not None:
+            sessions = sessions[: args.sessions]
+    else:
+        raise WorkloadError(f"unknown workload {args.workload!r}: not a generator ({', '.join(names)}), "
+                            f"a public trace ({', '.join(traces.TRACE_FILES)}) or a .jsonl file")
+    rate = None
+    if args.override_arrivals:
+        rate = args.rate if args.rate is not None else DEFAULT_RATE
+        sessions = with_arrivals(sessions, rate, args.seed)
+    elif args.rate is not None:
+        _note(f"--rate {args.rate:g} is ignored: the trace keeps its own arrival times (add --override-arrivals)")
+    slo = _slo(args, None)
+    if slo is not None:
+        sessions = [dataclasses.replace(s, slo=slo) for s in sessions]
+    return sessions, rate, "trace"
+
+
+def _slo(args, default: SLO | None) -> SLO | None:
+    """--slo-ttft/--slo-itl over `default`; one flag alone completes `default` or is an error."""
+    if args.slo_ttft is None and args.slo_itl is None:
+        return default
+    if default is None and (args.slo_ttft is None or args.slo_itl is None):
+        raise CLIError("give both --slo-ttft and --slo-itl (this workload has no default SLO)")
+    return SLO(args.slo_ttft if args.slo_ttft is not None else default.ttft_s,
+               args.slo_itl if args.slo_itl is not None else default.itl_s)
+
+
+def _deployment(args, model: str, gpu: str, policy: str) -> tuple[str, int]:
+    """The validated deployment string and the cluster's GPU count."""
+    from tandem.bench.experiment import check_fits, deployment_candidates, policy_is_colocated
+    from tandem.workload.generators import PAPER_GPUS
+
+    colocated = policy_is_colocated(policy)
+    if args.deploy is None:
+        gpus = args.gpus or PAPER_GPUS.get(args.workload, 8)
+        cands = deployment_candidates(model, gpu, gpus, colocated, cap=1)
+        if not cands:
+            kind = "co-located" if colocated else "prefill/decode"
+            raise CLIError(f"no {kind} deployment of {model} fits {gpus} x {gpu}; give --gpus or --deploy")
+        _note(f"no --deploy given; using {cands[0]} on {gpus} GPUs")
+        return cands[0], gpus
+    dep = parse_deploy(args.deploy, args.gpus)
+    gpus = args.gpus or dep.gpus
+    if colocated and dep.disaggregated:
+        raise DeploymentError(f"policy {policy} serves co-located workers; give a deployment like 'C:tp4x2', "
+                              f"not {args.deploy!r}")
+    if not colocated and not dep.disaggregated:
+        raise DeploymentError(f"policy {policy} needs prefill and decode workers, e.g. 'P:tp4x1,D:tp4x1', "
+                              f"not {args.deploy!r}")
+    check_fits(model, gpu, str(dep))
+    return str(dep), gpus
+
+
+def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, policy: str):
+    cfg = cluster.SimConfig(model=model, gpu=gpu, gpus=gpus, deploy=deploy, policy=policy, seed=args.seed)
+    if args.perf is not None:
+        if "perf" not in {f.name for f in dataclasses.fields(cluster.SimConfig)}:
+            raise CLIError("--perf is not supported yet by the simulator")
+        if not Path(args.perf).is_file():
+            raise FileNotFoundError(2, "No such file", args.perf)
+        cfg = dataclasses.replace(cfg, perf=args.perf)
+    return cfg
+
+
+SIM_TABLE_METRICS: list[tuple[str, str]] = [
+    ("sessions_total", "sessions"), ("sessions_completed", "completed"), ("sessions_failed", "failed"),
+    ("slo_attainment", "SLO attainment"), ("round_slo_attainment", "round SLO attainment"),
+    ("goodput_sessions_per_s", "goodput (sessions/s)"),
+    ("ttft_initial_mean_s", "TTFT initial mean (s)"), ("ttft_initial_p95_s", "TTFT initial p95 (s)"),
+    ("ttft_incremental_mean_s", "TTFT incremental mean (s)"), ("ttft_incremental_p95_s", "TTFT incremental p95 (s)"),
+    ("itl_mean_s", "ITL mean (s)"), ("itl_p95_s", "ITL p95, round means (s)"), ("tpot_mean_s", "TPOT mean (s)"),
+    ("e2e_mean_s", "round E2E mean (s)"), ("queue_mean_s", "queue mean (s)"),
+    ("kv_transfer_mean_s", "KV transfer mean (s)"), ("local_prefill_fraction", "local prefill share"),
+    ("preemptions", "preemptions"), ("throughput_output_tokens_per_s", "output tokens/s"),
+    ("sim_time_s", "simulated time (s)"), ("events", "events"), ("wall_s", "wall time (s)"),
+]
+
+
+def _print_sim_table(out: dict) -> None:
+    from tandem.sim.report import Column, format_table, pct
+
+    rows = []
+    for key, label in SIM_TABLE_METRICS:
+        v = out.get(key)
+        text = "-" if v is None else (pct(v) if "attainment" in key or "fraction" in key
+                                      else f"{v:.4g}" if isinstance(v, float) else str(v))
+        rows.append({"metric": label, "value": text})
+    if out.get("fail_reasons"):
+        rows.append({"metric": "fail reasons", "value": ", ".join(f"{k}: {v}" for k, v in out["fail_reasons"].items())})
+    rate = "trace arrivals" if out["rate"] is None else f"{out['rate']:g}/s"
+    print(f"{out['workload']} · {out['model']} on {out['gpus']} x {out['gpu']} · {out['deploy']} · "
+          f"{out['policy']} · {rate} · seed {out['seed']}")
+    print(format_table(rows, [Column("metric", "metric"), Column("value", "value")]), end="")
+
+
+def cmd_simulate(args) -> int:
+    """`tandem simulate`: validate, build the workload, simulate, print metrics."""
+    from tandem.bench.experiment import canonical_gpu, canonical_model
+    from tandem.workload.metrics import summarize
+
+    model, gpu = canonical_model(args.model), canonical_gpu(args.gpu)
+    cluster = _cluster()
+    if cluster is not None and args.policy not in cluster.POLICIES:
+        raise CLIError(f"unknown policy {args.policy!r} (valid: {', '.join(cluster.POLICIES)})")
+    deploy, gpus = _deployment(args, model, gpu, args.policy)
+    sessions, rate, _ = _load_workload(args, model)
+    if cluster is None:
+        raise CLIError("the simulator (tandem.sim.cluster) is not available in this build")
+    cfg = _sim_config(cluster, args, model, gpu, gpus, deploy, args.policy)
+    _flush_notes()
+    res = cluster.simulate(sessions, cfg)
+    out = summarize(res.records, res.sim_time_s)
+    out.update({"wall_s": res.wall_s, "sim_time_s": res.sim_time_s, "events": res.events,
+                "deploy": res.deployment, "policy": res.policy, "model": model, "gpu": gpu, "gpus": gpus,
+                "workload": args.workload, "rate": rate, "seed": args.seed})
+    if args.json:
+        from tandem.sim.report import to_jsonable
+        print(json.dumps(to_jsonable(out), indent=2))
+    else:
+        _print_sim_table(out)
+    return 0
+
+
+# --------------------------------------------------------------------------- experiment
+
+
+def cmd_experiment(args) -> int:
+    """`tandem experiment`: run a preset (optionally narrowed) and print the table and report location."""
+    from tandem.bench.experiment import PRESETS, format_cells, preset, run_experiment, summary_text
+
+    if args.preset not in PRESETS:
+        raise CLIError(f"unknown preset {args.preset!r} (valid: {', '.join(PRESETS)})")
+    spec = preset(args.preset, model=args.model, gpu=args.gpu, workloads=args.workloads,
+                  policies=args.policies, rates=args.rates, sessions=args.sessions, seeds=args.seeds,
+                  jobs=args.jobs)
+    if args.model is not None or args.gpu is not None:
+        spec = dataclasses.replace(spec, deploys={})  # the preset's fixed deployments are for its model and GPU
+    out_dir = Path(args.out or f"reports/{args.preset}")
+    result = run_experiment(spec, out_dir, progress=not args.no_progress and sys.stderr.isatty())
+    print(format_cells(result["cells"]), end="")
+    if result["improvement"]:
+        print()
+        print(summary_text(result["improvement"]), end="")
+    print(f"\nreport: {out_dir}/ ({', '.join(Path(f).name for f in result['files'].values())}) "
+          f"in {result['wall_s']:.1f} s")
+    return 0
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [CLIError, WorkloadError, DeploymentError,
+                                         FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError]
+    try:
+        from tandem.perf import errors as perf_errors
+        errors += [perf_errors.UnknownNameError, perf_errors.DoesNotFitError, perf_errors.ParallelismError]
+    except ImportError:
+        pass
+    try:
+        from tandem.bench.experiment import ExperimentError
+        errors.append(ExperimentError)
+    except ImportError:
+        pass
+    try:
+        from tandem.sim.cluster import ConfigError
+        errors.append(ConfigError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _message(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename is not None:
+        text = f"{err.filename}: {err.strerror or err}"
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())  # one line, whatever the message
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the tandem command line; returns the exit status (0 ok, 2 user error, 130 interrupted)."""
+    _NOTES.clear()
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `tandem simulate ... | head`
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"{PROG}: error: {_message(e)}", file=sys.stderr)
+        return 2
