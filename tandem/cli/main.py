@@ -257,12 +257,12 @@ def _print_sim_table(out: dict) -> None:
         text = "-" if v is None else (pct(v) if "attainment" in key or "fraction" in key
                                       else f"{v:.4g}" if isinstance(v, float) else str(v))
         rows.append({"metric": label, "value": text})
-    if out.get("fail_reasons"):
-        rows.append({"metric": "fail reasons", "value": ", ".join(f"{k}: {v}" for k, v in out["fail_reasons"].items())})
     rate = "trace arrivals" if out["rate"] is None else f"{out['rate']:g}/s"
     print(f"{out['workload']} · {out['model']} on {out['gpus']} x {out['gpu']} · {out['deploy']} · "
           f"{out['policy']} · {rate} · seed {out['seed']}")
     print(format_table(rows, [Column("metric", "metric"), Column("value", "value")]), end="")
+    for reason, count in (out.get("fail_reasons") or {}).items():
+        print(f"failed x{count}: {reason}")
 
 
 def cmd_simulate(args) -> int:
