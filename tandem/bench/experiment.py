@@ -340,12 +340,18 @@ def _score(summary: dict) -> tuple:
     return (-(att if att is not None else -1.0), p95 if p95 is not None else math.inf)
 
 
+def _ignore_sigint() -> None:
+    """Pool workers leave Ctrl-C to the parent, which stops them (no traceback from each worker)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _Runner:
     """Runs tasks in-process or in a process pool, advancing an optional rich progress bar."""
 
     def __init__(self, jobs: int, progress: bool, total: int):
         self.jobs = jobs
-        self.pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
+        self.pool = ProcessPoolExecutor(max_workers=jobs, initializer=_ignore_sigint) if jobs > 1 else None
         self.bar = None
         self.bar_task = None
         if progress:
@@ -388,6 +394,9 @@ class _Runner:
         if self.bar is not None:
             self.bar.stop()
         if self.pool is not None:
+            if cancel:  # Ctrl-C or an error: stop the workers now rather than after their current run
+                for proc in list(getattr(self.pool, "_processes", {}).values()):
+                    proc.terminate()
             self.pool.shutdown(wait=not cancel, cancel_futures=cancel)
 
 
