@@ -64,14 +64,20 @@ def _columns(columns: Sequence[str | tuple | Column]) -> list[Column]:
 
 
 def format_table(rows: Sequence[Mapping], columns: Sequence[str | tuple | Column], title: str | None = None,
-                 color: bool | None = None, width: int = 200) -> str:
-    """Render rows as a rich box table to a string; colours only when `color` (default: stdout is a TTY)."""
+                 color: bool | None = None, width: int | None = None) -> str:
+    """Render rows as a rich box table to a string; colours only when `color` (default: stdout is a TTY).
+
+    The table takes its natural width up to `width` (default 250 columns) and is never squeezed
+    to the terminal: values are not truncated; a narrow terminal wraps the lines instead.
+    """
     from rich.console import Console
     from rich.table import Table
 
     cols = _columns(columns)
     if color is None:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    if width is None:
+        width = 250
     table = Table(title=title, show_header=True, header_style="bold" if color else None)
     for c in cols:
         table.add_column(c.header, justify="left" if c.key in ("workload", "policy", "deploy", "metric") else "right",
