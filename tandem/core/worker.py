@@ -96,9 +96,9 @@ class WorkerCore:
         seq = self.seqs.get(task.session_id)
         if seq is None:
             return                                   # session ended or failed meanwhile
-        if not self._reserve(seq, seq.num_tokens + task.l_incr, now, preempt=True):
+        if not self._reserve(seq, seq.num_tokens + task.l_incr, now, preempt=False):
             if not self._never_fits(seq.num_tokens + task.l_incr + 1, task, now):
-                self.pending_kv.append(task)
+                self.pending_kv.append(task)         # waits, like a vLLM request, for memory to free
             return
         self._start_decoding(seq, task, now)
 
@@ -156,6 +156,9 @@ class WorkerCore:
             shape.prefill_kv_read_tokens += before
             shape.num_prefill += 1
         if not plan.prefill and not plan.decode:
+            if (self.pending_kv or self.queue) and self.role != PREFILL and not self.active and not self.running \
+                    and self.wake_s == math.inf:
+                self._unstick(now)
             return None
         return plan
 
@@ -269,11 +272,37 @@ class WorkerCore:
             seq = self.seqs.get(task.session_id)
             if seq is None:
                 continue
-            if self._reserve(seq, seq.num_tokens + task.l_incr, now, preempt=True):
+            if self._reserve(seq, seq.num_tokens + task.l_incr, now, preempt=False):
                 self._start_decoding(seq, task, now)
             else:
                 still.append(task)
         self.pending_kv = still
+
+    def _unstick(self, now: float) -> None:
+        """Nothing runs yet work waits for memory held by sessions waiting for their own prefill:
+        drop those histories (their tasks recompute them), or fail the blocked session if even that is not enough."""
+        freed = False
+        for t in reversed(self.queue):
+            seq = self.seqs.get(t.session_id)
+            if t.l_hist > 0 and seq is not None and seq.num_tokens == t.l_hist and self.blocks.held(seq):
+                self.blocks.free(seq)
+                seq.num_tokens, seq.cap = 0, 0
+                self.queued_est_s -= t.est_s
+                t.l_incr += t.l_hist
+                t.l_hist = 0
+                t.est_s = self.t_pre(0, t.l_incr)
+                self.queued_est_s += t.est_s
+                freed = True
+        if freed:
+            return
+        waiting = {t.session_id for t in self.queue} | {t.session_id for t in self.pending_kv}
+        if any(q.state == "prefill" and sid not in waiting for sid, q in self.seqs.items()):
+            return                                   # a remote prefill's KV is still on its way
+        blocked = self.pending_kv[0] if self.pending_kv else self.queue[0]
+        self.events.append(SessionFailed(
+            blocked.session_id, self.id, now,
+            f"KV memory of the {self.role} worker ({self.capacity_tokens} tokens) is held by sessions "
+            f"waiting for prefill; this session's {blocked.l_hist + blocked.l_incr} tokens cannot be placed"))
 
     # ---------------------------------------------------------------- results
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> None:
