@@ -119,3 +119,14 @@ def test_policy_and_deployment_kinds_must_agree():
         build(SimConfig(LLAMA, "h20", 8, "C:tp4x2", "ampd"))
     with pytest.raises(ConfigError, match="unknown policy"):
         build(SimConfig(LLAMA, "h20", 8, "C:tp4x2", "nope"))
+
+
+def test_long_contexts_on_small_decode_workers_do_not_livelock():
+    # GAIA contexts reach the tp2 decode pool's size: preemption and waiting must still converge
+    sessions = generate("gaia", 30, 1.6, 0, slo=PAPER_SLOS[(LLAMA, "gaia")])
+    coord, workers, loop = run(sessions, "ampd", "P:tp2x2,D:tp2x2", gpus=8)
+    assert not coord.live and len(coord.records) == 30
+    assert all(r.completed or r.fail_reason for r in coord.records)
+    assert loop.events < 2_000_000
+    for w in workers:
+        assert w.blocks.num_free == w.blocks.num_blocks
