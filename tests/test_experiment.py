@@ -141,7 +141,7 @@ def fake_sim(monkeypatch):
 
 def test_search_picks_best_and_reuses_reference_run(fake_sim, tmp_path):
     spec = ExperimentSpec(workloads=["toolbench"], policies=["ampd", "ampd-no-pr", "vllm"], rates=[1.0, 2.0],
-                          sessions=10, share_deploy={"ampd-no-pr": "ampd"})
+                          sessions=10, share_deploy={"ampd-no-pr": "ampd"}, search_all_rates=False)
     res = run_experiment(spec, tmp_path, progress=False)
     chosen = {d["policy"]: d for d in res["deployments"]}
     # P:tp4x1,D:tp4x1 and P:tp2x2,D:tp4x1 tie on attainment; the lower TTFT p95 wins
@@ -228,3 +228,15 @@ def test_tiny_real_ablation(tmp_path):
     assert len(deploys) == 1                                  # the variants run on AMPD's deployment
     assert (tmp_path / "ablation.png").is_file()
     assert set(res["improvement"]) == {"ampd-no-pr", "ampd-no-ar-pr"}
+
+
+def test_search_over_all_rates_scores_mean_attainment_and_reuses_every_winner_run(fake_sim, tmp_path):
+    spec = ExperimentSpec(workloads=["toolbench"], policies=["ampd", "vllm"], rates=[1.0, 2.0], sessions=10)
+    res = run_experiment(spec, tmp_path, progress=False)
+    chosen = {d["policy"]: d["deploy"] for d in res["deployments"]}
+    assert chosen == {"ampd": "P:tp2x2,D:tp4x1", "vllm": "C:tp4x2"}
+    # every candidate at both rates (6 + 3) x 2, and nothing re-run afterwards
+    assert len(fake_sim) == (6 + 3) * 2
+    cand = next(c for d in res["deployments"] if d["policy"] == "ampd" for c in d["candidates"]
+                if c["deploy"] == "P:tp2x2,D:tp4x1")
+    assert cand["slo_attainment"] == pytest.approx((0.7 + 0.6) / 2)

@@ -78,7 +78,8 @@ class ExperimentSpec:
     deploys: dict[str, str] = field(default_factory=dict)       # "policy" or "workload/policy" -> fixed deployment
     share_deploy: dict[str, str] = field(default_factory=dict)  # policy -> policy whose chosen deployment it reuses
     max_candidates: int = 12                  # per (workload, policy) in the deployment search
-    reference_rate: float | None = None       # search rate; default: median of `rates`
+    reference_rate: float | None = None       # search rate when search_all_rates is off; default: median of `rates`
+    search_all_rates: bool = True             # score candidates by mean SLO attainment over every rate
     jobs: int = 1                             # worker processes
     sim: dict[str, Any] = field(default_factory=dict)           # extra SimConfig fields
     name: str = "custom"
@@ -437,35 +438,44 @@ def _tasks(spec: ExperimentSpec, model: str, gpu: str, w: str, p: str, deploy: s
                  model, gpu, sim) for s in spec.seeds]
 
 
+def search_rates(spec: ExperimentSpec, ref_rate: float) -> list[float]:
+    """Rates at which deployment candidates are simulated."""
+    return [float(r) for r in spec.rates] if spec.search_all_rates else [float(ref_rate)]
+
+
 def _search(spec, model, gpu, plans, runner, ref_rate) -> dict[tuple, list[TaskResult]]:
-    """Simulate every candidate at the reference rate; pick each plan's best; return reusable runs."""
+    """Simulate every candidate at the search rates; pick each plan's best by mean SLO attainment
+    over those rates (ties: lower mean TTFT p95); return the winners' runs for reuse."""
+    rates = search_rates(spec, ref_rate)
     keys = [(w, p, d) for (w, p), plan in plans.items() if plan["source"] == "search" for d in plan["candidates"]]
-    tasks = [t for (w, p, d) in keys for t in _tasks(spec, model, gpu, w, p, d, ref_rate)]
+    tasks = [t for (w, p, d) in keys for r in rates for t in _tasks(spec, model, gpu, w, p, d, r)]
     results = runner.run(tasks, "search")
     grouped: dict[tuple, list[TaskResult]] = {}
     for r in results:
-        grouped.setdefault((r.task.workload, r.task.policy, r.task.deploy), []).append(r)
+        grouped.setdefault((r.task.workload, r.task.policy, r.task.deploy, r.task.rate), []).append(r)
     reuse: dict[tuple, list[TaskResult]] = {}
     for (w, p), plan in plans.items():
         if plan["source"] != "search":
             continue
         scored = []
         for order, d in enumerate(plan["candidates"]):
-            runs = grouped[w, p, d]
-            errors = [r.error for r in runs if r.error]
+            runs = [grouped[w, p, d, r] for r in rates]
+            errors = [x.error for rs in runs for x in rs if x.error]
             if errors:
                 scored.append(({"deploy": d, "error": errors[0]}, None))
                 continue
-            s = cell_summary(runs)
-            scored.append(({"deploy": d, "slo_attainment": s["slo_attainment"], "ttft_p95_s": s["ttft_p95_s"]},
-                           (_score(s), order)))
+            keys_ = [_score(cell_summary(rs)) for rs in runs]
+            att = -sum(k[0] for k in keys_) / len(keys_)
+            p95 = sum(k[1] for k in keys_) / len(keys_)
+            scored.append(({"deploy": d, "slo_attainment": att, "ttft_p95_s": p95}, ((-att, p95), order)))
         plan["candidates"] = [c for c, _ in scored]
         ok = [(key, c) for c, key in scored if key is not None]
         if not ok:
             raise ExperimentError(f"no candidate deployment could run ({w}, {p}): {scored[0][0].get('error')}")
         best = min(ok, key=lambda kc: kc[0])[1]["deploy"]
         plan["deploy"] = best
-        reuse[w, p, best, ref_rate] = grouped[w, p, best]
+        for r in rates:
+            reuse[w, p, best, r] = grouped[w, p, best, r]
     for (w, p), plan in plans.items():
         if plan["source"].startswith("shared:"):
             plan["deploy"] = plans[w, spec.share_deploy[p]]["deploy"]
@@ -545,7 +555,8 @@ def _summary_md(result: dict) -> str:
              f"policies {', '.join(spec['policies'])}",
              f"- rates {', '.join(f'{r:g}' for r in spec['rates'])} sessions/s; {spec['sessions']} sessions per cell "
              f"and seed; seeds {', '.join(map(str, spec['seeds']))}",
-             f"- deployments searched at {result['reference_rate']:g} sessions/s; wall time {result['wall_s']:.1f} s",
+             ("- deployments searched at every rate (best mean SLO attainment)" if spec.get("search_all_rates")
+              else f"- deployments searched at {result['reference_rate']:g} sessions/s") + f"; wall time {result['wall_s']:.1f} s",
              "", "## Deployments", "", "| workload | policy | deploy | how |", "|---|---|---|---|"]
     for d in result["deployments"]:
         lines.append(f"| {d['workload']} | {d['policy']} | {d['deploy']} | {d['source']} |")
@@ -570,9 +581,11 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = T
     ref = reference_rate(spec)
     plans = _plan(spec, model, gpu)
 
-    n_search = sum(len(p["candidates"]) for p in plans.values() if p["source"] == "search") * len(spec.seeds)
+    n_rates = len(search_rates(spec, ref))
+    n_search = sum(len(p["candidates"]) for p in plans.values() if p["source"] == "search") * len(spec.seeds) * n_rates
     n_runs = len(plans) * len(spec.rates) * len(spec.seeds)
-    n_reused = sum(1 for p in plans.values() if p["source"] == "search") * len(spec.seeds) * (ref in spec.rates)
+    n_reused = sum(1 for p in plans.values() if p["source"] == "search") * len(spec.seeds) * (
+        n_rates if spec.search_all_rates else (ref in spec.rates))
     runner = _Runner(spec.jobs, progress, n_search + n_runs - n_reused)
     try:
         reuse = _search(spec, model, gpu, plans, runner, ref)
