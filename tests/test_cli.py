@@ -207,3 +207,21 @@ def test_experiment_demo_subset(tmp_path, capsys):
     for name in ("table.md", "table.txt", "summary.md", "slo_vs_rate.png"):
         assert (out_dir / name).is_file(), name
     assert "vllm" in res["improvement"]
+
+
+def test_generate_then_replay_the_file_reports_every_session(tmp_path, capsys):
+    out = tmp_path / "tb.jsonl"
+    assert main(["generate", "--workload", "toolbench", "--sessions", "12", "--rate", "2", "--out", str(out)]) == 0
+    assert "wrote 12 sessions" in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == 12
+    rc = main(["simulate", "--workload", str(out), "--model", "llama-3.1-70b", "--gpu", "h20", "--gpus", "8",
+               "--deploy", "P:tp4x1,D:tp4x1", "--policy", "ampd", "--json"])
+    m = json.loads(capsys.readouterr().out)
+    assert rc == 0 and m["sessions_completed"] + m["sessions_failed"] == 12
+    assert m["slo_attainment"] is not None          # the generator attached AMPD's SLOs to the file
+
+
+def test_generate_rejects_a_session_file_as_workload(tmp_path, capsys):
+    rc = main(["generate", "--workload", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "y.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("tandem: error:") and len(err.strip().splitlines()) == 1

@@ -122,6 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.set_defaults(func=cmd_simulate)
 
+    g = sub.add_parser("generate", help="write a workload (generator or public trace) as a session JSONL file",
+                       description="Write sessions in tandem's JSONL format (docs/session-format.md), e.g. to "
+                                   "edit them or to replay them with `tandem simulate --workload FILE.jsonl`.")
+    g.add_argument("--workload", required=True, metavar="NAME",
+                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long) or public trace "
+                        "(azure-conv, azure-code, mooncake, sharegpt)")
+    g.add_argument("--model", default="llama-3.1-70b", help="model whose AMPD SLOs are attached (default: %(default)s)")
+    g.add_argument("--sessions", type=_positive_int, default=None,
+                   help=f"sessions to generate (default: {DEFAULT_SESSIONS}); for traces, the first K")
+    g.add_argument("--rate", type=_positive_float, default=None, help="session arrival rate per second")
+    g.add_argument("--seed", type=_seed, default=0, help="seed (default: 0)")
+    g.add_argument("--override-arrivals", action="store_true", help="re-time a trace as a Poisson process at --rate")
+    g.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
+    g.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
+    g.add_argument("--out", required=True, metavar="FILE.jsonl", help="where to write the sessions")
+    g.set_defaults(func=cmd_generate)
+
     e = sub.add_parser("experiment", help="sweep workloads x policies x rates (AMPD Fig. 4/5) and write a report",
                        description="Run a preset sweep, optionally narrowed, and write results.json, "
                                    "table.md/txt, summary.md and figures to --out.")
@@ -290,6 +307,24 @@ def cmd_simulate(args) -> int:
         print(json.dumps(to_jsonable(out), indent=2))
     else:
         _print_sim_table(out)
+    return 0
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def cmd_generate(args) -> int:
+    """`tandem generate`: build a workload and write it as JSONL."""
+    from tandem.bench.experiment import canonical_model
+    from tandem.workload.session import dump_sessions
+
+    if Path(args.workload).suffix in (".jsonl", ".json", ".ndjson"):
+        raise CLIError("--workload must be a generator or trace name; a .jsonl file is already a session file")
+    sessions, _, _ = _load_workload(args, canonical_model(args.model))
+    _flush_notes()
+    dump_sessions(sessions, args.out)
+    rounds = sum(len(s.rounds) for s in sessions)
+    print(f"wrote {len(sessions)} sessions ({rounds} rounds) to {args.out}")
     return 0
 
 
