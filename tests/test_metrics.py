@@ -170,3 +170,13 @@ def test_values_are_plain_python(records):
     m = summarize(records, 20.0)
     for k, v in m.items():
         assert v is None or type(v) in (int, float, dict), (k, type(v))
+
+
+def test_fail_reasons_are_counted_by_kind_before_the_colon():
+    from tandem.workload.records import SessionRecord
+    recs = [SessionRecord(f"s{i}", 0.0, None, 1, failed=True, finish_s=1.0,
+                          fail_reason=f"context exceeds the model's maximum: round {i} needs {130000 + i} tokens")
+            for i in range(3)]
+    recs.append(SessionRecord("k", 0.0, None, 1, failed=True, finish_s=1.0, fail_reason="KV exceeds the worker's capacity: x"))
+    assert summarize(recs, 1.0)["fail_reasons"] == {"KV exceeds the worker's capacity": 1,
+                                                     "context exceeds the model's maximum": 3}

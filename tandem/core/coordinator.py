@@ -68,11 +68,11 @@ class Coordinator:
         st.record.rounds.append(rec)
         need = st.context + rnd.input_tokens + rnd.output_tokens
         if self.max_context is not None and need > self.max_context:
-            return self._fail(st, now, f"round {k} needs a context of {need} tokens, beyond the model's "
-                                       f"maximum of {self.max_context}")
+            return self._fail(st, now, f"context exceeds the model's maximum: round {k} needs {need} "
+                                       f"tokens, the model takes {self.max_context}")
         if need > self.capacity[w]:
-            return self._fail(st, now, f"round {k} needs {need} tokens of KV but worker {w} holds at most "
-                                       f"{self.capacity[w]}")
+            return self._fail(st, now, f"KV exceeds the worker's capacity: round {k} needs {need} tokens, "
+                                       f"worker {w} holds at most {self.capacity[w]}")
         hist = self.view.begin_round(w, s.session_id)
         l_incr = st.context - hist + rnd.input_tokens     # includes the previous round's last token
         rec.history_tokens = hist

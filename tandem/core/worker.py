@@ -260,7 +260,7 @@ class WorkerCore:
             return False
         self.events.append(SessionFailed(
             task.session_id, self.id, now,
-            f"KV of {tokens} tokens exceeds the {self.role} worker's capacity of {self.capacity_tokens} tokens"))
+            f"KV exceeds the worker's capacity: {tokens} tokens on a {self.role} worker of {self.capacity_tokens}"))
         if task in self.queue:
             self.queue.remove(task)
             self.queued_est_s -= task.est_s
@@ -301,8 +301,8 @@ class WorkerCore:
         blocked = self.pending_kv[0] if self.pending_kv else self.queue[0]
         self.events.append(SessionFailed(
             blocked.session_id, self.id, now,
-            f"KV memory of the {self.role} worker ({self.capacity_tokens} tokens) is held by sessions "
-            f"waiting for prefill; this session's {blocked.l_hist + blocked.l_incr} tokens cannot be placed"))
+            f"KV memory exhausted: the {self.role} worker's {self.capacity_tokens} tokens are held by sessions "
+            f"waiting for prefill; {blocked.l_hist + blocked.l_incr} more cannot be placed"))
 
     # ---------------------------------------------------------------- results
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> None:

@@ -4,7 +4,7 @@ Definitions (all times in seconds; an empty population gives None, which JSON wr
 
 Sessions
 - `sessions_total`: every record, failed or not.
-- `sessions_completed`: not failed and finished; `sessions_failed`: failed (reason in `fail_reasons`);
+- `sessions_completed`: not failed and finished; `sessions_failed`: failed (`fail_reasons` counts them by kind, the part of each reason before ': ');
   `sessions_unfinished`: neither (still running when the simulation stopped).
 - `slo_attainment`: over sessions that carry an SLO, the fraction that attain it. A session attains
   its SLO when it completed, all its `num_rounds` rounds produced a first token, every round's
@@ -102,6 +102,11 @@ def _latency_block(prefix: str, xs: list[float]) -> dict:
     }
 
 
+def fail_kind(reason: str) -> str:
+    """The category of a failure reason: the part before the first ': ' (details follow it)."""
+    return (reason or "unknown").split(": ", 1)[0]
+
+
 def summarize(records: Iterable[SessionRecord], sim_time_s: float) -> dict:
     """All serving metrics of one run as a flat JSON-ready dict (see the module docstring)."""
     records = list(records)
@@ -135,7 +140,7 @@ def summarize(records: Iterable[SessionRecord], sim_time_s: float) -> dict:
         "sessions_completed": completed,
         "sessions_failed": len(failed),
         "sessions_unfinished": len(records) - completed - len(failed),
-        "fail_reasons": dict(sorted(Counter(s.fail_reason or "unknown" for s in failed).items())),
+        "fail_reasons": dict(sorted(Counter(fail_kind(s.fail_reason) for s in failed).items())),
         "sessions_with_slo": len(with_slo),
         "sessions_slo_attained": attained,
         "slo_attainment": _ratio(attained, len(with_slo)),
