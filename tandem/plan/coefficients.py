@@ -209,8 +209,8 @@ class _Stop(Exception):
 class _Tracker:
     """Progress hook of the event loop: counts rounds above cutoff x SLO as their latencies become final."""
 
-    def __init__(self, coord, info: _Info, cutoff: float):
-        self.coord, self.info, self.cutoff = coord, info, cutoff
+    def __init__(self, coord, loop, info: _Info, cutoff: float):
+        self.coord, self.loop, self.info, self.cutoff = coord, loop, info, cutoff
         self.need_t, self.need_i = needed_above(info.n_ttft), needed_above(info.n_itl)
         self.above_t = self.above_i = 0
         self.open: list[list] = []
@@ -221,14 +221,20 @@ class _Tracker:
         while self.next < len(recs):
             self.open.append([recs[self.next], 0, 0])
             self.next += 1
-        cut, keep = self.cutoff, []
+        cut, now, keep = self.cutoff, self.loop.now, []
         for ent in self.open:
             rec, kt, ki = ent
             servable, has_itl, slo_t, slo_i = self.info.by_id[rec.session_id]
             rounds = rec.rounds
-            while kt < servable and kt < len(rounds) and rounds[kt].first_token_s is not None:
-                if rounds[kt].ttft_s > cut * slo_t:
-                    self.above_t += 1
+            while kt < servable and kt < len(rounds):
+                r = rounds[kt]
+                if r.first_token_s is not None:
+                    if r.first_token_s - r.arrival_s > cut * slo_t:
+                        self.above_t += 1
+                elif now - r.arrival_s > cut * slo_t:
+                    self.above_t += 1          # still waiting, already later than the threshold
+                else:
+                    break
                 kt += 1
             while ki < servable and ki < len(rounds) and rounds[ki].finish_s is not None:
                 r = rounds[ki]
@@ -236,7 +242,7 @@ class _Tracker:
                     self.above_i += 1
                 ki += 1
             if rec.failed:
-                self.above_t += servable - kt
+                self.above_t += servable - kt      # rounds that will never get a first token
                 self.above_i += sum(has_itl[ki:servable])
             elif rec.finish_s is None:
                 ent[1], ent[2] = kt, ki
@@ -272,7 +278,7 @@ def simulate_one(sessions: Sequence[Session], workload_key: str, spec: SimSpec, 
     coord, _workers, loop = build(cfg)
     t0 = time.perf_counter()
     if math.isfinite(cutoff):
-        loop.progress = _Tracker(coord, info, cutoff)
+        loop.progress = _Tracker(coord, loop, info, cutoff)
     try:
         loop.run(list(sessions))
     except _Stop:

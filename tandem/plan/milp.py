@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import csr_array
 
 from tandem.plan.space import Pair
 
@@ -70,86 +71,88 @@ def solve_topk(coef: Coefficients, k: int, maximal: bool = True,
                exclude: list[Pair] | None = None) -> list[Solution]:
     """The k best deployments in order: solve, add a no-good cut on the optimum, solve again."""
     N = coef.budget
-    pre_opts = sorted({(n, x) for (n, x, _m) in coef.pre})
-    dec_opts = sorted({(m, y) for (m, y, _n) in coef.dec})
-    if not pre_opts or not dec_opts:
+    a_keys = sorted(coef.pre)          # (n, x, m)
+    b_keys = sorted(coef.dec)          # (m, y, n)
+    d_keys = sorted({(n, m) for n, _x, m in a_keys} & {(n, m) for m, _y, n in b_keys})
+    if not d_keys:
         return []
-    pre_deg = sorted({n for n, _ in pre_opts})
-    dec_deg = sorted({m for m, _ in dec_opts})
-    nu, nv = len(pre_opts), len(dec_opts)
-    nz = nu + nv
-    nvar = nz + 1
-    gu = np.array([n * x for n, x in pre_opts], float)
-    gv = np.array([m * y for m, y in dec_opts], float)
+    na, nb, nd = len(a_keys), len(b_keys), len(d_keys)
+    ia = {key: i for i, key in enumerate(a_keys)}
+    ib = {key: na + j for j, key in enumerate(b_keys)}
+    idl = {key: na + nb + t for t, key in enumerate(d_keys)}
+    iz = na + nb + nd
+    nvar = iz + 1
+    rows: list[dict[int, float]] = []
+    lo: list[float] = []
+    hi: list[float] = []
 
-    rows, lo, hi = [], [], []
+    def add(coefs: dict[int, float], low: float, high: float) -> None:
+        rows.append(coefs); lo.append(low); hi.append(high)
 
-    def row() -> np.ndarray:
-        return np.zeros(nvar)
-
-    r = row(); r[:nu] = 1; rows.append(r); lo.append(1); hi.append(1)
-    r = row(); r[nu:nz] = 1; rows.append(r); lo.append(1); hi.append(1)
-    r = row(); r[:nu] = gu; r[nu:nz] = gv; rows.append(r); lo.append(-np.inf); hi.append(N)
-    if maximal:
-        r = row(); r[:nu] = gu - np.array([N + 1 - n for n, _ in pre_opts]); r[nu:nz] = gv
-        rows.append(r); lo.append(0); hi.append(np.inf)
-        r = row(); r[:nu] = gu; r[nu:nz] = gv - np.array([N + 1 - m for m, _ in dec_opts])
-        rows.append(r); lo.append(0); hi.append(np.inf)
-    dec_of = {m: [nu + j for j, (mm, _) in enumerate(dec_opts) if mm == m] for m in dec_deg}
-    pre_of = {n: [i for i, (nn, _) in enumerate(pre_opts) if nn == n] for n in pre_deg}
-    for i, (n, x) in enumerate(pre_opts):
-        for m in dec_deg:
-            t = coef.pre.get((n, x, m))
-            r = row()
-            r[i] = 1
-            r[dec_of[m]] = 1
-            if t is None:          # never measured with this partner degree: not a candidate
-                rows.append(r); lo.append(-np.inf); hi.append(1)
-                continue
-            t = _cap(t)
-            r *= t
-            r[nz] = -1
-            rows.append(r); lo.append(-np.inf); hi.append(t)
-    for j, (m, y) in enumerate(dec_opts):
-        for n in pre_deg:
-            t = coef.dec.get((m, y, n))
-            r = row()
-            r[nu + j] = 1
-            r[pre_of[n]] = 1
-            if t is None:
-                rows.append(r); lo.append(-np.inf); hi.append(1)
-                continue
-            t = _cap(t)
-            r *= t
-            r[nz] = -1
-            rows.append(r); lo.append(-np.inf); hi.append(t)
-    pidx = {o: i for i, o in enumerate(pre_opts)}
-    didx = {o: nu + j for j, o in enumerate(dec_opts)}
+    add({idl[d]: 1.0 for d in d_keys}, 1, 1)                       # (C0) one degree pair
+    for (n, m) in d_keys:                                          # (C0) one replica count per kind
+        r = {ia[key]: 1.0 for key in a_keys if key[0] == n and key[2] == m}
+        r[idl[n, m]] = -1.0
+        add(r, 0, 0)
+        r = {ib[key]: 1.0 for key in b_keys if key[0] == m and key[2] == n}
+        r[idl[n, m]] = -1.0
+        add(r, 0, 0)
+    for key in a_keys:                                             # kinds whose degree pair has no partner
+        if (key[0], key[2]) not in idl:
+            add({ia[key]: 1.0}, 0, 0)
+    for key in b_keys:
+        if (key[2], key[0]) not in idl:
+            add({ib[key]: 1.0}, 0, 0)
+    r = {ia[key]: _cap(coef.pre[key]) for key in a_keys}          # (C1)
+    r[iz] = -1.0
+    add(r, -np.inf, 0)
+    r = {ib[key]: _cap(coef.dec[key]) for key in b_keys}          # (C2)
+    r[iz] = -1.0
+    add(r, -np.inf, 0)
+    gpus = {ia[(n, x, m)]: float(n * x) for (n, x, m) in a_keys}
+    gpus.update({ib[(m, y, n)]: float(m * y) for (m, y, n) in b_keys})
+    add(gpus, -np.inf, N)                                          # (C3)
+    if maximal:                                                    # (C4) no room for another replica
+        r = dict(gpus)
+        for (n, m) in d_keys:
+            r[idl[n, m]] = -float(N + 1 - min(n, m))
+        add(r, 0, np.inf)
+        # (C5) implied by (C3)-(C4), stated to tighten the relaxation: with prefill kind (n, x) and
+        # decode degree m, the decode kind is y = floor((N - n x) / m) replicas
+        for (n, x, m) in a_keys:
+            p = Pair(n, x, m, (N - n * x) // m)
+            j = ib.get((m, p.y, n))
+            if p.y >= 1 and p.maximal(N) and j is not None:
+                add({ia[(n, x, m)]: 1.0, j: -1.0}, 0, 0)
+            else:
+                add({ia[(n, x, m)]: 1.0}, 0, 0)
 
     def cut(p: Pair) -> None:
-        i, j = pidx.get((p.n, p.x)), didx.get((p.m, p.y))
-        if i is None or j is None:
-            return
-        r = row(); r[i] = 1; r[j] = 1
-        rows.append(r); lo.append(-np.inf); hi.append(1)
+        i, j = ia.get((p.n, p.x, p.m)), ib.get((p.m, p.y, p.n))
+        if i is not None and j is not None:
+            add({i: 1.0, j: 1.0}, -np.inf, 1)
 
     for p in exclude or []:
         cut(p)
     c = np.zeros(nvar)
-    c[nz] = 1
+    c[iz] = 1
     integrality = np.ones(nvar)
-    integrality[nz] = 0
-    bounds = Bounds(np.zeros(nvar), np.r_[np.ones(nz), np.inf])
+    integrality[iz] = 0
+    bounds = Bounds(np.zeros(nvar), np.r_[np.ones(iz), np.inf])
     out: list[Solution] = []
     for _ in range(k):
-        res = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
-                   bounds=bounds, options={"mip_rel_gap": 0.0, "presolve": True})
+        data, ri, ci = [], [], []
+        for t, rr in enumerate(rows):
+            for col, v in rr.items():
+                ri.append(t); ci.append(col); data.append(v)
+        A = csr_array((data, (ri, ci)), shape=(len(rows), nvar))
+        res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+                   bounds=bounds, options={"mip_rel_gap": 0.0})
         if res.status != 0 or res.x is None:
             break
         xs = res.x
-        i = int(np.argmax(xs[:nu]))
-        j = int(np.argmax(xs[nu:nz]))
-        (n, x), (m, y) = pre_opts[i], dec_opts[j]
+        (n, x, m) = a_keys[int(np.argmax(xs[:na]))]
+        (_m, y, _n) = b_keys[int(np.argmax(xs[na:na + nb]))]
         p = Pair(n, x, m, y)
         out.append(Solution(p, coef.value(p)))
         cut(p)

@@ -30,7 +30,10 @@ from tandem.workload.session import Session
 
 EXACT_MAX_GPUS = 16
 SLICE_GPUS = 16
-EXTRA_VERIFY = 2   # slice mode: full-cluster runs beyond the top k
+EXTRA_VERIFY = 0   # slice mode: full-cluster runs beyond the top k
+SLICE_FRACTION = 0.5
+SLICE_MIN_SESSIONS = 64
+"""Slice mode simulates the first max(SLICE_MIN_SESSIONS, SLICE_FRACTION x S) of the S sessions."""
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class PlanResult:
     wall_s: float
     slice_gpus: int | None = None
     slo_problem: str = ""              # non-empty when no deployment meets the SLO at P95
+    phases: dict[str, float] = field(default_factory=dict)   # wall seconds per phase
 
     @property
     def best(self) -> Ranked:
@@ -80,7 +84,14 @@ class PlanInputs:
     exact_max_gpus: int = EXACT_MAX_GPUS
     slice_gpus: int = SLICE_GPUS
     degrees: tuple[int, ...] = DEGREES
+    extra_verify: int = EXTRA_VERIFY
+    slice_fraction: float = SLICE_FRACTION
     sim: tuple[tuple[str, object], ...] = ()
+
+
+def slice_sessions(total: int, fraction: float) -> int:
+    """How many of the sessions (the first ones) a slice simulates."""
+    return min(total, max(SLICE_MIN_SESSIONS, math.ceil(total * fraction)))
 
 
 def _check(inp: PlanInputs) -> tuple[str, str]:
@@ -118,11 +129,12 @@ def _space(inp: PlanInputs, model: str, gpu: str) -> tuple[list[int], dict[int, 
 
 def _search_order(cands: list[Pair]) -> list[Pair]:
     """Order in which an exact search simulates candidates: likely-good first, so the cutoff tightens
-    early and later runs stop sooner (the order never changes the result). Prefill-leaning splits of
-    larger degrees first: AMPD routing holds TTFT near its SLO and ITL falls as prefill capacity grows."""
+    early and later runs stop sooner (the order never changes the result). Larger degrees first (lower
+    per-request latency, which a P95 objective rewards), then prefill-leaning splits: AMPD routing holds
+    TTFT near its SLO and ITL falls as prefill capacity grows."""
     def key(p: Pair):
         share = p.n * p.x / p.gpus
-        return (round(abs(share - 0.6), 3), -min(p.n, p.m), -(p.n + p.m), p)
+        return (-min(p.n, p.m), round(abs(share - 0.6), 3), -max(p.n, p.m), p)
     return sorted(cands, key=key)
 
 
@@ -203,17 +215,22 @@ def plan(inp: PlanInputs, progress: Callable[[str, int], None] | None = None) ->
     k = inp.top_k
     exact = inp.budget <= inp.exact_max_gpus
     n0 = inp.budget if exact else slice_gpus_for(inp.budget, inp.slice_gpus)
-    total = len(pairs(degrees, n0, maximal_only=True)) + (0 if exact else k + EXTRA_VERIFY)
+    total = len(pairs(degrees, n0, maximal_only=True)) + (0 if exact else k + inp.extra_verify)
     tick = (lambda label: progress(label, total)) if progress is not None else None
+    phases = {"setup": time.perf_counter() - t0}
     with Evaluator(spec, inp.jobs, RunCache(inp.cache_dir)) as ev:
+        t1 = time.perf_counter()
         if exact:
             top, ncand = _exact_search(ev, wl, inp.budget, degrees, k, tick, f"{inp.budget} GPUs")
             ranked = [Ranked(i + 1, p, m) for i, (p, m) in enumerate(top)]
             method, slice_n = "exact", None
+            phases["search"] = time.perf_counter() - t1
         else:
             factor = inp.budget / n0
-            sl = wl.stretched(factor)
-            stop, ncand = _exact_search(ev, sl, n0, degrees, k + EXTRA_VERIFY, tick, f"slice of {n0} GPUs")
+            sl = Workload(wl.sessions[:slice_sessions(len(wl.sessions), inp.slice_fraction)]).stretched(factor)
+            stop, ncand = _exact_search(ev, sl, n0, degrees, k + inp.extra_verify, tick, f"slice of {n0} GPUs")
+            phases["slice"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
             short: dict[str, tuple[Pair, float]] = {}
             for p, m in stop:
                 q = p.scaled(factor, inp.budget)
@@ -221,8 +238,11 @@ def plan(inp: PlanInputs, progress: Callable[[str, int], None] | None = None) ->
             full = _verify(ev, wl, inp.budget, list(short.values()), k, tick)
             ranked = [Ranked(i + 1, p, m, zs) for i, (p, m, zs) in enumerate(full)]
             method, slice_n = "slice", n0
+            phases["verify"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+    phases["shutdown"] = time.perf_counter() - t1
     result = PlanResult(model, gpu, inp.budget, method, ranked, degrees, why, min_kv, ncand, ev.stats,
-                        time.perf_counter() - t0, slice_n)
+                        time.perf_counter() - t0, slice_n, phases=phases)
     if ranked:
         result.slo_problem = _slo_problem(model, gpu, inp.budget, ranked[0], inp.sessions)
     if not ranked or not math.isfinite(ranked[0].m.z):
