@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, metavar="DIR", help="report folder (default: reports/<preset>)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_experiment)
+
+    from tandem.cli import plan_cmd
+    plan_cmd.add_parser(sub)
     return p
 
 

@@ -62,6 +62,7 @@ class PlanResult:
     slice_gpus: int | None = None
     slo_problem: str = ""              # non-empty when no deployment meets the SLO at P95
     phases: dict[str, float] = field(default_factory=dict)   # wall seconds per phase
+    slos: set[tuple[float, float]] = field(default_factory=set)  # distinct (TTFT, ITL) SLOs of the sessions
 
     @property
     def best(self) -> Ranked:
@@ -124,6 +125,10 @@ def _space(inp: PlanInputs, model: str, gpu: str) -> tuple[list[int], dict[int, 
     degrees, why = feasible_degrees(model, gpu, inp.budget, min_kv, inp.degrees)
     if not degrees or 2 * min(degrees) > inp.budget:
         raise PlanError(explain_no_fit(model, gpu, inp.budget, min_kv, inp.degrees))
+    small = min(degrees)
+    for n in [n for n in degrees if n + small > inp.budget]:
+        why[n] = f"tp{n} with the smallest partner (tp{small}) needs {n + small} GPUs, more than {inp.budget}"
+        degrees.remove(n)
     return degrees, why, min_kv
 
 
@@ -243,6 +248,7 @@ def plan(inp: PlanInputs, progress: Callable[[str, int], None] | None = None) ->
     phases["shutdown"] = time.perf_counter() - t1
     result = PlanResult(model, gpu, inp.budget, method, ranked, degrees, why, min_kv, ncand, ev.stats,
                         time.perf_counter() - t0, slice_n, phases=phases)
+    result.slos = {(s.slo.ttft_s, s.slo.itl_s) for s in inp.sessions}
     if ranked:
         result.slo_problem = _slo_problem(model, gpu, inp.budget, ranked[0], inp.sessions)
     if not ranked or not math.isfinite(ranked[0].m.z):
@@ -297,6 +303,7 @@ def exhaustive(inp: PlanInputs, progress: Callable[[str, int], None] | None = No
     ranked = [Ranked(i + 1, p, meas[p.deploy]) for i, p in enumerate(order)]
     result = PlanResult(model, gpu, inp.budget, "exhaustive", ranked, degrees, why, min_kv, len(cands), ev.stats,
                         time.perf_counter() - t0)
+    result.slos = {(s.slo.ttft_s, s.slo.itl_s) for s in inp.sessions}
     if ranked:
         result.slo_problem = _slo_problem(model, gpu, inp.budget, ranked[0], inp.sessions)
     return result

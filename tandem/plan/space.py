@@ -127,8 +127,8 @@ def explain_no_fit(model: str, gpu: str, gpus: int, min_kv: int, degrees: tuple[
         largest = max((n for n in degrees if n <= g.gpus_per_node), default=1)
         if weights_gb / largest >= usable_gb:
             return (f"{spec.name} does not fit {g.name}: its weights ({weights_gb:.1f} GB) need "
-                    f"{weights_gb / usable_gb:.1f} GPUs of {usable_gb:.1f} GB usable each, more than the tp{largest} "
-                    f"a worker can span inside one {g.gpus_per_node}-GPU node")
+                    f"{weights_gb / usable_gb:.1f} GPUs of {usable_gb:.1f} GB usable each, more than the largest "
+                    f"tensor-parallel degree a worker may span (tp{largest}, inside one {g.gpus_per_node}-GPU node)")
         return (f"no tensor-parallel degree of {spec.name} on {g.name} holds its weights ({weights_gb:.1f} GB) plus a "
                 f"KV pool of {min_kv} tokens per worker: " + "; ".join(why[n] for n in sorted(why)))
     n0 = min(ok)
