@@ -292,8 +292,22 @@ def simulate_one(sessions: Sequence[Session], workload_key: str, spec: SimSpec, 
                        events=loop.events, wall_s=wall)
 
 
+_SHARED: dict[str, Sequence[Session]] = {}
+"""Workloads registered before a process pool starts; forked workers inherit them, so tasks carry a key only."""
+
+
+def share(workload: Workload) -> None:
+    """Make `workload` available to process pools created from now on without sending it with every task."""
+    if len(_SHARED) > 8:
+        _SHARED.clear()
+    _SHARED[workload.key] = workload.sessions
+
+
 def _task(args) -> Measurement:
-    return simulate_one(*args)
+    sessions, key, *rest = args
+    if sessions is None:
+        sessions = _SHARED[key]
+    return simulate_one(sessions, key, *rest)
 
 
 def _ignore_sigint() -> None:
@@ -392,6 +406,7 @@ class Evaluator:
     on_done: Callable[[Measurement], None] | None = None
     stats: Stats = field(default_factory=Stats)
     _pool: ProcessPoolExecutor | None = None
+    _inherited: frozenset = frozenset()
 
     def evaluate(self, workload: Workload, deploys: Iterable[str], gpus: int,
                  cutoff: Callable[[], float] = lambda: INF,
@@ -445,7 +460,8 @@ class Evaluator:
                     if hit is not None:
                         finish(d, key, hit)
                         continue
-                    fut = pool.submit(_task, (workload.sessions, workload.key, self.spec, d, gpus, c))
+                    sessions = None if workload.key in self._inherited else workload.sessions
+                    fut = pool.submit(_task, (sessions, workload.key, self.spec, d, gpus, c))
                     running[fut] = (d, key)
                 if not running:
                     continue
@@ -460,7 +476,10 @@ class Evaluator:
 
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=self.jobs, initializer=_ignore_sigint)
+            import multiprocessing as mp
+            ctx = mp.get_context()
+            self._pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx, initializer=_ignore_sigint)
+            self._inherited = frozenset(_SHARED) if ctx.get_start_method() == "fork" else frozenset()
         return self._pool
 
     def close(self, cancel: bool = False) -> None:

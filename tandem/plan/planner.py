@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.plan.coefficients import (INF, Evaluator, Measurement, RunCache, SimSpec, Stats, Workload,
-                                      default_cache_dir)
+                                      default_cache_dir, share)
 from tandem.plan.milp import Coefficients, solve_topk
 from tandem.plan.space import (DEGREES, Pair, PlanError, explain_no_fit, feasible_degrees, min_kv_tokens, pairs,
                                slice_gpus_for)
@@ -222,6 +222,10 @@ def plan(inp: PlanInputs, progress: Callable[[str, int], None] | None = None) ->
     n0 = inp.budget if exact else slice_gpus_for(inp.budget, inp.slice_gpus)
     total = len(pairs(degrees, n0, maximal_only=True)) + (0 if exact else k + inp.extra_verify)
     tick = (lambda label: progress(label, total)) if progress is not None else None
+    share(wl)
+    if not exact:
+        sl = Workload(wl.sessions[:slice_sessions(len(wl.sessions), inp.slice_fraction)]).stretched(inp.budget / n0)
+        share(sl)
     phases = {"setup": time.perf_counter() - t0}
     with Evaluator(spec, inp.jobs, RunCache(inp.cache_dir)) as ev:
         t1 = time.perf_counter()
@@ -232,7 +236,6 @@ def plan(inp: PlanInputs, progress: Callable[[str, int], None] | None = None) ->
             phases["search"] = time.perf_counter() - t1
         else:
             factor = inp.budget / n0
-            sl = Workload(wl.sessions[:slice_sessions(len(wl.sessions), inp.slice_fraction)]).stretched(factor)
             stop, ncand = _exact_search(ev, sl, n0, degrees, k + inp.extra_verify, tick, f"slice of {n0} GPUs")
             phases["slice"] = time.perf_counter() - t1
             t1 = time.perf_counter()
@@ -297,6 +300,7 @@ def exhaustive(inp: PlanInputs, progress: Callable[[str, int], None] | None = No
     wl = Workload(list(inp.sessions))
     cands = pairs(degrees, inp.budget, maximal_only=maximal_only)
     tick = (lambda m: progress("exhaustive", len(cands))) if progress is not None else None
+    share(wl)
     with Evaluator(spec, inp.jobs, RunCache(inp.cache_dir), on_done=tick) as ev:
         meas = ev.evaluate(wl, [p.deploy for p in cands], inp.budget)
     order = sorted(cands, key=lambda p: _rank_key(p, meas[p.deploy]))
