@@ -272,3 +272,18 @@ def test_cli_table_and_errors(tmp_path, capsys):
     assert rc == 2 and "does not fit 2 x h20" in err and "2 short" in err
     rc = main(["plan", "--gpus", "8", "--workload", "agentic-long", "--no-cache", "--no-progress"])
     assert rc == 2 and "--slo-ttft" in capsys.readouterr().err
+
+
+def test_cli_jsonl_workload_with_rate_reproduces(tmp_path, capsys):
+    from tandem.workload.session import dump_sessions
+    path = tmp_path / "s.jsonl"
+    dump_sessions(generate("hotpotqa", 12, 1.0, 0), path)
+    args = ["plan", "--gpus", "8", "--workload", str(path), "--rate", "0.5", "--slo-ttft", "2.5", "--slo-itl", "0.045",
+            "--no-progress", "--cache-dir", str(tmp_path / "c"), "--json", "--best-effort", "--top", "1"]
+    assert main(args) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert "--override-arrivals" in row["simulate"] and "--rate 0.5" in row["simulate"]
+    sim_args = row["simulate"].split()[1:]
+    assert main(sim_args + ["--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["ttft_p95_s"] == pytest.approx(row["p95_ttft_s"]) and sim["itl_p95_s"] == pytest.approx(row["p95_itl_s"])

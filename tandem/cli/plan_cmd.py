@@ -36,6 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--rate", type=_positive_float, default=None,
                    help=f"session arrival rate per second (generators: default {DEFAULT_RATE:g}; files and "
                         "traces: re-time their sessions as a Poisson process at this rate)")
+    p.add_argument("--override-arrivals", action="store_true",
+                   help="accepted as in `tandem simulate`; --rate always re-times a file's or trace's sessions")
     p.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S",
                    help="TTFT SLO in seconds (default: AMPD's for the model and workload)")
     p.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S",
