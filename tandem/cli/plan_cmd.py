@@ -71,31 +71,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 class _Bar:
-    """A rich progress bar on stderr whose total grows as the planner schedules runs."""
+    """A rich progress bar on stderr, one line per stage (plan, exhaustive), whose total follows the planner."""
 
     def __init__(self, enabled: bool):
-        self.bar = None
+        self.bar = self.task = None
         if enabled:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+            self.bar = Progress(TextColumn("{task.description:<30}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
             self.bar.start()
-            self.task = self.bar.add_task("planning", total=None)
+
+    def stage(self, name: str) -> None:
+        if self.bar is not None:
+            self.task = self.bar.add_task(name, total=None)
             self.done = 0
-            self.offset = 0
-            self.phase = None
 
     def __call__(self, label: str, total: int) -> None:
-        if self.bar is None:
+        if self.bar is None or self.task is None:
             return
-        if label != self.phase:
-            if self.phase is not None:
-                self.offset = self.done
-            self.phase = label
         self.done += 1
         self.bar.update(self.task, description=f"simulating {label}", completed=self.done,
-                        total=max(self.done, self.offset + total if label != "exhaustive" else total + self.offset))
+                        total=max(self.done, total))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -186,8 +183,12 @@ def cmd_plan(args) -> int:
     _flush_notes()
     bar = _Bar(not args.no_progress and sys.stderr.isatty())
     try:
+        bar.stage("planning")
         result = plan(inp, progress=bar)
-        full = exhaustive(inp, progress=bar) if args.exhaustive else None
+        full = None
+        if args.exhaustive:
+            bar.stage("exhaustive")
+            full = exhaustive(inp, progress=bar)
     except PlanError as e:
         raise CLIError(str(e)) from None
     finally:
