@@ -31,6 +31,9 @@ class PrefillTask:
     done: int = 0               # tokens computed so far (chunked prefill)
     kv_ready: bool = True       # history present on `worker` (remote tasks wait for their lazy read)
     start_s: float | None = None
+    block_hashes: tuple[int, ...] = ()  # chained hashes of the full blocks of history + new tokens (prefix cache)
+    cached: int = 0             # tokens of l_incr found in the prefix cache at admission (not computed)
+    hashed: int = 0             # leading blocks registered in the prefix cache so far
 
     @property
     def remaining(self) -> int:
@@ -67,10 +70,11 @@ class StepPlan:
 
 @dataclass(slots=True)
 class StepResult:
-    """What an executor reports back: elapsed time, and sampled tokens per session when real."""
+    """What an executor reports back: elapsed time, sampled tokens and finished rounds when real."""
 
     elapsed_s: float
     tokens: dict[str, list[int]] | None = None
+    finished: frozenset[str] | set[str] = frozenset()   # sessions whose round stopped this step (EOS, stop)
 
 
 # ---- events a worker core emits (the shell forwards them to the coordinator core) ----

@@ -23,6 +23,7 @@ class WorkerConfig:
     num_blocks: int
     block_size: int = 16
     max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1 << 30             # sequences prefilling or decoding at once
     mix_decode_with_prefill: bool = False   # co-located chunked prefill: decodes ride along prefill chunks
     retain_s: float = 0.0                   # idle session KV is pinned this long after a round (Continuum TTL)
     window_s: float = 10.0                  # windowed TTFT/ITL statistics
@@ -165,7 +166,8 @@ class WorkerCore:
     def _admit(self, now: float) -> None:
         budget = self.cfg.max_num_batched_tokens
         pending = sum(t.l_incr - t.done for t in self.active)
-        while self.queue and pending < budget:
+        cap = self.cfg.max_num_seqs - len(self.running)
+        while self.queue and pending < budget and len(self.active) < cap:
             i = self.picker.pick(self.queue, now)
             t = self.queue[i]
             if self.role == PREFILL:
@@ -176,6 +178,8 @@ class WorkerCore:
                     self.queue.pop(i)
                     self.queued_est_s -= t.est_s
                     continue
+                if t.block_hashes and t.l_hist == 0 and owner.num_tokens == 0 and not self.blocks.held(owner):
+                    self._reuse_prefix(owner, t)
                 need = owner.num_tokens + t.l_incr
             if not self._reserve(owner, need, now, preempt=False):
                 self._never_fits(need, t, now)
@@ -189,6 +193,33 @@ class WorkerCore:
                 t.kv_ready = False
                 self.events.append(FetchHistory(t, t.l_hist))
 
+    def _reuse_prefix(self, seq: Seq, t: PrefillTask) -> None:
+        """Take the cached blocks of the task's leading full blocks; at least one token is always computed."""
+        bs = self.cfg.block_size
+        usable = t.block_hashes[:(t.l_incr - 1) // bs]
+        blocks = self.blocks.match_prefix(usable) if usable else ()
+        if not blocks:
+            return
+        self.blocks.share(seq, blocks)
+        n = len(blocks) * bs
+        seq.num_tokens = n
+        t.l_hist, t.l_incr, t.cached, t.hashed = n, t.l_incr - n, n, len(blocks)
+        self.queued_est_s -= t.est_s
+        t.est_s = self.t_pre(t.l_hist, t.l_incr)
+        self.queued_est_s += t.est_s
+
+    def _register_blocks(self, t: PrefillTask) -> None:
+        """Publish the task's newly completed full blocks in the prefix cache."""
+        full = min((t.l_hist + t.done) // self.cfg.block_size, len(t.block_hashes))
+        if full <= t.hashed:
+            return
+        owner = t if self.role == PREFILL else self.seqs.get(t.session_id)
+        if owner is None or self.blocks.held(owner) < full:
+            return
+        for i in range(t.hashed, full):
+            self.blocks.register(owner, i, t.block_hashes[i])
+        t.hashed = full
+
     def _grow_running(self, now: float) -> None:
         """Every running sequence writes one more token of KV this step; preempt by recompute if short."""
         for seq in self.running:
@@ -198,6 +229,15 @@ class WorkerCore:
             return
         for seq in list(self.running):
             if seq.state == "running" and seq.num_tokens + 1 > seq.cap:
+                if seq.num_tokens + 1 > self.capacity_tokens:   # outgrew the whole pool: no preemption helps
+                    self.running.remove(seq)
+                    self._ctx -= seq.num_tokens
+                    self.blocks.free(seq)
+                    seq.num_tokens, seq.cap, seq.state = 0, 0, "failed"
+                    self.events.append(SessionFailed(
+                        seq.session_id, self.id, now, f"KV exceeds the worker's capacity: "
+                        f"{self.capacity_tokens + 1} tokens on a {self.role} worker of {self.capacity_tokens}"))
+                    continue
                 if not self._reserve(seq, seq.num_tokens + 1, now, preempt=True):
                     self._preempt(seq, now)          # could not free enough: preempt itself
 
@@ -309,8 +349,11 @@ class WorkerCore:
         """Apply a finished step: advance prefills, commit one token per decoding sequence."""
         self.steps += 1
         self.busy_s += result.elapsed_s
+        stopped = result.finished
         for t, n in plan.prefill:
             t.done += n
+            if t.block_hashes:
+                self._register_blocks(t)
             if t.done >= t.l_incr:
                 self.active.remove(t)
                 if self.role == PREFILL:
@@ -318,6 +361,8 @@ class WorkerCore:
                 else:
                     seq = self.seqs.get(t.session_id)
                     if seq is not None:
+                        if stopped and t.session_id in stopped and not t.recompute:
+                            t.output_tokens = 1             # the first token already ended the round
                         self._start_decoding(seq, t, now)
         if plan.decode:
             itl_sum, n_tok = 0.0, 0
@@ -335,6 +380,8 @@ class WorkerCore:
                 n_tok += 1
                 seq.last_token_s = now
                 seq.to_decode -= 1
+                if stopped and seq.session_id in stopped:
+                    seq.to_decode = 0
                 if seq.to_decode <= 0:
                     finished = True
             self._ctx += n_tok
