@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_experiment)
 
-    from tandem.cli import plan_cmd
+    from tandem.cli import plan_cmd, tiny_cmd
     plan_cmd.add_parser(sub)
+    tiny_cmd.add_parser(sub)
     return p
 
 

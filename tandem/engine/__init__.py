@@ -1,0 +1,1 @@
+"""The PyTorch serving engine: model execution, sampling and stop handling for real requests."""

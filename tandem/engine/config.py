@@ -1,0 +1,86 @@
+"""Engine configuration (vLLM's names) and the sizing of the paged KV pool from a memory budget."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_CACHE_BYTES = 1 << 30        # vLLM's CPU backend takes its KV space from an env var; 1 GiB by default here
+
+
+class EngineError(ValueError):
+    """A request or configuration the engine cannot serve; the message says which limit and by how much."""
+
+
+@dataclass
+class EngineConfig:
+    """What one engine instance loads and how it schedules (names follow vLLM's EngineArgs)."""
+
+    model: str
+    dtype: str = "auto"                       # auto (the checkpoint's; float32 on CPU), float32, float16, bfloat16
+    device: str = "auto"                      # auto (cuda when available), cpu, cuda, cuda:N
+    block_size: int = 16
+    max_model_len: int | None = None          # default: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # KV pool budget; default: 1 GiB on CPU, 90% of free memory on CUDA
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None          # overrides the budget (vLLM: num_gpu_blocks_override)
+    attention_backend: str | None = None      # None/auto: flash on CUDA when installed, else sdpa
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise EngineError("model must be a path to a Hugging Face checkpoint directory")
+        self.model = str(self.model)
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise EngineError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise EngineError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise EngineError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise EngineError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise EngineError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    def torch_device(self) -> torch.device:
+        """The device to run on: `device`, or CUDA when present for auto."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError(f"device {self.device!r} requested but CUDA is not available")
+        return dev
+
+    def torch_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+        """The compute dtype: explicit, else the checkpoint's on CUDA and float32 on CPU."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+
+
+def kv_pool_blocks(cfg: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+    """Blocks in the KV pool: the override, else the memory budget divided by one block's bytes."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    budget = cfg.kv_cache_memory_bytes
+    if budget is None:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            budget = int(free * cfg.gpu_memory_utilization)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+    n = budget // bytes_per_block
+    if n < 1:
+        raise EngineError(f"KV cache budget of {budget} bytes holds no block ({bytes_per_block} bytes per block)")
+    return int(n)

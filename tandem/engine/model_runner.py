@@ -1,0 +1,72 @@
+"""The torch executor: owns the model weights and the paged KV tensors, runs one planned step, samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block
+from tandem.engine.attention.metadata import AttnMetadata
+from tandem.engine.config import EngineConfig, kv_pool_blocks
+from tandem.engine.loader import load_model
+from tandem.engine.sampler import Sampler, SampleOutput
+from tandem.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ModelInput:
+    """One step's flattened batch: per sequence its new tokens, where they sit, and its KV blocks."""
+
+    token_ids: list[int] = field(default_factory=list)     # all sequences' query tokens, concatenated
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)      # KV length of each sequence after the step
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)   # sequences whose last query token is sampled
+    params: list[SamplingParams] = field(default_factory=list)       # per sampled row
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    output_tokens: list[list[int]] = field(default_factory=list)     # per sampled row, for penalties
+    prompt_tokens: list[list[int]] = field(default_factory=list)     # per sampled row (repetition penalty)
+
+    def add(self, token_ids: list[int], start: int, block_table: list[int]) -> None:
+        """Append a sequence whose tokens `token_ids` occupy positions start, start+1, ..."""
+        n = len(token_ids)
+        self.token_ids.extend(token_ids)
+        self.positions.extend(range(start, start + n))
+        self.query_lens.append(n)
+        self.seq_lens.append(start + n)
+        self.block_tables.append(block_table)
+
+
+class ModelRunner:
+    """Loads a checkpoint, sizes and allocates the KV pool, and executes ModelInputs."""
+
+    def __init__(self, cfg: EngineConfig, eos_token_ids: list[int] | tuple[int, ...] = ()) -> None:
+        self.cfg = cfg
+        self.device = cfg.torch_device()
+        self.model, self.model_config = load_model(cfg.model, dtype_for=lambda ckpt: cfg.torch_dtype(ckpt, self.device),
+                                                   device=self.device, backend=cfg.attention_backend)
+        mc = self.model_config
+        self.dtype = next(self.model.parameters()).dtype
+        self.block_size = cfg.block_size
+        per_block = kv_bytes_per_block(mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
+                                       mc.head_dim, self.dtype)
+        self.num_blocks = kv_pool_blocks(cfg, per_block, self.device)
+        self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, cfg.block_size,
+                                           mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=cfg.seed)
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelInput) -> SampleOutput | None:
+        """Run the model over the batch (writing its KV) and sample the requested rows."""
+        dev = self.device
+        meta = AttnMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, dev)
+        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(batch.positions, dtype=torch.long, device=dev)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if not batch.sample_rows:
+            return None
+        ends = meta.query_start_loc[1:].to(torch.long) - 1
+        rows = ends[torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)]
+        logits = self.model.compute_logits(hidden[rows])
+        return self.sampler.sample(logits, batch.params, batch.generators, batch.output_tokens, batch.prompt_tokens)

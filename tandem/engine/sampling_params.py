@@ -1,0 +1,128 @@
+"""Per-request sampling parameters with vLLM's names, defaults and validation.
+
+Parameters are checked once, when the request is made, so the sampler and the stop checker can
+trust them. `stop` is normalised to a list of strings and `stop_token_ids` to a list of ints.
+A positive temperature below 0.01 is raised to 0.01 as vLLM does (smaller ones overflow to inf/nan
+in the scaled logits); temperature 0 means greedy.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20          # the most top logprobs a request may ask for (vLLM's default max_logprobs)
+MIN_TEMPERATURE = 1e-2     # positive temperatures below this are raised to it (vLLM's _MAX_TEMP)
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; the message names the field and the bad value."""
+
+
+def _bad(field: str, value: Any, why: str) -> SamplingParamsError:
+    return SamplingParamsError(f"{field} {why}, got {value!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's tokens and when to stop it (vLLM's SamplingParams subset)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                                  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16                     # None: until the context limit
+    min_tokens: int = 0
+    stop: str | list[str] | None = None             # normalised to a list
+    stop_token_ids: list[int] | None = None         # normalised to a list
+    ignore_eos: bool = False
+    logprobs: int | None = None                     # None: none; k: chosen token's + top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_stops()
+
+    def _check_numbers(self) -> None:
+        if not _is_int(self.n) or self.n != 1:
+            raise _bad("n", self.n, "must be 1 (only one sequence per request is supported)")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise _bad("temperature", self.temperature, "must be a finite number >= 0")
+        self.temperature = float(self.temperature)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        self.top_p = float(self.top_p)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _bad("top_k", self.top_k, "must be an int >= -1 (0 or -1 disable it)")
+        self.top_k = int(self.top_k)
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        self.min_p = float(self.min_p)
+        if self.seed is not None and not _is_int(self.seed):
+            raise _bad("seed", self.seed, "must be an int or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", self.max_tokens, "must be an int >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "must be an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise _bad("logprobs", self.logprobs, f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise _bad(name, v, "must be in [-2, 2]")
+            setattr(self, name, float(v))
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
+            raise _bad("repetition_penalty", rp, "must be a finite number > 0")
+        self.repetition_penalty = float(rp)
+
+    def _check_stops(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise _bad("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
+        self.stop = list(stop)
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of ints >= 0")
+        self.stop_token_ids = [int(t) for t in ids]
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax token (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string (0 without any): how much text streaming holds back + 1."""
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, so per-request mutation never leaks into a shared template."""
+        return copy.deepcopy(self)

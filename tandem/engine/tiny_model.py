@@ -1,0 +1,335 @@
+"""Tiny random checkpoints in the Hugging Face layout (Qwen3 or Llama), written fully offline, for tests and demos.
+
+A directory from `make_tiny_model` loads both here (`load_model`, `Tokenizer.from_pretrained`) and in transformers
+(`AutoModelForCausalLM`, `AutoTokenizer`), so the engine can be checked against transformers without downloads.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHS = ("qwen3", "llama")
+SIZES = ("1m", "30m")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TRANSFORMERS_VERSION = "4.51.0"
+
+# (arch, size) -> shape; vocab comes from the tokenizer (about 400 ids, padded to a multiple of 64).
+_SHAPES: dict[tuple[str, str], dict[str, int]] = {
+    ("qwen3", "1m"): dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=48, intermediate_size=384),
+    ("llama", "1m"): dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, intermediate_size=416),
+    ("qwen3", "30m"): dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                           head_dim=64, intermediate_size=1920),
+    ("llama", "30m"): dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                           head_dim=64, intermediate_size=1920),
+}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|end_of_text|>",
+                  "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
+# Added but not special (decode keeps them), as in Qwen3: the tool-call and reasoning markers.
+MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# Pieces that become single tokens through left-to-right merges (a space prefix is the byte-level 'Ġ').
+_PIECES = [" the", " and", " to", " of", " a", " in", " is", " you", " that", " it", " for", " on", " with",
+           " are", " be", " this", " can", " what", " how", " I", " we", " tool", " call", " name", " user",
+           " weather", " city", " result", " function", " assistant", " system", "ing", "ed", "er", "es", "on",
+           "the", "name", "arguments", "content", "\n\n", "  ", "    ", "\":", " \"", "{\"", "\"}", "\",", "()"]
+
+QWEN3_CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages and messages[0].role == 'system' %}
+{{- messages[0].content + '\\n\\n' }}
+{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' + (tool | tojson) }}
+{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within ' }}
+{{- '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}' }}
+{{- '\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages and messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- if not loop.first %}
+{{- raise_exception('a system message may only come first') }}
+{%- endif %}
+{%- elif message.role == 'user' %}
+{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if message.content %}
+{{- message.content }}
+{%- endif %}
+{%- for call in message.tool_calls or [] %}
+{%- set fn = call.function if call.function is defined else call %}
+{%- if message.content or not loop.first %}
+{{- '\\n' }}
+{%- endif %}
+{{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
+{%- if fn.arguments is string %}
+{{- fn.arguments }}
+{%- else %}
+{{- fn.arguments | tojson }}
+{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- else %}
+{{- raise_exception('unknown role ' + message.role) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}
+{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}
+{%- endif %}
+"""
+
+LLAMA_CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- if messages and messages[0].role == 'system' %}
+{%- set system = messages[0].content %}
+{%- set rest = messages[1:] %}
+{%- else %}
+{%- set system = '' %}
+{%- set rest = messages %}
+{%- endif %}
+{%- if system or tools %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system }}
+{%- if tools %}
+{%- if system %}
+{{- '\\n\\n' }}
+{%- endif %}
+{{- 'You have access to the following functions. To call one, reply with JSON of the form ' }}
+{{- '{"name": function name, "parameters": dictionary of argument name and its value}.\\n' }}
+{%- for tool in tools %}
+{{- '\\n' + (tool | tojson(indent=4)) }}
+{%- endfor %}
+{%- endif %}
+{{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in rest %}
+{%- if message.role in ['user', 'assistant', 'system'] and not message.tool_calls %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- for call in message.tool_calls %}
+{%- set fn = call.function if call.function is defined else call %}
+{%- if fn.arguments is string %}
+{{- '{"name": "' + fn.name + '", "parameters": ' + fn.arguments + '}' }}
+{%- else %}
+{{- '{"name": "' + fn.name + '", "parameters": ' + (fn.arguments | tojson) + '}' }}
+{%- endif %}
+{%- endfor %}
+{{- '<|eot_id|>' }}
+{%- elif message.role in ['tool', 'ipython'] %}
+{%- if message.content is string %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + (message.content | tojson) + '<|eot_id|>' }}
+{%- endif %}
+{%- else %}
+{{- raise_exception('unknown role ' + message.role) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+
+def _byte_chars() -> list[str]:
+    """The byte-level alphabet: the character standing for each byte 0..255 (GPT-2's printable mapping)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def build_tokenizer(bos_token: str | None = None):
+    """A byte-level BPE `tokenizers.Tokenizer`: 256 byte tokens, merges for common pieces, special tokens.
+
+    With `bos_token`, a post-processor prepends it when special tokens are added (as Llama 3's tokenizer does).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    alphabet = _byte_chars()
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges: list[tuple[str, str]] = []
+    for piece in _PIECES:
+        chars = [alphabet[b] for b in piece.encode("utf-8")]
+        left = chars[0]
+        for c in chars[1:]:
+            if left + c not in vocab:
+                vocab[left + c] = len(vocab)
+                merges.append((left, c))
+            left += c
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
+    if bos_token is not None:
+        bos_id = tok.token_to_id(bos_token)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, bos_id)])
+    return tok
+
+
+def _model_config(arch: str, size: str, vocab_size: int, tok, tie: bool, dtype: str) -> dict[str, Any]:
+    shape = _SHAPES[(arch, size)]
+    common = dict(vocab_size=vocab_size, **shape, hidden_act="silu", max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0, initializer_range=0.02,
+                  tie_word_embeddings=tie, use_cache=True, torch_dtype=dtype,
+                  transformers_version=_TRANSFORMERS_VERSION)
+    if arch == "qwen3":
+        return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **common, rope_theta=1000000.0,
+                    rope_scaling=None, use_sliding_window=False, sliding_window=None,
+                    max_window_layers=shape["num_hidden_layers"],
+                    bos_token_id=tok.token_to_id("<|endoftext|>"), eos_token_id=tok.token_to_id("<|im_end|>"))
+    # Llama-3.1-style scaled RoPE, with a short original context so all three frequency bands are exercised.
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", **common, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 512},
+                mlp_bias=False, pretraining_tp=1, bos_token_id=tok.token_to_id("<|begin_of_text|>"),
+                eos_token_id=[tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")])
+
+
+def _init_weights(model: torch.nn.Module, seed: int, tied: bool) -> dict[str, torch.Tensor]:
+    """Seeded random weights, scaled so that greedy decoding of the random model wanders instead of repeating.
+
+    Input projections N(0, 1/fan_in), output projections (o_proj, down_proj) three times wider so the layers
+    dominate the residual stream, embeddings N(0, 0.05) when tied to the output head (else 0.5, head 0.1), and
+    norm weights drawn around 1 so that a norm loaded into the wrong place shows in the logits.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.2 * (torch.rand(p.shape, generator=g) - 0.5)
+        elif name.endswith("bias"):
+            t = torch.zeros(p.shape)
+        elif "embed_tokens" in name:
+            t = torch.randn(p.shape, generator=g) * (0.05 if tied else 0.5)
+        elif name == "lm_head.weight":
+            t = torch.randn(p.shape, generator=g) * 0.1
+        else:
+            std = (3.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0) / p.shape[1] ** 0.5
+            t = torch.randn(p.shape, generator=g) * std
+        out[name] = t
+    return out
+
+
+def _save_weights(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    from safetensors.torch import save_file
+
+    names = list(tensors)
+    if shards <= 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    acc = 0
+    for name in names:      # contiguous runs of roughly equal bytes, every shard non-empty
+        t = tensors[name]
+        i = min(shards - 1, acc * shards // max(total, 1))
+        groups[i].append(name)
+        acc += t.numel() * t.element_size()
+    groups = [g for g in groups if g]
+    weight_map = {}
+    for i, g in enumerate(groups, 1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in g}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in g})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3", size: str = "1m", seed: int = 0,
+                    dtype: str = "float32", shards: int = 1, tie_word_embeddings: bool | None = None) -> Path:
+    """Write a random `arch` model of about `size` parameters, its tokenizer and chat template into out_dir."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r} (valid: {', '.join(ARCHS)})")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} (valid: {', '.join(SIZES)})")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (valid: {', '.join(_DTYPES)})")
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
+    tie = (arch == "qwen3") if tie_word_embeddings is None else bool(tie_word_embeddings)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)      # a rewrite must not leave another layout's shards behind
+
+    tok = build_tokenizer("<|begin_of_text|>" if arch == "llama" else None)
+    vocab_size = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    config = _model_config(arch, size, vocab_size, tok, tie, dtype)
+
+    from tandem.engine.models import ModelConfig, get_model_class
+    mc = ModelConfig.from_dict(config)
+    with torch.device("meta"):
+        skeleton = get_model_class(mc.architecture)(mc)
+    tensors = {n: t.to(_DTYPES[dtype]).contiguous() for n, t in _init_weights(skeleton, seed, tie).items()}
+    _save_weights(tensors, out, shards)
+
+    _write_json(out / "config.json", config)
+    eos = config["eos_token_id"]
+    _write_json(out / "generation_config.json", {
+        "bos_token_id": config["bos_token_id"], "eos_token_id": eos if isinstance(eos, list) else
+        [eos, tok.token_to_id("<|endoftext|>")], "transformers_version": _TRANSFORMERS_VERSION})
+    tok.save(str(out / "tokenizer.json"))
+    if arch == "qwen3":
+        special = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+        template = QWEN3_CHAT_TEMPLATE
+    else:   # BOS comes from tokenizer.json's post-processor, as in Llama 3
+        special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"}
+        template = LLAMA_CHAT_TEMPLATE
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", **special, "unk_token": None,
+        "clean_up_tokenization_spaces": False, "model_max_length": 4096,
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in special.values()],
+        "chat_template": template})
+    _write_json(out / "special_tokens_map.json", {
+        **{k: v for k, v in special.items() if v is not None},
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in special.values()]})
+    return out
+
+
+def parameter_count(arch: str = "qwen3", size: str = "1m", tie_word_embeddings: bool | None = None) -> int:
+    """Number of distinct parameters of a tiny model (tied embeddings counted once)."""
+    tok = build_tokenizer()
+    vocab_size = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    tie = (arch == "qwen3") if tie_word_embeddings is None else bool(tie_word_embeddings)
+    from tandem.engine.models import ModelConfig, get_model_class
+    mc = ModelConfig.from_dict(_model_config(arch, size, vocab_size, tok, tie, "float32"))
+    with torch.device("meta"):
+        model = get_model_class(mc.architecture)(mc)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,144 @@
+"""The engine end to end on tiny random checkpoints: greedy parity with transformers, batching invariance
+under chunked prefill and preemption, multi-round KV reuse, prefix caching, limits and errors."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tandem.engine.config import EngineError  # noqa: E402
+from tandem.engine.llm import LLM  # noqa: E402
+from tandem.engine.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
+from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+
+PROMPT_LENS = (5, 17, 33, 50)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny_model(path, arch=request.param, size="1m", seed=1)
+    return str(path)
+
+
+def _prompts(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab - 8, (n,), generator=g).tolist() for n in lens]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+
+def test_greedy_matches_transformers_generate_for_a_batch_of_different_lengths(tiny):
+    transformers = pytest.importorskip("transformers")
+    llm = LLM(tiny, max_num_batched_tokens=64)
+    prompts = _prompts(llm.engine.model_config.vocab_size)
+    # min_tokens masks EOS like transformers' min_new_tokens does (ignore_eos alone would let EOS be chosen)
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, min_tokens=64))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    for p, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long), pad_token_id=0)
+        assert out.token_ids == ref[0, len(p):].tolist()
+        assert out.prompt_token_ids == p
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_outputs_do_not_depend_on_batching_chunking_or_preemption(tiny):
+    prompts = _prompts(400, lens=(40, 70, 25, 90, 60, 33), seed=3)
+    alone = [LLM(tiny).generate([p], GREEDY)[0].token_ids for p in prompts]
+    # 24 blocks of 16 tokens cannot hold six sequences of ~150 tokens: the scheduler must preempt
+    small = LLM(tiny, num_kv_blocks=24, max_model_len=384, max_num_batched_tokens=32)
+    together = small.generate(prompts, GREEDY)
+    assert [o.token_ids for o in together] == alone
+    assert sum(o.metrics.num_preemptions for o in together) > 0
+
+
+def test_a_five_round_session_prefills_only_new_tokens_and_matches_recomputation(tiny):
+    llm = LLM(tiny)
+    vocab = llm.engine.model_config.vocab_size
+    appends = _prompts(vocab, lens=(30, 7, 12, 3, 20), seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    conv: list[int] = []
+    for k, new in enumerate(appends):
+        conv = conv + new
+        out = llm.generate([conv], params, session_ids=["s"])[0]
+        scratch = LLM(tiny, enable_prefix_caching=False).generate([conv], params)[0]
+        assert out.token_ids == scratch.token_ids
+        if k == 0:
+            assert out.metrics.num_computed_tokens == len(new)
+            assert out.num_cached_tokens == 0
+        else:   # the new tokens plus the previous round's last output, whose KV was never written
+            assert out.metrics.num_computed_tokens == len(new) + 1
+            assert out.num_cached_tokens == len(conv) - len(new) - 1
+        conv = conv + out.token_ids
+
+
+def test_prefix_cache_reuses_full_blocks_and_keeps_outputs(tiny):
+    llm = LLM(tiny)
+    vocab = llm.engine.model_config.vocab_size
+    shared = _prompts(vocab, lens=(70,), seed=7)[0]
+    a, b = shared + [5, 6, 7], shared + [9, 10]
+    first = llm.generate([a], GREEDY)[0]
+    second = llm.generate([b], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 64           # 4 full blocks of 16 of the 70 shared tokens
+    assert second.metrics.num_computed_tokens == len(b) - 64
+    cold = LLM(tiny, enable_prefix_caching=False).generate([b], GREEDY)[0]
+    assert second.token_ids == cold.token_ids
+
+
+def test_stop_strings_token_ids_and_max_tokens_end_requests(tiny):
+    llm = LLM(tiny)
+    base = llm.generate([[10, 11, 12]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_tok = base.token_ids[5]
+    out = llm.generate([[10, 11, 12]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                      stop_token_ids=[stop_tok]))[0]
+    first = base.token_ids.index(stop_tok)
+    assert out.token_ids == base.token_ids[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+    assert len(llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_are_reported(tiny):
+    llm = LLM(tiny)
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=123, max_tokens=16, ignore_eos=True, logprobs=2)
+    a = llm.generate(["abc", "defgh"], [p, SamplingParams(temperature=0.7, seed=9, max_tokens=16)])[0]
+    b = llm.generate(["abc"], p)[0]
+    assert a.token_ids == b.token_ids
+    lps = a.outputs[0].logprobs
+    assert len(lps) == 16 and all(tok in entry for tok, entry in zip(a.token_ids, lps))
+    assert all(v <= 0 for entry in lps for v in entry.values())
+
+
+def test_chat_applies_the_template(tiny):
+    llm = LLM(tiny)
+    msgs = [{"role": "user", "content": "hi there"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    text = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    assert len(out.token_ids) == 4
+
+
+def test_limits_raise_clear_errors(tiny):
+    llm = LLM(tiny, max_model_len=64)
+    with pytest.raises(EngineError, match="max_model_len"):
+        llm.generate([list(range(3, 67))], GREEDY)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 10**7]], GREEDY)
+    with pytest.raises(EngineError, match="KV pool holds 32 tokens"):
+        LLM(tiny, num_kv_blocks=2, max_model_len=64)
+    with pytest.raises(SamplingParamsError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(EngineError, match="empty"):
+        llm.generate([[]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_max_tokens_is_clipped_to_the_context(tiny):
+    llm = LLM(tiny, max_model_len=40)
+    out = llm.generate([list(range(3, 33))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.token_ids) == 10 and out.outputs[0].finish_reason == "length"
