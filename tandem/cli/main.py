@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.cli import plan_cmd, tiny_cmd
     plan_cmd.add_parser(sub)
     tiny_cmd.add_parser(sub)
+    from tandem.cli import profile_cmd
+    profile_cmd.add_parser(sub)
     return p
 
 
@@ -218,12 +220,15 @@ def _slo(args, default: SLO | None) -> SLO | None:
                args.slo_itl if args.slo_itl is not None else default.itl_s)
 
 
-def _deployment(args, model: str, gpu: str, policy: str) -> tuple[str, int]:
-    """The validated deployment string and the cluster's GPU count."""
+def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False) -> tuple[str, int]:
+    """The validated deployment string and the cluster's GPU count (profiled: tp1 engines, no catalogue checks)."""
     from tandem.bench.experiment import check_fits, deployment_candidates, policy_is_colocated
     from tandem.workload.generators import PAPER_GPUS
 
     colocated = policy_is_colocated(policy)
+    if profiled and args.deploy is None:
+        args.deploy = "C:tp1x1" if colocated else "P:tp1x1,D:tp1x1"
+        _note(f"no --deploy given; using {args.deploy} (copies of the profiled engine)")
     if args.deploy is None:
         gpus = args.gpus or PAPER_GPUS.get(args.workload, 8)
         cands = deployment_candidates(model, gpu, gpus, colocated, cap=1)
@@ -240,19 +245,31 @@ def _deployment(args, model: str, gpu: str, policy: str) -> tuple[str, int]:
     if not colocated and not dep.disaggregated:
         raise DeploymentError(f"policy {policy} needs prefill and decode workers, e.g. 'P:tp4x1,D:tp4x1', "
                               f"not {args.deploy!r}")
-    check_fits(model, gpu, str(dep))
+    if profiled:
+        tps = sorted({g.tp for g in dep.groups if g.tp != 1})
+        if tps:
+            raise DeploymentError(f"a profile describes one engine on one device (tp1); {args.deploy!r} asks for tp{tps[0]}")
+    else:
+        check_fits(model, gpu, str(dep))
     return str(dep), gpus
 
 
 def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, policy: str):
     cfg = cluster.SimConfig(model=model, gpu=gpu, gpus=gpus, deploy=deploy, policy=policy, seed=args.seed)
     if args.perf is not None:
-        if "perf" not in {f.name for f in dataclasses.fields(cluster.SimConfig)}:
-            raise CLIError("--perf is not supported yet by the simulator")
-        if not Path(args.perf).is_file():
-            raise FileNotFoundError(2, "No such file", args.perf)
         cfg = dataclasses.replace(cfg, perf=args.perf)
     return cfg
+
+
+def _perf(cluster, args):
+    """The --perf file parsed (a Profile or an AMPDCostModel), None without --perf; user errors are one line."""
+    if args.perf is None:
+        return None
+    if cluster is None or not hasattr(cluster, "load_perf"):
+        raise CLIError("--perf is not supported by this build's simulator")
+    if not Path(args.perf).is_file():
+        raise FileNotFoundError(2, "No such file", args.perf)
+    return cluster.load_perf(args.perf)
 
 
 SIM_TABLE_METRICS: list[tuple[str, str]] = [
@@ -291,11 +308,19 @@ def cmd_simulate(args) -> int:
     from tandem.bench.experiment import canonical_gpu, canonical_model
     from tandem.workload.metrics import summarize
 
-    model, gpu = canonical_model(args.model), canonical_gpu(args.gpu)
     cluster = _cluster()
+    perf = _perf(cluster, args)
+    profiled = perf is not None and hasattr(perf, "step_model")
+    if profiled:  # a `tandem profile` output: model and GPU are labels from it, the catalogue is not used
+        model, gpu = perf.name, perf.device_name
+        _note(f"--perf {args.perf}: every worker is the profiled engine ({perf.name} on {gpu}, "
+              f"{perf.kv_capacity_tokens:,} KV tokens, held-out step error {100 * (perf.heldout_error.get('median') or 0):.1f}%); "
+              f"--model/--gpu are not used and the catalogue's memory checks are skipped")
+    else:
+        model, gpu = canonical_model(args.model), canonical_gpu(args.gpu)
     if cluster is not None and args.policy not in cluster.POLICIES:
         raise CLIError(f"unknown policy {args.policy!r} (valid: {', '.join(cluster.POLICIES)})")
-    deploy, gpus = _deployment(args, model, gpu, args.policy)
+    deploy, gpus = _deployment(args, model, gpu, args.policy, profiled)
     sessions, rate, _ = _load_workload(args, model)
     if cluster is None:
         raise CLIError("the simulator (tandem.sim.cluster) is not available in this build")

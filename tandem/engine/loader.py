@@ -57,6 +57,17 @@ def _few(names: list[str] | set[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + more
 
 
+def checkpoint_layout(model: torch.nn.Module) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """Checkpoint tensor name -> (parameter name, row offset, shape) of the model's parameters.
+
+    Models with merged parameters (qkv_proj, gate_up_proj) say how the Hugging Face tensors stack into them
+    (`checkpoint_layout()`); for any other model each parameter is the checkpoint tensor of the same name.
+    """
+    if hasattr(model, "checkpoint_layout"):
+        return model.checkpoint_layout()
+    return {n: (n, 0, tuple(t.shape)) for n, t in model.named_parameters()}
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
                backend: str | None = None, *,
                dtype_for: Callable[[str | None], torch.dtype] | None = None) -> tuple[torch.nn.Module, ModelConfig]:
@@ -88,6 +99,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
     model = model.to(dtype=dt).to_empty(device=dev)
     model.tie_weights()
     params = dict(model.named_parameters())   # tied lm_head.weight is deduplicated away
+    layout = checkpoint_layout(model)         # checkpoint name -> (parameter, row offset, shape)
 
     from safetensors import safe_open
     plan: list[tuple[Path, list[str]]] = []
@@ -100,12 +112,13 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
             for name in sf.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
-                if name not in params:
+                if name not in layout:
                     unexpected.append(name)
                     continue
                 shape = tuple(sf.get_slice(name).get_shape())
-                if shape != tuple(params[name].shape):
-                    bad_shapes.append(f"{name} is {list(shape)} in {f.name}, model expects {list(params[name].shape)}")
+                want = layout[name][2]
+                if shape != want:
+                    bad_shapes.append(f"{name} is {list(shape)} in {f.name}, model expects {list(want)}")
                     continue
                 if name not in seen:
                     seen.add(name)
@@ -115,7 +128,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
         raise ModelLoadError(f"{p}: shape mismatch for {len(bad_shapes)} tensor(s): {'; '.join(bad_shapes[:3])}")
     if unexpected:
         raise ModelLoadError(f"{p}: {len(unexpected)} unexpected tensor(s) for {cfg.architecture}: {_few(unexpected)}")
-    missing = set(params) - seen
+    missing = set(layout) - seen
     if missing:
         raise ModelLoadError(f"{p}: {len(missing)} tensor(s) missing from the checkpoint: {_few(missing)}")
 
@@ -124,7 +137,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
         for f, names in plan:
             with safe_open(str(f), framework="pt", device=load_dev) as sf:
                 for name in names:
-                    params[name].copy_(sf.get_tensor(name))
+                    pname, off, shape = layout[name]
+                    params[pname][off:off + shape[0]].copy_(sf.get_tensor(name))   # a merged part: its rows
     model.requires_grad_(False)
     model.eval()
     return model, cfg

@@ -227,18 +227,21 @@ def _init_weights(model: torch.nn.Module, seed: int, tied: bool) -> dict[str, to
     """
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for name, p in model.named_parameters():
+    from tandem.engine.loader import checkpoint_layout
+
+    # Hugging Face names and shapes (merged q/k/v and gate/up parameters split back into their checkpoint parts)
+    for name, (_param, _off, shape) in checkpoint_layout(model).items():
         if name.endswith("norm.weight"):
-            t = 1.0 + 0.2 * (torch.rand(p.shape, generator=g) - 0.5)
+            t = 1.0 + 0.2 * (torch.rand(shape, generator=g) - 0.5)
         elif name.endswith("bias"):
-            t = torch.zeros(p.shape)
+            t = torch.zeros(shape)
         elif "embed_tokens" in name:
-            t = torch.randn(p.shape, generator=g) * (0.05 if tied else 0.5)
+            t = torch.randn(shape, generator=g) * (0.05 if tied else 0.5)
         elif name == "lm_head.weight":
-            t = torch.randn(p.shape, generator=g) * 0.1
+            t = torch.randn(shape, generator=g) * 0.1
         else:
-            std = (3.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0) / p.shape[1] ** 0.5
-            t = torch.randn(p.shape, generator=g) * std
+            std = (3.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0) / shape[1] ** 0.5
+            t = torch.randn(shape, generator=g) * std
         out[name] = t
     return out
 

@@ -1,6 +1,7 @@
 """Build a simulated cluster from a deployment and a policy, run sessions through it, return records."""
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -13,13 +14,14 @@ from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.hardware import get_gpu
 from tandem.perf.models import get_model
 from tandem.perf.roofline import Roofline, kv_capacity_tokens
+from tandem.perf.step_model import Profile, is_profile_dict
 from tandem.policy.presets import POLICIES, get_policy, make_picker, make_router
 from tandem.sim.network import Network
 from tandem.sim.loop import EventLoop
 from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
-__all__ = ["SimConfig", "SimResult", "simulate", "build", "ConfigError", "POLICIES"]
+__all__ = ["SimConfig", "SimResult", "simulate", "build", "load_perf", "ConfigError", "POLICIES"]
 
 
 class ConfigError(ValueError):
@@ -45,7 +47,8 @@ class SimConfig:
     beta: float = 0.85
     reorder_window: int = 3
     continuum_ttl_s: float = 30.0
-    perf: str | None = None                     # fitted cost-model JSON (tandem profile); roofline if None
+    perf: str | None = None                     # `tandem profile` JSON (step timer, routing costs, KV pool), or
+                                                # an AMPDCostModel JSON (routing costs only); roofline if None
 
 
 @dataclass(slots=True)
@@ -75,9 +78,25 @@ def place(dep: Deployment, gpus_per_node: int, gpus: int) -> list[int]:
     return nodes
 
 
+def load_perf(path: str) -> Profile | AMPDCostModel:
+    """Read a --perf file: a `tandem profile` output or an AMPDCostModel JSON; ConfigError (one line) otherwise."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--perf {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    try:
+        if is_profile_dict(d):
+            return Profile.from_dict(d)
+        if isinstance(d, dict) and "pre" in d and "dec" in d:
+            return AMPDCostModel.from_dict(d)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--perf {path}: {e}") from None
+    raise ConfigError(f"--perf {path}: neither a `tandem profile` output nor an AMPD cost-model JSON")
+
+
 def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     """Instantiate the cores, the cost models and the shell for `cfg`."""
-    model, gpu = get_model(cfg.model), get_gpu(cfg.gpu)
     try:
         spec = get_policy(cfg.policy)
     except ValueError as e:
@@ -88,12 +107,13 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     if spec.disaggregated != dep.disaggregated:
         kind = "a disaggregated deployment (P:...,D:...)" if spec.disaggregated else "a co-located deployment (C:...)"
         raise ConfigError(f"policy {spec.name} needs {kind}, got {dep}")
+    perf = load_perf(cfg.perf) if cfg.perf else None
+    if isinstance(perf, Profile):
+        return _build_profiled(cfg, spec, dep, perf)
+    model, gpu = get_model(cfg.model), get_gpu(cfg.gpu)
     nodes = place(dep, gpu.gpus_per_node, cfg.gpus)
     tps = tuple(sorted({tp for _, tp in dep.workers()}))
-    if cfg.perf:
-        cost = AMPDCostModel.from_json(cfg.perf)
-    else:
-        cost = AMPDCostModel.from_roofline(model.name, gpu.name, tps)
+    cost = perf if perf is not None else AMPDCostModel.from_roofline(model.name, gpu.name, tps)
     rng = random.Random(cfg.seed)
     workers, timers = [], []
     for wid, (role, tp) in enumerate(dep.workers()):
@@ -113,6 +133,38 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
                   nvlink_bps=gpu.nvlink_gbs * 1e9 * gpu.link_eff, net_bps=gpu.net_gbs * 1e9 * gpu.link_eff,
                   nvlink_latency_s=gpu.nvlink_latency_s, net_latency_s=gpu.net_latency_s, schedule=None)
     loop = EventLoop(coord, workers, timers, net, model.kv_bytes_per_token)
+    return coord, workers, loop
+
+
+def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
+    """Workers that are copies of the profiled engine on one host: its step-time model as the executor
+    timer, its AMPD costs for routing, its KV pool, chunk budget and sequence limit, and the profile's
+    local KV link between them. cfg.model/gpu/mem_util/block_size and the token budgets are not used."""
+    bad = sorted({tp for _, tp in dep.workers() if tp != 1})
+    if bad:
+        raise ConfigError(f"the profile {cfg.perf} measured one engine on one device (tp1); "
+                          f"deployment {dep} asks for tp{bad[0]}")
+    rng = random.Random(cfg.seed)
+    step_time = prof.step_model.step_time
+    cost = prof.ampd
+    workers, timers = [], []
+    for wid, (role, tp) in enumerate(dep.workers()):
+        wc = WorkerConfig(
+            role=role, tp=1, num_blocks=prof.num_blocks, block_size=prof.block_size,
+            max_num_batched_tokens=prof.max_num_batched_tokens, max_num_seqs=prof.max_num_seqs,
+            mix_decode_with_prefill=role == COLOCATED,
+            retain_s=cfg.continuum_ttl_s if spec.retain_idle_kv else 0.0,
+            window_s=cfg.window_s)
+        workers.append(WorkerCore(wid, wc, make_picker(spec, cfg.reorder_window),
+                                  lambda h, n: cost.t_pre(h, n, 1)))
+        timers.append(step_time)
+    nodes = [0] * len(workers)                       # one host: every transfer takes the local link
+    state = InProcessState(workers, cost, nodes)
+    coord = Coordinator(state, make_router(spec, rng, cfg.alpha, cfg.beta), max_context=prof.max_model_len)
+    bw, lat = float(prof.kv_link["bandwidth_bytes_per_s"]), float(prof.kv_link["latency_s"])
+    net = Network(nodes, [1] * len(workers), nvlink_bps=bw, net_bps=bw, nvlink_latency_s=lat, net_latency_s=lat,
+                  schedule=None)
+    loop = EventLoop(coord, workers, timers, net, prof.kv_bytes_per_token)
     return coord, workers, loop
 
 

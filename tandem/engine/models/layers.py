@@ -32,6 +32,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return h.mul_(self.weight)              # HF's weight * h, without another temporary
         return self.weight * h.to(dtype)
 
 
@@ -67,37 +69,50 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq = rope_inv_freq(head_dim, theta, scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] in `dtype` for int positions [T]."""
+        """cos, sin [T, head_dim // 2] in `dtype` for int positions [T].
+
+        HF's cos/sin are these repeated twice along the last dim (emb = cat(freqs, freqs)); the halves are equal,
+        so only one is computed and apply_rotary uses it for both halves.
+        """
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by cos/sin [T, D]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
+    """Rotate x [T, H, D] by half-width cos/sin [T, D // 2] (rotate-half layout) into a new contiguous tensor.
+
+    HF's x * cos + rotate_half(x) * sin, half by half: out1 = x1 * c + (-x2) * s, out2 = x2 * c + x1 * s.
+    """
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=o1)
+    o1.sub_(x2 * s)                      # x1*c + (-x2)*s: negation is exact, so a - b rounds the same
+    torch.mul(x2, c, out=o2)
+    o2.add_(x1 * s)
+    return out
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), gate and up as one merged matmul (checkpoint: gate_proj, up_proj)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        # merged parameter -> its checkpoint parts, stacked along dim 0 in this order (see CausalLM.checkpoint_layout)
+        self.merged_params = {"gate_up_proj": (("gate_proj", intermediate), ("up_proj", intermediate))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.gate_up_proj(x)
+        n = self.intermediate
+        return self.down_proj(F.silu(gu[:, :n]).mul_(gu[:, n:]))
 
 
 class Attention(nn.Module):
@@ -112,9 +127,10 @@ class Attention(nn.Module):
                              f"num_key_value_heads {self.num_kv_heads}")
         self.scale = self.head_dim ** -0.5
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = nq, nkv
+        self.qkv_proj = nn.Linear(h, nq + 2 * nkv, bias=bias)
+        self.merged_params = {"qkv_proj": (("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv))}
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -126,9 +142,11 @@ class Attention(nn.Module):
                 meta: AttnMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into the layer cache `kv`."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        nq, nkv = self.q_size, self.kv_size
+        q = qkv[:, :nq].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, nq:nq + nkv].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, nq + nkv:].view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
@@ -205,6 +223,29 @@ class CausalLM(nn.Module):
                 meta: AttnMetadata) -> torch.Tensor:
         """Token ids [T] at positions [T] -> hidden states [T, hidden], writing the step's KV into kv_caches."""
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def checkpoint_layout(self) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+        """Hugging Face checkpoint tensor name -> (parameter name, row offset, shape), in parameter order.
+
+        A merged parameter (qkv_proj, gate_up_proj) stacks its checkpoint tensors (q/k/v_proj, gate/up_proj)
+        along dim 0; every other parameter is its checkpoint tensor (offset 0, whole shape). Tied lm_head.weight
+        is absent, as in named_parameters().
+        """
+        out: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+        for name, p in self.named_parameters():
+            mod_path, _, leaf = name.rpartition(".")
+            parent_path, _, child = mod_path.rpartition(".")
+            parts = getattr(self.get_submodule(parent_path), "merged_params", {}).get(child) if parent_path else None
+            if not parts:
+                out[name] = (name, 0, tuple(p.shape))
+                continue
+            off = 0
+            for sub, rows in parts:
+                out[f"{parent_path}.{sub}.{leaf}"] = (name, off, (rows,) + tuple(p.shape[1:]))
+                off += rows
+            if off != p.shape[0]:
+                raise AssertionError(f"merged parameter {name} has {p.shape[0]} rows, its parts {off}")
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden rows [N, hidden] -> float32 logits [N, vocab]."""
