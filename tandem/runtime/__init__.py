@@ -1,0 +1,1 @@
+"""The runtime shell: worker processes, transport, KV transfer, state store, launchers (ARCHITECTURE.md)."""

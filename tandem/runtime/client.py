@@ -1,0 +1,73 @@
+"""The interface between the HTTP server and whatever serves requests (vLLM's EngineClient).
+
+Implementations: `tandem.runtime.async_llm.AsyncLLM` (one in-process engine on a thread) and the
+disaggregated multi-process runtime (a coordinator driving prefill and decode worker processes).
+The server layer only talks to this protocol, so it serves both the same way.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer import Tokenizer
+
+
+class RequestError(Exception):
+    """A request the backend rejects; `status` is the HTTP status the server should answer with."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.code, self.param = message, status, code, param
+
+
+@dataclass
+class BackendStats:
+    """Gauges and counters the server exports on /metrics (vLLM names where one exists)."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage_perc: float = 0.0               # 0..1, mean over decode/co-located workers
+    prefix_cache_queries: int = 0                  # prompt tokens looked up
+    prefix_cache_hits: int = 0                     # prompt tokens found cached (session history or prefix cache)
+    local_prefills: int = 0                        # tandem: prefills run on the session's decode worker
+    remote_prefills: int = 0                       # tandem: prefills run on a prefill worker
+    kv_transfer_seconds: list[float] = field(default_factory=list)   # new observations since the last call
+    kv_transfer_bytes: int = 0
+    workers_alive: int = 0
+    workers_total: int = 0
+
+
+class EngineClient(Protocol):
+    """What the server needs from a backend."""
+
+    model_name: str            # the served model name (`--served-model-name`, default: the checkpoint directory)
+    max_model_len: int
+    tokenizer: Tokenizer
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 session_id: str | None = None, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative RequestOutputs until one with `finished` True; raises RequestError on bad input.
+
+        A failure after acceptance ends the stream with a finished output whose `error` says why
+        (finish_reason "abort"). Closing the iterator early (client gone) aborts the request and frees its KV.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV; a no-op for unknown or finished requests."""
+        ...
+
+    def stats(self) -> BackendStats:
+        """A snapshot of the backend's gauges; kv_transfer_seconds holds observations since the last call."""
+        ...
+
+    def is_healthy(self) -> bool:
+        """False when the backend cannot serve (no live decode/co-located worker)."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop every worker and free resources."""
+        ...
