@@ -17,6 +17,11 @@ class InProcessState:
         self._prefill = [w.id for w in workers if w.role == PREFILL]
         self._homes = [w.id for w in workers if w.role != PREFILL]
 
+    def drop(self, worker: int) -> None:
+        """Stop listing a lost worker (the live state store does this by heartbeat expiry)."""
+        self._prefill = [w for w in self._prefill if w != worker]
+        self._homes = [w for w in self._homes if w != worker]
+
     def prefill_workers(self) -> Sequence[int]:
         return self._prefill
 

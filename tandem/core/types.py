@@ -113,7 +113,7 @@ class RoundDone:
     session_id: str
     worker: int
     time_s: float
-    output_tokens: int
+    output_tokens: int          # tokens the round generated (the first one included)
     itl_sum: float
     itl_count: int
     itl_max: float

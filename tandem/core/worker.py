@@ -419,7 +419,7 @@ class WorkerCore:
         seq.state = "idle"
         seq.retain_until = now + self.cfg.retain_s
         self.idle[seq.session_id] = seq
-        self.events.append(RoundDone(seq.session_id, self.id, now, 0, seq.itl_sum, seq.itl_count,
+        self.events.append(RoundDone(seq.session_id, self.id, now, seq.itl_count + 1, seq.itl_sum, seq.itl_count,
                                      seq.itl_max, seq.preemptions))
         seq.preemptions = 0
 
