@@ -17,7 +17,14 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tandem experiment --preset demo --out reports/demo
 
-test: $(STAMP)
+# The Redis state-store tests start their own redis-server: install the binary when missing (Debian, root).
+# Tolerated to fail: those tests then skip, naming the missing binary.
+.PHONY: redis
+redis:
+	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+		|| echo "note: could not install redis-server; the Redis state-store tests will skip"
+
+test: $(STAMP) redis
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

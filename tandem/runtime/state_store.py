@@ -1,0 +1,247 @@
+"""The runtime's state store: workers publish their load and windowed stats, the coordinator reads them.
+
+`EmbeddedStore` keeps them in a dict (one process, `--state embedded`); `RedisStore` keeps them in
+Redis so that worker processes on several hosts and the coordinator share them, as AMPD does.
+Layout, TTLs and staleness rules: docs/state-store.md.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+import msgspec
+
+from tandem.core.worker import WorkerCore
+
+DEFAULT_TTL_S = 5.0          # a worker key outlives its last publish by this long (Redis liveness)
+URL_FORM = "redis://HOST:PORT[/DB]"
+_URL = re.compile(r"redis://(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})(?:/(?P<db>\d{1,2}))?")
+_CLUSTER = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+class StateStoreError(Exception):
+    """A state store that cannot be opened or reached; the message is one line for the CLI."""
+
+
+class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's published snapshot: identity, endpoints, windowed latency means and load."""
+
+    worker_id: int
+    role: str                      # tandem.core.types PREFILL | DECODE | COLOCATED
+    tp: int
+    node: int = 0
+    control_addr: str = ""         # opaque to the store (ZeroMQ endpoints of the runtime)
+    kv_addr: str = ""
+    ttft_mean_s: float = 0.0       # WindowedMean of TTFT at publish time
+    itl_mean_s: float = 0.0        # WindowedMean of ITL at publish time
+    window_s: float = 10.0         # the window of those means: older than this, they say nothing
+    queued_prefill_s: float = 0.0  # WorkerCore.pending_prefill_s(): AMPD Eq. 1-2 queue term
+    capacity_tokens: int = 0
+    free_tokens: int = 0
+    kv_usage: float = 0.0
+    num_running: int = 0           # sequences prefilling or decoding
+    num_waiting: int = 0           # prefill tasks queued plus remote KV waiting for memory
+    published_s: float = 0.0       # wall time of this publish: the heartbeat
+    alive: bool = True             # False: the worker announced it is going away
+
+    @classmethod
+    def from_core(cls, core: WorkerCore, now: float, *, node: int = 0, control_addr: str = "",
+                  kv_addr: str = "", published_s: float | None = None, alive: bool = True) -> WorkerState:
+        """Snapshot `core` at core time `now` (its means) and wall time `published_s` (default: time.time())."""
+        return cls(
+            worker_id=core.id, role=core.role, tp=core.cfg.tp, node=node,
+            control_addr=control_addr, kv_addr=kv_addr,
+            ttft_mean_s=core.ttft.mean(now), itl_mean_s=core.itl.mean(now), window_s=core.cfg.window_s,
+            queued_prefill_s=core.pending_prefill_s(), capacity_tokens=core.capacity_tokens,
+            free_tokens=core.blocks.num_free * core.cfg.block_size, kv_usage=core.kv_usage,
+            num_running=len(core.running) + len(core.active),
+            num_waiting=len(core.queue) + len(core.pending_kv),
+            published_s=time.time() if published_s is None else published_s, alive=alive)
+
+
+class SessionInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A session's binding: its decode (home) worker and how many history tokens are resident there."""
+
+    decode_worker: int
+    resident_tokens: int = 0
+    updated_s: float = 0.0
+
+
+class StateStore(Protocol):
+    """Where worker states and session bindings live; every method may raise StateStoreError."""
+
+    def publish(self, state: WorkerState) -> None: ...
+    def get(self, worker_id: int) -> WorkerState | None: ...
+    def all(self) -> list[WorkerState]: ...
+    def remove(self, worker_id: int) -> None: ...
+    def put_session(self, session_id: str, info: SessionInfo) -> None: ...
+    def get_session(self, session_id: str) -> SessionInfo | None: ...
+    def delete_session(self, session_id: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class EmbeddedStore:
+    """In-process, thread-safe dict store; worker entries expire `ttl_s` after their publish if set."""
+
+    def __init__(self, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.clock = ttl_s, clock
+        self._lock = threading.Lock()
+        self._workers: dict[int, tuple[float, WorkerState]] = {}   # id -> (expiry on clock, state)
+        self._sessions: dict[str, SessionInfo] = {}
+
+    def publish(self, state: WorkerState) -> None:
+        expiry = self.clock() + self.ttl_s if self.ttl_s is not None else float("inf")
+        with self._lock:
+            self._workers[state.worker_id] = (expiry, state)
+
+    def _live(self) -> dict[int, tuple[float, WorkerState]]:
+        now = self.clock()
+        dead = [w for w, (exp, _) in self._workers.items() if exp <= now]
+        for w in dead:
+            del self._workers[w]
+        return self._workers
+
+    def get(self, worker_id: int) -> WorkerState | None:
+        with self._lock:
+            entry = self._live().get(worker_id)
+        return entry[1] if entry else None
+
+    def all(self) -> list[WorkerState]:
+        with self._lock:
+            return [s for _, (_, s) in sorted(self._live().items())]
+
+    def remove(self, worker_id: int) -> None:
+        with self._lock:
+            self._workers.pop(worker_id, None)
+
+    def put_session(self, session_id: str, info: SessionInfo) -> None:
+        with self._lock:
+            self._sessions[session_id] = info
+
+    def get_session(self, session_id: str) -> SessionInfo | None:
+        with self._lock:
+            return self._sessions.get(session_id)
+
+    def delete_session(self, session_id: str) -> None:
+        with self._lock:
+            self._sessions.pop(session_id, None)
+
+    def close(self) -> None:
+        pass
+
+
+def parse_redis_url(url: str) -> tuple[str, int, int]:
+    """(host, port, db) of a `redis://HOST:PORT[/DB]` URL; StateStoreError for any other form."""
+    m = _URL.fullmatch(url)
+    port = int(m["port"]) if m else 0
+    if m is None or not 0 < port < 65536:
+        raise StateStoreError(f"bad state store URL {url!r}: expected {URL_FORM}")
+    return m["host"].strip("[]"), port, int(m["db"] or 0)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+class RedisStore:
+    """Redis-backed store: msgspec-JSON strings under `tandem:{cluster}:`, worker keys with a TTL (liveness)."""
+
+    def __init__(self, url: str, cluster: str = "default", ttl_s: float = DEFAULT_TTL_S,
+                 session_ttl_s: float | None = None, timeout_s: float = 1.0) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        host, port, db = parse_redis_url(url)
+        if not _CLUSTER.fullmatch(cluster):
+            raise StateStoreError(f"bad cluster name {cluster!r}: letters, digits, '_', '.', '-' only")
+        if ttl_s <= 0:
+            raise StateStoreError(f"worker TTL must be positive, got {ttl_s}")
+        self.url, self.cluster, self.ttl_s, self.session_ttl_s = url, cluster, ttl_s, session_ttl_s
+        self.prefix = f"tandem:{cluster}:"
+        self._where = f"Redis at {host}:{port}/{db}"
+        self._errors_cls = redis.RedisError
+        self._r = redis.Redis(host=host, port=port, db=db, socket_timeout=timeout_s,
+                              socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1))
+        self._enc = msgspec.json.Encoder()
+        self._dec_w = msgspec.json.Decoder(WorkerState)
+        self._dec_s = msgspec.json.Decoder(SessionInfo)
+        with self._errors("cannot reach"):
+            self._r.ping()
+
+    @contextmanager
+    def _errors(self, what: str = "lost") -> Iterator[None]:
+        try:
+            yield
+        except self._errors_cls as e:
+            raise StateStoreError(f"state store: {what} {self._where}: {_one_line(e)}") from None
+
+    def worker_key(self, worker_id: int) -> str:
+        return f"{self.prefix}worker:{worker_id}"
+
+    def session_key(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}"
+
+    @property
+    def index_key(self) -> str:
+        """A set of the worker ids ever published (entries whose key expired are pruned on read)."""
+        return f"{self.prefix}workers"
+
+    def publish(self, state: WorkerState) -> None:
+        with self._errors():
+            p = self._r.pipeline(transaction=False)
+            p.set(self.worker_key(state.worker_id), self._enc.encode(state), px=max(1, round(self.ttl_s * 1000)))
+            p.sadd(self.index_key, state.worker_id)
+            p.execute()
+
+    def get(self, worker_id: int) -> WorkerState | None:
+        with self._errors():
+            raw = self._r.get(self.worker_key(worker_id))
+        return self._dec_w.decode(raw) if raw is not None else None
+
+    def all(self) -> list[WorkerState]:
+        with self._errors():
+            ids = sorted(int(i) for i in self._r.smembers(self.index_key))
+            raws = self._r.mget([self.worker_key(i) for i in ids]) if ids else []
+            gone = [i for i, raw in zip(ids, raws) if raw is None]
+            if gone:
+                self._r.srem(self.index_key, *gone)
+        return [self._dec_w.decode(raw) for raw in raws if raw is not None]
+
+    def remove(self, worker_id: int) -> None:
+        with self._errors():
+            p = self._r.pipeline(transaction=False)
+            p.delete(self.worker_key(worker_id))
+            p.srem(self.index_key, worker_id)
+            p.execute()
+
+    def put_session(self, session_id: str, info: SessionInfo) -> None:
+        ttl = None if self.session_ttl_s is None else max(1, round(self.session_ttl_s * 1000))
+        with self._errors():
+            self._r.set(self.session_key(session_id), self._enc.encode(info), px=ttl)
+
+    def get_session(self, session_id: str) -> SessionInfo | None:
+        with self._errors():
+            raw = self._r.get(self.session_key(session_id))
+        return self._dec_s.decode(raw) if raw is not None else None
+
+    def delete_session(self, session_id: str) -> None:
+        with self._errors():
+            self._r.delete(self.session_key(session_id))
+
+    def close(self) -> None:
+        self._r.close()
+
+
+def open_store(spec: str, cluster: str = "default", ttl_s: float = DEFAULT_TTL_S) -> StateStore:
+    """The store a `--state` value names: "embedded" or redis://HOST:PORT[/DB]."""
+    if spec == "embedded":
+        return EmbeddedStore()
+    if spec.startswith("redis://"):
+        return RedisStore(spec, cluster=cluster, ttl_s=ttl_s)
+    raise StateStoreError(f"unknown state store {spec!r}: expected 'embedded' or {URL_FORM}")
