@@ -1,0 +1,257 @@
+"""AsyncLLM: an in-process EngineClient that runs one co-located LLMEngine on a background thread.
+
+The engine is not thread-safe, so only its thread touches it: the event loop sends commands (add,
+abort) through a queue and the thread answers adds through futures and delivers each step's
+cumulative RequestOutputs to per-request asyncio queues with `loop.call_soon_threadsafe`.
+Closing a request's iterator early (the HTTP client went away) aborts it and frees its KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.engine.config import EngineConfig, EngineError
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
+from tandem.engine.tokenizer import TokenizerError
+from tandem.runtime.client import BackendStats, RequestError
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5          # the idle engine thread wakes this often even without commands
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue owned by an event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput]
+
+
+@dataclass
+class _Counters:
+    """Backend counters kept by the engine thread (read without a lock: plain ints and floats)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefills: int = 0
+
+
+class AsyncLLM:
+    """EngineClient over one LLMEngine stepped on a daemon thread (co-located prefill and decode)."""
+
+    def __init__(self, engine: LLMEngine, served_model_name: str | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.model_name: str = served_model_name or Path(engine.config.model).name
+        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}          # only the engine thread mutates it
+        self._prefilled: set[str] = set()
+        self._counters = _Counters()
+        self._error: str | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, path: str, served_model_name: str | None = None, **engine_args: Any) -> AsyncLLM:
+        """Load a checkpoint (any EngineConfig field as a keyword) and start the engine thread."""
+        try:
+            config = EngineConfig(model=path, **engine_args)
+        except TypeError as e:
+            raise EngineError(f"unknown engine argument: {e}") from None
+        return cls(LLMEngine(config), served_model_name=served_model_name)
+
+    # ------------------------------------------------------------------ EngineClient
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       session_id: str | None = None, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs (the latest when several queued up) until the finished one."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        added: concurrent.futures.Future[None] = concurrent.futures.Future()
+        arrival = self.engine.clock()
+        ids = list(prompt_token_ids)
+        self._send(lambda: self._add(added, request_id, ids, params, session_id, arrival, stream))
+        finished = False
+        try:
+            await asyncio.wrap_future(added)
+            while True:
+                out = await stream.queue.get()
+                while not out.finished and not stream.queue.empty():
+                    out = stream.queue.get_nowait()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._send(lambda: self._abort(request_id), quiet=True)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV; unknown or finished requests are ignored."""
+        self._send(lambda: self._abort(request_id), quiet=True)
+
+    def stats(self) -> BackendStats:
+        """Gauges and counters of the engine (no KV transfers: everything is local)."""
+        c = self._counters
+        return BackendStats(num_requests_running=c.running, num_requests_waiting=c.waiting,
+                            kv_cache_usage_perc=c.kv_usage, prefix_cache_queries=c.prefix_queries,
+                            prefix_cache_hits=c.prefix_hits, local_prefills=c.prefills, remote_prefills=0,
+                            workers_alive=int(self.is_healthy()), workers_total=1)
+
+    def is_healthy(self) -> bool:
+        """True while the engine thread runs and has not failed."""
+        return not self._closed and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; requests still running end with an error output."""
+        self._send(None, quiet=True)
+        await asyncio.to_thread(self._thread.join)
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a session and free its resident KV (not part of the EngineClient protocol)."""
+        self._send(lambda: self.engine.end_session(session_id), quiet=True)
+
+    def _send(self, cmd: Callable[[], None] | None, quiet: bool = False) -> None:
+        """Queue a command for the engine thread; refused (RequestError 503) once the engine is closed."""
+        with self._lock:
+            if not self._closed:
+                self._inbox.put(cmd)
+                return
+        if not quiet:
+            raise RequestError(f"the engine is not running: {self._error or 'it was shut down'}", status=503,
+                               code="engine_unavailable")
+
+    # ------------------------------------------------------------------ engine thread
+    def _add(self, fut: concurrent.futures.Future[None], request_id: str, ids: list[int], params: SamplingParams,
+             session_id: str | None, arrival: float, stream: _Stream) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return                                   # the caller went away before the request was added
+        if self._closed:
+            fut.set_exception(RequestError(f"the engine is not running: {self._error or 'it was shut down'}",
+                                           status=503, code="engine_unavailable"))
+            return
+        try:
+            self.engine.add_request(request_id, ids, params, session_id=session_id, arrival_time=arrival)
+        except (EngineError, SamplingParamsError, TokenizerError) as e:
+            fut.set_exception(RequestError(str(e), status=400))
+            return
+        except Exception as e:  # noqa: BLE001 - handed to the caller, who answers 500
+            log.exception("add_request failed for %s", request_id)
+            fut.set_exception(e)
+            return
+        self._streams[request_id] = stream
+        fut.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._prefilled.discard(request_id)
+        if not self._closed:
+            self.engine.abort_request(request_id)
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                busy = eng.has_unfinished_requests()
+                try:
+                    cmd = self._inbox.get_nowait() if busy else self._inbox.get(timeout=_IDLE_WAIT_S)
+                except queue.Empty:
+                    cmd = _NOTHING
+                if not self._run_commands(cmd):
+                    break
+                if not eng.has_unfinished_requests():
+                    self._snapshot()
+                    continue
+                steps = eng.stats.steps
+                outs = eng.step()
+                self._deliver(outs)
+                self._snapshot()
+                if not outs and eng.stats.steps == steps:
+                    time.sleep(0.001)               # nothing could run (waiting on memory): don't spin
+            self._close("the engine was shut down")
+        except Exception as e:  # noqa: BLE001 - the engine is dead; every caller learns why
+            log.exception("engine thread failed")
+            self._close(f"engine failure: {type(e).__name__}: {e}", error=True)
+
+    def _run_commands(self, cmd: Any) -> bool:
+        """Run `cmd` and every other queued command; False on the shutdown sentinel (None)."""
+        while True:
+            if cmd is None:
+                return False
+            if cmd is not _NOTHING:
+                cmd()
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        c = self._counters
+        for out in outs:
+            rid = out.request_id
+            if rid not in self._prefilled and (out.outputs[0].token_ids or out.finished):
+                self._prefilled.add(rid)
+                c.prefills += 1
+                c.prefix_queries += len(out.prompt_token_ids)
+                c.prefix_hits += out.num_cached_tokens
+            stream = self._streams.get(rid)
+            if out.finished:
+                self._streams.pop(rid, None)
+                self._prefilled.discard(rid)
+            if stream is not None:
+                _put(stream, out)
+
+    def _snapshot(self) -> None:
+        core = self.engine.core
+        c = self._counters
+        c.running = len(core.active) + len(core.running)
+        c.waiting = len(core.queue) + len(core.pending_kv)
+        c.kv_usage = core.kv_usage
+
+    def _close(self, message: str, error: bool = False) -> None:
+        """Refuse new commands, fail queued adds, and end every open stream with `message`."""
+        with self._lock:
+            self._closed = True
+            if error:
+                self._error = message
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is not None:
+                try:
+                    cmd()                            # an _add answers 503 now that the engine is closed
+                except Exception:  # noqa: BLE001
+                    log.exception("command failed while closing")
+        now = self.engine.clock()
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            _put(stream, RequestOutput(rid, None, [], [CompletionOutput(0, "", [], None, None, "abort")], True,
+                                       RequestMetrics(now, finished_time=now), error=message))
+
+
+_NOTHING = object()
+
+
+def _put(stream: _Stream, out: RequestOutput) -> None:
+    """Hand an output to its event loop (ignored if that loop has closed)."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+    except RuntimeError:
+        pass
