@@ -123,14 +123,14 @@ def test_publish_get_all_remove_round_trip_exact_values(make_store):
 
 
 def test_worker_entries_expire_after_their_ttl(make_store):
-    store = make_store(ttl_s=0.25)
+    store = make_store(ttl_s=0.6)
     store.publish(_state(1))
     store.publish(_state(2))
-    time.sleep(0.15)
+    time.sleep(0.35)
     store.publish(_state(2))                                     # worker 2 heartbeats; worker 1 died
-    time.sleep(0.15)
+    time.sleep(0.35)                                             # 1 expired at 0.6 s; 2 lives until >= 0.95 s
     assert store.get(1) is None and [s.worker_id for s in store.all()] == [2]
-    time.sleep(0.2)
+    time.sleep(0.4)
     assert store.all() == [] and store.get(2) is None
 
 
@@ -376,3 +376,20 @@ def test_reads_are_cached_for_max_age(make_store, cost):
     assert len(calls) == 3
     view.refresh()
     assert len(calls) == 4
+
+
+def test_coordinator_binds_and_routes_on_a_store_view(make_store, cost):
+    from tandem.core.actions import Submit
+    from tandem.core.coordinator import Coordinator
+    from tandem.workload.session import SLO, Round, Session
+
+    cores, clock = _cluster(cost), Clock()
+    store = make_store()
+    _publish_all(store, cores, clock)
+    view = StoreView(store, cost, clock=clock)
+    coord = Coordinator(view, AdaptiveRouter(random.Random(0)))
+    assert coord.capacity == {2: cores[2].capacity_tokens, 3: cores[3].capacity_tokens}
+    session = Session("new", T, [Round(500, 20, 1.0), Round(100, 20)], slo=SLO(2.0, 0.1))
+    (act,) = coord.on_session_arrival(session, T)
+    assert isinstance(act, Submit) and act.task.decode_worker in (2, 3) and act.worker in (0, 1, 2, 3)
+    assert store.get_session("new") == SessionInfo(decode_worker=act.task.decode_worker, updated_s=clock())
