@@ -120,6 +120,16 @@ class WorkerCore:
         self.pending_kv = [t for t in self.pending_kv if t.session_id != sid]
         self.blocks.free(seq)
 
+    def cancel(self, task: PrefillTask) -> None:
+        """Drop a prefill task (its request was aborted) and, on a prefill worker, free its KV."""
+        if task in self.queue:
+            self.queue.remove(task)
+            self.queued_est_s -= task.est_s
+        if task in self.active:
+            self.active.remove(task)
+        if self.role == PREFILL:
+            self.blocks.free(task)
+
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan | None:
         """Form the next step: admit prefills (picker order), then prefill chunks and/or decodes."""

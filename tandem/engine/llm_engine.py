@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.core.prefix_hash import extend_hashes
-from tandem.core.types import COLOCATED, PrefillTask, RoundDone, SessionFailed, StepResult
+from tandem.core.types import COLOCATED, DECODE, PREFILL, FirstToken, PrefillTask, RoundDone, SessionFailed, StepResult
 from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.engine.config import EngineConfig, EngineError
+from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
 from tandem.engine.model_runner import ModelInput, ModelRunner
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.sampler import make_generator
@@ -35,6 +36,7 @@ class _Request:
     cumulative_logprob: float | None = None
     finished: bool = False
     error: str | None = None
+    first_token: tuple[int, dict[int, float] | None] | None = None   # prefill role: sampled at the end of prefill
 
 
 @dataclass
@@ -57,11 +59,22 @@ class StepStats:
 
 
 class LLMEngine:
-    """Add requests, call `step()` until done; each step runs one planned batch of the worker core."""
+    """Add requests, call `step()` until done; each step runs one planned batch of the worker core.
 
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.perf_counter) -> None:
+    `role` is the worker kind of the PD-disaggregated runtime: `colocated` (the offline engine: prefill
+    and decode together), `decode` (home of sessions; prefills locally first, or receives a remote
+    prefill's KV) or `prefill` (computes a remote task on top of history KV read from the decode worker).
+    In the runtime every core event is also kept in `core_events` for the coordinator.
+    """
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.perf_counter, role: str = COLOCATED,
+                 worker_id: int = 0, t_pre: Callable[[int, int], float] | None = None,
+                 forward_events: bool | None = None) -> None:
+        if role not in (COLOCATED, DECODE, PREFILL):
+            raise EngineError(f"role must be colocated, decode or prefill, got {role!r}")
         self.config = config
         self.clock = clock
+        self.role = role
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config, self.tokenizer.eos_token_ids)
         mc = self.runner.model_config
@@ -73,10 +86,15 @@ class LLMEngine:
             raise EngineError(
                 f"the KV pool holds {capacity} tokens ({self.runner.num_blocks} blocks of {bs}), fewer than "
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes/num_kv_blocks or lower max_model_len")
-        self.core = WorkerCore(0, WorkerConfig(
-            role=COLOCATED, tp=1, num_blocks=self.runner.num_blocks, block_size=bs,
+        self.core = WorkerCore(worker_id, WorkerConfig(
+            role=role, tp=1, num_blocks=self.runner.num_blocks, block_size=bs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            mix_decode_with_prefill=True))
+            mix_decode_with_prefill=role == COLOCATED), t_pre=t_pre)
+        self.forward_events = role != COLOCATED if forward_events is None else forward_events
+        self.core_events: list = []                          # every core event, for a coordinator to drain
+        self._task_req: dict[PrefillTask, _Request] = {}     # prefill role: its tasks' requests
+        self._kv_inbox: dict[str, KVPayload] = {}            # request id -> KV received, not yet placed
+        self._landing: dict[str, _Request] = {}              # session -> remote request whose KV awaits blocks
         self.requests: dict[str, _Request] = {}
         self.sessions: dict[str, _Session] = {}
         self.stats = StepStats()
@@ -84,8 +102,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    session_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; with `session_id`, its prompt extends that session's conversation and reuses its KV."""
+                    session_id: str | None = None, arrival_time: float | None = None, remote: bool = False,
+                    slo: tuple[float, float] | None = None, keep_session: bool | None = None) -> str:
+        """Queue a request; with `session_id`, its prompt extends that session's conversation and reuses its KV.
+
+        Runtime (decode role): `remote` means a prefill worker computes the new tokens; the request waits
+        for their KV (`receive_kv`, then `on_kv_arrived`). `slo` = (TTFT, ITL) seconds for the core's stats.
+        """
+        if self.role == PREFILL:
+            raise EngineError("a prefill worker takes add_prefill(), not add_request()")
+        if remote and self.role != DECODE:
+            raise EngineError("only a decode worker receives remote prefills")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise EngineError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -116,11 +143,15 @@ class LLMEngine:
             extend_hashes(sess.hashes, ids, self.config.block_size)
         else:
             sess.hashes = []
-        task = PrefillTask(sid, sess.rounds, hist, n - hist, now, output_tokens=max_tokens, decode_worker=0,
-                           worker=0, local=True, block_hashes=tuple(sess.hashes))
+        wid = self.core.id
+        task = PrefillTask(sid, sess.rounds, hist, n - hist, now, output_tokens=max_tokens, decode_worker=wid,
+                           worker=wid, local=not remote, block_hashes=tuple(sess.hashes))
+        if slo is not None:
+            task.ttft_slo_s, task.itl_slo_s = slo
         stop_params = params.clone()
         stop_params.max_tokens = max_tokens
-        req = _Request(request_id, sid, session_id is not None, text, list(ids), params,
+        keep = session_id is not None if keep_session is None else keep_session
+        req = _Request(request_id, sid, keep, text, list(ids), params,
                        StopChecker(stop_params, self.tokenizer.eos_token_ids, self._decoder(params), ids),
                        make_generator(params.seed, self.runner.device), RequestMetrics(now), task,
                        logprobs=[] if params.logprobs is not None else None,
@@ -128,8 +159,107 @@ class LLMEngine:
         sess.request = req
         sess.rounds += 1
         self.requests[request_id] = req
-        self.core.submit(task, now)
+        if not remote:
+            self.core.submit(task, now)
         return request_id
+
+    # ------------------------------------------------------------------ disaggregation (runtime)
+    def begin_round(self, session_id: str) -> int:
+        """Pin a session's resident KV for its next round; returns how many tokens of it are resident."""
+        return self.core.begin_round(session_id)
+
+    def session_tokens(self, session_id: str) -> list[int]:
+        """The tokens of a session's conversation this engine holds (its KV covers all but the last)."""
+        sess = self.sessions.get(session_id)
+        return list(sess.tokens) if sess is not None else []
+
+    def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, session_id: str,
+                    l_hist: int, round_idx: int = 0, arrival_time: float | None = None) -> None:
+        """Prefill role: compute tokens [l_hist, len) of a session on top of its history KV, read lazily."""
+        if self.role != PREFILL:
+            raise EngineError("add_prefill() runs on a prefill worker")
+        _, ids = self._tokens(list(prompt_token_ids))
+        if not 0 <= l_hist < len(ids):
+            raise EngineError(f"history of {l_hist} tokens leaves nothing to prefill in a {len(ids)}-token prompt")
+        if len(ids) > self.max_model_len:
+            raise EngineError(f"prompt of {len(ids)} tokens exceeds max_model_len={self.max_model_len}")
+        now = self.clock() if arrival_time is None else arrival_time
+        task = PrefillTask(session_id, round_idx, l_hist, len(ids) - l_hist, now, decode_worker=-1,
+                           worker=self.core.id, local=False)
+        req = _Request(request_id, session_id, False, None, ids, params,
+                       StopChecker(params, self.tokenizer.eos_token_ids, self._decoder(params), ids),
+                       make_generator(params.seed, self.runner.device), RequestMetrics(now), task,
+                       logprobs=[] if params.logprobs is not None else None)
+        self.requests[request_id] = req
+        self._task_req[task] = req
+        self.core.submit(task, now)
+
+    def export_history(self, session_id: str, tokens: int) -> KVPayload:
+        """Decode role: the first `tokens` positions of a resident session's KV (a remote prefill's history)."""
+        seq = self.core.seqs.get(session_id)
+        if seq is None or seq.num_tokens < tokens:
+            have = 0 if seq is None else seq.num_tokens
+            raise EngineError(f"session {session_id!r} has {have} tokens of KV here, {tokens} were asked for")
+        return export_kv(self.runner.kv_caches, self.core.blocks.tables[seq], self.config.block_size, 0, tokens)
+
+    def receive_kv(self, request_id: str, payload: KVPayload) -> None:
+        """Keep KV that arrived for a request until the coordinator says where it goes (HistoryReady/KVArrived)."""
+        if request_id not in self.requests:
+            raise EngineError(f"KV for unknown request {request_id!r}")
+        self._kv_inbox[request_id] = payload
+
+    def on_history_ready(self, request_id: str) -> None:
+        """Prefill role: the history KV is here: place it in the task's blocks and let the task run."""
+        req = self.requests[request_id]
+        payload = self._kv_inbox.pop(request_id)
+        import_kv(self.runner.kv_caches, self.core.blocks.tables[req.task], self.config.block_size, 0, payload)
+        self.core.on_history_fetched(req.task, self.clock())
+
+    def export_new_kv(self, request_id: str) -> tuple[KVPayload, int, dict[int, float] | None]:
+        """Prefill role: the KV this task computed, and the first token it sampled (with its logprobs)."""
+        req = self.requests[request_id]
+        t = req.task
+        if req.first_token is None:
+            raise EngineError(f"request {request_id!r} has not finished its prefill")
+        payload = export_kv(self.runner.kv_caches, self.core.blocks.tables[t], self.config.block_size,
+                            t.l_hist, t.l_hist + t.l_incr)
+        tok, lps = req.first_token
+        return payload, tok, lps
+
+    def on_delivered(self, request_id: str) -> None:
+        """Prefill role: the decode worker has the new KV: free it here."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self._task_req.pop(req.task, None)
+            self.core.on_delivered(req.task, self.clock())
+
+    def on_kv_arrived(self, request_id: str, first_token: int,
+                      first_logprobs: dict[int, float] | None = None) -> list[RequestOutput]:
+        """Decode role: a remote prefill's KV (already received) and first token are here: start decoding."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            self._kv_inbox.pop(request_id, None)
+            return []
+        now = self.clock()
+        touched = {request_id: req}
+        stopped = self._append_token(req, first_token, first_logprobs, now)
+        if stopped:
+            req.task.output_tokens = 1                       # the first token already ends the round
+        self._landing[req.session_id] = req
+        self.core.on_kv_received(req.task, now)
+        self._land_kv()
+        self._on_events(self.core.drain(), now, touched)
+        return self._collect(touched)
+
+    def _land_kv(self) -> None:
+        """Place received KV once the core has given the session its blocks (FirstToken of a remote round)."""
+        for ev in self.core.events:
+            if isinstance(ev, FirstToken) and ev.session_id in self._landing:
+                req = self._landing.pop(ev.session_id)
+                payload = self._kv_inbox.pop(req.request_id)
+                seq = self.core.seqs[req.session_id]
+                import_kv(self.runner.kv_caches, self.core.blocks.tables[seq], self.config.block_size,
+                          seq.num_tokens - payload.num_tokens, payload)
 
     def _tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -152,9 +282,16 @@ class LLMEngine:
         return lambda ids: tok.decode(ids, skip_special_tokens=skip)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its KV (its session's KV too)."""
+        """Stop a request now and free its KV (its session's KV too; on a prefill worker, the task's)."""
         req = self.requests.get(request_id)
-        if req is not None and not req.finished:
+        if req is None:
+            return
+        if self.role == PREFILL:
+            self.requests.pop(request_id, None)
+            self._task_req.pop(req.task, None)
+            self._kv_inbox.pop(request_id, None)
+            self.core.cancel(req.task)
+        elif not req.finished:
             self._finish(req, "abort", self.clock(), release=True)
 
     def end_session(self, session_id: str) -> None:
@@ -173,11 +310,14 @@ class LLMEngine:
         t0 = self.clock()
         core = self.core
         plan = core.schedule(t0)
+        if self._landing:
+            self._land_kv()
         touched: dict[str, _Request] = {}
         if plan is None:
             self._on_events(core.drain(), t0, touched)
-            if not touched and self.has_unfinished_requests() and not core.has_work():
-                for req in [r for r in self.requests.values() if not r.finished]:
+            if not touched and self.role != PREFILL and not core.has_work():
+                for req in [r for r in self.requests.values()
+                            if not r.finished and (r.task.local or r.metrics.first_token_time is not None)]:
                     req.error = "the engine could not schedule this request"
                     self._finish(req, "abort", t0, release=True)
                     touched[req.request_id] = req
@@ -185,11 +325,16 @@ class LLMEngine:
         batch = ModelInput()
         rows: list[_Request] = []
         tables = core.blocks.tables
+        prefill_role = self.role == PREFILL
         for t, n in plan.prefill:
-            sess = self.sessions[t.session_id]
             start = t.l_hist + t.done
-            batch.add(sess.tokens[start:start + n], start, tables[core.seqs[t.session_id]])
-            req = sess.request
+            if prefill_role:
+                req = self._task_req[t]
+                batch.add(req.prompt_token_ids[start:start + n], start, tables[t])
+            else:
+                sess = self.sessions[t.session_id]
+                batch.add(sess.tokens[start:start + n], start, tables[core.seqs[t.session_id]])
+                req = sess.request
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t0
             req.metrics.num_computed_tokens += n
@@ -210,19 +355,15 @@ class LLMEngine:
         finished: set[str] = set()
         for i, req in enumerate(rows):
             tok = out.token_ids[i]
-            self.sessions[req.session_id].tokens.append(tok)
-            m = req.metrics
-            if m.first_token_time is None:
-                m.first_token_time = t2
-            m.last_token_time = t2
+            entry = None
             if req.logprobs is not None:
-                lp = out.logprobs[i]
-                entry = {tok: lp}
+                entry = {tok: out.logprobs[i]}
                 if out.top_logprobs is not None:
                     entry.update(out.top_logprobs[i])
-                req.logprobs.append(entry)
-                req.cumulative_logprob += lp
-            if req.stop.append(tok) is not None:
+            if prefill_role:
+                req.first_token = (tok, entry)                  # goes to the decode worker with the KV
+                continue
+            if self._append_token(req, tok, entry, t2):
                 finished.add(req.session_id)
             touched[req.request_id] = req
         core.on_step_done(plan, StepResult(t2 - t0, None, finished), t2)
@@ -234,6 +375,18 @@ class LLMEngine:
         st.schedule_s += (t1 - t0) + (t3 - t2)
         return self._collect(touched)
 
+    def _append_token(self, req: _Request, tok: int, logprobs: dict[int, float] | None, now: float) -> bool:
+        """Add a generated token to the request and its session; True when a stop rule ended the round."""
+        self.sessions[req.session_id].tokens.append(tok)
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs.get(tok, 0.0)
+        return req.stop.append(tok) is not None
+
     def _sample_row(self, batch: ModelInput, req: _Request, row: int) -> None:
         batch.sample_rows.append(row)
         batch.params.append(req.params)
@@ -242,6 +395,10 @@ class LLMEngine:
         batch.prompt_tokens.append(req.prompt_token_ids)
 
     def _on_events(self, events: list, now: float, touched: dict[str, _Request]) -> None:
+        if self.forward_events:
+            self.core_events.extend(events)
+        if self.role == PREFILL:
+            return                                   # FetchHistory / PrefillDone are the coordinator's
         for ev in events:
             sess = self.sessions.get(ev.session_id)
             req = sess.request if sess is not None else None
