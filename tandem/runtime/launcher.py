@@ -1,0 +1,281 @@
+"""Worker processes of the runtime: spawn, readiness handshake, graceful stop, kill, and no orphans.
+
+A child imports `target` ("module:function") and calls it with a `WorkerEnv` (worker id, hub address,
+heartbeat period) and the keyword arguments given; an `async def` target runs under asyncio.run. The
+target connects a `Link` (`env.link(codec)`) and sends `Ready` when it can serve. Children ignore SIGINT
+(the coordinator owns Ctrl-C) and exit by themselves when their parent dies. docs/runtime-transport.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util  # noqa: F401  (imported first so our atexit hook runs before its join)
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.runtime.transport import HEARTBEAT_S, Codec, Hub, Link, Shutdown, WorkerDead, WorkerDied, \
+    WorkerUnreachable
+
+ORPHAN_EXIT = 75           # exit code of a child that noticed its parent died
+PARENT_POLL_S = 0.2        # how often a child checks that its parent is alive
+STARTUP_TIMEOUT_S = 60.0   # default time a worker has to send Ready
+
+_SPAWN = multiprocessing.get_context("spawn")
+_LIVE: set[WorkerProcess] = set()
+
+
+class WorkerStartupError(RuntimeError):
+    """A worker that exited, or did not send Ready in time, during startup (message says which and why)."""
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What a worker target is called with: who it is and where the hub is."""
+
+    worker_id: int
+    hub_address: str
+    heartbeat_s: float = HEARTBEAT_S
+    parent_pid: int = 0
+
+    def link(self, codec: Codec) -> Link:
+        """A Link to the hub for this worker (use `async with env.link(codec) as link:`)."""
+        return Link(codec, self.hub_address, self.worker_id, self.heartbeat_s)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker to start: its id, target "module:function" and the target's keyword arguments."""
+
+    worker_id: int
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] | None = None    # extra environment variables (e.g. CUDA_VISIBLE_DEVICES)
+
+
+def resolve_target(target: str) -> Callable[..., Any]:
+    """The function named by "package.module:function"."""
+    module, sep, name = target.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"worker target {target!r} must look like 'package.module:function'")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this process (without cleanup) as soon as its parent is gone: no orphans."""
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(ORPHAN_EXIT)
+            time.sleep(PARENT_POLL_S)
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def _child_main(target: str, kwargs: dict[str, Any], env: WorkerEnv, extra_env: dict[str, str] | None,
+                err: multiprocessing.connection.Connection) -> None:
+    """Entry point of a spawned worker: guard, import, run; report an exception's message to the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent(env.parent_pid)
+    os.environ.update(extra_env or {})
+    try:
+        result = resolve_target(target)(env, **kwargs)
+        if inspect.iscoroutine(result):
+            asyncio.run(result)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        try:
+            err.send(f"{type(e).__name__}: {e}")
+        except OSError:
+            pass
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+class WorkerProcess:
+    """A spawned worker process: pid, liveness, the child's reported error, stop/kill."""
+
+    def __init__(self, worker_id: int, target: str, process: multiprocessing.process.BaseProcess,
+                 err: multiprocessing.connection.Connection) -> None:
+        self.worker_id, self.target, self.process = worker_id, target, process
+        self.info: dict[str, Any] | None = None     # its Ready.info once ready
+        self._err, self._error = err, None
+
+    def __repr__(self) -> str:
+        return f"WorkerProcess(id={self.worker_id}, pid={self.pid}, alive={self.alive}, exitcode={self.exitcode})"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid or 0
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def error(self) -> str | None:
+        """The last exception message the child reported ("Type: message"), if any."""
+        try:
+            while self._err.poll():
+                self._error = self._err.recv()
+        except (EOFError, OSError):
+            pass
+        return self._error
+
+    def kill(self) -> None:
+        """SIGKILL now (fault injection, fencing); does not wait."""
+        if self.alive:
+            self.process.kill()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Whether the process exited within `timeout_s` (polls without blocking the loop)."""
+        deadline = time.monotonic() + timeout_s
+        while self.alive:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        self.process.join(0)
+        return True
+
+    async def stop(self, hub: Hub | None = None, grace_s: float = 5.0, term_s: float = 2.0) -> int | None:
+        """Shutdown message (if `hub`), then SIGTERM after `grace_s`, then SIGKILL after `term_s`; exit code."""
+        if hub is not None:
+            hub.forget(self.worker_id)
+            if self.alive:
+                try:
+                    await hub.send(self.worker_id, Shutdown("stop"))
+                except WorkerUnreachable:
+                    grace_s = 0.0
+        if not await self.wait(grace_s):
+            self.process.terminate()
+            if not await self.wait(term_s):
+                self.kill()
+                await self.wait(10.0)
+        _LIVE.discard(self)
+        return self.exitcode
+
+    def stop_sync(self, term_s: float = 2.0) -> None:
+        """SIGTERM, then SIGKILL after `term_s` (blocking; for atexit and non-async callers)."""
+        if self.alive:
+            self.process.terminate()
+            self.process.join(term_s)
+        if self.alive:
+            self.process.kill()
+            self.process.join(5.0)
+        _LIVE.discard(self)
+
+
+def spawn_worker(target: str, kwargs: dict[str, Any], worker_id: int, hub_address: str, *,
+                 heartbeat_s: float = HEARTBEAT_S, env: dict[str, str] | None = None) -> WorkerProcess:
+    """Start a worker process running `target(WorkerEnv, **kwargs)`; does not wait for Ready."""
+    recv_err, send_err = _SPAWN.Pipe(duplex=False)
+    wenv = WorkerEnv(worker_id, hub_address, heartbeat_s, os.getpid())
+    proc = _SPAWN.Process(target=_child_main, args=(target, kwargs, wenv, env, send_err),
+                          name=f"tandem-worker-{worker_id}", daemon=False)
+    proc.start()
+    send_err.close()
+    wp = WorkerProcess(worker_id, target, proc, recv_err)
+    _LIVE.add(wp)
+    return wp
+
+
+@atexit.register
+def _reap_all() -> None:
+    """At interpreter exit, stop any worker still running (runs before multiprocessing joins them)."""
+    for wp in list(_LIVE):
+        wp.stop_sync(term_s=1.0)
+
+
+class Cluster:
+    """Workers around one Hub: start them and wait until all are ready, fence the dead, stop them all."""
+
+    def __init__(self, hub: Hub, *, startup_timeout_s: float = STARTUP_TIMEOUT_S, stop_grace_s: float = 5.0,
+                 fence: bool = True) -> None:
+        self.hub, self.startup_timeout_s, self.stop_grace_s = hub, startup_timeout_s, stop_grace_s
+        self.workers: dict[int, WorkerProcess] = {}
+        self.deaths: list[WorkerDead] = []
+        self._fence = fence
+        hub.on_worker_dead(self._on_dead)
+
+    def _on_dead(self, event: WorkerDead) -> None:
+        """Record a death; kill a hung worker so it cannot come back with stale state (fencing)."""
+        self.deaths.append(event)
+        wp = self.workers.get(event.worker_id)
+        if wp is not None and self._fence:
+            wp.kill()
+
+    async def start(self, specs: Iterable[WorkerSpec]) -> dict[int, WorkerProcess]:
+        """Spawn all, wait until every one is ready; on any failure stop all and raise WorkerStartupError."""
+        specs = list(specs)
+        ids = [s.worker_id for s in specs]
+        if len(set(ids)) != len(ids) or set(ids) & set(self.workers):
+            raise ValueError(f"duplicate worker ids in {ids} (running: {sorted(self.workers)})")
+        started = [self._spawn(s) for s in specs]
+        results = await asyncio.gather(*(self._await_ready(wp) for wp in started), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(self._stop_one(wp) for wp in started))
+            first = next((e for e in errors if not isinstance(e, WorkerStartupError)), None)
+            if first is not None:
+                raise first
+            raise WorkerStartupError("; ".join(str(e) for e in errors))
+        return {wp.worker_id: wp for wp in started}
+
+    async def add(self, spec: WorkerSpec) -> WorkerProcess:
+        """Start one more worker (or restart a dead id) and wait until it is ready."""
+        old = self.workers.get(spec.worker_id)
+        if old is not None:
+            if old.alive:
+                raise ValueError(f"worker {spec.worker_id} is running")
+            del self.workers[spec.worker_id]
+        return (await self.start([spec]))[spec.worker_id]
+
+    def _spawn(self, spec: WorkerSpec) -> WorkerProcess:
+        wp = spawn_worker(spec.target, spec.kwargs, spec.worker_id, self.hub.address,
+                          heartbeat_s=HEARTBEAT_S, env=spec.env)
+        self.workers[spec.worker_id] = wp
+        self.hub.watch(spec.worker_id, wp)
+        return wp
+
+    async def _await_ready(self, wp: WorkerProcess) -> None:
+        where = f"worker {wp.worker_id} ({wp.target}, pid {wp.pid})"
+        try:
+            wp.info = await self.hub.wait_ready(wp.worker_id, self.startup_timeout_s)
+        except WorkerDied:
+            await wp.wait(2.0)
+            why = wp.error() or "no exception reported (see its stderr)"
+            raise WorkerStartupError(f"{where} exited with code {wp.exitcode} during startup: {why}") from None
+        except asyncio.TimeoutError:
+            wp.kill()
+            raise WorkerStartupError(f"{where} was not ready within {self.startup_timeout_s:g} s (killed)") from None
+
+    async def _stop_one(self, wp: WorkerProcess) -> None:
+        await wp.stop(self.hub, grace_s=self.stop_grace_s)
+        self.workers.pop(wp.worker_id, None)
+
+    async def stop(self) -> None:
+        """Stop every worker: Shutdown, then SIGTERM, then SIGKILL (see WorkerProcess.stop)."""
+        await asyncio.gather(*(self._stop_one(wp) for wp in list(self.workers.values())))
+
+    async def __aenter__(self) -> Cluster:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
