@@ -187,7 +187,7 @@ VLLM_FIELDS = ["completed", "failed", "duration", "total_input_tokens", "total_o
                "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms"]
 TANDEM_FIELDS = ["ttft_initial_p95_s", "ttft_incremental_p95_s", "slo_attainment", "round_slo_attainment",
                  "sessions_completed", "sessions_failed", "fail_reasons", "failures", "local_prefills",
-                 "remote_prefills", "local_prefill_fraction"]
+                 "remote_prefills", "local_prefill_fraction", "client_start_lag_max_s"]
 
 
 # --------------------------------------------------------------------------- chat replay
@@ -257,6 +257,7 @@ def test_chat_replay_order_headers_timing_and_metrics(server, fake):
     assert out["round_slo_attainment"] == 3 / 5
     assert TTFT * 1000 - 5 <= out["mean_ttft_ms"] <= (TTFT + 0.08) * 1000
     assert ITL * 1000 - 5 <= out["median_itl_ms"] <= (ITL + 0.03) * 1000
+    assert 0 <= out["client_start_lag_max_s"] < 0.05
     assert out["ttft_initial_p95_s"] is not None and out["ttft_incremental_p95_s"] is not None
     assert out["local_prefills"] == 3 and out["remote_prefills"] == 3 and out["local_prefill_fraction"] == 0.5
     # the records are the simulator's, filled with the same measurements
@@ -336,6 +337,15 @@ def test_completions_token_id_prompts(server, fake, tiny_tokenizer, server_ids):
         assert len(cur) == len(prev) + len(reply) + sessions[0].rounds[k + 1].input_tokens
     assert [m.prompt_tokens_sent for m in res.rounds] == [len(p0), len(p1), len(p2)]
     assert res.metrics()["history_sources"] == {"server" if server_ids else "reencoded": 2}
+
+
+def test_chat_exact_content_lengths(server, fake, tiny_tokenizer):
+    sessions = [Session("e", 0.0, [Round(13, 2, 0.0), Round(9, 2)])]
+    asyncio.run(run_bench(sessions, BenchConfig(url=server, tokenizer=tiny_tokenizer, scrape_metrics=False)))
+    msgs = fake.requests[1]["body"]["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool"]
+    count = [len(tiny_tokenizer.encode(m["content"], add_special_tokens=False)) for m in msgs]
+    assert count[0] == 13 and count[2] == 9
 
 
 def test_completions_text_without_tokenizer(server, fake):

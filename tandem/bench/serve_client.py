@@ -239,7 +239,9 @@ class _Conversation:
         source = ""
         if self.cfg.endpoint == "chat":
             if k == 0:
-                self.messages.append({"role": "user", "content": self.synth.text(n, self.sid, 0).lstrip()})
+                text = self.synth.text(n, self.sid, 0)
+                # exact texts keep their leading space: stripping it could change their token count
+                self.messages.append({"role": "user", "content": text if self.cfg.tokenizer is not None else text.lstrip()})
             else:
                 self.messages.append({"role": "assistant", "content": reply_text})
                 content = self.synth.text(n, self.sid, k)
@@ -494,6 +496,7 @@ def bench_metrics(res: BenchResult) -> dict:
     total_in = sum(m.prompt_tokens or 0 for m in ok)
     total_out = sum(m.output_tokens for m in ok)
     cached = [m.cached_tokens for m in ok if m.cached_tokens is not None]
+    arrivals = {r.session_id: r.arrival_s for r in res.records}
     tpot = [(m.e2e_s - m.ttft_s) / (m.output_tokens - 1) for m in ok if m.output_tokens > 1]
     out: dict = {
         "completed": len(ok),
@@ -509,6 +512,9 @@ def bench_metrics(res: BenchResult) -> dict:
         "output_throughput": total_out / dur if dur > 0 else None,
         "total_token_throughput": (total_in + total_out) / dur if dur > 0 else None,
         "rounds_short_output": sum(1 for m in ok if m.output_tokens < m.max_tokens),
+        # how late the client sent sessions' first requests after their arrival times (an overloaded client)
+        "client_start_lag_max_s": max((m.sent_s - arrivals[m.session_id] for m in res.rounds if m.index == 0),
+                                      default=None),
     }
     out.update(_ms_block("ttft", [m.ttft_s for m in ok]))
     out.update(_ms_block("tpot", tpot))
