@@ -133,11 +133,17 @@ class WorkerProcess:
     def error(self) -> str | None:
         """The last exception message the child reported ("Type: message"), if any."""
         try:
-            while self._err.poll():
+            while not self._err.closed and self._err.poll():
                 self._error = self._err.recv()
         except (EOFError, OSError):
             pass
         return self._error
+
+    def _release(self) -> None:
+        """Forget this exited process: keep its last error, close the pipe."""
+        self.error()
+        self._err.close()
+        _LIVE.discard(self)
 
     def kill(self) -> None:
         """SIGKILL now (fault injection, fencing); does not wait."""
@@ -168,7 +174,7 @@ class WorkerProcess:
             if not await self.wait(term_s):
                 self.kill()
                 await self.wait(10.0)
-        _LIVE.discard(self)
+        self._release()
         return self.exitcode
 
     def stop_sync(self, term_s: float = 2.0) -> None:
@@ -179,7 +185,7 @@ class WorkerProcess:
         if self.alive:
             self.process.kill()
             self.process.join(5.0)
-        _LIVE.discard(self)
+        self._release()
 
 
 def spawn_worker(target: str, kwargs: dict[str, Any], worker_id: int, hub_address: str, *,
