@@ -1,0 +1,152 @@
+"""The FastAPI app: `build_app(client, ...)` serves an EngineClient over the OpenAI API.
+
+Run it with uvicorn, e.g.::
+
+    client = AsyncLLM.from_model("ckpt")
+    uvicorn.run(build_app(client, api_key="sk-..."), host="0.0.0.0", port=8000)
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.runtime.client import EngineClient
+from tandem.server import serving as sv
+from tandem.server.chat import create_chat_completion
+from tandem.server.completions import create_completion
+from tandem.server.errors import APIError, error_bytes, error_response, install_handlers
+from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
+from tandem.server.protocol import ModelCard, ModelList
+
+log = logging.getLogger("tandem.server")
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+_RECEIVED = "tandem_received"
+
+
+class Guard:
+    """Outermost checks: API key on /v1/*, body size (Content-Length and streamed), and a JSON 500 for crashes."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})[_RECEIVED] = time.perf_counter()
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        err = self._refuse(scope["path"], headers)
+        if err is not None:
+            await _send_error(send, err)
+            return
+        started = False
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body:
+                    raise APIError(f"request body exceeds the limit of {self.max_body} bytes", 413)
+            return msg
+
+        async def tracked(msg: Message) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except Exception:  # noqa: BLE001 - never a traceback to the client
+            log.exception("internal error on %s %s", scope.get("method"), scope["path"])
+            if not started:
+                await _send_error(send, APIError("internal server error", 500))
+
+    def _refuse(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+        if self.api_key is not None and path.startswith("/v1"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, key = auth.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+                msg = "missing API key" if not auth else "invalid API key"
+                return APIError(f"{msg}: send 'Authorization: Bearer <key>'", 401, "invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                return APIError("invalid Content-Length header", 400, "invalid_request")
+            if n > self.max_body:
+                return APIError(f"request body of {n} bytes exceeds the limit of {self.max_body} bytes", 413)
+        return None
+
+
+async def _send_error(send: Send, err: APIError) -> None:
+    headers = [(b"content-type", b"application/json")]
+    if err.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": error_bytes(err)})
+
+
+def _received(request: Request) -> float:
+    return request.scope.get("state", {}).get(_RECEIVED, time.perf_counter())
+
+
+def build_app(client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An OpenAI-compatible app in front of `client` (which it does not start or stop)."""
+    name = served_model_name or client.model_name
+    state = sv.ServerState(client, name, ServerMetrics(client, name))
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tandem = state
+    install_handlers(app)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.is_healthy():
+            return Response(status_code=200)
+        return error_response(APIError("the backend is not healthy", 503, "service_unavailable"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    def card() -> ModelCard:
+        return ModelCard(id=name, root=name, max_model_len=client.max_model_len)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[card()]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        if model != name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model_not_found", "model")
+        return JSONResponse(card().model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await _answer(create_chat_completion(state, request, _received(request)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await _answer(create_completion(state, request, _received(request)))
+
+    return app
+
+
+async def _answer(work: Any) -> Any:
+    """Await a handler; a client that left gets an empty 499 (nobody reads it)."""
+    try:
+        return await work
+    except sv.ClientGone:
+        return Response(status_code=499)

@@ -1,0 +1,221 @@
+"""POST /v1/chat/completions: chat template, tool calls (Hermes/Qwen blocks), streaming and not."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+from tandem.server import serving as sv
+from tandem.server.errors import APIError
+from tandem.server.metrics import RequestTimer
+from tandem.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
+                                    ResponseFunction, ResponseMessage, ResponseToolCall)
+from tandem.server.tool_parser import ParsedToolCall, StreamingToolParser, parse_tool_calls
+
+TOOL_CHOICES = ("auto", "none")
+
+
+def _tool_choice(req: ChatCompletionRequest) -> str:
+    """The effective tool_choice ("auto" or "none"); 400 naming any other value."""
+    tc = req.tool_choice
+    if tc is None:
+        return "auto" if req.tools else "none"
+    if isinstance(tc, str) and tc in TOOL_CHOICES:
+        return tc
+    shown = repr(tc) if isinstance(tc, str) else "a named function" if isinstance(tc, dict) else repr(tc)
+    raise APIError(f"tool_choice {shown} is not supported (supported: {', '.join(TOOL_CHOICES)})", 400,
+                   "unsupported_parameter", "tool_choice")
+
+
+def _check(req: ChatCompletionRequest) -> None:
+    sv.check_common(req)
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(f"response_format {req.response_format.get('type')!r} is not supported (only 'text')", 400,
+                       "unsupported_parameter", "response_format")
+    if req.functions or req.function_call is not None:
+        raise APIError("functions/function_call are deprecated and not supported: use tools", 400,
+                       "unsupported_parameter", "functions")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs requires logprobs to be true", 400, "invalid_value", "top_logprobs")
+
+
+def _content(m: ChatMessage, i: int) -> str | None:
+    """A message's content as text (text parts joined); 400 for other part types."""
+    c = m.content
+    if isinstance(c, list):
+        texts = []
+        for part in c:
+            if part.type != "text" or part.text is None:
+                raise APIError(f"messages[{i}].content: only text parts are supported, got {part.type!r}", 400,
+                               "unsupported_parameter", f"messages.{i}.content")
+            texts.append(part.text)
+        c = "".join(texts)
+    if c is None and not (m.role == "assistant" and m.tool_calls):
+        raise APIError(f"messages[{i}].content is required for a {m.role} message", 400, "invalid_value",
+                       f"messages.{i}.content")
+    return c
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template (developer becomes system)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content(m, i)}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                               for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def render_prompt(state: sv.ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The chat template applied with the tools and a generation prompt, then encoded without special tokens."""
+    tok = state.client.tokenizer
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    msgs = template_messages(req)
+    try:
+        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - template errors (TokenizerError, jinja TypeError, ...) are the caller's
+        raise APIError(f"the chat template cannot render these messages: {e}", 400, "invalid_value",
+                       "messages") from None
+    return text, tok.encode(text, add_special_tokens=False)
+
+
+def logprobs_content(tok: Any, ids: list[int], lps: list[dict[int, float]] | None, top: int) -> list[dict] | None:
+    """OpenAI chat logprobs entries for tokens `ids` (entries `lps`, chosen token plus the top ones)."""
+    if lps is None:
+        return None
+    out = []
+    for tid, entry in zip(ids, lps):
+        s = tok.decode([tid], skip_special_tokens=False)
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        out.append({"token": s, "logprob": sv.clamp_logprob(entry.get(tid, float("-inf"))),
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [{"token": (t := tok.decode([k], skip_special_tokens=False)),
+                                      "logprob": sv.clamp_logprob(v), "bytes": list(t.encode())}
+                                     for k, v in ranked]})
+    return out
+
+
+def _calls(calls: list[ParsedToolCall]) -> list[ResponseToolCall]:
+    return [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+async def create_chat_completion(state: sv.ServerState, request: Request, received: float) -> Any:
+    """Handle one chat completion request."""
+    req = await sv.parse_body(request, ChatCompletionRequest)
+    sv.check_model(state, req)
+    _check(req)
+    choice = _tool_choice(req)
+    sid = sv.session_of(request, req)
+    text, ids = render_prompt(state, req)
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = sv.room_for(len(ids), limit, state.client.max_model_len, field)
+    top = req.top_logprobs or 0
+    params = sv.sampling_params(req, max_tokens, top if req.logprobs else None,
+                                {"logprobs": "top_logprobs", "max_tokens": field})
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    timer = state.metrics.timer(received)
+    parse = bool(req.tools) and choice == "auto"
+    gen = sv.start(state, ids, params, rid, sid, text)
+    first = await sv.first_output(request, gen)
+    if first.error is not None or (first.finished and first.outputs[0].finish_reason == "abort"):
+        timer.update(first)
+        await sv.close(gen)
+        raise sv.failure(state, first)
+    if req.stream:
+        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, gen, first, timer, parse))
+    out = await sv.unless_gone(request, sv.collect(gen, first, timer.update))
+    if out.error is not None or out.outputs[0].finish_reason == "abort":
+        raise sv.failure(state, out)
+    comp = out.outputs[0]
+    content, calls = parse_tool_calls(comp.text) if parse else (comp.text, [])
+    reason = "tool_calls" if calls else comp.finish_reason
+    lp = logprobs_content(state.client.tokenizer, comp.token_ids, comp.logprobs, top) if req.logprobs else None
+    body = ChatCompletionResponse(
+        id=rid, model=state.model_name, usage=sv.usage(len(ids), out),
+        choices=[ChatChoice(message=ResponseMessage(content=content, tool_calls=_calls(calls)),
+                            logprobs={"content": lp} if lp is not None else None, finish_reason=reason,
+                            stop_reason=comp.stop_reason)])
+    return JSONResponse(body.model_dump())
+
+
+async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, prompt_len: int,
+                  params: SamplingParams, gen: AsyncIterator[RequestOutput], first: RequestOutput,
+                  timer: RequestTimer, parse: bool) -> AsyncIterator[str]:
+    """SSE chunks: role first, then content / tool-call deltas, finish reason, optional usage, [DONE]."""
+    created, tok = sv.now_s(), state.client.tokenizer
+    opts = req.stream_options
+    with_usage = bool(opts and opts.include_usage)
+    every_usage = with_usage and bool(opts and opts.continuous_usage_stats)
+
+    def chunk(delta: dict, reason: str | None = None, logprobs: Any = None, out: RequestOutput | None = None) -> str:
+        body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                "model": state.model_name,
+                                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                             "finish_reason": reason}]}
+        if with_usage:
+            body["usage"] = sv.usage(prompt_len, out).model_dump() if every_usage and out is not None else None
+        return sv.sse(body)
+
+    texts, tools = sv.TextDelta(params), StreamingToolParser() if parse else None
+    sent_tokens, n_calls = 0, 0
+    out = first
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            timer.update(out)
+            if out.error is not None or out.outputs[0].finish_reason == "abort":
+                err = sv.failure(state, out)
+                yield sv.sse({"error": {"message": err.message, "type": "server_error", "param": None,
+                                        "code": err.code}})
+                break
+            comp = out.outputs[0]
+            text = texts.next(comp.text, out.finished)
+            calls: list[ParsedToolCall] = []
+            if tools is not None:
+                text, calls = tools.feed(text)
+                if out.finished:
+                    rest, more = tools.finish()
+                    text, calls = text + rest, calls + more
+            delta: dict[str, Any] = {}
+            if text:
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [{"index": n_calls + k, "id": c.id, "type": "function",
+                                        "function": {"name": c.name, "arguments": c.arguments}}
+                                       for k, c in enumerate(calls)]
+                n_calls += len(calls)
+            new_ids = comp.token_ids[sent_tokens:]
+            lp = None
+            if req.logprobs and comp.logprobs is not None and new_ids:
+                lp = {"content": logprobs_content(tok, new_ids, comp.logprobs[sent_tokens:], req.top_logprobs or 0)}
+            sent_tokens = len(comp.token_ids)
+            if out.finished:
+                reason = "tool_calls" if tools is not None and tools.calls else comp.finish_reason
+                yield chunk(delta, reason, lp, out)
+                if with_usage:
+                    yield sv.sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                  "model": state.model_name, "choices": [],
+                                  "usage": sv.usage(prompt_len, out).model_dump()})
+                break
+            if delta or lp:
+                yield chunk(delta, None, lp, out)
+            try:
+                out = await gen.__anext__()
+            except StopAsyncIteration:
+                break
+        yield sv.SSE_DONE
+    finally:
+        await sv.close(gen)

@@ -1,0 +1,142 @@
+"""POST /v1/completions: one prompt (text or token ids), streaming and not, logprobs as an int."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+from tandem.server import serving as sv
+from tandem.server.errors import APIError
+from tandem.server.metrics import RequestTimer
+from tandem.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+
+
+def _check(req: CompletionRequest) -> None:
+    sv.check_common(req)
+    if req.echo:
+        raise APIError("echo is not supported", 400, "unsupported_parameter", "echo")
+    if req.suffix:
+        raise APIError("suffix is not supported", 400, "unsupported_parameter", "suffix")
+    if req.best_of is not None and req.best_of != 1:
+        raise APIError(f"best_of must be 1, got {req.best_of}", 400, "unsupported_parameter", "best_of")
+
+
+def prompt_of(state: sv.ServerState, req: CompletionRequest) -> tuple[str | None, list[int]]:
+    """(text, token ids) of the single prompt; 400 for several prompts or an empty one."""
+    p: Any = req.prompt
+    if isinstance(p, list) and p and not isinstance(p[0], int):
+        if len(p) != 1:
+            raise APIError(f"only one prompt per request is supported, got {len(p)}", 400,
+                           "unsupported_parameter", "prompt")
+        p = p[0]
+    if isinstance(p, str):
+        text, ids = p, state.client.tokenizer.encode(p) if p else []
+    else:
+        text, ids = None, list(p)
+    if not ids:
+        raise APIError("the prompt is empty", 400, "invalid_value", "prompt")
+    return text, ids
+
+
+def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float]] | None, offset: int) -> dict | None:
+    """OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) starting at char `offset`."""
+    if lps is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(ids, lps):
+        s = tok.decode([tid], skip_special_tokens=False)
+        tokens.append(s)
+        token_lps.append(sv.clamp_logprob(entry.get(tid, float("-inf"))))
+        tops.append({tok.decode([k], skip_special_tokens=False): sv.clamp_logprob(v)
+                     for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def create_completion(state: sv.ServerState, request: Request, received: float) -> Any:
+    """Handle one completion request."""
+    req = await sv.parse_body(request, CompletionRequest)
+    sv.check_model(state, req)
+    _check(req)
+    sid = sv.session_of(request, req)
+    text, ids = prompt_of(state, req)
+    max_tokens = sv.room_for(len(ids), req.max_tokens, state.client.max_model_len)
+    params = sv.sampling_params(req, max_tokens, req.logprobs)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    timer = state.metrics.timer(received)
+    gen = sv.start(state, ids, params, rid, sid, text)
+    first = await sv.first_output(request, gen)
+    if first.error is not None or (first.finished and first.outputs[0].finish_reason == "abort"):
+        timer.update(first)
+        await sv.close(gen)
+        raise sv.failure(state, first)
+    if req.stream:
+        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, gen, first, timer))
+    out = await sv.unless_gone(request, sv.collect(gen, first, timer.update))
+    if out.error is not None or out.outputs[0].finish_reason == "abort":
+        raise sv.failure(state, out)
+    comp = out.outputs[0]
+    lp = completion_logprobs(state.client.tokenizer, comp.token_ids, comp.logprobs, 0)
+    body = CompletionResponse(id=rid, model=state.model_name, usage=sv.usage(len(ids), out),
+                              choices=[CompletionChoice(text=comp.text, logprobs=lp, finish_reason=comp.finish_reason,
+                                                        stop_reason=comp.stop_reason)])
+    return JSONResponse(body.model_dump())
+
+
+async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, prompt_len: int, params: SamplingParams,
+                  gen: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer) -> AsyncIterator[str]:
+    """SSE chunks of text deltas, the finish reason, optional usage, then [DONE]."""
+    created, tok = sv.now_s(), state.client.tokenizer
+    opts = req.stream_options
+    with_usage = bool(opts and opts.include_usage)
+    every_usage = with_usage and bool(opts and opts.continuous_usage_stats)
+
+    def chunk(text: str, reason: str | None, logprobs: Any, out: RequestOutput) -> str:
+        body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                                             "stop_reason": out.outputs[0].stop_reason if reason else None}]}
+        if with_usage:
+            body["usage"] = sv.usage(prompt_len, out).model_dump() if every_usage else None
+        return sv.sse(body)
+
+    texts = sv.TextDelta(params)
+    sent_tokens, offset = 0, 0
+    out = first
+    try:
+        while True:
+            timer.update(out)
+            if out.error is not None or out.outputs[0].finish_reason == "abort":
+                err = sv.failure(state, out)
+                yield sv.sse({"error": {"message": err.message, "type": "server_error", "param": None,
+                                        "code": err.code}})
+                break
+            comp = out.outputs[0]
+            text = texts.next(comp.text, out.finished)
+            new_ids = comp.token_ids[sent_tokens:]
+            lp = None
+            if comp.logprobs is not None and new_ids:
+                lp = completion_logprobs(tok, new_ids, comp.logprobs[sent_tokens:], offset)
+                offset += sum(len(t) for t in lp["tokens"])
+            sent_tokens = len(comp.token_ids)
+            if out.finished:
+                yield chunk(text, comp.finish_reason, lp, out)
+                if with_usage:
+                    yield sv.sse({"id": rid, "object": "text_completion", "created": created,
+                                  "model": state.model_name, "choices": [],
+                                  "usage": sv.usage(prompt_len, out).model_dump()})
+                break
+            if text or lp:
+                yield chunk(text, None, lp, out)
+            try:
+                out = await gen.__anext__()
+            except StopAsyncIteration:
+                break
+        yield sv.SSE_DONE
+    finally:
+        await sv.close(gen)

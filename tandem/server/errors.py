@@ -1,0 +1,83 @@
+"""OpenAI-style error bodies and the exception handlers that make every failure one of them.
+
+Every error the server returns is `{"error": {"message", "type", "param", "code"}}` (OpenAI's shape):
+`type` is "invalid_request_error" for 4xx and "server_error" for 5xx; `code` is a short machine-readable
+string (e.g. "invalid_json", "model_not_found", "context_length_exceeded").
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("tandem.server")
+
+_DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                  413: "request_too_large", 500: "internal_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error the server answers with status `status` and an OpenAI error body."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.code = code or _DEFAULT_CODES.get(status, "error")
+
+
+def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """The `{"error": {...}}` body for a status."""
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": param, "code": code or _DEFAULT_CODES.get(status, "error")}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    """A JSON response carrying an APIError."""
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(error_body(err.message, err.status, err.code, err.param), status_code=err.status,
+                        headers=headers)
+
+
+def error_bytes(err: APIError) -> bytes:
+    """The encoded body of an APIError (for raw ASGI responses)."""
+    return json.dumps(error_body(err.message, err.status, err.code, err.param)).encode()
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """A 400 naming the first invalid field of a pydantic validation failure."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    where = f"{param}: " if param else ""
+    return APIError(f"{where}{msg}{more}", 400, "invalid_value", param)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Route APIError, pydantic, routing (404/405) and unexpected errors to OpenAI error bodies."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            msg = str(exc.detail)
+        return error_response(APIError(msg, exc.status_code))

@@ -1,0 +1,260 @@
+"""What chat and completions share: sampling params, context checks, sessions, disconnect-aware generation, SSE."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from pydantic import ValidationError
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
+from tandem.runtime.client import EngineClient, RequestError
+from tandem.server.errors import APIError, validation_error
+from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import PromptTokensDetails, Usage, _Sampling
+
+T = TypeVar("T")
+M = TypeVar("M", bound=_Sampling)
+SESSION_HEADER = "x-session-id"
+_MIN_LOGPROB = -9999.0          # -inf is not JSON; vLLM clamps the same way
+
+
+@dataclass
+class ServerState:
+    """What request handlers need: the backend, the served name, metrics."""
+
+    client: EngineClient
+    model_name: str
+    metrics: ServerMetrics
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Read and validate a JSON body: 400 invalid_json when malformed, 400 naming the field when invalid."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw or b"")
+    except ValidationError as e:
+        bad = next((err for err in e.errors() if err.get("type") == "json_invalid"), None)
+        if bad is not None:
+            raise APIError(f"malformed JSON body: {bad.get('msg')}", 400, "invalid_json") from None
+        raise validation_error(e) from None
+
+
+def check_model(state: ServerState, req: _Sampling) -> None:
+    """404 model_not_found unless the request names the served model (or none)."""
+    if req.model is not None and req.model != state.model_name:
+        raise APIError(f"The model `{req.model}` does not exist.", 404, "model_not_found", "model")
+
+
+def check_common(req: _Sampling) -> None:
+    """Reject OpenAI features that cannot be served: several choices, logit_bias."""
+    if req.n != 1:
+        raise APIError(f"n must be 1 (only one choice per request is supported), got {req.n}", 400,
+                       "unsupported_parameter", "n")
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported", 400, "unsupported_parameter", "logit_bias")
+
+
+def session_of(request: Request, req: _Sampling) -> str | None:
+    """The session id from the body's `session_id` or the `x-session-id` header (400 if they differ)."""
+    header = request.headers.get(SESSION_HEADER) or None
+    body = req.session_id or None
+    if header is not None and body is not None and header != body:
+        raise APIError(f"session_id {body!r} differs from the {SESSION_HEADER} header {header!r}", 400,
+                       "invalid_value", "session_id")
+    return body if body is not None else header
+
+
+def room_for(prompt_len: int, max_tokens: int | None, max_model_len: int, field: str = "max_tokens") -> int:
+    """The max_tokens to run with; 400 context_length_exceeded when prompt + max_tokens exceeds the context."""
+    if prompt_len >= max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                       f"{prompt_len} tokens, leaving no room for the completion. Please shorten the prompt.",
+                       400, "context_length_exceeded", "messages" if field != "max_tokens" else "prompt")
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                       f"completion). Please reduce the prompt or {field}.", 400, "context_length_exceeded", field)
+    return max_tokens
+
+
+def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
+                    renames: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from the request; a 400 naming the (API) field when a value is invalid."""
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+    except SamplingParamsError as e:
+        msg = str(e)
+        field = msg.split(" ", 1)[0]
+        api = (renames or {}).get(field, field)
+        if api != field:
+            msg = api + msg[len(field):]
+        raise APIError(msg, 400, "invalid_value", api) from None
+
+
+def usage(prompt_len: int, out: RequestOutput | None) -> Usage:
+    """Usage of a request (cached tokens from the output, on every path)."""
+    done = len(out.outputs[0].token_ids) if out is not None else 0
+    cached = 0
+    if out is not None:
+        cached = out.num_cached_tokens or out.metrics.num_cached_tokens
+    return Usage(prompt_tokens=prompt_len, completion_tokens=done, total_tokens=prompt_len + done,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def as_api_error(e: RequestError) -> APIError:
+    """A backend RequestError as an APIError."""
+    return APIError(e.message, e.status, e.code, e.param)
+
+
+def failure(state: ServerState, out: RequestOutput) -> APIError:
+    """The error for a request that failed after acceptance (503 if the backend is down, else 500)."""
+    msg = out.error or "the request was aborted by the backend"
+    status = 500 if state.client.is_healthy() else 503
+    return APIError(msg, status, "request_failed")
+
+
+def clamp_logprob(lp: float) -> float:
+    """A JSON-safe logprob."""
+    return lp if math.isfinite(lp) else _MIN_LOGPROB
+
+
+def start(state: ServerState, ids: list[int], params: SamplingParams, request_id: str,
+          session_id: str | None, prompt: str | None) -> AsyncIterator[RequestOutput]:
+    """Call the backend's generate (errors surface on the first output)."""
+    return state.client.generate(ids, params, request_id, session_id=session_id, prompt=prompt)
+
+
+async def close(gen: AsyncIterator[Any]) -> None:
+    """Close a generation early (the backend aborts the request and frees its KV)."""
+    aclose = getattr(gen, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it and raising ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise ClientGone()
+    try:
+        return task.result()
+    except RequestError as e:
+        raise as_api_error(e) from None
+
+
+async def first_output(request: Request, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The first output of a generation (add-time errors raise APIError; a vanished client raises ClientGone)."""
+    try:
+        return await unless_gone(request, gen.__anext__())
+    except StopAsyncIteration:
+        raise APIError("the backend returned no output", 500, "request_failed") from None
+    except BaseException:
+        await close(gen)
+        raise
+
+
+async def collect(gen: AsyncIterator[RequestOutput], first: RequestOutput, on_output: Any) -> RequestOutput:
+    """Drain a generation to its finished output, reporting each one to `on_output`."""
+    out = first
+    on_output(out)
+    try:
+        while not out.finished:
+            out = await gen.__anext__()
+            on_output(out)
+    finally:
+        await close(gen)
+    return out
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class TextDelta:
+    """Streams cumulative text, holding back what a stop string could still cut (max stop length - 1 chars)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.hold = max(0, params.max_stop_len - 1)
+        self.sent = 0
+
+    def next(self, text: str, finished: bool) -> str:
+        """The text to send now."""
+        end = len(text) if finished else len(text) - self.hold
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always watches for disconnects and always closes its iterator."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                tg.start_soon(watch)
+        finally:
+            await close(self.body_iterator)
+
+
+def now_s() -> int:
+    """Unix seconds, for `created`."""
+    return int(time.time())
