@@ -98,7 +98,15 @@ def _context(ctx: zmq.asyncio.Context | None) -> zmq.asyncio.Context:
 
 
 def _bind(sock: zmq.Socket, address: str, allow_remote: bool) -> str:
-    """Bind `sock` (tcp port 0 = any free port) and return the address peers connect to."""
+    """Bind `sock` (tcp port 0 = any free port) and return the address peers connect to; closes it on failure."""
+    try:
+        return _bind_or_raise(sock, address, allow_remote)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+
+
+def _bind_or_raise(sock: zmq.Socket, address: str, allow_remote: bool) -> str:
     if address.startswith("tcp://"):
         host, _, port = address[6:].rpartition(":")
         if not allow_remote and host not in LOCAL_HOSTS:
