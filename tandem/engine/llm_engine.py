@@ -251,6 +251,16 @@ class LLMEngine:
         self._on_events(self.core.drain(), now, touched)
         return self._collect(touched)
 
+    def make_local(self, request_id: str) -> None:
+        """Decode role: a remote round whose KV did not come is prefilled here instead (recompute)."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished or req.task.local:
+            return
+        self._kv_inbox.pop(request_id, None)
+        self._landing.pop(req.session_id, None)
+        req.task.local = True
+        self.core.submit(req.task, self.clock())
+
     def _land_kv(self) -> None:
         """Place received KV once the core has given the session its blocks (FirstToken of a remote round)."""
         for ev in self.core.events:

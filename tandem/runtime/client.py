@@ -36,6 +36,7 @@ class BackendStats:
     remote_prefills: int = 0                       # tandem: prefills run on a prefill worker
     kv_transfer_seconds: list[float] = field(default_factory=list)   # new observations since the last call
     kv_transfer_bytes: int = 0
+    kv_transfer_timeouts: int = 0                  # transfers that fell back to local recompute
     workers_alive: int = 0
     workers_total: int = 0
 

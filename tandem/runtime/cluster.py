@@ -1,0 +1,201 @@
+"""The disaggregated backend: a coordinator (this process) and prefill/decode worker processes.
+
+`ServingCluster` implements the server's EngineClient: it spawns the workers (each an LLMEngine of one
+role, `tandem.runtime.worker_main`), runs the Coordinator core with the chosen policy over the state
+store's view, and pumps messages between them (tandem/runtime/coordinator_shell.py does the mapping).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.core.coordinator import Coordinator
+from tandem.core.types import COLOCATED, DECODE, PREFILL
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer import Tokenizer
+from tandem.policy.presets import get_policy, make_router
+from tandem.runtime import messages as m
+from tandem.runtime.client import BackendStats, RequestError
+from tandem.runtime.coordinator_shell import CoordinatorShell
+from tandem.runtime.launcher import Cluster, WorkerSpec
+from tandem.runtime.state_store import open_store
+from tandem.runtime.store_view import StoreView
+from tandem.runtime.transport import Hub, WorkerDead, WorkerUnreachable
+from tandem.runtime.worker_main import CODEC
+
+log = logging.getLogger("tandem.cluster")
+
+
+@dataclass
+class ClusterConfig:
+    """What `tandem serve` starts (names follow its flags)."""
+
+    model: str
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    colocated: int = 0
+    policy: str = "ampd"
+    state: str = "embedded"
+    served_model_name: str | None = None
+    engine_args: dict = field(default_factory=dict)
+    perf: str | None = None
+    threads: int | None = 1                  # torch threads per worker
+    kv_timeout_s: float = 10.0
+    startup_timeout_s: float = 120.0
+    seed: int = 0
+
+
+class ServingCluster:
+    """EngineClient over worker processes; `await ServingCluster.start(cfg)`, then `await .shutdown()`."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.model_name = cfg.served_model_name or Path(cfg.model).name
+        self.max_model_len = 0
+        self.hub: Hub | None = None
+        self.procs: Cluster | None = None
+        self.shell: CoordinatorShell | None = None
+        self.roles: dict[int, str] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._lost: set[int] = set()
+
+    @classmethod
+    async def start(cls, cfg: ClusterConfig) -> "ServingCluster":
+        self = cls(cfg)
+        await self._start()
+        return self
+
+    def _specs(self) -> list[WorkerSpec]:
+        cfg = self.cfg
+        spec = get_policy(cfg.policy)
+        if spec.disaggregated:
+            if cfg.colocated or cfg.prefill_workers < 1 or cfg.decode_workers < 1:
+                raise ValueError(f"policy {spec.name} needs --prefill-workers >= 1 and --decode-workers >= 1 "
+                                 "(and no --colocated)")
+            roles = [PREFILL] * cfg.prefill_workers + [DECODE] * cfg.decode_workers
+        else:
+            if cfg.colocated < 1:
+                raise ValueError(f"policy {spec.name} serves co-located workers: give --colocated N (N >= 1)")
+            roles = [COLOCATED] * cfg.colocated
+        args = dict(cfg.engine_args, model=cfg.model)
+        self.roles = dict(enumerate(roles))
+        return [WorkerSpec(i, "tandem.runtime.worker_main:main",
+                           dict(role=r, engine_args=args, state=cfg.state, perf=cfg.perf, threads=cfg.threads))
+                for i, r in enumerate(roles)]
+
+    async def _start(self) -> None:
+        cfg = self.cfg
+        specs = self._specs()
+        store = open_store(cfg.state)
+        self.hub = await Hub(CODEC).start()
+        self.procs = Cluster(self.hub, startup_timeout_s=cfg.startup_timeout_s)
+        try:
+            infos = {wid: wp.info for wid, wp in (await self.procs.start(specs)).items()}
+        except BaseException:
+            await self.hub.close()
+            raise
+        first = infos[0]
+        self.max_model_len = int(first["max_model_len"])
+        cost = self._cost(first)
+        view = StoreView(store, cost)
+        seen: set[int] = set()
+        while len(seen) < len(specs):                          # every worker's first state is in the store
+            wid, msg, _ = await asyncio.wait_for(self.hub.recv(), timeout=cfg.startup_timeout_s)
+            if isinstance(msg, m.Stats):
+                store.publish(msg.state)
+                seen.add(wid)
+        view.refresh()
+        policy = get_policy(cfg.policy)
+        coord = Coordinator(view, make_router(policy, random.Random(cfg.seed)), max_context=self.max_model_len)
+        kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
+        self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
+                                      block_size=int(first["block_size"]), kv_timeout_s=cfg.kv_timeout_s)
+        self.hub.on_worker_dead(self._on_dead)
+        self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._tick())]
+
+    def _cost(self, info: dict):
+        if self.cfg.perf:
+            from tandem.sim.cluster import load_perf
+            prof = load_perf(self.cfg.perf)
+            return getattr(prof, "ampd", prof)
+        from tandem.engine.models import ModelConfig
+        from tandem.runtime.costs import nominal_cost_model
+        mc = ModelConfig.from_pretrained(self.cfg.model)
+        params = mc.vocab_size * mc.hidden_size + mc.num_hidden_layers * (
+            4 * mc.hidden_size * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
+        return nominal_cost_model(params, mc.num_hidden_layers, mc.hidden_size, int(info["kv_bytes_per_token"]),
+                                  self.max_model_len)
+
+    # ------------------------------------------------------------------ plumbing
+    def _send(self, worker: int, msg) -> None:
+        if worker in self._lost:
+            return
+        asyncio.get_running_loop().create_task(self._send_async(worker, msg))
+
+    async def _send_async(self, worker: int, msg) -> None:
+        try:
+            await self.hub.send(worker, msg)
+        except WorkerUnreachable as e:
+            log.warning("send to worker %d failed: %s", worker, e)
+
+    async def _pump(self) -> None:
+        while True:
+            wid, msg, _ = await self.hub.recv()
+            try:
+                self.shell.on_message(wid, msg)
+            except Exception:                                    # a bug must not stop the server
+                log.exception("coordinator: handling %s from worker %d failed", type(msg).__name__, wid)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            self.shell.check_timeouts()
+
+    def _on_dead(self, ev: WorkerDead) -> None:
+        wid = ev.worker_id
+        if wid in self._lost:
+            return
+        self._lost.add(wid)
+        log.error("worker %d (%s) lost: %s", wid, self.roles.get(wid), ev.reason)
+        self.shell.store.remove(wid)
+        self.shell.on_worker_lost(wid)
+
+    # ------------------------------------------------------------------ EngineClient
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 session_id: str | None = None, prompt: str | None = None):
+        if not self.is_healthy():
+            raise RequestError("no live decode worker: the server cannot serve", 503)
+        return self.shell.generate(prompt_token_ids, params, request_id, session_id, prompt)
+
+    async def abort(self, request_id: str) -> None:
+        req = self.shell.reqs.get(request_id)
+        if req is not None:
+            self.shell._abort(req, "aborted")
+
+    def stats(self) -> BackendStats:
+        s = self.shell.stats
+        out = BackendStats(**{k: getattr(s, k) for k in BackendStats.__dataclass_fields__})
+        s.kv_transfer_seconds = []
+        states = [st for st in self.shell.store.all() if st.worker_id not in self._lost]
+        homes = [st for st in states if st.role != PREFILL]
+        out.num_requests_running = sum(st.num_running for st in homes)
+        out.num_requests_waiting = sum(st.num_waiting for st in states)
+        out.kv_cache_usage_perc = sum(st.kv_usage for st in homes) / len(homes) if homes else 0.0
+        out.workers_total = len(self.roles)
+        out.workers_alive = len(self.roles) - len(self._lost)
+        return out
+
+    def is_healthy(self) -> bool:
+        return any(r != PREFILL and w not in self._lost for w, r in self.roles.items())
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.procs is not None:
+            await self.procs.stop()
+        if self.hub is not None:
+            await self.hub.close()

@@ -1,0 +1,355 @@
+"""The coordinator's live shell: HTTP-facing requests in, the sans-I/O Coordinator core's actions out as
+worker messages, worker messages back in as core events (the simulator's EventLoop does the same on a
+virtual clock). Transport-agnostic: `send(worker_id, msg)` is injected; `tandem.runtime.cluster` wires it.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tandem.core import actions as act
+from tandem.core.coordinator import Coordinator
+from tandem.core.prefix_hash import extend_hashes
+from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
+from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime import messages as m
+from tandem.runtime.client import BackendStats, RequestError
+from tandem.runtime.state_store import SessionInfo
+
+
+@dataclass
+class _Req:
+    """One HTTP request = one round of a session."""
+
+    request_id: str
+    session_id: str
+    prompt: list[int]
+    params: SamplingParams
+    keep_session: bool
+    queue: asyncio.Queue
+    out: RequestOutput
+    worker: int = -1                    # the session's decode/co-located worker
+    task: PrefillTask | None = None
+    prefill_worker: int = -1            # remote prefill worker, -1 when local
+    sent_to_decode: bool = False
+    transfers: dict = field(default_factory=dict)    # purpose -> (Transfer, started monotonic)
+    done: bool = False
+
+
+def _params_dict(p: SamplingParams) -> dict:
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
+
+
+class CoordinatorShell:
+    """Runs the Coordinator core for live requests; one instance per server."""
+
+    def __init__(self, coord: Coordinator, store, send: Callable[[int, object], None], kv_addr: dict[int, str],
+                 max_model_len: int, block_size: int = 16, kv_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
+        self.max_model_len, self.block_size, self.kv_timeout_s, self.clock = max_model_len, block_size, kv_timeout_s, clock
+        self.reqs: dict[str, _Req] = {}
+        self.by_task: dict[PrefillTask, _Req] = {}
+        self.session_req: dict[str, _Req] = {}
+        self.conv: dict[str, list[int]] = {}                 # session -> conversation tokens resident on its worker
+        self.prefixes: dict[int, set[int]] = {}             # worker -> block hashes of prompts it has seen
+        self._begun: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self.stats = BackendStats()
+
+    # ------------------------------------------------------------------ requests in
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
+                       session_id: str | None = None, prompt_text: str | None = None):
+        """Stream cumulative RequestOutputs for one round (EngineClient.generate)."""
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(f"prompt of {len(prompt)} tokens leaves no room to generate: the model's context "
+                               f"(max_model_len) is {self.max_model_len} tokens", 400, param="messages")
+        if request_id in self.reqs:
+            raise RequestError(f"request id {request_id!r} is already running", 409)
+        max_out = self.max_model_len - len(prompt)
+        if params.max_tokens is not None:
+            max_out = min(max_out, params.max_tokens)
+        keep = session_id is not None
+        sid = session_id if keep else f"req-{request_id}"
+        if sid in self.session_req:
+            raise RequestError(f"session {sid!r} already has a request running "
+                               f"({self.session_req[sid].request_id!r}); send rounds one at a time", 409)
+        now = self.clock()
+        req = _Req(request_id, sid, list(prompt), params, keep, asyncio.Queue(),
+                   RequestOutput(request_id, prompt_text, list(prompt), [CompletionOutput(0, "", [], None, None)],
+                                 False, RequestMetrics(now), session_id=session_id))
+        self.reqs[request_id] = req
+        self.session_req[sid] = req
+        try:
+            await self._start(req, max_out, now)
+            while True:
+                out = await req.queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not req.done:                                    # the client went away: abort, free the KV
+                self._abort(req, "client disconnected")
+
+    async def _start(self, req: _Req, max_out: int, now: float) -> None:
+        sid, coord = req.session_id, self.coord
+        worker = coord.session_worker(sid)
+        hist_tokens = self.conv.get(sid)
+        if worker is not None and (hist_tokens is None or req.prompt[:len(hist_tokens)] != hist_tokens
+                                   or len(req.prompt) <= len(hist_tokens)):
+            self._apply(coord.end_session(sid, now))          # the conversation was rewritten: start afresh
+            worker = None
+        if worker is not None:                                 # pin the resident KV and learn how much there is
+            fut = asyncio.get_running_loop().create_future()
+            self._begun[req.request_id] = fut
+            self.send(worker, m.BeginRound(req.request_id, sid))
+            resident = await asyncio.wait_for(fut, timeout=10.0)
+            self.store.put_session(sid, SessionInfo(decode_worker=worker, resident_tokens=resident,
+                                                    updated_s=time.time()))
+            new = len(req.prompt) - len(hist_tokens)
+        else:
+            self.store.put_session(sid, SessionInfo(decode_worker=-1, resident_tokens=0, updated_s=time.time()))
+            new = len(req.prompt)
+            worker = self._prefix_worker(req.prompt)
+        self._apply(coord.on_round(sid, new, max_out, self.clock(), worker=worker))
+
+    def _prefix_worker(self, prompt: list[int]) -> int | None:
+        """Without a session: the worker that has seen the longest prefix of this prompt (None: let the binder pick)."""
+        hashes: list[int] = []
+        extend_hashes(hashes, prompt, self.block_size)
+        best, best_n = None, 0
+        homes = set(self.coord._homes())
+        for w, seen in self.prefixes.items():
+            if w not in homes:
+                continue
+            n = 0
+            for h in hashes:
+                if h not in seen:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = w, n
+        return best
+
+    def _remember_prefix(self, worker: int, tokens: list[int]) -> None:
+        hashes: list[int] = []
+        extend_hashes(hashes, tokens, self.block_size)
+        seen = self.prefixes.setdefault(worker, set())
+        if len(seen) > 200_000:
+            seen.clear()
+        seen.update(hashes)
+
+    # ------------------------------------------------------------------ core actions out
+    def _apply(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, act.Submit):
+                self._submit(a)
+            elif isinstance(a, act.Transfer):
+                req = self.by_task.get(a.task)
+                if req is None:
+                    continue
+                req.transfers[a.purpose] = (a, self.clock())
+                self.send(a.src, m.SendKV(req.request_id, req.session_id, a.purpose, a.tokens, a.dst,
+                                          self.kv_addr[a.dst]))
+            elif isinstance(a, (act.HistoryReady, act.KVArrived, act.Delivered)):
+                req = self.by_task.get(a.task)
+                if req is not None:
+                    self.send(a.worker, {act.HistoryReady: m.HistoryReady, act.KVArrived: m.KVArrived,
+                                         act.Delivered: m.Delivered}[type(a)](req.request_id))
+                    if isinstance(a, act.Delivered):
+                        self.by_task.pop(a.task, None)
+            elif isinstance(a, act.Release):
+                self._release(a)
+            # ToolCall: a live session waits for its client's next request
+
+    def _submit(self, a: act.Submit) -> None:
+        t = a.task
+        req = self.session_req.get(t.session_id)
+        if req is None:
+            return
+        req.task, req.worker = t, t.decode_worker
+        self.by_task[t] = req
+        params = _params_dict(req.params)
+        local = a.worker == t.decode_worker
+        slo = (t.ttft_slo_s, t.itl_slo_s)
+        if not req.sent_to_decode:
+            self.send(t.decode_worker, m.AddRequest(req.request_id, req.session_id, req.prompt, params,
+                                                    remote=not local, keep_session=True,
+                                                    ttft_slo_s=slo[0], itl_slo_s=slo[1]))
+            req.sent_to_decode = True
+        elif local:
+            self.send(t.decode_worker, m.RunLocal(req.request_id))  # re-routed home after its prefill worker died
+        if local:
+            self.stats.local_prefills += 1
+            req.prefill_worker = -1
+        else:
+            self.stats.remote_prefills += 1
+            req.prefill_worker = a.worker
+            self.send(a.worker, m.AddPrefill(req.request_id, req.session_id, req.prompt, params, t.l_hist,
+                                             t.round_idx))
+        self.stats.prefix_cache_queries += len(req.prompt)
+        self.stats.prefix_cache_hits += t.l_hist
+
+    def _release(self, a: act.Release) -> None:
+        sid = a.session_id
+        self.send(a.worker, m.Release(sid))
+        self.store.delete_session(sid)
+        self.conv.pop(sid, None)
+        req = self.session_req.get(sid)
+        if req is not None and not req.done:
+            rec = next((r for r in reversed(self.coord.records) if r.session_id == sid), None)
+            why = rec.fail_reason if rec is not None and rec.failed else "the session ended"
+            self._fail(req, why)
+
+    # ------------------------------------------------------------------ worker messages in
+    def on_message(self, worker: int, msg) -> None:
+        """One message from a worker."""
+        now = self.clock()
+        if isinstance(msg, m.Outputs):
+            for d in msg.deltas:
+                self._delta(worker, d)
+        elif isinstance(msg, m.Events):
+            for ev in msg.events:
+                self._event(worker, ev, now)
+        elif isinstance(msg, m.KVReceived):
+            req = self.reqs.get(msg.request_id)
+            if req is None or msg.purpose not in req.transfers:
+                return
+            tr, _ = req.transfers.pop(msg.purpose)
+            self.stats.kv_transfer_seconds.append(msg.elapsed_s)
+            self.stats.kv_transfer_bytes += msg.nbytes
+            self._apply(self.coord.on_transfer_done(tr, now, msg.elapsed_s))
+        elif isinstance(msg, m.RoundBegun):
+            fut = self._begun.pop(msg.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.resident_tokens)
+        elif isinstance(msg, m.WorkerFailure):
+            req = self.reqs.get(msg.request_id)
+            if req is not None and not req.done:
+                self._abort(req, msg.reason)
+        elif isinstance(msg, m.Stats):
+            self.store.publish(msg.state)
+
+    def _event(self, worker: int, ev: m.CoreEvent, now: float) -> None:
+        coord = self.coord
+        if ev.kind in ("FetchHistory", "PrefillDone"):
+            req = self.reqs.get(ev.request_id)
+            if req is None or req.task is None:
+                return
+            core_ev = FetchHistory(req.task, ev.tokens) if ev.kind == "FetchHistory" else PrefillDone(req.task, worker, now)
+        elif ev.kind == "FirstToken":
+            core_ev = FirstToken(ev.session_id, worker, now, now)
+        elif ev.kind == "RoundDone":
+            core_ev = RoundDone(ev.session_id, worker, now, ev.output_tokens, ev.itl_sum, ev.itl_count, ev.itl_max,
+                                ev.preemptions)
+        elif ev.kind == "SessionFailed":
+            core_ev = SessionFailed(ev.session_id, worker, now, ev.reason)
+        else:
+            return
+        if coord.session_worker(ev.session_id) is None and ev.kind not in ("FetchHistory", "PrefillDone"):
+            return
+        self._apply(coord.on_event(core_ev, now))
+
+    def _delta(self, worker: int, d: m.Delta) -> None:
+        req = self.reqs.get(d.request_id)
+        if req is None or req.done:
+            return
+        out = req.out
+        comp = out.outputs[0]
+        now = self.clock()
+        if d.token_ids and out.metrics.first_token_time is None:
+            out.metrics.first_token_time = now
+        if d.token_ids:
+            out.metrics.last_token_time = now
+        comp.token_ids = comp.token_ids + list(d.token_ids)
+        comp.text = d.text if d.reset else comp.text + d.text
+        if d.logprobs is not None:
+            comp.logprobs = (comp.logprobs or []) + list(d.logprobs)
+            comp.cumulative_logprob = d.cumulative_logprob
+        out.num_cached_tokens = out.metrics.num_cached_tokens = d.num_cached_tokens
+        if d.finished:
+            comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
+            out.error = d.error
+            self._finish(req, now)
+            if req.keep_session and d.error is None:
+                self.conv[req.session_id] = req.prompt + comp.token_ids
+                self._remember_prefix(req.worker, req.prompt)
+            elif not req.keep_session:
+                self._remember_prefix(req.worker, req.prompt)
+                self._apply(self.coord.end_session(req.session_id, now))
+        self._push(req)
+
+    def _push(self, req: _Req) -> None:
+        o = req.out
+        c = o.outputs[0]
+        snap = dataclasses.replace(o, outputs=[dataclasses.replace(c, token_ids=list(c.token_ids),
+                                                                   logprobs=list(c.logprobs) if c.logprobs else c.logprobs)],
+                                   metrics=dataclasses.replace(o.metrics))
+        req.queue.put_nowait(snap)
+
+    def _finish(self, req: _Req, now: float) -> None:
+        req.done = True
+        req.out.finished = True
+        req.out.metrics.finished_time = now
+        self.reqs.pop(req.request_id, None)
+        if self.session_req.get(req.session_id) is req:
+            del self.session_req[req.session_id]
+
+    def _fail(self, req: _Req, reason: str) -> None:
+        """End a request with an error the client sees (finish_reason abort)."""
+        if req.done:
+            return
+        req.out.error = reason
+        req.out.outputs[0].finish_reason = "abort"
+        self._finish(req, self.clock())
+        self._push(req)
+
+    def _abort(self, req: _Req, reason: str) -> None:
+        """Stop a request everywhere, free its KV and end its session (the client gone or a worker failure)."""
+        self._fail(req, reason)
+        if req.worker >= 0:
+            self.send(req.worker, m.Abort(req.request_id))
+        if req.prefill_worker >= 0:
+            self.send(req.prefill_worker, m.Abort(req.request_id))
+        if req.task is not None:
+            self.by_task.pop(req.task, None)
+        self._apply(self.coord.end_session(req.session_id, self.clock(), reason))
+
+    # ------------------------------------------------------------------ time and faults
+    def check_timeouts(self) -> None:
+        """A KV transfer that has not landed in kv_timeout_s: the decode worker recomputes the round locally."""
+        now = self.clock()
+        for req in list(self.reqs.values()):
+            for purpose, (tr, started) in list(req.transfers.items()):
+                if now - started < self.kv_timeout_s:
+                    continue
+                req.transfers.clear()
+                if req.prefill_worker >= 0:
+                    self.send(req.prefill_worker, m.Abort(req.request_id))
+                self.by_task.pop(req.task, None)
+                req.prefill_worker = -1
+                self.send(req.worker, m.RunLocal(req.request_id))
+                self.stats.kv_transfer_timeouts += 1
+                rec = self.coord.records and next((r for r in reversed(self.coord.records)
+                                                   if r.session_id == req.session_id), None)
+                if rec and rec.rounds:
+                    rec.rounds[-1].prefill_where = "local"
+                break
+
+    def on_worker_lost(self, worker: int) -> None:
+        """A worker died: fail its sessions' requests, re-route prefills it was running."""
+        for req in list(self.reqs.values()):
+            if req.prefill_worker == worker:
+                req.transfers.clear()
+                req.prefill_worker = -1
+        self._apply(self.coord.on_worker_lost(worker, self.clock()))
+        self.prefixes.pop(worker, None)
+        for req in list(self.reqs.values()):
+            if req.worker == worker and not req.done:
+                self._fail(req, f"worker lost: decode worker {worker} stopped")

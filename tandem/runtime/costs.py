@@ -1,0 +1,39 @@
+"""The coordinator's cost estimates for routing when no `tandem profile` file is given: a CPU roofline.
+
+T_pre, T_dec and T_kv (AMPD Eq. 1-2) from the checkpoint's size at a nominal CPU rate. Routing needs
+only their ratios and rough scale; `tandem serve --perf PROFILE` replaces them with measured fits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tandem.perf.ampd_cost import AMPDCostModel, dec_features, kv_features, pre_features
+
+NOMINAL_FLOPS = 40e9          # per worker (a few CPU threads of fp32 GEMM)
+NOMINAL_MEM_BPS = 10e9        # KV reads during attention
+NOMINAL_LINK_BPS = 2e9        # a local socket between worker processes (docs/profiler.md measures ~2.3 GB/s)
+STEP_OVERHEAD_S = 1e-3
+
+
+def nominal_cost_model(params: int, layers: int, hidden: int, kv_bytes_per_token: int, max_len: int,
+                       max_num_batched_tokens: int = 2048) -> AMPDCostModel:
+    """AMPDCostModel (tp1) from a roofline of the checkpoint at NOMINAL_FLOPS / NOMINAL_MEM_BPS."""
+    def prefill(h: int, n: int) -> float:
+        steps = -(-n // max_num_batched_tokens)
+        flops = 2 * params * n + 4 * layers * hidden * n * (h + n / 2)
+        return steps * STEP_OVERHEAD_S + flops / NOMINAL_FLOPS + h * kv_bytes_per_token / NOMINAL_MEM_BPS
+
+    def decode(b: int, ctx: int) -> float:
+        return STEP_OVERHEAD_S + 2 * params * b / NOMINAL_FLOPS + ctx * kv_bytes_per_token / NOMINAL_MEM_BPS
+
+    incr = sorted({int(v) for v in np.geomspace(1, max(2, max_len), 24)})
+    hist = [0] + [h for h in (16 << i for i in range(30)) if h < max_len]
+    pre = ([pre_features(h, n) for h in hist for n in incr if h + n <= max_len],
+           [prefill(h, n) for h in hist for n in incr if h + n <= max_len])
+    ctxs = [c for c in (16 << i for i in range(30)) if c <= max_len] or [max_len]
+    batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    dec = ([dec_features(b, b * c) for c in ctxs for b in batches], [decode(b, b * c) for c in ctxs for b in batches])
+    toks = [1, 16, 256, 4096, 65536]
+    kv = ([kv_features(t) for t in toks], [5e-5 + t * kv_bytes_per_token / NOMINAL_LINK_BPS for t in toks])
+    return AMPDCostModel.from_samples({1: pre}, {1: dec}, {(1, 1, True): kv, (1, 1, False): kv},
+                                      meta={"source": "nominal CPU roofline (tandem.runtime.costs)"})

@@ -1,0 +1,184 @@
+"""The messages between the coordinator and worker processes (msgspec structs; KV bytes travel as extra frames).
+
+Each coordinator action of the sans-I/O core maps to one message (Submit -> AddRequest/AddPrefill,
+Transfer -> SendKV, HistoryReady, KVArrived, Delivered, Release); each worker core event comes back as
+one (FetchHistory, PrefillDone, FirstToken, RoundDone, SessionFailed) keyed by request id.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class Params(msgspec.Struct, kw_only=True):
+    """SamplingParams fields, as sent over the wire (None: the default)."""
+
+    fields: dict
+
+
+# ------------------------------------------------------------------ coordinator -> worker
+
+class BeginRound(msgspec.Struct, tag=True):
+    """Pin a session's resident KV for a new round; the worker answers RoundBegun."""
+
+    request_id: str
+    session_id: str
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    """A round for a decode/co-located worker: local prefill, or wait for a remote prefill's KV."""
+
+    request_id: str
+    session_id: str
+    prompt_token_ids: list[int]
+    params: dict
+    remote: bool = False
+    keep_session: bool = True
+    ttft_slo_s: float = float("inf")
+    itl_slo_s: float = float("inf")
+
+
+class AddPrefill(msgspec.Struct, tag=True):
+    """A remote prefill for a prefill worker: tokens [l_hist, len) on top of the session's history."""
+
+    request_id: str
+    session_id: str
+    prompt_token_ids: list[int]
+    params: dict
+    l_hist: int
+    round_idx: int = 0
+
+
+class SendKV(msgspec.Struct, tag=True):
+    """Push KV to a peer: the session's history ("history") or the task's new KV and first token ("incremental")."""
+
+    request_id: str
+    session_id: str
+    purpose: str
+    tokens: int
+    dst_worker: int
+    dst_addr: str
+
+
+class HistoryReady(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class KVArrived(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Delivered(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class RunLocal(msgspec.Struct, tag=True):
+    """A remote round whose KV never came: prefill it on the decode worker instead (recompute)."""
+
+    request_id: str
+
+
+class Release(msgspec.Struct, tag=True):
+    session_id: str
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+
+
+# ------------------------------------------------------------------ worker -> worker (KV plane)
+
+class KVData(msgspec.Struct, tag=True):
+    """A KV payload header; the bytes follow as the next frame."""
+
+    request_id: str
+    purpose: str
+    src_worker: int
+    num_tokens: int
+    dtype: str
+    shape: list[int]
+    sent_s: float
+    first_token: int = -1
+    first_logprobs: dict[int, float] | None = None
+
+
+# ------------------------------------------------------------------ worker -> coordinator
+
+class RoundBegun(msgspec.Struct, tag=True):
+    request_id: str
+    session_id: str
+    resident_tokens: int
+
+
+class Delta(msgspec.Struct):
+    """What one request gained in a step (text and tokens appended; `text` replaces all when `reset`)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    reset: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+class Outputs(msgspec.Struct, tag=True):
+    deltas: list[Delta]
+
+
+class CoreEvent(msgspec.Struct, tag=True):
+    """A worker core event: kind is FetchHistory | PrefillDone | FirstToken | RoundDone | SessionFailed."""
+
+    kind: str
+    session_id: str
+    request_id: str = ""
+    time_s: float = 0.0
+    tokens: int = 0
+    output_tokens: int = 0
+    itl_sum: float = 0.0
+    itl_count: int = 0
+    itl_max: float = 0.0
+    preemptions: int = 0
+    prefill_start_s: float = 0.0
+    reason: str = ""
+
+
+class Events(msgspec.Struct, tag=True):
+    events: list[CoreEvent]
+
+
+class KVReceived(msgspec.Struct, tag=True):
+    """A KV payload landed on this worker (and is held until the coordinator says HistoryReady/KVArrived)."""
+
+    request_id: str
+    purpose: str
+    src_worker: int
+    nbytes: int
+    elapsed_s: float
+
+
+class WorkerFailure(msgspec.Struct, tag=True):
+    """A message the worker could not carry out; the coordinator fails the request with the reason."""
+
+    request_id: str
+    reason: str
+
+
+CONTROL = [BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered, RunLocal, Release,
+           Abort]
+UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure]
+KV = [KVData]
+
+
+class Stats(msgspec.Struct, tag=True):
+    """A worker's state for the store (embedded mode: relayed by the coordinator); also a heartbeat."""
+
+    state: "WorkerStateT"
+
+
+from tandem.runtime.state_store import WorkerState as WorkerStateT  # noqa: E402  (a msgspec Struct)
+
+UPSTREAM.append(Stats)

@@ -1,0 +1,127 @@
+"""The worker process: an LLMEngine of one role behind a Link to the coordinator and a KV inbox for peers.
+
+Started by the launcher as "tandem.runtime.worker_main:main". Engine steps run on a thread so the event
+loop keeps receiving messages and sending heartbeats during long prefills; messages are applied between
+steps only, so the engine is never touched by two threads at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from tandem.runtime import messages as m
+from tandem.runtime.launcher import WorkerEnv
+from tandem.runtime.state_store import WorkerState, open_store
+from tandem.runtime.transport import Codec, PeerInbox, PeerOutbox
+from tandem.runtime.worker_shell import WorkerShell
+
+CODEC = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV])
+log = logging.getLogger("tandem.worker")
+
+
+def _cost_t_pre(perf: str | None):
+    """The worker's prefill-time estimate for its queue (AMPD Eq. 1-2): a `tandem profile` file, or none."""
+    if not perf:
+        return None
+    from tandem.sim.cluster import load_perf
+    prof = load_perf(perf)
+    cost = getattr(prof, "ampd", prof)
+    return lambda h, n: cost.t_pre(h, n, 1)
+
+
+async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
+               publish_s: float = 0.02, perf: str | None = None, threads: int | None = None) -> None:
+    """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process)."""
+    import torch
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    if threads:
+        torch.set_num_threads(threads)
+    engine = LLMEngine(EngineConfig(**engine_args), role=role, worker_id=env.worker_id,
+                       t_pre=_cost_t_pre(perf), forward_events=True)
+    store = open_store(state, cluster=cluster) if state != "embedded" else None
+    inbox, outbox = PeerInbox(CODEC), PeerOutbox(CODEC)
+    up: list = []
+    peer: list = []
+    shell = WorkerShell(engine, env.worker_id, lambda msg, *b: up.append((msg, b)),
+                        lambda addr, msg, *b: peer.append((addr, msg, b)))
+    q: asyncio.Queue = asyncio.Queue()
+
+    async with env.link(CODEC) as link:
+        async def read_link() -> None:
+            while True:
+                msg, bufs = await link.recv()
+                await q.put(("ctl", msg, bufs))
+                if link.stopping:
+                    return
+
+        async def read_inbox() -> None:
+            while True:
+                msg, bufs = await inbox.recv()
+                await q.put(("kv", msg, [bytes(b) for b in bufs]))
+
+        async def flush() -> None:
+            while peer:
+                addr, msg, bufs = peer.pop(0)
+                await outbox.send(addr, msg, *bufs)
+            while up:
+                msg, bufs = up.pop(0)
+                await link.send(msg, *bufs)
+
+        last_pub = 0.0
+
+        async def publish(force: bool = False) -> None:
+            nonlocal last_pub
+            now = time.time()
+            if not force and now - last_pub < publish_s:
+                return
+            last_pub = now
+            st = WorkerState.from_core(engine.core, engine.clock(), kv_addr=inbox.address, published_s=now)
+            if store is not None:
+                store.publish(st)
+            else:
+                await link.send(m.Stats(st))
+
+        def handle(kind: str, msg, bufs) -> None:
+            if kind == "kv":
+                if isinstance(msg, m.KVData):
+                    shell.on_kv(msg, bufs)
+            elif type(msg) in m.CONTROL:
+                shell.on_control(msg)
+
+        tasks = [asyncio.create_task(read_link()), asyncio.create_task(read_inbox())]
+        mc = engine.model_config
+        await publish(force=True)
+        await link.ready({"kv_address": inbox.address, "pid": os.getpid(), "role": role,
+                          "capacity_tokens": engine.core.capacity_tokens, "max_model_len": engine.max_model_len,
+                          "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
+                          "kv_bytes_per_token": int(engine.runner.kv_caches[0].element_size() * 2
+                                                    * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim)})
+        try:
+            while not link.stopping:
+                while not q.empty():
+                    handle(*q.get_nowait())
+                await flush()
+                if shell.has_work():
+                    await asyncio.to_thread(shell.step)
+                    await flush()
+                else:
+                    try:
+                        item = await asyncio.wait_for(q.get(), timeout=max(publish_s, 0.05))
+                        handle(*item)
+                        await flush()
+                    except asyncio.TimeoutError:
+                        pass
+                await publish()
+        finally:
+            for t in tasks:
+                t.cancel()
+            if store is not None:
+                store.remove(env.worker_id)
+                store.close()
+            outbox.close()
+            inbox.close()

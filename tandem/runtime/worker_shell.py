@@ -1,0 +1,153 @@
+"""A worker process's logic: carry out the coordinator's messages on an LLMEngine, step it, report back.
+
+Transport-agnostic: `send_up(msg)` goes to the coordinator, `send_peer(addr, msg, *frames)` to another
+worker's KV inbox; `tandem.runtime.worker_main` wires them to ZeroMQ.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from tandem.core.types import FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
+from tandem.engine.config import EngineError
+from tandem.engine.kv_transfer import KVPayload, KVTransferError
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
+from tandem.runtime import messages as m
+
+log = logging.getLogger("tandem.worker")
+
+
+class WorkerShell:
+    """One worker: its engine, the KV it holds for peers' requests, what it has streamed so far."""
+
+    def __init__(self, engine: LLMEngine, worker_id: int, send_up: Callable, send_peer: Callable,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.engine, self.id = engine, worker_id
+        self.send_up, self.send_peer, self.wall = send_up, send_peer, wall
+        self._sent: dict[str, tuple[int, str]] = {}          # request -> (tokens, text) streamed so far
+        self._first: dict[str, tuple[int, dict | None]] = {}  # remote request -> first token from its prefill
+
+    # ------------------------------------------------------------------ control plane
+    def on_control(self, msg) -> None:
+        """Carry out one coordinator message, then report what it caused."""
+        eng = self.engine
+        try:
+            if isinstance(msg, m.BeginRound):
+                self.send_up(m.RoundBegun(msg.request_id, msg.session_id, eng.begin_round(msg.session_id)))
+            elif isinstance(msg, m.AddRequest):
+                eng.add_request(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params),
+                                session_id=msg.session_id, remote=msg.remote,
+                                slo=(msg.ttft_slo_s, msg.itl_slo_s), keep_session=msg.keep_session)
+            elif isinstance(msg, m.AddPrefill):
+                eng.add_prefill(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params), msg.session_id,
+                                msg.l_hist, msg.round_idx)
+            elif isinstance(msg, m.SendKV):
+                self._send_kv(msg)
+            elif isinstance(msg, m.HistoryReady):
+                eng.on_history_ready(msg.request_id)
+            elif isinstance(msg, m.KVArrived):
+                tok, lps = self._first.pop(msg.request_id)
+                self._emit(eng.on_kv_arrived(msg.request_id, tok, lps))
+            elif isinstance(msg, m.Delivered):
+                eng.on_delivered(msg.request_id)
+            elif isinstance(msg, m.RunLocal):
+                self._first.pop(msg.request_id, None)
+                eng.make_local(msg.request_id)
+            elif isinstance(msg, m.Release):
+                eng.end_session(msg.session_id)
+            elif isinstance(msg, m.Abort):
+                self._first.pop(msg.request_id, None)
+                eng.abort_request(msg.request_id)
+                self._sent.pop(msg.request_id, None)
+            else:
+                raise TypeError(f"unexpected control message {type(msg).__name__}")
+        except (EngineError, SamplingParamsError, KVTransferError, KeyError, TypeError) as e:
+            rid = getattr(msg, "request_id", "")
+            log.warning("worker %d: %s failed: %s", self.id, type(msg).__name__, e)
+            self.send_up(m.WorkerFailure(rid, f"{type(msg).__name__} failed on worker {self.id}: {e}"))
+        self._flush_events()
+
+    def _send_kv(self, msg: m.SendKV) -> None:
+        eng = self.engine
+        tok, lps = -1, None
+        if msg.purpose == "history":
+            payload = eng.export_history(msg.session_id, msg.tokens)
+        else:
+            payload, tok, lps = eng.export_new_kv(msg.request_id)
+        head = m.KVData(msg.request_id, msg.purpose, self.id, payload.num_tokens, payload.dtype,
+                        list(payload.shape), self.wall(), tok, lps)
+        self.send_peer(msg.dst_addr, head, payload.buffer())
+
+    # ------------------------------------------------------------------ KV plane
+    def on_kv(self, head: m.KVData, frames: list) -> None:
+        """A peer's KV landed: keep it for its request and tell the coordinator (it decides where it goes)."""
+        try:
+            payload = KVPayload.from_buffer(frames[0] if frames else b"", head.num_tokens, head.dtype,
+                                            tuple(head.shape))
+            self.engine.receive_kv(head.request_id, payload)
+        except (EngineError, KVTransferError) as e:
+            log.warning("worker %d: dropped KV for %s: %s", self.id, head.request_id, e)
+            self.send_up(m.WorkerFailure(head.request_id, f"KV transfer to worker {self.id} failed: {e}"))
+            return
+        if head.first_token >= 0:
+            self._first[head.request_id] = (head.first_token, head.first_logprobs)
+        self.send_up(m.KVReceived(head.request_id, head.purpose, head.src_worker, payload.nbytes,
+                                  max(0.0, self.wall() - head.sent_s)))
+
+    # ------------------------------------------------------------------ stepping
+    def has_work(self) -> bool:
+        return self.engine.core.has_work()
+
+    def step(self) -> None:
+        """Run one engine step and report its outputs and core events."""
+        self._emit(self.engine.step())
+
+    def _emit(self, outs: list[RequestOutput]) -> None:
+        deltas = [d for d in (self._delta(o) for o in outs) if d is not None]
+        if deltas:
+            self.send_up(m.Outputs(deltas))
+        self._flush_events()
+
+    def _delta(self, out: RequestOutput) -> m.Delta | None:
+        comp = out.outputs[0]
+        n, text = self._sent.get(out.request_id, (0, ""))
+        new_ids = comp.token_ids[n:]
+        if not new_ids and not out.finished:
+            return None
+        reset = not comp.text.startswith(text)
+        d = m.Delta(out.request_id, list(new_ids), comp.text if reset else comp.text[len(text):], reset,
+                    out.finished, comp.finish_reason, comp.stop_reason, out.num_cached_tokens, out.error,
+                    comp.logprobs[n:] if comp.logprobs is not None else None, comp.cumulative_logprob)
+        if out.finished:
+            self._sent.pop(out.request_id, None)
+        else:
+            self._sent[out.request_id] = (len(comp.token_ids), comp.text)
+        return d
+
+    def _flush_events(self) -> None:
+        eng = self.engine
+        if not eng.core_events:
+            return
+        evs, eng.core_events = eng.core_events, []
+        out = []
+        for ev in evs:
+            if isinstance(ev, (FetchHistory, PrefillDone)):
+                req = eng._task_req.get(ev.task)
+                if req is None:
+                    continue                                   # aborted meanwhile
+                out.append(m.CoreEvent("FetchHistory" if isinstance(ev, FetchHistory) else "PrefillDone",
+                                       ev.task.session_id, req.request_id,
+                                       tokens=ev.tokens if isinstance(ev, FetchHistory) else 0))
+            elif isinstance(ev, FirstToken):
+                out.append(m.CoreEvent("FirstToken", ev.session_id, prefill_start_s=ev.prefill_start_s))
+            elif isinstance(ev, RoundDone):
+                out.append(m.CoreEvent("RoundDone", ev.session_id, output_tokens=ev.output_tokens,
+                                       itl_sum=ev.itl_sum, itl_count=ev.itl_count, itl_max=ev.itl_max,
+                                       preemptions=ev.preemptions))
+            elif isinstance(ev, SessionFailed):
+                out.append(m.CoreEvent("SessionFailed", ev.session_id, reason=ev.reason))
+        if out:
+            self.send_up(m.Events(out))
