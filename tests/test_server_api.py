@@ -525,6 +525,8 @@ class _FailingClient:
         m = RequestMetrics(0.0)
         yield RequestOutput(request_id, None, prompt_token_ids, [CompletionOutput(0, "ab", [5, 6], None, None)],
                             False, m)
+        if self.mode == "crash_later":
+            raise RuntimeError("boom mid-stream")
         yield RequestOutput(request_id, None, prompt_token_ids,
                             [CompletionOutput(0, "ab", [5, 6], None, None, "abort")], True, m,
                             error="worker 3 died")
@@ -573,13 +575,19 @@ def test_failure_after_acceptance_is_a_json_error_or_an_sse_error_event(tokenize
 
 
 def test_backend_rejection_and_internal_errors_are_json(tokenizer, caplog):
-    """Protects RequestError statuses passed through, and a crash -> 500 JSON (logged, no traceback in the body)."""
+    """Protects RequestError statuses passed through, a crash -> 500 JSON (logged, no traceback in the body), and a
+    crash mid-stream -> an SSE error event then [DONE]."""
     r = _asgi(build_app(_FailingClient(tokenizer, "reject")), "POST", "/v1/completions", {"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
     r = _asgi(build_app(_FailingClient(tokenizer, "crash")), "POST", "/v1/completions", {"prompt": "x"})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert "boom" not in r.text and "Traceback" not in r.text
     assert any("internal error" in rec.message for rec in caplog.records)
+    r = _asgi(build_app(_FailingClient(tokenizer, "crash_later")), "POST", "/v1/completions",
+              {"prompt": "x", "stream": True})
+    events = _sse(r.text)
+    assert r.status_code == 200 and events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+    assert "boom" not in r.text
 
 
 def test_metrics_take_backend_stats_and_kv_transfer_observations(tokenizer):

@@ -139,6 +139,7 @@ class AsyncLLM:
     # ------------------------------------------------------------------ engine thread
     def _add(self, fut: concurrent.futures.Future[None], request_id: str, ids: list[int], params: SamplingParams,
              session_id: str | None, arrival: float, stream: _Stream) -> None:
+        """Add a request to the engine and answer the caller's future (engine thread)."""
         if not fut.set_running_or_notify_cancel():
             return                                   # the caller went away before the request was added
         if self._closed:
@@ -158,12 +159,14 @@ class AsyncLLM:
         fut.set_result(None)
 
     def _abort(self, request_id: str) -> None:
+        """Forget a request's stream and abort it in the engine (engine thread)."""
         self._streams.pop(request_id, None)
         self._prefilled.discard(request_id)
         if not self._closed:
             self.engine.abort_request(request_id)
 
     def _run(self) -> None:
+        """The engine thread: run queued commands, step while work remains, deliver outputs."""
         eng = self.engine
         try:
             while True:
@@ -201,6 +204,7 @@ class AsyncLLM:
                 return True
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand each output to its request's queue and count prefills and cache hits."""
         c = self._counters
         for out in outs:
             rid = out.request_id
@@ -217,6 +221,7 @@ class AsyncLLM:
                 _put(stream, out)
 
     def _snapshot(self) -> None:
+        """Copy the core's gauges for stats() (read from other threads)."""
         core = self.engine.core
         c = self._counters
         c.running = len(core.active) + len(core.running)

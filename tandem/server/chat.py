@@ -33,6 +33,7 @@ def _tool_choice(req: ChatCompletionRequest) -> str:
 
 
 def _check(req: ChatCompletionRequest) -> None:
+    """Reject chat features that cannot be served (400 naming the field)."""
     sv.check_common(req)
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise APIError(f"response_format {req.response_format.get('type')!r} is not supported (only 'text')", 400,

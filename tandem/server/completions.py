@@ -17,6 +17,7 @@ from tandem.server.protocol import CompletionChoice, CompletionRequest, Completi
 
 
 def _check(req: CompletionRequest) -> None:
+    """Reject completion features that cannot be served (400 naming the field)."""
     sv.check_common(req)
     if req.echo:
         raise APIError("echo is not supported", 400, "unsupported_parameter", "echo")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -19,10 +20,11 @@ from starlette.types import Receive, Scope, Send
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
 from tandem.runtime.client import EngineClient, RequestError
-from tandem.server.errors import APIError, validation_error
+from tandem.server.errors import APIError, error_body, validation_error
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import PromptTokensDetails, Usage, _Sampling
 
+log = logging.getLogger("tandem.server")
 T = TypeVar("T")
 M = TypeVar("M", bound=_Sampling)
 SESSION_HEADER = "x-session-id"
@@ -156,6 +158,7 @@ async def close(gen: AsyncIterator[Any]) -> None:
 
 
 async def _wait_disconnect(receive: Receive) -> None:
+    """Return when the ASGI server reports that the client went away."""
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
@@ -214,6 +217,19 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass SSE events through; a crash mid-stream becomes an error event and [DONE] (and is logged)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception:  # noqa: BLE001 - the status line is gone: report in-band
+        log.exception("streaming response failed")
+        yield sse(error_body("internal server error", 500))
+        yield SSE_DONE
+    finally:
+        await close(events)
+
+
 class TextDelta:
     """Streams cumulative text, holding back what a stop string could still cut (max stop length - 1 chars)."""
 
@@ -234,7 +250,7 @@ class SSEResponse(StreamingResponse):
     """A streaming response that always watches for disconnects and always closes its iterator."""
 
     def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
+        super().__init__(guarded(content), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

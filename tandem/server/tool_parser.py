@@ -8,7 +8,7 @@ body is complete JSON.
 `StreamingToolParser` does the same incrementally: content is streamed as it arrives except for a tail that
 might be the start of `<tool_call>`; text inside a block is buffered and the whole call is emitted as one
 tool_calls delta (id, name and complete arguments) when `</tool_call>` arrives (or at the end).
-Whitespace-only content is held back and dropped when it only surrounds tool calls.
+Trailing whitespace of content is held back and dropped when only tool calls follow it.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class StreamingToolParser:
     def __init__(self) -> None:
         self._buf = ""               # text not yet handed out (a possible `<tool_call>` prefix, or a block)
         self._in_block = False
-        self._space = ""             # whitespace-only content held back: dropped if it only separates calls
+        self._space = ""             # trailing whitespace held back: dropped if only calls follow
         self.calls: list[ParsedToolCall] = []
 
     def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
@@ -114,11 +114,11 @@ class StreamingToolParser:
         return self._hold_space("".join(content)), done
 
     def _hold_space(self, text: str) -> str:
-        if not text.strip():
-            self._space += text
-            return ""
-        text, self._space = self._space + text, ""
-        return text
+        """Hold trailing whitespace back until more content follows (it may only precede a call)."""
+        text = self._space + text
+        body = text.rstrip()
+        self._space = text[len(body):]
+        return body
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """Flush at the end of the output: an open block is parsed if complete JSON, else streamed as text."""
