@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_cmd.add_parser(sub)
     from tandem.cli import profile_cmd
     profile_cmd.add_parser(sub)
+    from tandem.cli import serve_cmd
+    serve_cmd.add_parser(sub)
     from tandem.cli import bench_cmd
     bench_cmd.add_parser(sub)
     return p

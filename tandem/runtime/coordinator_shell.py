@@ -103,7 +103,9 @@ class CoordinatorShell:
         hist_tokens = self.conv.get(sid)
         if worker is not None and (hist_tokens is None or req.prompt[:len(hist_tokens)] != hist_tokens
                                    or len(req.prompt) <= len(hist_tokens)):
-            self._apply(coord.end_session(sid, now))          # the conversation was rewritten: start afresh
+            del self.session_req[sid]                          # the conversation was rewritten: start afresh
+            self._apply(coord.end_session(sid, now))
+            self.session_req[sid] = req
             worker = None
         if worker is not None:                                 # pin the resident KV and learn how much there is
             fut = asyncio.get_running_loop().create_future()

@@ -1,0 +1,159 @@
+"""`tandem serve`: the disaggregated OpenAI-compatible server; `tandem demo`: serve a tiny model, replay a
+multi-round workload through the HTTP API, print the metrics, shut down (what `make run` shows)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+from pathlib import Path
+
+
+def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
+    from tandem.cli.main import _positive_int
+    p.add_argument("--model", required=model_required, metavar="PATH", help="Hugging Face checkpoint directory")
+    p.add_argument("--prefill-workers", type=int, default=1, metavar="P", help="prefill worker processes (default: 1)")
+    p.add_argument("--decode-workers", type=int, default=1, metavar="D", help="decode worker processes (default: 1)")
+    p.add_argument("--colocated", type=int, default=0, metavar="N",
+                   help="co-located worker processes instead of P/D (policies vllm, continuum)")
+    p.add_argument("--policy", default="ampd", help="ampd | ampd-no-pr | ampd-no-ar-pr | dynamo | vllm | continuum")
+    p.add_argument("--state", default="embedded", help="state store: embedded or redis://HOST:PORT[/DB]")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    p.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks per worker")
+    p.add_argument("--perf", default=None, metavar="FILE", help="a `tandem profile` output for routing costs")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker (default: 1)")
+    p.add_argument("--kv-timeout", type=float, default=10.0, metavar="S",
+                   help="a KV transfer slower than this falls back to local recompute (default: 10)")
+
+
+def add_parser(sub) -> None:
+    """Register `serve` and `demo`."""
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API with prefill/decode worker processes")
+    _add_server_args(p, True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.set_defaults(func=cmd_serve)
+    d = sub.add_parser("demo", help="serve a tiny model 1P+1D, replay a multi-round workload through HTTP, report")
+    _add_server_args(d, False)
+    d.add_argument("--workload", default="toolbench")
+    d.add_argument("--sessions", type=int, default=12)
+    d.add_argument("--rate", type=float, default=1.0)
+    d.add_argument("--scale", type=float, default=0.05, help="token counts and tool gaps x this (default: 0.05)")
+    d.add_argument("--max-tokens-cap", type=int, default=16)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_demo)
+
+
+def _cluster_config(args):
+    from tandem.cli.main import CLIError
+    from tandem.runtime.cluster import ClusterConfig
+    if not Path(args.model, "config.json").is_file():
+        raise CLIError(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    eng = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
+    if args.max_model_len is not None:
+        eng["max_model_len"] = args.max_model_len
+    if args.num_kv_blocks is not None:
+        eng["num_kv_blocks"] = args.num_kv_blocks
+    p, d = args.prefill_workers, args.decode_workers
+    if args.colocated:
+        p = d = 0
+    return ClusterConfig(args.model, p, d, args.colocated, args.policy, args.state, args.served_model_name, eng,
+                         args.perf, args.threads, args.kv_timeout)
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg, host: str, port: int, api_key: str | None = None):
+    """Start the worker processes and the HTTP server; yields the cluster; stops both on exit."""
+    import uvicorn
+
+    from tandem.cli.main import CLIError
+    from tandem.policy.presets import get_policy
+    from tandem.runtime.cluster import ServingCluster
+    from tandem.runtime.launcher import WorkerStartupError
+    from tandem.runtime.state_store import StateStoreError
+    from tandem.server.app import build_app
+    try:
+        get_policy(cfg.policy)
+        cluster = await ServingCluster.start(cfg)
+    except (ValueError, WorkerStartupError, StateStoreError) as e:
+        raise CLIError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    server = uvicorn.Server(uvicorn.Config(build_app(cluster, api_key=api_key), host=host, port=port,
+                                           log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise CLIError(f"the HTTP server did not start on {host}:{port}")
+            await asyncio.sleep(0.02)
+        yield cluster
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await task
+        await cluster.shutdown()
+
+
+def cmd_serve(args) -> int:
+    """Serve until interrupted."""
+    cfg = _cluster_config(args)
+
+    async def run() -> None:
+        async with serving(cfg, args.host, args.port, args.api_key):
+            print(f"tandem: serving {Path(cfg.model).name} on http://{args.host}:{args.port}/v1 "
+                  f"({cfg.policy}; {cfg.prefill_workers}P+{cfg.decode_workers}D" +
+                  (f", {cfg.colocated} co-located" if cfg.colocated else "") + ")", flush=True)
+            await asyncio.Event().wait()
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cmd_demo(args) -> int:
+    """A tiny checkpoint (made once under models/), served 1P+1D; the bench replays sessions through HTTP."""
+    import json
+
+    from tandem.bench.serve_client import BenchConfig, run_bench
+    from tandem.cli.bench_cmd import print_table
+    from tandem.engine.tokenizer import Tokenizer
+    from tandem.workload.generators import generate
+    if args.model is None:
+        args.model = "models/tiny-qwen3-1m"
+        if not Path(args.model, "config.json").is_file():
+            from tandem.engine.tiny_model import make_tiny_model
+            make_tiny_model(args.model, arch="qwen3", size="1m", seed=0)
+    if args.max_model_len is None:
+        args.max_model_len = 4096
+    cfg = _cluster_config(args)
+    sessions = generate(args.workload, args.sessions, args.rate, args.seed)
+    port = _free_port()
+
+    async def run() -> dict:
+        async with serving(cfg, "127.0.0.1", port):
+            bc = BenchConfig(url=f"http://127.0.0.1:{port}", endpoint="completions", scale=args.scale,
+                             max_tokens_cap=args.max_tokens_cap, tokenizer=Tokenizer.from_pretrained(args.model),
+                             seed=args.seed)
+            res = await run_bench(sessions, bc)
+            return res.metrics()
+    out = asyncio.run(run())
+    out.update({"workload": args.workload, "policy": cfg.policy, "model": args.model})
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"tandem demo: {args.workload} x{args.sessions} sessions (scale {args.scale}) on {args.model}, "
+              f"policy {cfg.policy}, {cfg.prefill_workers}P+{cfg.decode_workers}D worker processes, through HTTP")
+        print_table(out)
+    return 0 if out.get("sessions_completed", 0) > 0 else 1
