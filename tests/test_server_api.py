@@ -309,7 +309,8 @@ def test_health_and_metrics_are_open_and_metrics_have_every_name(server, oai):
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
                  "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "tandem:local_prefills_total",
-                 "tandem:remote_prefills_total", "tandem:kv_transfer_seconds_bucket", "tandem:workers_alive"):
+                 "tandem:remote_prefills_total", "tandem:kv_transfer_seconds_bucket", "tandem:workers_alive",
+                 "tandem:kv_transfer_timeouts_total"):
         assert f'{name}{{' in text and f'model_name="{MODEL}"' in text, name
     assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"}' in text
     assert 'tandem:workers_alive{model_name="tiny"} 1.0' in text

@@ -42,7 +42,9 @@ class _BackendCollector:
         counters = [("vllm:prefix_cache_queries", "Prompt tokens looked up in the cache.", s.prefix_cache_queries),
                     ("vllm:prefix_cache_hits", "Prompt tokens found cached (history or prefix).", s.prefix_cache_hits),
                     ("tandem:local_prefills", "Prefills run on the session's decode worker.", s.local_prefills),
-                    ("tandem:remote_prefills", "Prefills run on a prefill worker.", s.remote_prefills)]
+                    ("tandem:remote_prefills", "Prefills run on a prefill worker.", s.remote_prefills),
+                    ("tandem:kv_transfer_timeouts", "KV transfers that fell back to local recompute.",
+                     getattr(s, "kv_transfer_timeouts", 0))]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(label, float(value))
