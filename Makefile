@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench
+.PHONY: run test install clean bench serve sim-demo
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,8 +14,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The end-to-end demo: a tiny model served by 1 prefill + 1 decode worker process (AMPD routing), a
+# multi-round ToolBench-shaped workload replayed through the HTTP API, the metrics table, shutdown.
 run: $(STAMP)
+	$(BIN)/tandem demo
+
+# The simulator's demo experiment (AMPD vs baselines at cluster scale).
+sim-demo: $(STAMP)
 	$(BIN)/tandem experiment --preset demo --out reports/demo
+
+# Keep a server running on 127.0.0.1:8000 (tiny model made once under models/).
+serve: $(STAMP)
+	test -f models/tiny-qwen3-1m/config.json || $(BIN)/tandem tiny-model --arch qwen3 --size 1m --out models/tiny-qwen3-1m
+	$(BIN)/tandem serve --model models/tiny-qwen3-1m --prefill-workers 1 --decode-workers 1 --max-model-len 4096
 
 # The Redis state-store tests start their own redis-server: install the binary when missing (Debian, root).
 # Tolerated to fail: those tests then skip, naming the missing binary.
@@ -31,4 +42,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py
 
 clean:
-	rm -rf $(VENV) reports
+	rm -rf $(VENV) reports models
