@@ -49,16 +49,34 @@ def error_bytes(err: APIError) -> bytes:
     return json.dumps(error_body(err.message, err.status, err.code, err.param)).encode()
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+
+
+def _split_loc(loc: tuple) -> tuple[str, str | None]:
+    """(field path, union member) of a pydantic error location."""
+    path: list[str] = []
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part.startswith("function-")):
+            return ".".join(path), part
+        path.append(str(part))
+    return ".".join(path), None
+
+
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    """A 400 naming the first invalid field of a pydantic validation failure."""
+    """A 400 naming the first invalid field of a pydantic validation failure (union alternatives folded)."""
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    where = f"{param}: " if param else ""
-    return APIError(f"{where}{msg}{more}", 400, "invalid_value", param)
+    if not errors:
+        return APIError("invalid request body", 400, "invalid_value")
+    param, member = _split_loc(tuple(errors[0].get("loc", ())))
+    if member is not None:
+        kinds = [m for e in errors if (sp := _split_loc(tuple(e.get("loc", ()))))[0] == param and (m := sp[1])]
+        msg = f"expected one of: {', '.join(dict.fromkeys(kinds))}"
+    else:
+        msg = errors[0].get("msg", "invalid value")
+    where = f"{param}: " if param else "request body: "
+    return APIError(f"{where}{msg}", 400, "invalid_value", param or None)
 
 
 def install_handlers(app: FastAPI) -> None:
