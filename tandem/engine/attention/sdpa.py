@@ -1,4 +1,13 @@
-"""The pure-PyTorch attention backend (scaled_dot_product_attention over the paged cache): CPU and reference."""
+"""The pure-PyTorch attention backend (scaled_dot_product_attention over the paged cache): CPU and reference.
+
+Decode (one query token per sequence) is memory-bound: every step reads each sequence's whole K/V. PyTorch has
+no paged attention kernel, so K/V are gathered, whole blocks at a time, into a reused buffer and attended there.
+The decode sequences are sorted by length and cut into groups whose gathered K/V stay small (DECODE_GROUP_BYTES,
+about an L2/L3 slice): each group is gathered and attended before the next, so the copy is read back from cache
+rather than from memory, and padding is only up to the longest sequence of its group. The G query heads that share
+a KV head are folded into the query-length dim ([S, Hkv, G, D] against [S, Hkv, L, D]) so that every key and value
+is read once, not once per query head.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,24 +18,35 @@ import torch.nn.functional as F
 from tandem.engine.attention.metadata import AttnMetadata
 from tandem.engine.attention.registry import register_backend, write_kv
 
+DECODE_GROUP_BYTES = 4 << 20     # gathered K+V per decode group (bytes); at least one sequence per group
+
 
 @dataclass
 class _Prefill:
     start: int                       # first query row in the flattened batch
     qlen: int
-    slots: torch.Tensor | None       # int64 [1, nblk] KV blocks of the whole sequence; None: no cached prefix
+    slots: torch.Tensor | None       # int64 [nblk] KV blocks of the whole sequence; None: no cached prefix
     mask: torch.Tensor | None        # bool [qlen, nblk * block_size] causal-with-offset mask; None: is_causal
 
 
 @dataclass
+class _DecodeGroup:
+    rows: torch.Tensor | None        # int64 [g] query rows of the group's sequences; None: rows[0]..+g-1 (`start`)
+    start: int
+    n: int                           # sequences in the group
+    blocks: torch.Tensor             # int64 [n * nblk] KV blocks per sequence (padded to the longest), flattened
+    nblk: int
+    mask: torch.Tensor | None        # bool [n, 1, 1, nblk * block_size] key j < seq_len; None: all full
+
+
+@dataclass
 class _Plan:
-    dec_rows: torch.Tensor | None    # int64 [Sd] query rows of the decode sequences; None: every row is one
-    dec_slots: torch.Tensor | None   # int64 [Sd, nblk] KV blocks of each decode sequence (padded, masked)
-    dec_mask: torch.Tensor | None    # bool [Sd, 1, 1, nblk * block_size] key j < seq_len
+    groups: list[_DecodeGroup]
+    all_decode: bool                 # every sequence of the step is a decode
     prefills: list[_Prefill]
 
 
-def _plan(meta: AttnMetadata, device: torch.device) -> _Plan:
+def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int) -> _Plan:
     """Index tensors of one step, built at its first layer and kept in meta.scratch for the others."""
     plan = meta.scratch.get("sdpa")
     if plan is not None:
@@ -36,21 +56,30 @@ def _plan(meta: AttnMetadata, device: torch.device) -> _Plan:
     for n in meta.query_lens:
         starts.append(acc)
         acc += n
-    dec = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    dec_rows = dec_slots = dec_mask = None
+    dec = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lambda i: meta.seq_lens[i])
+    groups: list[_DecodeGroup] = []
     if dec:
-        all_dec = len(dec) == len(meta.query_lens)
-        longest = max(meta.seq_lens[i] for i in dec)
-        if all_dec:
-            table, lens = meta.block_tables, meta.seq_lens_t.long()
-        else:
-            sel = torch.tensor(dec, dtype=torch.long, device=device)
-            dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=device)
-            table, lens = meta.block_tables.index_select(0, sel), meta.seq_lens_t.index_select(0, sel).long()
-        nblk = -(-longest // bs)
-        pos = torch.arange(nblk * bs, device=device)
-        dec_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-        dec_slots = table[:, :nblk].long()          # whole blocks: gathering 16-token runs beats token indexing
+        table = meta.block_tables
+        cap = max(1, DECODE_GROUP_BYTES // max(1, kv_block_bytes))    # blocks per group
+        i = 0
+        while i < len(dec):
+            j = i + 1
+            while j < len(dec) and (j + 1 - i) * -(-meta.seq_lens[dec[j]] // bs) <= cap:
+                j += 1
+            members = dec[i:j]
+            lens = [meta.seq_lens[m] for m in members]
+            nblk = -(-max(lens) // bs)
+            rows = [starts[m] for m in members]
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            sel = torch.tensor(members, dtype=torch.long, device=device)
+            blocks = table.index_select(0, sel)[:, :nblk].long().reshape(-1)
+            mask = None
+            if min(lens) != nblk * bs:
+                lt = torch.tensor(lens, dtype=torch.long, device=device)
+                mask = (torch.arange(nblk * bs, device=device)[None, :] < lt[:, None])[:, None, None, :]
+            groups.append(_DecodeGroup(None if contiguous else torch.tensor(rows, dtype=torch.long, device=device),
+                                       rows[0], len(members), blocks, nblk, mask))
+            i = j
     prefills = []
     for i, n in enumerate(meta.query_lens):
         if n == 1:
@@ -62,30 +91,39 @@ def _plan(meta: AttnMetadata, device: torch.device) -> _Plan:
         nblk = -(-L // bs)
         pos = torch.arange(nblk * bs, device=device)
         qpos = torch.arange(L - n, L, device=device)
-        prefills.append(_Prefill(starts[i], n, meta.block_tables[i, :nblk].long()[None, :],
-                                 pos[None, :] <= qpos[:, None]))
-    plan = _Plan(dec_rows, dec_slots, dec_mask, prefills)
+        prefills.append(_Prefill(starts[i], n, meta.block_tables[i, :nblk].long(), pos[None, :] <= qpos[:, None]))
+    plan = _Plan(groups, len(dec) == len(meta.query_lens), prefills)
     meta.scratch["sdpa"] = plan
     return plan
 
 
 @register_backend("sdpa")
 class SdpaBackend:
-    """Decode sequences in one padded SDPA call; each prefill (chunk) in its own causal SDPA call."""
+    """Decode sequences in length-sorted groups of gathered blocks; each prefill (chunk) in its own causal SDPA call."""
 
     name = "sdpa"
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None     # reused gather buffer: fresh big tensors cost page faults
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttnMetadata, scale: float) -> torch.Tensor:
         """Write k/v at meta.slot_mapping, then attend each query to its sequence's keys up to its position."""
         write_kv(k, v, kv, meta.slot_mapping)
-        plan = _plan(meta, q.device)
-        gqa = q.shape[1] != k.shape[1]
-        if plan.dec_slots is not None and plan.dec_rows is None:   # pure decode step: no scatter needed
-            return self._decode(q, kv, plan, scale, gqa)
-        out = torch.empty_like(q)
-        if plan.dec_slots is not None:
-            out.index_copy_(0, plan.dec_rows, self._decode(q.index_select(0, plan.dec_rows), kv, plan, scale, gqa))
+        plan = _plan(meta, q.device, 2 * kv[0, 0].numel() * kv.element_size())
+        hq, hkv, d = q.shape[1], kv.shape[3], kv.shape[4]
+        gqa = hq != hkv
+        out = torch.empty_like(q) if q.shape[0] else q
+        for g in plan.groups:
+            qs = q[g.start:g.start + g.n] if g.rows is None else q.index_select(0, g.rows)
+            kb = self._gather(kv, g.blocks)                                          # [2, n*nblk, bs, Hkv, D]
+            kb = kb.view(2, g.n, g.nblk * kv.shape[2], hkv, d).transpose(2, 3)        # [2, n, Hkv, L, D]
+            o = F.scaled_dot_product_attention(qs.view(g.n, hkv, hq // hkv, d), kb[0], kb[1],
+                                               attn_mask=g.mask, scale=scale)        # [n, Hkv, G, D]
+            if g.rows is None:
+                out[g.start:g.start + g.n] = o.view(g.n, hq, d)
+            else:
+                out.index_copy_(0, g.rows, o.view(g.n, hq, d))
         for p in plan.prefills:
             qs = q[p.start:p.start + p.qlen].transpose(0, 1).unsqueeze(0)      # [1, Hq, n, D]
             if p.slots is None:
@@ -93,34 +131,21 @@ class SdpaBackend:
                 vs = v[p.start:p.start + p.qlen].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                g = self._gather(kv, p.slots)                                     # [2, nblk, bs, Hkv, D]
-                g = g.reshape(2, 1, -1, kv.shape[3], kv.shape[4]).transpose(2, 3)  # [2, 1, Hkv, L, D]
-                o = F.scaled_dot_product_attention(qs, g[0], g[1], attn_mask=p.mask, scale=scale, enable_gqa=gqa)
+                kb = self._gather(kv, p.slots)                                     # [2, nblk, bs, Hkv, D]
+                kb = kb.reshape(2, 1, -1, hkv, d).transpose(2, 3)                  # [2, 1, Hkv, L, D]
+                o = F.scaled_dot_product_attention(qs, kb[0], kb[1], attn_mask=p.mask, scale=scale, enable_gqa=gqa)
             out[p.start:p.start + p.qlen] = o[0].transpose(0, 1)
         return out
 
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None     # reused gather buffer: fresh big tensors cost page faults
-
     def _gather(self, kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """K and V of `blocks` ([Sd, nblk]) copied into a reused buffer: [2, Sd * nblk, bs, Hkv, D]."""
+        """K and V of `blocks` ([n] block ids) copied into a reused buffer: [2, n, bs, Hkv, D]."""
         n = blocks.numel()
-        shape = (2, n) + tuple(kv.shape[2:])
         buf = self._buf
         if buf is None or buf.shape[1] < n or buf.shape[2:] != kv.shape[2:] or buf.dtype != kv.dtype \
                 or buf.device != kv.device:
-            buf = self._buf = torch.empty((2, max(n, 2 * (buf.shape[1] if buf is not None else 0)),) + shape[2:],
-                                          dtype=kv.dtype, device=kv.device)
+            size = max(n, 2 * buf.shape[1]) if buf is not None and buf.shape[2:] == kv.shape[2:] else n
+            buf = self._buf = torch.empty((2, size) + tuple(kv.shape[2:]), dtype=kv.dtype, device=kv.device)
         out = buf[:, :n]
-        flat = blocks.reshape(-1)
-        torch.index_select(kv[0], 0, flat, out=out[0])
-        torch.index_select(kv[1], 0, flat, out=out[1])
+        torch.index_select(kv[0], 0, blocks, out=out[0])
+        torch.index_select(kv[1], 0, blocks, out=out[1])
         return out
-
-    def _decode(self, q: torch.Tensor, kv: torch.Tensor, plan: _Plan, scale: float, gqa: bool) -> torch.Tensor:
-        sd, nblk = plan.dec_slots.shape
-        g = self._gather(kv, plan.dec_slots)                                     # [2, Sd*nblk, bs, Hkv, D]
-        g = g.view(2, sd, nblk * kv.shape[2], kv.shape[3], kv.shape[4]).transpose(2, 3)  # [2, Sd, Hkv, L, D]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), g[0], g[1], attn_mask=plan.dec_mask,
-                                           scale=scale, enable_gqa=gqa)
-        return o.squeeze(2)
