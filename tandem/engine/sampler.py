@@ -83,10 +83,12 @@ class Sampler:
         want_lp = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
 
-        x = logits.clone()
-        if output_tokens is not None:
-            self._mask_min_tokens(x, params, output_tokens)
-        self._apply_penalties(x, params, output_tokens, prompt_tokens)
+        x = logits
+        if self._modifies(params, output_tokens, prompt_tokens):      # else no copy of the [N, V] logits
+            x = logits.clone()
+            if output_tokens is not None:
+                self._mask_min_tokens(x, params, output_tokens)
+            self._apply_penalties(x, params, output_tokens, prompt_tokens)
 
         tokens = torch.empty(n, dtype=torch.long, device=device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -115,6 +117,18 @@ class Sampler:
                 out.top_logprobs = [dict(zip(idx[i][:p.logprobs or 0], vals[i][:p.logprobs or 0]))
                                     for i, p in enumerate(params)]
         return out
+
+    @staticmethod
+    def _modifies(params: Sequence[SamplingParams], output_tokens: Sequence[Sequence[int]] | None,
+                  prompt_tokens: Sequence[Sequence[int]] | None) -> bool:
+        """Whether min_tokens masking or a penalty changes some row's logits in this batch."""
+        if output_tokens is not None and any(p.min_tokens and len(output_tokens[i]) < p.min_tokens
+                                             for i, p in enumerate(params)):
+            return True
+        if output_tokens is None and prompt_tokens is None:
+            return False
+        return any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                   for p in params)
 
     def _mask_min_tokens(self, x: Tensor, params: Sequence[SamplingParams],
                          output_tokens: Sequence[Sequence[int]]) -> None:
