@@ -55,9 +55,19 @@ def run_tandem(path: str, prompts: list[list[int]], out_len: int, gemm: str | No
         llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
         st = llm.engine.stats
         st.steps, st.schedule_s, st.execute_s = 0, 0.0, 0.0
+        runner, kinds = llm.engine.runner, {"prefill": [], "decode": []}
+
+        def timed(batch, _execute=runner.execute):   # model time of steps with / without prefill tokens
+            t = time.perf_counter()
+            out = _execute(batch)
+            kinds["prefill" if max(batch.query_lens, default=1) > 1 else "decode"].append(time.perf_counter() - t)
+            return out
+
+        runner.execute = timed
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp)
         wall = time.perf_counter() - t0
+        del runner.execute
     finally:
         if prev is not None:
             _gemm("onednn" if prev else "torch")
@@ -65,6 +75,8 @@ def run_tandem(path: str, prompts: list[list[int]], out_len: int, gemm: str | No
     return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall, "steps": st.steps,
             "schedule_ms_per_step": 1e3 * st.schedule_s / st.steps, "execute_ms_per_step": 1e3 * st.execute_s / st.steps,
             "schedule_share": st.schedule_s / (st.schedule_s + st.execute_s),
+            **{f"{k}_steps": len(v) for k, v in kinds.items()},
+            **{f"{k}_step_ms": 1e3 * sum(v) / max(1, len(v)) for k, v in kinds.items()},
             "token_ids": [o.token_ids for o in outs]}
 
 
@@ -195,7 +207,7 @@ def main(argv=None) -> int:
                      .load_file(str(Path(tmp) / "model.safetensors")).values())
     best = max(hf, key=lambda r: r["tokens_per_s"])
     same = ours_torch is None or ours_torch.pop("token_ids") == ours["token_ids"]
-    for r in hf:                                 # greedy parity per request (batch-1 transformers is the reference)
+    for r in hf:                                 # requests whose greedy tokens equal tandem's
         got = r.pop("token_ids")
         r["same_tokens_as_tandem"] = sum(a == b for a, b in zip(got, ours["token_ids"]))
     ours.pop("token_ids")
@@ -227,11 +239,15 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     summary = (f"speedup over the best transformers setting (batch {best['batch']}): {result['speedup']:.2f}x; "
                f"tandem per step: scheduling {ours['schedule_ms_per_step']:.2f} ms, model {ours['execute_ms_per_step']:.2f} ms "
-               f"({100 * ours['schedule_share']:.1f}% scheduling) over {ours['steps']} steps")
+               f"({100 * ours['schedule_share']:.1f}% scheduling) over {ours['steps']} steps: "
+               f"{ours['prefill_steps']} steps with prefill tokens ({ours['prefill_step_ms']:.0f} ms each), "
+               f"{ours['decode_steps']} decode-only steps ({ours['decode_step_ms']:.1f} ms each)")
     if steps:
-        summary += "\n\n| tandem step | wall ms | linear layers | attention (KV write, gather, SDPA) | other |\n|---|---|---|---|---|\n"
-        summary += "\n".join(f"| {k} | {v['wall_ms']:.1f} | {100 * v['linear_share']:.0f}% | "
-                              f"{100 * v['attention_share']:.0f}% | {100 * v['other_share']:.0f}% |" for k, v in steps.items())
+        summary += ("\n\n| tandem step | wall ms | linear layers | attention (KV write, gather, SDPA) | other |\n"
+                    "|---|---|---|---|---|\n")
+        summary += "\n".join(f"| {k} | {v['wall_ms']:.1f} | " + " | ".join(
+            f"{v['wall_ms'] * v[f'{c}_share']:.0f} ms ({100 * v[f'{c}_share']:.0f}%)" for c in ("linear", "attention", "other"))
+            + " |" for k, v in steps.items())
     (out / "table.md").write_text(f"{result['model']}; {result['machine']}; {result['date']}\n\n{table}\n\n{summary}\n")
     _plot(result, out / "throughput.png")
     print(table)
