@@ -142,3 +142,15 @@ def test_max_tokens_is_clipped_to_the_context(tiny):
     llm = LLM(tiny, max_model_len=40)
     out = llm.generate([list(range(3, 33))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
     assert len(out.token_ids) == 10 and out.outputs[0].finish_reason == "length"
+
+
+def test_decode_attention_split_into_many_length_groups_keeps_outputs(tiny, monkeypatch):
+    """The SDPA backend cuts a decode batch into length-sorted groups by gathered K/V size; with a tiny
+    group budget every sequence is its own group, and outputs must equal the one-group run."""
+    from tandem.engine.attention import sdpa
+
+    prompts = _prompts(400, lens=(40, 7, 25, 90, 60, 33), seed=5)
+    one_group = LLM(tiny).generate(prompts, GREEDY)
+    monkeypatch.setattr(sdpa, "DECODE_GROUP_BYTES", 1)
+    many = LLM(tiny).generate(prompts, GREEDY)
+    assert [o.token_ids for o in many] == [o.token_ids for o in one_group]
