@@ -651,3 +651,21 @@ def test_200_concurrent_mixed_requests_leave_the_server_healthy(server, client):
             assert r.json()["usage"]["completion_tokens"] >= 1
     assert httpx.get(server.url + "/health").status_code == 200
     _wait_idle(client)
+
+
+def test_completions_return_token_ids_streams_every_token_even_with_empty_text(server):
+    """vLLM's return_token_ids: each streamed chunk carries its token ids, so tokens that decode to no text
+    (a partial UTF-8 byte) still reach the client; the non-streaming choice carries all ids."""
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    full = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert len(full["token_ids"]) == 12 and full["prompt_token_ids"] == [5, 6, 7, 8, 9, 10]
+    ids = []
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ids += json.loads(line[6:])["choices"][0].get("token_ids", [])
+    assert ids == full["token_ids"]
+    plain = _post(server, "/v1/completions", {**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]

@@ -9,6 +9,9 @@ import socket
 from pathlib import Path
 
 
+DEMO_SLO = (0.05, 0.02)         # TTFT, ITL seconds: a 1M-parameter model's steps take a few milliseconds
+
+
 def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     from tandem.cli.main import _positive_int
     p.add_argument("--model", required=model_required, metavar="PATH", help="Hugging Face checkpoint directory")
@@ -27,6 +30,10 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker (default: 1)")
     p.add_argument("--kv-timeout", type=float, default=10.0, metavar="S",
                    help="a KV transfer slower than this falls back to local recompute (default: 10)")
+    p.add_argument("--slo-ttft", type=float, default=None, metavar="S",
+                   help="TTFT target of every round: AMPD routes a prefill locally when no prefill worker meets it")
+    p.add_argument("--slo-itl", type=float, default=None, metavar="S",
+                   help="ITL target: local prefill only while the decode worker has ITL slack")
 
 
 def add_parser(sub) -> None:
@@ -40,9 +47,9 @@ def add_parser(sub) -> None:
     d = sub.add_parser("demo", help="serve a tiny model 1P+1D, replay a multi-round workload through HTTP, report")
     _add_server_args(d, False)
     d.add_argument("--workload", default="toolbench")
-    d.add_argument("--sessions", type=int, default=12)
-    d.add_argument("--rate", type=float, default=1.0)
-    d.add_argument("--scale", type=float, default=0.05, help="token counts and tool gaps x this (default: 0.05)")
+    d.add_argument("--sessions", type=int, default=30)
+    d.add_argument("--rate", type=float, default=6.0, help="sessions/s (default: 6, enough to queue prefills)")
+    d.add_argument("--scale", type=float, default=0.5, help="token counts and tool gaps x this (default: 0.5)")
     d.add_argument("--max-tokens-cap", type=int, default=16)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true")
@@ -62,8 +69,14 @@ def _cluster_config(args):
     p, d = args.prefill_workers, args.decode_workers
     if args.colocated:
         p = d = 0
+    for name in ("kv_timeout", "slo_ttft", "slo_itl"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            raise CLIError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    if args.perf is not None and not Path(args.perf).is_file():
+        raise CLIError(f"--perf {args.perf}: no such file")
     return ClusterConfig(args.model, p, d, args.colocated, args.policy, args.state, args.served_model_name, eng,
-                         args.perf, args.threads, args.kv_timeout)
+                         args.perf, args.threads, args.kv_timeout, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl)
 
 
 @contextlib.asynccontextmanager
@@ -137,8 +150,19 @@ def cmd_demo(args) -> int:
             make_tiny_model(args.model, arch="qwen3", size="1m", seed=0)
     if args.max_model_len is None:
         args.max_model_len = 4096
+    if args.perf is None:                                   # routing costs measured on this machine, once
+        args.perf = str(Path(args.model) / "profile-quick.json")
+        if not Path(args.perf).is_file():
+            from tandem.engine.profiler import ProfileOptions, profile
+            print(f"tandem demo: profiling {args.model} once (tandem profile --quick) for routing costs ...",
+                  flush=True)
+            profile(args.model, ProfileOptions(quick=True, threads=1, max_len=args.max_model_len)).to_json(args.perf)
+    if args.slo_ttft is None and args.slo_itl is None:      # targets at the tiny model's scale (ms steps)
+        args.slo_ttft, args.slo_itl = DEMO_SLO
     cfg = _cluster_config(args)
-    sessions = generate(args.workload, args.sessions, args.rate, args.seed)
+    from tandem.workload.session import SLO
+    slo = SLO(args.slo_ttft or float("inf"), args.slo_itl or float("inf"))
+    sessions = generate(args.workload, args.sessions, args.rate, args.seed, slo=slo)
     port = _free_port()
 
     async def run() -> dict:
@@ -153,7 +177,8 @@ def cmd_demo(args) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"tandem demo: {args.workload} x{args.sessions} sessions (scale {args.scale}) on {args.model}, "
-              f"policy {cfg.policy}, {cfg.prefill_workers}P+{cfg.decode_workers}D worker processes, through HTTP")
+        print(f"tandem demo: {args.workload} x{args.sessions} sessions at {args.rate}/s (tokens x{args.scale}) on "
+              f"{args.model}, policy {cfg.policy}, {cfg.prefill_workers}P+{cfg.decode_workers}D worker processes, "
+              f"through HTTP; SLO TTFT {slo.ttft_s * 1e3:g} ms, ITL {slo.itl_s * 1e3:g} ms")
         print_table(out)
     return 0 if out.get("sessions_completed", 0) > 0 else 1

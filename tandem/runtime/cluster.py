@@ -44,6 +44,8 @@ class ClusterConfig:
     perf: str | None = None
     threads: int | None = 1                  # torch threads per worker
     kv_timeout_s: float = 10.0
+    slo_ttft_s: float | None = None          # the SLO AMPD routing aims at (None: no target, prefill workers first)
+    slo_itl_s: float | None = None
     startup_timeout_s: float = 120.0
     seed: int = 0
 
@@ -113,9 +115,20 @@ class ServingCluster:
         coord = Coordinator(view, make_router(policy, random.Random(cfg.seed)), max_context=self.max_model_len)
         kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
-                                      block_size=int(first["block_size"]), kv_timeout_s=cfg.kv_timeout_s)
+                                      block_size=int(first["block_size"]), kv_timeout_s=cfg.kv_timeout_s,
+                                      slo=self._slo())
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._tick())]
+
+    def _slo(self):
+        import math
+
+        from tandem.workload.session import SLO
+        c = self.cfg
+        if c.slo_ttft_s is None and c.slo_itl_s is None:
+            return None
+        return SLO(c.slo_ttft_s if c.slo_ttft_s is not None else math.inf,
+                   c.slo_itl_s if c.slo_itl_s is not None else math.inf)
 
     def _cost(self, info: dict):
         if self.cfg.perf:

@@ -21,6 +21,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
 from tandem.runtime.state_store import SessionInfo
+from tandem.workload.session import SLO
 
 
 @dataclass
@@ -51,9 +52,10 @@ class CoordinatorShell:
 
     def __init__(self, coord: Coordinator, store, send: Callable[[int, object], None], kv_addr: dict[int, str],
                  max_model_len: int, block_size: int = 16, kv_timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, slo: SLO | None = None) -> None:
         self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
         self.max_model_len, self.block_size, self.kv_timeout_s, self.clock = max_model_len, block_size, kv_timeout_s, clock
+        self.slo = slo                                       # every round's TTFT/ITL target (routing reads it)
         self.reqs: dict[str, _Req] = {}
         self.by_task: dict[PrefillTask, _Req] = {}
         self.session_req: dict[str, _Req] = {}
@@ -119,7 +121,7 @@ class CoordinatorShell:
             self.store.put_session(sid, SessionInfo(decode_worker=-1, resident_tokens=0, updated_s=time.time()))
             new = len(req.prompt)
             worker = self._prefix_worker(req.prompt)
-        self._apply(coord.on_round(sid, new, max_out, self.clock(), worker=worker))
+        self._apply(coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, worker=worker))
 
     def _prefix_worker(self, prompt: list[int]) -> int | None:
         """Without a session: the worker that has seen the longest prefix of this prompt (None: let the binder pick)."""

@@ -86,8 +86,15 @@ async def create_completion(state: sv.ServerState, request: Request, received: f
     lp = completion_logprobs(state.client.tokenizer, comp.token_ids, comp.logprobs, 0)
     body = CompletionResponse(id=rid, model=state.model_name, usage=sv.usage(len(ids), out),
                               choices=[CompletionChoice(text=comp.text, logprobs=lp, finish_reason=comp.finish_reason,
-                                                        stop_reason=comp.stop_reason)])
-    return JSONResponse(body.model_dump())
+                                                        stop_reason=comp.stop_reason,
+                                                        token_ids=list(comp.token_ids) if req.return_token_ids else None,
+                                                        prompt_token_ids=ids if req.return_token_ids else None)])
+    data = body.model_dump()
+    if not req.return_token_ids:
+        for c in data["choices"]:
+            c.pop("token_ids", None)
+            c.pop("prompt_token_ids", None)
+    return JSONResponse(data)
 
 
 async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, prompt_len: int, params: SamplingParams,
@@ -98,10 +105,15 @@ async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, promp
     with_usage = bool(opts and opts.include_usage)
     every_usage = with_usage and bool(opts and opts.continuous_usage_stats)
 
-    def chunk(text: str, reason: str | None, logprobs: Any, out: RequestOutput) -> str:
+    ids_too = req.return_token_ids
+
+    def chunk(text: str, reason: str | None, logprobs: Any, out: RequestOutput, new_ids: list[int]) -> str:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                  "stop_reason": out.outputs[0].stop_reason if reason else None}
+        if ids_too:
+            choice["token_ids"] = list(new_ids)
         body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                                             "stop_reason": out.outputs[0].stop_reason if reason else None}]}
+                                "choices": [choice]}
         if with_usage:
             body["usage"] = sv.usage(prompt_len, out).model_dump() if every_usage else None
         return sv.sse(body)
@@ -126,14 +138,14 @@ async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, promp
                 offset += sum(len(t) for t in lp["tokens"])
             sent_tokens = len(comp.token_ids)
             if out.finished:
-                yield chunk(text, comp.finish_reason, lp, out)
+                yield chunk(text, comp.finish_reason, lp, out, new_ids)
                 if with_usage:
                     yield sv.sse({"id": rid, "object": "text_completion", "created": created,
                                   "model": state.model_name, "choices": [],
                                   "usage": sv.usage(prompt_len, out).model_dump()})
                 break
-            if text or lp:
-                yield chunk(text, None, lp, out)
+            if text or lp or (ids_too and new_ids):
+                yield chunk(text, None, lp, out, new_ids)
             try:
                 out = await gen.__anext__()
             except StopAsyncIteration:

@@ -123,6 +123,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool = False          # vLLM extension: the completion's token ids (and the prompt's)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -193,6 +194,8 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None          # with return_token_ids
+    prompt_token_ids: list[int] | None = None   # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
