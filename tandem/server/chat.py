@@ -177,10 +177,9 @@ async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, p
         yield chunk({"role": "assistant", "content": ""})
         while True:
             timer.update(out)
-            if out.error is not None or out.outputs[0].finish_reason == "abort":
-                err = sv.failure(state, out)
-                yield sv.sse({"error": {"message": err.message, "type": "server_error", "param": None,
-                                        "code": err.code}})
+            err = sv.stream_error(state, out)
+            if err is not None:
+                yield err
                 break
             comp = out.outputs[0]
             text = texts.next(comp.text, out.finished)

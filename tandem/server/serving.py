@@ -139,6 +139,14 @@ def failure(state: ServerState, out: RequestOutput) -> APIError:
     return APIError(msg, status, "request_failed")
 
 
+def stream_error(state: ServerState, out: RequestOutput) -> str | None:
+    """The SSE error event ending a stream whose request failed after acceptance; None while it is fine."""
+    if out.error is None and out.outputs[0].finish_reason != "abort":
+        return None
+    err = failure(state, out)
+    return sse({"error": {"message": err.message, "type": "server_error", "param": None, "code": err.code}})
+
+
 def clamp_logprob(lp: float) -> float:
     """A JSON-safe logprob."""
     return lp if math.isfinite(lp) else _MIN_LOGPROB
