@@ -20,7 +20,7 @@ from tandem.policy.presets import get_policy, make_router
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
 from tandem.runtime.coordinator_shell import CoordinatorShell
-from tandem.runtime.launcher import Cluster, WorkerSpec
+from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError
 from tandem.runtime.state_store import open_store
 from tandem.runtime.store_view import StoreView
 from tandem.runtime.transport import Hub, WorkerDead, WorkerUnreachable
@@ -100,25 +100,41 @@ class ServingCluster:
         except BaseException:
             await self.hub.close()
             raise
-        first = infos[0]
-        self.max_model_len = int(first["max_model_len"])
-        cost = self._cost(first)
-        view = StoreView(store, cost)
-        seen: set[int] = set()
-        while len(seen) < len(specs):                          # every worker's first state is in the store
-            wid, msg, _ = await asyncio.wait_for(self.hub.recv(), timeout=cfg.startup_timeout_s)
-            if isinstance(msg, m.Stats):
-                store.publish(msg.state)
-                seen.add(wid)
+        try:
+            first = infos[0]
+            self.max_model_len = int(first["max_model_len"])
+            cost = self._cost(first)
+            view = StoreView(store, cost)
+            await self._await_states(store, {s.worker_id for s in specs})
+        except BaseException:                                  # stop the workers started above, then re-raise
+            await self.shutdown()
+            raise
         view.refresh()
         policy = get_policy(cfg.policy)
         coord = Coordinator(view, make_router(policy, random.Random(cfg.seed)), max_context=self.max_model_len)
         kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
                                       block_size=int(first["block_size"]), kv_timeout_s=cfg.kv_timeout_s,
-                                      slo=self._slo())
+                                      slo=self._slo(), vocab_size=int(first["vocab_size"]))
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._tick())]
+
+    async def _await_states(self, store, ids: set[int]) -> None:
+        """Wait until every worker's first state is in the store: relayed here as Stats (embedded store), or
+        published by the workers themselves (Redis: they send no Stats, and published before Ready)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.startup_timeout_s
+        while not ids <= {st.worker_id for st in store.all()}:
+            if loop.time() > deadline:
+                missing = sorted(ids - {st.worker_id for st in store.all()})
+                raise WorkerStartupError(f"workers {missing} published no state to the store ({self.cfg.state}) "
+                                         f"within {self.cfg.startup_timeout_s:g} s")
+            try:
+                _, msg, _ = await asyncio.wait_for(self.hub.recv(), timeout=0.05)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(msg, m.Stats):
+                store.publish(msg.state)
 
     def _slo(self):
         import math

@@ -52,8 +52,10 @@ class CoordinatorShell:
 
     def __init__(self, coord: Coordinator, store, send: Callable[[int, object], None], kv_addr: dict[int, str],
                  max_model_len: int, block_size: int = 16, kv_timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, slo: SLO | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, slo: SLO | None = None,
+                 vocab_size: int | None = None) -> None:
         self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
+        self.vocab_size = vocab_size                         # token ids are checked here, as the engine would
         self.max_model_len, self.block_size, self.kv_timeout_s, self.clock = max_model_len, block_size, kv_timeout_s, clock
         self.slo = slo                                       # every round's TTFT/ITL target (routing reads it)
         self.reqs: dict[str, _Req] = {}
@@ -69,6 +71,13 @@ class CoordinatorShell:
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
                        session_id: str | None = None, prompt_text: str | None = None):
         """Stream cumulative RequestOutputs for one round (EngineClient.generate)."""
+        if not prompt:
+            raise RequestError("the prompt is empty", 400, param="prompt")
+        if self.vocab_size is not None:                        # rejected now (400), not by a worker later (500)
+            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", 400,
+                                   param="prompt")
         if len(prompt) >= self.max_model_len:
             raise RequestError(f"prompt of {len(prompt)} tokens leaves no room to generate: the model's context "
                                f"(max_model_len) is {self.max_model_len} tokens", 400, param="messages")
