@@ -118,8 +118,15 @@ def server(ckpt):
 
 
 @pytest.fixture(scope="module")
-def offline(ckpt) -> LLM:
-    return LLM(ckpt, **ENGINE)
+def offline(ckpt):
+    """The offline engine on one torch thread, as the workers run (two threads on two busy cores are ~7x slower)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(ckpt, **ENGINE)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _greedy(n: int) -> SamplingParams:

@@ -48,6 +48,15 @@ class ClusterConfig:
     slo_itl_s: float | None = None
     startup_timeout_s: float = 120.0
     seed: int = 0
+    # worker id -> extra keyword arguments of its worker_main.main: fault injection for tests, e.g.
+    # {0: {"drop_kv_sends": 1}} makes worker 0 drop its next KV send (see docs/runtime.md)
+    worker_kwargs: dict[int, dict] = field(default_factory=dict)
+
+
+async def _refused(err: RequestError):
+    """A generation that fails at its first output (EngineClient.generate's contract for add-time errors)."""
+    raise err
+    yield  # noqa: unreachable - makes this an async generator
 
 
 class ServingCluster:
@@ -86,7 +95,8 @@ class ServingCluster:
         args = dict(cfg.engine_args, model=cfg.model)
         self.roles = dict(enumerate(roles))
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
-                           dict(role=r, engine_args=args, state=cfg.state, perf=cfg.perf, threads=cfg.threads))
+                           dict(role=r, engine_args=args, state=cfg.state, perf=cfg.perf, threads=cfg.threads,
+                                **cfg.worker_kwargs.get(i, {})))
                 for i, r in enumerate(roles)]
 
     async def _start(self) -> None:
@@ -191,13 +201,15 @@ class ServingCluster:
         self._lost.add(wid)
         log.error("worker %d (%s) lost: %s", wid, self.roles.get(wid), ev.reason)
         self.shell.store.remove(wid)
+        self.shell.coord.view.refresh()        # re-routing must not see the dead worker in the view's cached snapshot
         self.shell.on_worker_lost(wid)
 
     # ------------------------------------------------------------------ EngineClient
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  session_id: str | None = None, prompt: str | None = None):
-        if not self.is_healthy():
-            raise RequestError("no live decode worker: the server cannot serve", 503)
+        if not self.is_healthy():                 # raised by the first __anext__, where the server expects it
+            return _refused(RequestError("no live decode worker: the server cannot serve", 503,
+                                         code="engine_unavailable"))
         return self.shell.generate(prompt_token_ids, params, request_id, session_id, prompt)
 
     async def abort(self, request_id: str) -> None:

@@ -39,6 +39,7 @@ class _Req:
     task: PrefillTask | None = None
     prefill_worker: int = -1            # remote prefill worker, -1 when local
     sent_to_decode: bool = False
+    kv_arrived: bool = False            # its remote prefill's KV reached the decode worker (KVArrived sent)
     transfers: dict = field(default_factory=dict)    # purpose -> (Transfer, started monotonic)
     done: bool = False
 
@@ -175,6 +176,8 @@ class CoordinatorShell:
                 if req is not None:
                     self.send(a.worker, {act.HistoryReady: m.HistoryReady, act.KVArrived: m.KVArrived,
                                          act.Delivered: m.Delivered}[type(a)](req.request_id))
+                    if isinstance(a, act.KVArrived):
+                        req.kv_arrived = True
                     if isinstance(a, act.Delivered):
                         self.by_task.pop(a.task, None)
             elif isinstance(a, act.Release):
@@ -185,6 +188,15 @@ class CoordinatorShell:
         t = a.task
         req = self.session_req.get(t.session_id)
         if req is None:
+            return
+        if req.kv_arrived:
+            # The core re-routed a round whose prefill worker died after the round's KV had reached the decode
+            # worker: the round is decoding at home and there is nothing to redo (a RunLocal would prefill it a
+            # second time on top of its running sequence). Keep the round as the remote prefill it was.
+            t.worker, t.local = req.prefill_worker, False
+            st = self.coord.live.get(t.session_id)
+            if st is not None and st.record.rounds:
+                st.record.rounds[-1].prefill_where, st.record.rounds[-1].prefill_worker = "remote", req.prefill_worker
             return
         req.task, req.worker = t, t.decode_worker
         self.by_task[t] = req
@@ -358,7 +370,7 @@ class CoordinatorShell:
     def on_worker_lost(self, worker: int) -> None:
         """A worker died: fail its sessions' requests, re-route prefills it was running."""
         for req in list(self.reqs.values()):
-            if req.prefill_worker == worker:
+            if req.prefill_worker == worker and not req.kv_arrived:    # its prefill is lost: re-routed below
                 req.transfers.clear()
                 req.prefill_worker = -1
         self._apply(self.coord.on_worker_lost(worker, self.clock()))

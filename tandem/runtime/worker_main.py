@@ -32,8 +32,12 @@ def _cost_t_pre(perf: str | None):
 
 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
-               publish_s: float = 0.02, perf: str | None = None, threads: int | None = None) -> None:
-    """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process)."""
+               publish_s: float = 0.02, perf: str | None = None, threads: int | None = None,
+               drop_kv_sends: int = 0) -> None:
+    """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process).
+
+    `drop_kv_sends` is fault injection (tests, docs/runtime.md): this worker silently drops its next N KV sends,
+    as a lost or stuck transfer would; the coordinator's kv_timeout_s then falls back to local recompute."""
     import torch
 
     from tandem.engine.config import EngineConfig
@@ -48,7 +52,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     up: list = []
     peer: list = []
     shell = WorkerShell(engine, env.worker_id, lambda msg, *b: up.append((msg, b)),
-                        lambda addr, msg, *b: peer.append((addr, msg, b)))
+                        lambda addr, msg, *b: peer.append((addr, msg, b)), drop_kv_sends=drop_kv_sends)
     q: asyncio.Queue = asyncio.Queue()
 
     async with env.link(CODEC) as link:

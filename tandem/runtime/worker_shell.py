@@ -24,8 +24,9 @@ class WorkerShell:
     """One worker: its engine, the KV it holds for peers' requests, what it has streamed so far."""
 
     def __init__(self, engine: LLMEngine, worker_id: int, send_up: Callable, send_peer: Callable,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, drop_kv_sends: int = 0) -> None:
         self.engine, self.id = engine, worker_id
+        self.drop_kv_sends = drop_kv_sends                    # fault injection: drop the next N KV sends
         self.send_up, self.send_peer, self.wall = send_up, send_peer, wall
         self._sent: dict[str, tuple[int, str]] = {}          # request -> (tokens, text) streamed so far
         self._first: dict[str, tuple[int, dict | None]] = {}  # remote request -> first token from its prefill
@@ -79,6 +80,11 @@ class WorkerShell:
             payload, tok, lps = eng.export_new_kv(msg.request_id)
         head = m.KVData(msg.request_id, msg.purpose, self.id, payload.num_tokens, payload.dtype,
                         list(payload.shape), self.wall(), tok, lps)
+        if self.drop_kv_sends > 0:                             # fault injection: the transfer is lost
+            self.drop_kv_sends -= 1
+            log.warning("worker %d: dropped the %s KV of %s (fault injection, %d more to drop)", self.id,
+                        msg.purpose, msg.request_id, self.drop_kv_sends)
+            return
         self.send_peer(msg.dst_addr, head, payload.buffer())
 
     # ------------------------------------------------------------------ KV plane

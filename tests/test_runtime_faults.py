@@ -1,0 +1,408 @@
+"""Faults on the real multi-process server (`tandem serve`: 1 prefill + 1 decode worker, policy ampd) through HTTP
+(issue 6, acceptance 4); the behaviour each test pins down is described in docs/runtime.md.
+
+(a) a killed prefill worker: noticed within 2 s, its in-flight rounds re-routed to the decode worker and complete
+    with the offline engine's output, later rounds prefill locally, /health stays 200;
+(b) a killed decode worker: its in-flight requests end with a clear error (SSE error event, 5xx JSON) within 2 s,
+    /health turns 503 and new requests get a 503;
+(c) a client that disconnects mid-stream (or mid non-streaming request): the work stops and the decode worker's KV
+    returns to its idle value, with and without a session id;
+(d) a KV transfer that is lost (fault injection: `drop_kv_sends`) times out after kv_timeout_s and the round is
+    recomputed locally, with the correct output, counted in tandem:kv_transfer_timeouts_total.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from tandem.bench.serve_client import parse_prometheus  # noqa: E402
+from tandem.cli.serve_cmd import serving  # noqa: E402
+from tandem.engine.llm import LLM  # noqa: E402
+from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+from tandem.runtime.cluster import ClusterConfig  # noqa: E402
+
+MODEL = "tiny-faults"
+MAX_LEN = 2048
+ENGINE = dict(max_model_len=MAX_LEN, num_kv_blocks=512)
+PREFILL, DECODE = 0, 1                     # worker ids of a 1P+1D cluster
+METRICS = ("tandem:local_prefills_total", "tandem:remote_prefills_total", "tandem:kv_transfer_timeouts_total",
+           "tandem:workers_alive", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+           "vllm:generation_tokens_total")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`tandem serve` (serve_cmd.serving: ServingCluster + the HTTP app) on a free port, on its own event loop in
+    a daemon thread, as a separate client would see it."""
+
+    def __init__(self, cfg: ClusterConfig, timeout_s: float = 180.0) -> None:
+        self.cfg = cfg
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cluster = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self.thread.start()
+        assert self._ready.wait(timeout_s), "the server did not start"
+        if self.error is not None:
+            raise self.error
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            async with serving(self.cfg, "127.0.0.1", self.port) as cluster:
+                self.cluster = cluster
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as e:             # noqa: BLE001 - reported to the test thread
+            self.error = e
+        finally:
+            self._ready.set()
+
+    def call(self, fn):
+        """Run fn() on the server's loop (the coordinator's state is that loop's) and return its result."""
+        async def run():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+
+    def metrics(self) -> dict:
+        r = httpx.get(self.url + "/metrics", timeout=30)
+        assert r.status_code == 200
+        return parse_prometheus(r.text, METRICS)
+
+    def health(self) -> int:
+        return httpx.get(self.url + "/health", timeout=30).status_code
+
+    def pid(self, worker: int) -> int:
+        return self.cluster.procs.workers[worker].pid
+
+    def worker_state(self, worker: int):
+        return self.call(lambda: next(s for s in self.cluster.shell.store.all() if s.worker_id == worker))
+
+    def wait_for(self, what: str, pred, timeout_s: float = 20.0, every_s: float = 0.02) -> float:
+        """Poll pred() until true; returns the seconds it took (fails after timeout_s)."""
+        t0 = time.monotonic()
+        while not pred():
+            assert time.monotonic() - t0 < timeout_s, f"timed out waiting for {what}"
+            time.sleep(every_s)
+        return time.monotonic() - t0
+
+    def idle_kv_usage(self) -> float:
+        """The decode worker's KV usage once nothing runs and two readings 0.1 s apart agree (states lag a bit)."""
+        last = None
+        while True:
+            m = self.metrics()
+            if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == last:
+                return last
+            last = m["vllm:kv_cache_usage_perc"]
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-faults")
+    make_tiny_model(path, arch="qwen3", size="1m", seed=11)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    """The offline engine on one torch thread, as the workers run (two threads on two busy cores are ~7x slower)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(ckpt, **ENGINE)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    """ampd without an SLO target: every prefill goes to the prefill worker while one is alive."""
+    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE))
+    yield srv
+    srv.stop()
+
+
+def _body(prompt, max_tokens: int, stream: bool = False) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+
+
+def _hdr(session_id: str | None) -> dict:
+    return {"x-session-id": session_id} if session_id else {}
+
+
+async def _complete(c: httpx.AsyncClient, prompt: list[int], max_tokens: int, session_id: str | None = None,
+                    stream: bool = False) -> dict:
+    """One round through /v1/completions: {"status", "token_ids", "finish_reason", "error", "usage", "t_end"}."""
+    if not stream:
+        r = await c.post("/v1/completions", json=_body(prompt, max_tokens), headers=_hdr(session_id))
+        d = r.json()
+        if r.status_code != 200:
+            return {"status": r.status_code, "error": d["error"], "token_ids": [], "t_end": time.monotonic()}
+        ch = d["choices"][0]
+        return {"status": 200, "token_ids": ch["token_ids"], "finish_reason": ch["finish_reason"], "error": None,
+                "usage": d["usage"], "t_end": time.monotonic()}
+    out = {"status": None, "token_ids": [], "finish_reason": None, "error": None, "usage": None}
+    async with c.stream("POST", "/v1/completions", json=_body(prompt, max_tokens, True),
+                        headers=_hdr(session_id)) as r:
+        out["status"] = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                out["error"] = ev["error"]
+                continue
+            for ch in ev.get("choices") or ():
+                out["token_ids"] += ch.get("token_ids") or []
+                out["finish_reason"] = ch.get("finish_reason") or out["finish_reason"]
+    out["t_end"] = time.monotonic()
+    return out
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+# ---------------------------------------------------------------------------- (c) client disconnects
+def test_client_disconnect_mid_stream_stops_the_work_and_frees_the_kv(server):
+    """Protects abort on disconnect through the cluster: a streaming request whose client leaves is aborted on the
+    decode worker (no request running, generation stops long before max_tokens) and its KV is freed: the decode
+    worker's kv usage returns to its idle value. Without a session id the request's KV goes; with one, the abort
+    ends the session, so its resident history is freed too (the next round with that id starts afresh)."""
+    idle = server.idle_kv_usage()
+
+    def disconnect_mid_stream(session_id: str | None, prompt: list[int]) -> float:
+        body = _body(prompt, 1900, stream=True)
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=_hdr(session_id),
+                          timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [line for line in (next(lines) for _ in range(12)) if line.startswith("data: {")]
+            assert got
+        t0 = time.monotonic()
+        server.wait_for("the aborted request to stop", lambda: server.metrics()["vllm:num_requests_running"] == 0)
+        server.wait_for("the decode worker's KV to be freed",
+                        lambda: server.metrics()["vllm:kv_cache_usage_perc"] == idle)
+        return time.monotonic() - t0
+
+    freed_s = disconnect_mid_stream(None, list(range(10, 90)))
+    gen = server.metrics()["vllm:generation_tokens_total"]
+    assert gen < 1900, "the aborted request ran to completion"
+
+    # a session: round 1 completes and stays resident; round 2 is abandoned mid-stream
+    prompt = list(range(100, 200))
+    r1 = asyncio.run(_with_client(server, lambda c: _complete(c, prompt, 4, "sess-c")))
+    assert r1["status"] == 200
+    server.wait_for("the session's KV to show as resident",            # worker states lag by a publish (~20 ms)
+                    lambda: server.metrics()["vllm:kv_cache_usage_perc"] > idle)
+    conv = prompt + r1["token_ids"] + list(range(300, 340))
+    freed_session_s = disconnect_mid_stream("sess-c", conv)
+    # the session was ended by the abort: its next round is prefilled from scratch (no resident history)
+    r3 = asyncio.run(_with_client(server, lambda c: _complete(c, conv + [7, 8, 9], 3, "sess-c")))
+    assert r3["status"] == 200 and r3["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    print(f"\ndisconnect -> idle KV: {freed_s:.2f} s (no session), {freed_session_s:.2f} s (session)")
+
+
+def test_client_disconnect_during_a_non_streaming_request_frees_the_kv(server):
+    """Protects abort on disconnect of a non-streaming request (the server watches http.disconnect)."""
+    idle = server.idle_kv_usage()
+    body = json.dumps(_body(list(range(5, 60)), 1900)).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    server.wait_for("the request to run", lambda: server.metrics()["vllm:num_requests_running"] == 1)
+    time.sleep(0.2)
+    sock.close()
+    server.wait_for("the aborted request to stop", lambda: server.metrics()["vllm:num_requests_running"] == 0)
+    server.wait_for("the KV to be freed", lambda: server.metrics()["vllm:kv_cache_usage_perc"] == idle)
+
+
+async def _with_client(server: LiveServer, fn):
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+        return await fn(c)
+
+
+# ---------------------------------------------------------------------------- (a) the prefill worker dies
+LONG_PROMPT, LONG_TOKENS = list(range(20, 60)), 1200
+
+
+def test_killed_prefill_worker_reroutes_in_flight_rounds_and_serving_goes_on(server, offline):
+    """Protects recovery from a lost prefill worker: rounds waiting on it (it is frozen with SIGSTOP first, so they
+    are deterministically in flight, then SIGKILLed) are re-routed to their decode worker and complete with the
+    offline engine's output; a remote round already decoding on its home is left alone and completes correctly;
+    the loss is noticed within 2 s; later rounds prefill locally; /health stays 200."""
+    new = {s: [list(range(10 + 7 * i, 90 + 7 * i)), list(range(400 + i, 430 + i)), list(range(300, 320))]
+           for i, s in enumerate(("A", "B", "C"))}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            conv = {s: list(n[0]) for s, n in new.items()}
+            done = {s: [] for s in new}
+
+            async def rnd(s: str, k: int, stream: bool) -> dict:
+                r = await _complete(c, conv[s], 6, s, stream=stream)
+                done[s].append((list(conv[s]), r))
+                conv[s] = conv[s] + r["token_ids"] + (new[s][k + 1] if k + 1 < len(new[s]) else [])
+                return r
+
+            await asyncio.gather(*(rnd(s, 0, False) for s in new))               # round 0: remote, healthy
+            # a long remote round whose KV has arrived: it is decoding on its home when the prefill worker dies
+            decoding = asyncio.create_task(_complete(c, LONG_PROMPT, LONG_TOKENS, "D", stream=True))
+            await asyncio.to_thread(server.wait_for, "round D to decode",
+                                    lambda: server.metrics()["vllm:num_requests_running"] == 1)
+            m0 = server.metrics()
+            assert m0["tandem:remote_prefills_total"] >= 4
+            pid = server.pid(PREFILL)
+            os.kill(pid, signal.SIGSTOP)                                         # frozen: its work stays in flight
+            inflight = [asyncio.create_task(rnd(s, 1, s == "A")) for s in new]
+            inflight.append(asyncio.create_task(_complete(c, list(range(50, 120)), 5, None)))
+            await asyncio.sleep(0.4)
+            assert not any(t.done() for t in inflight)
+            m1 = server.metrics()
+            assert m1["tandem:remote_prefills_total"] - m0["tandem:remote_prefills_total"] == 4
+            os.kill(pid, signal.SIGKILL)
+            t_kill = time.monotonic()
+            noticed = await asyncio.to_thread(server.wait_for, "the loss to show in /metrics",
+                                              lambda: server.metrics()["tandem:workers_alive"] == 1, 10.0, 0.01)
+            assert server.health() == 200
+            results = await asyncio.gather(*inflight)
+            completed = max(r["t_end"] for r in results) - t_kill
+            m2 = server.metrics()
+            later = await asyncio.gather(*(rnd(s, 2, s == "B") for s in new))    # after the loss: local
+            m3 = server.metrics()
+            return done, results[-1], await decoding, noticed, completed, (m0, m1, m2, m3), later
+
+    done, lone, long_round, noticed, completed, (m0, m1, m2, m3), later = asyncio.run(main())
+    assert noticed < 2.0, f"the prefill worker's death was noticed after {noticed:.2f} s"
+    for s, rounds in done.items():
+        assert [r["status"] for _, r in rounds] == [200, 200, 200] and not any(r["error"] for _, r in rounds), (s, rounds)
+        refs = offline.generate([p for p, _ in rounds], _greedy(6))
+        assert [r["token_ids"] for _, r in rounds] == [ref.outputs[0].token_ids for ref in refs], s
+    assert long_round["status"] == 200 and long_round["error"] is None
+    assert long_round["token_ids"] == offline.generate([LONG_PROMPT], _greedy(LONG_TOKENS))[0].token_ids
+    assert lone["status"] == 200 and lone["token_ids"] == offline.generate([list(range(50, 120))], _greedy(5))[0].token_ids
+    # the 4 re-routed rounds became local prefills; the 3 later rounds too; nothing more went remote
+    assert m2["tandem:remote_prefills_total"] == m1["tandem:remote_prefills_total"]
+    assert m2["tandem:local_prefills_total"] - m1["tandem:local_prefills_total"] == 4
+    assert m3["tandem:local_prefills_total"] - m2["tandem:local_prefills_total"] == 3
+    assert m3["tandem:remote_prefills_total"] == m2["tandem:remote_prefills_total"]
+    assert server.health() == 200 and m3["tandem:workers_alive"] == 1
+    print(f"\nprefill worker SIGKILL -> /metrics shows it lost: {noticed * 1e3:.0f} ms; "
+          f"in-flight rounds done {completed:.2f} s after the kill")
+
+
+# ---------------------------------------------------------------------------- (b) the decode worker dies
+def test_killed_decode_worker_fails_its_requests_clearly_and_health_turns_503(ckpt):
+    """Protects failure reporting when the home of sessions dies: a streaming request gets an SSE error event and a
+    non-streaming one a 5xx JSON body, both within 2 s, naming the lost worker; /health becomes 503 and a new
+    request is refused with a 503 JSON body."""
+    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE))
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                first = asyncio.Event()
+                out: dict = {"token_ids": [], "error": None}
+
+                async def streaming():
+                    async with c.stream("POST", "/v1/completions", json=_body(list(range(10, 60)), 1900, True),
+                                        headers=_hdr("s-stream")) as r:
+                        out["status"] = r.status_code
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                ev = json.loads(line[6:])
+                                if "error" in ev:
+                                    out["error"], out["t_err"] = ev["error"], time.monotonic()
+                                else:
+                                    first.set()
+                            elif line == "data: [DONE]":
+                                out["done"] = True
+                    out["t_end"] = time.monotonic()
+
+                s_task = asyncio.create_task(streaming())
+                n_task = asyncio.create_task(_complete(c, list(range(70, 130)), 1900, "s-plain"))
+                await asyncio.wait_for(first.wait(), 60)
+                await asyncio.to_thread(srv.wait_for, "both requests to run",
+                                        lambda: srv.metrics()["vllm:num_requests_running"] == 2)
+                os.kill(srv.pid(DECODE), signal.SIGKILL)
+                t_kill = time.monotonic()
+                plain = await asyncio.wait_for(n_task, 30)
+                await asyncio.wait_for(s_task, 30)
+                health = srv.health()
+                after = await c.post("/v1/completions", json=_body([1, 2, 3], 2))
+                return out, plain, t_kill, health, after
+
+        stream, plain, t_kill, health, after = asyncio.run(main())
+    finally:
+        srv.stop()
+    assert stream["status"] == 200 and stream.get("done")
+    assert "decode worker 1" in stream["error"]["message"] and stream["error"]["type"] == "server_error"
+    assert stream["t_err"] - t_kill < 2.0
+    assert 500 <= plain["status"] < 600 and "decode worker 1" in plain["error"]["message"]
+    assert plain["error"]["type"] == "server_error"
+    assert plain["t_end"] - t_kill < 2.0
+    assert health == 503
+    assert after.status_code == 503 and after.json()["error"]["type"] == "server_error"
+    print(f"\ndecode worker SIGKILL -> SSE error event {stream['t_err'] - t_kill:.2f} s, "
+          f"JSON {plain['status']} {plain['t_end'] - t_kill:.2f} s")
+
+
+# ---------------------------------------------------------------------------- (d) lost KV transfers
+def test_lost_kv_transfers_time_out_and_the_round_is_recomputed_locally(ckpt, offline):
+    """Protects the KV-transfer timeout: the prefill worker's incremental write-back (round 0) and the decode
+    worker's history read (round 1) are dropped (fault injection), each round falls back to local recompute after
+    kv_timeout_s with the offline engine's output, tandem:kv_transfer_timeouts_total counts each once, the prefill
+    worker frees the abandoned task's KV, and the next round goes remote again normally."""
+    timeout_s = 1.0
+    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE,
+                                   kv_timeout_s=timeout_s,
+                                   worker_kwargs={PREFILL: {"drop_kv_sends": 1}, DECODE: {"drop_kv_sends": 1}}))
+    new = [list(range(10, 90)), list(range(200, 230)), list(range(300, 320))]
+    try:
+        conv, rounds, counts, took = list(new[0]), [], [], []
+        for k in range(3):
+            t0 = time.monotonic()
+            r = asyncio.run(_with_client(srv, lambda c: _complete(c, conv, 6, "kv-faults", stream=k == 1)))
+            took.append(time.monotonic() - t0)
+            rounds.append((list(conv), r))
+            counts.append(srv.metrics())
+            conv = conv + r["token_ids"] + (new[k + 1] if k + 1 < len(new) else [])
+        srv.wait_for("the prefill worker to free its KV", lambda: srv.worker_state(PREFILL).kv_usage == 0.0)
+        transfers = srv.call(lambda: srv.cluster.shell.stats.kv_transfer_bytes)
+    finally:
+        srv.stop()
+    assert all(r["status"] == 200 and r["error"] is None for _, r in rounds)
+    refs = offline.generate([p for p, _ in rounds], _greedy(6))
+    assert [r["token_ids"] for _, r in rounds] == [ref.outputs[0].token_ids for ref in refs]
+    assert [m["tandem:kv_transfer_timeouts_total"] for m in counts] == [1, 2, 2]
+    assert took[0] >= timeout_s and took[1] >= timeout_s and took[2] < timeout_s
+    assert [m["tandem:remote_prefills_total"] for m in counts] == [1, 2, 3]    # routed remote, recomputed at home
+    assert transfers > 0                                                       # round 2's transfers happened
+    print(f"\nlost KV transfers: rounds took {', '.join(f'{t:.2f}' for t in took)} s (kv_timeout_s {timeout_s})")
