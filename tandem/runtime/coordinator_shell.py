@@ -256,8 +256,11 @@ class CoordinatorShell:
                 fut.set_result(msg.resident_tokens)
         elif isinstance(msg, m.WorkerFailure):
             req = self.reqs.get(msg.request_id)
-            if req is not None and not req.done:
-                self._abort(req, msg.reason)
+            if req is None or req.done:
+                return
+            if req.task is not None and worker not in (req.worker, req.prefill_worker):
+                return            # from a prefill worker the request no longer uses (its transfer timed out)
+            self._abort(req, msg.reason)
         elif isinstance(msg, m.Stats):
             self.store.publish(msg.state)
 

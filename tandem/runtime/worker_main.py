@@ -33,11 +33,11 @@ def _cost_t_pre(perf: str | None):
 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
                publish_s: float = 0.02, perf: str | None = None, threads: int | None = None,
-               drop_kv_sends: int = 0) -> None:
+               drop_kv_sends: int = 0, kv_send_faults: list | None = None) -> None:
     """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process).
 
-    `drop_kv_sends` is fault injection (tests, docs/runtime.md): this worker silently drops its next N KV sends,
-    as a lost or stuck transfer would; the coordinator's kv_timeout_s then falls back to local recompute."""
+    Fault injection (tests, docs/runtime.md): `drop_kv_sends=N` silently drops this worker's next N KV sends, as
+    a lost transfer; `kv_send_faults` gives one entry per later KV send: "drop", a delay in seconds, or None."""
     import torch
 
     from tandem.engine.config import EngineConfig
@@ -51,9 +51,17 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     inbox, outbox = PeerInbox(CODEC), PeerOutbox(CODEC)
     up: list = []
     peer: list = []
-    shell = WorkerShell(engine, env.worker_id, lambda msg, *b: up.append((msg, b)),
-                        lambda addr, msg, *b: peer.append((addr, msg, b)), drop_kv_sends=drop_kv_sends)
     q: asyncio.Queue = asyncio.Queue()
+
+    def send_peer(addr: str, msg, *bufs, delay_s: float = 0.0) -> None:
+        if delay_s > 0:                                        # fault injection: a slow transfer
+            asyncio.get_running_loop().call_later(delay_s, lambda: (peer.append((addr, msg, bufs)),
+                                                                    q.put_nowait(("wake", None, []))))
+        else:
+            peer.append((addr, msg, bufs))
+
+    shell = WorkerShell(engine, env.worker_id, lambda msg, *b: up.append((msg, b)), send_peer,
+                        drop_kv_sends=drop_kv_sends, kv_send_faults=kv_send_faults or ())
 
     async with env.link(CODEC) as link:
         async def read_link() -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
-from tandem.core.types import FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
+from tandem.core.types import DECODE, FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
 from tandem.engine.config import EngineError
 from tandem.engine.kv_transfer import KVPayload, KVTransferError
 from tandem.engine.llm_engine import LLMEngine
@@ -24,9 +24,15 @@ class WorkerShell:
     """One worker: its engine, the KV it holds for peers' requests, what it has streamed so far."""
 
     def __init__(self, engine: LLMEngine, worker_id: int, send_up: Callable, send_peer: Callable,
-                 wall: Callable[[], float] = time.time, drop_kv_sends: int = 0) -> None:
+                 wall: Callable[[], float] = time.time, drop_kv_sends: int = 0,
+                 kv_send_faults: Sequence[str | float | None] = ()) -> None:
         self.engine, self.id = engine, worker_id
-        self.drop_kv_sends = drop_kv_sends                    # fault injection: drop the next N KV sends
+        # fault injection, one entry per KV send from now on: "drop" (lost), seconds (delayed), None (normal);
+        # drop_kv_sends=N is N "drop"s first
+        self.kv_send_faults: list = ["drop"] * drop_kv_sends + list(kv_send_faults)
+        for f in self.kv_send_faults:
+            if not (f is None or f == "drop" or (isinstance(f, (int, float)) and f >= 0)):
+                raise ValueError(f"a KV send fault is 'drop', a delay in seconds >= 0 or None, got {f!r}")
         self.send_up, self.send_peer, self.wall = send_up, send_peer, wall
         self._sent: dict[str, tuple[int, str]] = {}          # request -> (tokens, text) streamed so far
         self._first: dict[str, tuple[int, dict | None]] = {}  # remote request -> first token from its prefill
@@ -80,16 +86,26 @@ class WorkerShell:
             payload, tok, lps = eng.export_new_kv(msg.request_id)
         head = m.KVData(msg.request_id, msg.purpose, self.id, payload.num_tokens, payload.dtype,
                         list(payload.shape), self.wall(), tok, lps)
-        if self.drop_kv_sends > 0:                             # fault injection: the transfer is lost
-            self.drop_kv_sends -= 1
-            log.warning("worker %d: dropped the %s KV of %s (fault injection, %d more to drop)", self.id,
-                        msg.purpose, msg.request_id, self.drop_kv_sends)
+        fault = self.kv_send_faults.pop(0) if self.kv_send_faults else None
+        if fault == "drop":                                    # fault injection: the transfer is lost
+            log.warning("worker %d: dropped the %s KV of %s (fault injection)", self.id, msg.purpose, msg.request_id)
+            return
+        if fault:                                              # fault injection: the transfer is slow
+            log.warning("worker %d: delaying the %s KV of %s by %g s (fault injection)", self.id, msg.purpose,
+                        msg.request_id, fault)
+            self.send_peer(msg.dst_addr, head, payload.buffer(), delay_s=float(fault))
             return
         self.send_peer(msg.dst_addr, head, payload.buffer())
 
     # ------------------------------------------------------------------ KV plane
     def on_kv(self, head: m.KVData, frames: list) -> None:
         """A peer's KV landed: keep it for its request and tell the coordinator (it decides where it goes)."""
+        req = self.engine.requests.get(head.request_id)
+        if req is None or (self.engine.role == DECODE and req.task.local):
+            # Late: the request was aborted or finished here, or its transfer timed out and the round is being
+            # recomputed locally (RunLocal). Not a failure of the request: drop the bytes.
+            log.info("worker %d: dropped late %s KV for %s", self.id, head.purpose, head.request_id)
+            return
         try:
             payload = KVPayload.from_buffer(frames[0] if frames else b"", head.num_tokens, head.dtype,
                                             tuple(head.shape))
