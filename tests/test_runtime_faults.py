@@ -214,6 +214,9 @@ def test_client_disconnect_mid_stream_stops_the_work_and_frees_the_kv(server):
                         lambda: server.metrics()["vllm:kv_cache_usage_perc"] == idle)
         return time.monotonic() - t0
 
+    r = asyncio.run(_with_client(server, lambda c: _complete(c, list(range(5, 40)), 3)))
+    assert r["status"] == 200 and server.idle_kv_usage() == idle     # no session id: freed when the round ends
+
     freed_s = disconnect_mid_stream(None, list(range(10, 90)))
     gen = server.metrics()["vllm:generation_tokens_total"]
     assert gen < 1900, "the aborted request ran to completion"
@@ -318,6 +321,45 @@ def test_killed_prefill_worker_reroutes_in_flight_rounds_and_serving_goes_on(ser
     assert server.health() == 200 and m3["tandem:workers_alive"] == 1
     print(f"\nprefill worker SIGKILL -> /metrics shows it lost: {noticed * 1e3:.0f} ms; "
           f"in-flight rounds done {completed:.2f} s after the kill")
+
+
+def test_hung_prefill_worker_is_declared_dead_by_heartbeat_fenced_and_its_rounds_rerouted(ckpt, offline):
+    """Protects liveness for a worker that hangs instead of exiting (SIGSTOP: a blocked loop, a partition): the
+    coordinator declares it dead from its missing heartbeats within 2 s, fences it (SIGKILL, so it cannot come back
+    holding KV), and the rounds waiting on it complete locally with the offline output; /health stays 200."""
+    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE))
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                p0 = list(range(30, 130))
+                r0 = await _complete(c, p0, 6, "H")
+                p1 = p0 + r0["token_ids"] + list(range(200, 240))
+                pid = srv.pid(PREFILL)
+                os.kill(pid, signal.SIGSTOP)
+                t_stop = time.monotonic()
+                tasks = [asyncio.create_task(_complete(c, p1, 6, "H", stream=True)),
+                         asyncio.create_task(_complete(c, list(range(60, 99)), 5))]
+                await asyncio.to_thread(srv.wait_for, "the hang to be noticed",
+                                        lambda: srv.metrics()["tandem:workers_alive"] == 1, 10.0, 0.01)
+                noticed = time.monotonic() - t_stop
+                results = await asyncio.gather(*tasks)
+                m = srv.metrics()
+                return [(p0, r0), (p1, results[0]), (list(range(60, 99)), results[1])], noticed, m, srv.health(), pid
+        rounds, noticed, m, health, pid = asyncio.run(main())
+        fenced = srv.wait_for("the hung worker to be killed", lambda: not srv.cluster.procs.workers[PREFILL].alive,
+                              5.0)
+        exitcode = srv.cluster.procs.workers[PREFILL].exitcode
+    finally:
+        srv.stop()
+    assert noticed < 2.0, f"a hung prefill worker was declared dead after {noticed:.2f} s"
+    assert exitcode == -signal.SIGKILL and fenced < 5.0
+    assert all(r["status"] == 200 and r["error"] is None for _, r in rounds)
+    for prompt, r in rounds:
+        assert r["token_ids"] == offline.generate([prompt], _greedy(len(r["token_ids"])))[0].token_ids
+    assert [len(r["token_ids"]) for _, r in rounds] == [6, 6, 5]
+    assert m["tandem:local_prefills_total"] == 2 and m["tandem:remote_prefills_total"] == 3
+    assert health == 200
+    print(f"\nprefill worker SIGSTOP -> declared dead (heartbeats) and shown in /metrics after {noticed:.2f} s")
 
 
 # ---------------------------------------------------------------------------- (b) the decode worker dies
