@@ -292,6 +292,7 @@ def test_killed_prefill_worker_reroutes_in_flight_rounds_and_serving_goes_on(ser
             assert not any(t.done() for t in inflight)
             m1 = server.metrics()
             assert m1["tandem:remote_prefills_total"] - m0["tandem:remote_prefills_total"] == 4
+            assert not decoding.done()                                           # D still decodes at the kill
             os.kill(pid, signal.SIGKILL)
             t_kill = time.monotonic()
             noticed = await asyncio.to_thread(server.wait_for, "the loss to show in /metrics",
@@ -364,9 +365,10 @@ def test_hung_prefill_worker_is_declared_dead_by_heartbeat_fenced_and_its_rounds
 
 # ---------------------------------------------------------------------------- (b) the decode worker dies
 def test_killed_decode_worker_fails_its_requests_clearly_and_health_turns_503(ckpt):
-    """Protects failure reporting when the home of sessions dies: a streaming request gets an SSE error event and a
-    non-streaming one a 5xx JSON body, both within 2 s, naming the lost worker; /health becomes 503 and a new
-    request is refused with a 503 JSON body."""
+    """Protects failure reporting when the home of sessions dies: a streaming request gets an SSE error event, a
+    non-streaming one a 5xx JSON body, and a session's next round still waiting for the worker's RoundBegun answer
+    a 503, all within 2 s and naming the lost worker; /health becomes 503 and a new request is refused with a 503
+    JSON body."""
     srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE))
     try:
         async def main():
@@ -389,20 +391,27 @@ def test_killed_decode_worker_fails_its_requests_clearly_and_health_turns_503(ck
                                 out["done"] = True
                     out["t_end"] = time.monotonic()
 
+                p_next = list(range(140, 200))
+                r_next = await _complete(c, p_next, 4, "s-next")                 # a session resident there
                 s_task = asyncio.create_task(streaming())
                 n_task = asyncio.create_task(_complete(c, list(range(70, 130)), 1900, "s-plain"))
                 await asyncio.wait_for(first.wait(), 60)
                 await asyncio.to_thread(srv.wait_for, "both requests to run",
                                         lambda: srv.metrics()["vllm:num_requests_running"] == 2)
+                os.kill(srv.pid(DECODE), signal.SIGSTOP)     # s-next's next round waits for its RoundBegun answer
+                b_task = asyncio.create_task(_complete(c, p_next + r_next["token_ids"] + [5, 6, 7], 4, "s-next"))
+                await asyncio.sleep(0.3)
+                assert not b_task.done()
                 os.kill(srv.pid(DECODE), signal.SIGKILL)
                 t_kill = time.monotonic()
                 plain = await asyncio.wait_for(n_task, 30)
+                begun = await asyncio.wait_for(b_task, 30)
                 await asyncio.wait_for(s_task, 30)
                 health = srv.health()
                 after = await c.post("/v1/completions", json=_body([1, 2, 3], 2))
-                return out, plain, t_kill, health, after
+                return out, plain, begun, t_kill, health, after
 
-        stream, plain, t_kill, health, after = asyncio.run(main())
+        stream, plain, begun, t_kill, health, after = asyncio.run(main())
     finally:
         srv.stop()
     assert stream["status"] == 200 and stream.get("done")
@@ -411,10 +420,13 @@ def test_killed_decode_worker_fails_its_requests_clearly_and_health_turns_503(ck
     assert 500 <= plain["status"] < 600 and "decode worker 1" in plain["error"]["message"]
     assert plain["error"]["type"] == "server_error"
     assert plain["t_end"] - t_kill < 2.0
+    assert begun["status"] == 503 and "decode worker 1" in begun["error"]["message"]
+    assert begun["t_end"] - t_kill < 2.0
     assert health == 503
     assert after.status_code == 503 and after.json()["error"]["type"] == "server_error"
     print(f"\ndecode worker SIGKILL -> SSE error event {stream['t_err'] - t_kill:.2f} s, "
-          f"JSON {plain['status']} {plain['t_end'] - t_kill:.2f} s")
+          f"JSON {plain['status']} {plain['t_end'] - t_kill:.2f} s, a round waiting to begin {begun['status']} "
+          f"{begun['t_end'] - t_kill:.2f} s")
 
 
 # ---------------------------------------------------------------------------- (d) lost KV transfers

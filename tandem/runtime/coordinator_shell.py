@@ -64,7 +64,7 @@ class CoordinatorShell:
         self.session_req: dict[str, _Req] = {}
         self.conv: dict[str, list[int]] = {}                 # session -> conversation tokens resident on its worker
         self.prefixes: dict[int, set[int]] = {}             # worker -> block hashes of prompts it has seen
-        self._begun: dict[str, asyncio.Future] = {}
+        self._begun: dict[str, tuple[asyncio.Future, int]] = {}    # request -> (RoundBegun answer, its worker)
         self._ids = itertools.count()
         self.stats = BackendStats()
 
@@ -121,9 +121,15 @@ class CoordinatorShell:
             worker = None
         if worker is not None:                                 # pin the resident KV and learn how much there is
             fut = asyncio.get_running_loop().create_future()
-            self._begun[req.request_id] = fut
+            self._begun[req.request_id] = (fut, worker)
             self.send(worker, m.BeginRound(req.request_id, sid))
-            resident = await asyncio.wait_for(fut, timeout=10.0)
+            try:                                               # failed by on_worker_lost / WorkerFailure
+                resident = await asyncio.wait_for(fut, timeout=10.0)
+            except asyncio.TimeoutError:
+                raise RequestError(f"decode worker {worker} did not answer for session {sid!r} in 10 s",
+                                   503) from None
+            finally:
+                self._begun.pop(req.request_id, None)
             self.store.put_session(sid, SessionInfo(decode_worker=worker, resident_tokens=resident,
                                                     updated_s=time.time()))
             new = len(req.prompt) - len(hist_tokens)
@@ -251,7 +257,7 @@ class CoordinatorShell:
             self.stats.kv_transfer_bytes += msg.nbytes
             self._apply(self.coord.on_transfer_done(tr, now, msg.elapsed_s))
         elif isinstance(msg, m.RoundBegun):
-            fut = self._begun.pop(msg.request_id, None)
+            fut, _ = self._begun.pop(msg.request_id, (None, -1))
             if fut is not None and not fut.done():
                 fut.set_result(msg.resident_tokens)
         elif isinstance(msg, m.WorkerFailure):
@@ -261,6 +267,9 @@ class CoordinatorShell:
             if req.task is not None and worker not in (req.worker, req.prefill_worker):
                 return            # from a prefill worker the request no longer uses (its transfer timed out)
             self._abort(req, msg.reason)
+            fut, _ = self._begun.pop(msg.request_id, (None, -1))
+            if fut is not None and not fut.done():             # BeginRound failed: generate() raises it
+                fut.set_exception(RequestError(msg.reason, 500))
         elif isinstance(msg, m.Stats):
             self.store.publish(msg.state)
 
@@ -376,6 +385,9 @@ class CoordinatorShell:
             if req.prefill_worker == worker and not req.kv_arrived:    # its prefill is lost: re-routed below
                 req.transfers.clear()
                 req.prefill_worker = -1
+        for fut, w in list(self._begun.values()):             # rounds waiting for its RoundBegun answer
+            if w == worker and not fut.done():
+                fut.set_exception(RequestError(f"worker lost: decode worker {worker} stopped", 503))
         self._apply(self.coord.on_worker_lost(worker, self.clock()))
         self.prefixes.pop(worker, None)
         for req in list(self.reqs.values()):
