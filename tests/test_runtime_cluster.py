@@ -95,3 +95,24 @@ def test_a_killed_decode_worker_is_noticed_and_its_request_fails_with_a_reason(t
     assert last.error == "worker lost: decode worker 1 stopped"
     assert noticed < 2.0
     assert not healthy and stats.workers_alive == 1
+
+
+def test_an_idle_session_expires_and_its_kv_is_freed(tiny):
+    async def main():
+        c = await ServingCluster.start(ClusterConfig(tiny, 0, 0, 1, "vllm", engine_args=ENGINE, session_ttl_s=0.3))
+        try:
+            conv = list(range(10, 90))
+            first = await _round(c, conv, "a", "s")
+            assert "s" in c.shell.coord.live
+            await asyncio.sleep(1.0)                                   # > session_ttl_s with the 0.1 s tick
+            gone = "s" not in c.shell.coord.live and "s" not in c.shell.conv
+            again = await _round(c, conv + first.outputs[0].token_ids + [5, 6], "b", "s")
+            return gone, again
+        finally:
+            await c.shutdown()
+
+    gone, again = asyncio.run(main())
+    assert gone
+    # the session's KV was released: only the prefix cache's full blocks (5 x 16 of the 80 + 6 - 1 history
+    # tokens) are reused, not the 85 resident tokens a live session would have
+    assert again.error is None and again.num_cached_tokens == 80

@@ -30,6 +30,8 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker (default: 1)")
     p.add_argument("--kv-timeout", type=float, default=10.0, metavar="S",
                    help="a KV transfer slower than this falls back to local recompute (default: 10)")
+    p.add_argument("--session-ttl", type=float, default=600.0, metavar="S",
+                   help="a session idle this long (no round) is ended and its KV freed (default: 600)")
     p.add_argument("--slo-ttft", type=float, default=None, metavar="S",
                    help="TTFT target of every round: AMPD routes a prefill locally when no prefill worker meets it")
     p.add_argument("--slo-itl", type=float, default=None, metavar="S",
@@ -69,14 +71,15 @@ def _cluster_config(args):
     p, d = args.prefill_workers, args.decode_workers
     if args.colocated:
         p = d = 0
-    for name in ("kv_timeout", "slo_ttft", "slo_itl"):
+    for name in ("kv_timeout", "slo_ttft", "slo_itl", "session_ttl"):
         v = getattr(args, name)
         if v is not None and not v > 0:
             raise CLIError(f"--{name.replace('_', '-')} must be > 0, got {v}")
     if args.perf is not None and not Path(args.perf).is_file():
         raise CLIError(f"--perf {args.perf}: no such file")
     return ClusterConfig(args.model, p, d, args.colocated, args.policy, args.state, args.served_model_name, eng,
-                         args.perf, args.threads, args.kv_timeout, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl)
+                         args.perf, args.threads, args.kv_timeout, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
+                         session_ttl_s=args.session_ttl)
 
 
 @contextlib.asynccontextmanager

@@ -44,6 +44,7 @@ class ClusterConfig:
     perf: str | None = None
     threads: int | None = 1                  # torch threads per worker
     kv_timeout_s: float = 10.0
+    session_ttl_s: float = 600.0             # a session idle this long is ended and its KV freed
     slo_ttft_s: float | None = None          # the SLO AMPD routing aims at (None: no target, prefill workers first)
     slo_itl_s: float | None = None
     startup_timeout_s: float = 120.0
@@ -125,7 +126,8 @@ class ServingCluster:
         kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
                                       block_size=int(first["block_size"]), kv_timeout_s=cfg.kv_timeout_s,
-                                      slo=self._slo(), vocab_size=int(first["vocab_size"]))
+                                      slo=self._slo(), vocab_size=int(first["vocab_size"]),
+                                      session_ttl_s=cfg.session_ttl_s)
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._tick())]
 

@@ -54,7 +54,7 @@ class CoordinatorShell:
     def __init__(self, coord: Coordinator, store, send: Callable[[int, object], None], kv_addr: dict[int, str],
                  max_model_len: int, block_size: int = 16, kv_timeout_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, slo: SLO | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, session_ttl_s: float = 600.0) -> None:
         self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
         self.vocab_size = vocab_size                         # token ids are checked here, as the engine would
         self.max_model_len, self.block_size, self.kv_timeout_s, self.clock = max_model_len, block_size, kv_timeout_s, clock
@@ -63,6 +63,8 @@ class CoordinatorShell:
         self.by_task: dict[PrefillTask, _Req] = {}
         self.session_req: dict[str, _Req] = {}
         self.conv: dict[str, list[int]] = {}                 # session -> conversation tokens resident on its worker
+        self.session_ttl_s = session_ttl_s                   # a session idle this long ends (its KV is freed)
+        self.idle_since: dict[str, float] = {}               # session -> end of its last round
         self.prefixes: dict[int, set[int]] = {}             # worker -> block hashes of prompts it has seen
         self._begun: dict[str, tuple[asyncio.Future, int]] = {}    # request -> (RoundBegun answer, its worker)
         self._ids = itertools.count()
@@ -229,6 +231,7 @@ class CoordinatorShell:
 
     def _release(self, a: act.Release) -> None:
         sid = a.session_id
+        self.idle_since.pop(sid, None)
         self.send(a.worker, m.Release(sid))
         self.store.delete_session(sid)
         self.conv.pop(sid, None)
@@ -316,6 +319,7 @@ class CoordinatorShell:
             self._finish(req, now)
             if req.keep_session and d.error is None:
                 self.conv[req.session_id] = req.prompt + comp.token_ids
+                self.idle_since[req.session_id] = now
                 self._remember_prefix(req.worker, req.prompt)
             elif not req.keep_session:
                 self._remember_prefix(req.worker, req.prompt)
@@ -360,8 +364,16 @@ class CoordinatorShell:
 
     # ------------------------------------------------------------------ time and faults
     def check_timeouts(self) -> None:
-        """A KV transfer that has not landed in kv_timeout_s: the decode worker recomputes the round locally."""
+        """Sessions idle longer than session_ttl_s end; a KV transfer that has not landed in kv_timeout_s
+        makes the decode worker recompute the round locally."""
         now = self.clock()
+        expired = [sid for sid, t in self.idle_since.items()
+                   if now - t > self.session_ttl_s and sid not in self.session_req]
+        for sid in expired:
+            self._apply(self.coord.end_session(sid, now))
+        coord = self.coord
+        if len(coord.records) > 2 * len(coord.live) + 1000:  # live serving keeps records of live sessions only
+            coord.records = [r for r in coord.records if r.session_id in coord.live]
         for req in list(self.reqs.values()):
             for purpose, (tr, started) in list(req.transfers.items()):
                 if now - started < self.kv_timeout_s:
