@@ -35,7 +35,7 @@ from tandem.perf.roofline import BatchShape
 from tandem.perf.step_model import DEFAULT_KV_LINK, SEGMENTS, Profile, StepTimeModel
 
 __all__ = ["Point", "ProfileOptions", "Profile", "profile", "train_grid", "heldout_grid", "measure_kv_link",
-           "device_info"]
+           "measure_kv_path", "measure_interference", "device_info"]
 
 Progress = Callable[[str, int, int], None]      # (stage, done, total)
 
@@ -95,7 +95,8 @@ class ProfileOptions:
     segments: int = SEGMENTS
     seed: int = 0
     point_budget_s: float = 1.0         # stop repeating a step once this much time went into it (>= 2 runs)
-    measure_link: bool = True           # measure a local socket's bandwidth for KV transfers
+    measure_link: bool = True           # measure the KV path between two engines (export, wire, import)
+    measure_interference: bool = True   # measure the step slow-down while another engine process steps (CPU)
 
     @property
     def n_repeats(self) -> int:
@@ -349,6 +350,172 @@ def measure_kv_link(nbytes: int = 32 << 20, pings: int = 200) -> dict:
             "source": "measured: local socket pair"}
 
 
+def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept >= 0, slope >= 0) of a least-squares line (a negative intercept is dropped)."""
+    import numpy as np
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    if len(set(xs)) < 2:
+        return 0.0, float(max(y.mean() / max(x.mean(), 1e-12), 0.0))
+    slope, icpt = np.polyfit(x, y, 1)
+    if icpt < 0:
+        slope, icpt = float((x @ y) / (x @ x)), 0.0
+    return float(max(icpt, 0.0)), float(max(slope, 1e-15))
+
+
+def measure_kv_path(runner: ModelRunner, rng: random.Random, repeats: int = 7, max_tokens: int = 2048) -> dict:
+    """The KV path between two engines on this host, as the runtime takes it (docs/profiler.md):
+
+    export: `export_kv` gathers a sequence's positions out of the paged cache into one payload (the source
+    worker does this between its steps); wire: the payload's bytes over ZeroMQ PUSH/PULL on TCP loopback (the
+    runtime's peer KV channel), from the send until the receiver holds the bytes; import: `KVPayload.from_buffer`
+    and `import_kv` scatter it into the destination's blocks. Each side is fitted as a + bytes / bandwidth over
+    payloads of 16 .. max_tokens tokens (median of `repeats`); the wire's intercept is its latency."""
+    import zmq
+
+    from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
+
+    bs = runner.block_size
+    cap = runner.num_blocks * bs
+    sizes = [n for n in (16, 64, 256, 1024, 2048) if n <= min(max_tokens, cap // 2)] or [min(16, cap // 2)]
+    blocks = list(range(runner.num_blocks))
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    got: list = []
+    ready = threading.Event()
+
+    def receive() -> None:
+        while True:
+            frames = pull.recv_multipart(copy=True)
+            got.append((time.perf_counter(), frames))
+            ready.set()
+            if frames[0] == b"stop":
+                return
+
+    th = threading.Thread(target=receive, daemon=True)
+    th.start()
+    rows: dict[str, list[tuple[float, float]]] = {"export": [], "wire": [], "import": []}
+    try:
+        push.send_multipart([b"warm", b"x"])
+        ready.wait(5)
+        for _ in range(repeats):
+            for n in sizes:
+                nb = -(-n // bs)
+                rng.shuffle(blocks)
+                src, dst = blocks[:nb], blocks[nb:2 * nb]
+                t0 = time.perf_counter()
+                payload = export_kv(runner.kv_caches, src, bs, 0, n)
+                buf = payload.buffer()
+                t1 = time.perf_counter()
+                ready.clear()
+                push.send_multipart([b"kv", buf], copy=False)
+                ready.wait(30)
+                t2, frames = got[-1]
+                t3 = time.perf_counter()
+                back = KVPayload.from_buffer(frames[1], n, payload.dtype, payload.shape)
+                import_kv(runner.kv_caches, dst, bs, 0, back)
+                t4 = time.perf_counter()
+                nbytes = float(payload.nbytes)
+                rows["export"].append((nbytes, t1 - t0))
+                rows["wire"].append((nbytes, t2 - t1))
+                rows["import"].append((nbytes, t4 - t3))
+        push.send_multipart([b"stop", b""])
+        th.join(5)
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+    fits = {}
+    for side, pts in rows.items():
+        by: dict[float, list[float]] = {}
+        for b, t in pts:
+            by.setdefault(b, []).append(t)
+        xs = sorted(by)
+        fits[side] = _linear_fit(xs, [statistics.median(by[x]) for x in xs])
+    wire_lat, wire_slope = fits["wire"]
+    return {"bandwidth_bytes_per_s": 1.0 / wire_slope, "latency_s": wire_lat,
+            "export_s": fits["export"][0], "export_bytes_per_s": 1.0 / fits["export"][1],
+            "import_s": fits["import"][0], "import_bytes_per_s": 1.0 / fits["import"][1],
+            "sizes_tokens": sizes,
+            "source": "measured: engine export_kv -> ZeroMQ PUSH/PULL over TCP loopback -> import_kv"}
+
+
+# Steps the interference measurement times (victims) and what the co-running engine process repeats.
+_VICTIMS = {"prefill": [Point("prefill", ((0, 256),)), Point("prefill", ((512, 64),))],
+            "decode": [Point("decode", decodes=(512,)), Point("decode", decodes=(512,) * 4)]}
+_CORUN = {"decode": Point("decode", decodes=(512, 512)), "prefill": Point("prefill", ((0, 256),))}
+
+
+def _corunner(cfg_dict: dict, threads: int | None, kind: str, ready, stop) -> None:
+    """Child process: load the engine and run `_CORUN[kind]` steps back to back until told to stop."""
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = EngineConfig(**cfg_dict)
+    runner = ModelRunner(cfg)
+    bench = _Bench(runner, random.Random(1))
+    p = _CORUN[kind]
+    for _ in range(3):
+        bench.run(p)
+    ready.set()
+    while not stop.is_set():
+        bench.run(p)
+
+
+def measure_interference(cfg: EngineConfig, bench: _Bench, threads: int | None, rounds: int = 5,
+                         progress: Callable[[int, int], None] | None = None) -> dict:
+    """How much slower a step runs while another engine process on this host steps (CPU: shared cores,
+    caches, memory bandwidth). In a 1P+1D deployment a prefill step overlaps the decode worker's steps and a
+    decode step the prefill worker's, so prefill steps are timed beside a process repeating a decode step
+    (2 sequences, context 512) and decode steps beside one repeating a 256-token prefill chunk. Factor =
+    median co-run time / median solo time over `_VICTIMS`, solo and co-run rounds alternating."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    fits = [p for ps in _VICTIMS.values() for p in ps
+            if p.tokens <= bench.runner.cfg.max_num_batched_tokens and p.blocks(bench.runner.block_size) * 2
+            <= bench.runner.num_blocks and all(h + n <= (cfg.max_model_len or 1 << 30) for h, n in p.prefills)]
+    solo: dict[Point, list[float]] = {p: [] for p in fits}
+    co: dict[Point, list[float]] = {p: [] for p in fits}
+    total, done = 2 * rounds * 2, 0
+    cfg_dict = dataclasses.asdict(cfg)
+    for victim_kind, co_kind in (("prefill", "decode"), ("decode", "prefill")):
+        pts = [p for p in fits if p.kind == victim_kind]
+        if not pts:
+            continue
+        ready, stop = ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=_corunner, args=(cfg_dict, threads, co_kind, ready, stop), daemon=True)
+        for r in range(rounds):
+            for p in pts:
+                solo[p].append(bench.run(p))
+            done += 1
+            if r == 0:
+                proc.start()
+                if not ready.wait(120):
+                    proc.kill()
+                    raise RuntimeError("the co-running engine process did not start")
+            for p in pts:
+                co[p].append(bench.run(p))
+            done += 1
+            if progress:
+                progress(done, total)
+        stop.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    out: dict = {"source": "measured: steps timed beside a second engine process stepping (1 thread each)",
+                 "points": []}
+    for kind in ("prefill", "decode"):
+        ratios = []
+        for p in fits:
+            if p.kind == kind and solo[p] and co[p]:
+                a, b = statistics.median(solo[p]), statistics.median(co[p])
+                ratios.append(b / a)
+                out["points"].append({**p.to_dict(), "solo_s": a, "corun_s": b, "factor": b / a})
+        out[kind] = max(1.0, statistics.median(ratios)) if ratios else 1.0
+    return out
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -468,7 +635,20 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
 
     itemsize = torch.empty((), dtype=runner.dtype).element_size()
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize
-    link = measure_kv_link() if opt.measure_link else None
+    link = None
+    if opt.measure_link:
+        if progress:
+            progress("KV path", 0, 1)
+        try:
+            link = measure_kv_path(runner, rng, max_tokens=min(max_len, budget))
+        except Exception:                                    # no ZeroMQ here: the bare socket pair
+            link = measure_kv_link()
+        if progress:
+            progress("KV path", 1, 1)
+    interference = None
+    if opt.measure_interference and runner.device.type == "cpu" and not opt.quick:
+        interference = measure_interference(cfg, bench, opt.threads,
+                                            progress=(lambda d, t: progress("interference", d, t)) if progress else None)
     ampd = step.ampd_cost_model(max_len, capacity, kv_bytes, cfg.max_num_seqs, link,
                                 meta={"model": model, "gpu": meta["device"]})
     if progress:
@@ -487,7 +667,7 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
         num_blocks=runner.num_blocks, block_size=runner.block_size, kv_bytes_per_token=kv_bytes,
         max_model_len=engine_max_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs, heldout_error=held_err, train_error=step.meta["train_error"],
-        kv_link=link or dict(DEFAULT_KV_LINK),
+        kv_link=link or dict(DEFAULT_KV_LINK), interference=interference,
         measurements=rows, options=opts, wall_s=time.perf_counter() - t_start,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 

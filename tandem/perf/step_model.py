@@ -49,6 +49,89 @@ PROFILE_VERSION = 1
 # KV transfer between two engine processes on one host when the profile measured none:
 # a Unix-socket / loopback copy of a few GB/s and tens of microseconds per message.
 DEFAULT_KV_LINK = {"bandwidth_bytes_per_s": 2e9, "latency_s": 50e-6, "source": "default"}
+RUNTIME_FIELDS = ("request_s", "output_s", "hop_s", "step_gap_s", "msg_s", "host_token_s", "host_round_s")
+
+
+def kv_link_seconds(link: Mapping[str, Any], nbytes: float) -> float:
+    """One KV transfer of `nbytes` over a profile's kv_link: gather out of the source's paged cache (export),
+    the wire (latency + bytes / bandwidth) and scatter into the destination's cache (import). Links measured
+    before export/import were part of the profile have only the wire terms."""
+    t = float(link["latency_s"]) + nbytes / float(link["bandwidth_bytes_per_s"])
+    for side in ("export", "import"):
+        t += _side_seconds(link, side, nbytes)
+    return t
+
+
+def _side_seconds(link: Mapping[str, Any], side: str, nbytes: float) -> float:
+    bps = link.get(f"{side}_bytes_per_s")
+    return float(link.get(f"{side}_s", 0.0)) + (nbytes / float(bps) if bps else 0.0)
+
+
+@dataclass
+class RuntimeCosts:
+    """What tandem's live runtime adds around each engine step, for the simulator's host loop
+    (`tandem.sim.loop.HostLoop`, docs/simulator.md "Runtime model"). Zero everywhere is an ideal runtime.
+
+    From the profile's `runtime` block (measured on the live server by benchmarks/sim_to_real.py):
+    request_s (client sends a round -> the coordinator routes it: HTTP, parsing), output_s (a token leaves
+    its worker -> the client reads it), hop_s (one control message between the coordinator and a worker, each
+    way), step_gap_s (a worker's loop between two engine steps: thread hand-off, sends, stats; added to every
+    step), msg_s (a worker handling one control message between steps), step_factor (a prefill / decode step
+    in a live worker process against the same step in the profiler, on an otherwise idle server),
+    host_token_s / host_round_s (CPU seconds the serving processes besides the engines spend per token
+    streamed and per round: coordinator, HTTP server, client) and cores (the host's cores they and the
+    engines' steps share; 0: no CPU model).
+    From the profile's `kv_link` (`tandem profile`): the wire (latency_s, bandwidth_bytes_per_s) and the
+    export/import work on the source/destination worker, which holds that worker between two steps.
+    From the profile's `interference` (`tandem profile`: two engine processes side by side), or the runtime
+    block's `interference` when it has one (the live server, whose coordinator, HTTP server and client share
+    the host's cores too): how much slower a prefill / decode step runs while another worker is in a step.
+    """
+
+    request_s: float = 0.0
+    output_s: float = 0.0
+    hop_s: float = 0.0
+    step_gap_s: float = 0.0
+    msg_s: float = 0.0
+    host_token_s: float = 0.0
+    host_round_s: float = 0.0
+    cores: int = 0
+    kv_link: dict = field(default_factory=lambda: dict(DEFAULT_KV_LINK))
+    interference: dict = field(default_factory=lambda: {"prefill": 1.0, "decode": 1.0})
+    step_factor: dict = field(default_factory=lambda: {"prefill": 1.0, "decode": 1.0})
+
+    def export_s(self, nbytes: float) -> float:
+        """Seconds the source worker spends gathering and sending `nbytes` of KV."""
+        return _side_seconds(self.kv_link, "export", nbytes)
+
+    def import_s(self, nbytes: float) -> float:
+        """Seconds the destination worker spends receiving and placing `nbytes` of KV."""
+        return _side_seconds(self.kv_link, "import", nbytes)
+
+    @classmethod
+    def from_profile_fields(cls, runtime: Mapping | None, kv_link: Mapping, interference: Mapping | None) -> "RuntimeCosts":
+        rt = dict(runtime or {})
+        bad = {k: rt.get(k) for k in RUNTIME_FIELDS if k in rt and not (isinstance(rt[k], (int, float)) and rt[k] >= 0)}
+        if bad:
+            raise ValueError(f"profile runtime needs non-negative seconds, got {bad}")
+        inter = {"prefill": 1.0, "decode": 1.0}
+        # the runtime block's factors (measured on the live server) win over the engine-only measurement
+        for k, v in {**dict(interference or {}), **dict(rt.get("interference") or {})}.items():
+            if k in inter:
+                if not (isinstance(v, (int, float)) and v >= 1.0):
+                    raise ValueError(f"profile interference.{k} must be a factor >= 1, got {v!r}")
+                inter[k] = float(v)
+        factor = {"prefill": 1.0, "decode": 1.0}
+        for k, v in dict(rt.get("step_factor") or {}).items():
+            if k in factor:
+                if not (isinstance(v, (int, float)) and v > 0):
+                    raise ValueError(f"profile runtime.step_factor.{k} must be a factor > 0, got {v!r}")
+                factor[k] = float(v)
+        cores = rt.get("cores", 0)
+        if not (isinstance(cores, int) and cores >= 0):
+            raise ValueError(f"profile runtime.cores must be a non-negative integer, got {cores!r}")
+        return cls(**{k: float(rt.get(k, 0.0)) for k in RUNTIME_FIELDS}, cores=cores, kv_link=dict(kv_link),
+                   interference=inter, step_factor=factor)
 
 
 def step_features(prefill_tokens: float, prefill_attn_pairs: float, prefill_kv_read_tokens: float,
@@ -195,8 +278,7 @@ class StepTimeModel:
                     dec_X.append(dec_features(b, b * c))
                     dec_y.append(self.decode_time(b, b * c))
         toks = [1, 16, 256, 4096, 65536]
-        bw, lat = float(link["bandwidth_bytes_per_s"]), float(link["latency_s"])
-        kv_y = [lat + t * kv_bytes_per_token / bw for t in toks]
+        kv_y = [kv_link_seconds(link, t * kv_bytes_per_token) for t in toks]
         kv_X = [kv_features(t) for t in toks]
         m = {"source": "profile", "chunk_tokens": self.max_num_batched_tokens, "kv_link": link, **(meta or {})}
         return AMPDCostModel.from_samples({1: (pre_X, pre_y)}, {1: (dec_X, dec_y)},
@@ -242,6 +324,8 @@ class Profile:
     heldout_error: dict                         # median, p90, mean, max, n of |pred - measured| / measured
     train_error: dict
     kv_link: dict = field(default_factory=lambda: dict(DEFAULT_KV_LINK))
+    interference: dict | None = None            # step slow-down while another engine process steps (measured)
+    runtime: dict | None = None                 # the live runtime's latencies (RuntimeCosts fields + source)
     measurements: list[dict] = field(default_factory=list)
     options: dict = field(default_factory=dict)
     wall_s: float = 0.0
@@ -268,7 +352,8 @@ class Profile:
                 "kv_capacity_tokens": self.kv_capacity_tokens, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "max_model_len": self.max_model_len, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_num_seqs": self.max_num_seqs, "heldout_error": self.heldout_error,
-                "train_error": self.train_error, "kv_link": self.kv_link, "options": self.options,
+                "train_error": self.train_error, "kv_link": self.kv_link, "interference": self.interference,
+                "runtime": self.runtime, "options": self.options,
                 "wall_s": self.wall_s, "step_model": self.step_model.to_dict(), "ampd": self.ampd.to_dict(),
                 "measurements": self.measurements}
 
@@ -287,7 +372,10 @@ class Profile:
                     kv_bytes_per_token=int(d["kv_bytes_per_token"]), max_model_len=int(d["max_model_len"]),
                     max_num_batched_tokens=int(d["max_num_batched_tokens"]), max_num_seqs=int(d["max_num_seqs"]),
                     heldout_error=dict(d["heldout_error"]), train_error=dict(d.get("train_error", {})),
-                    kv_link=dict(d.get("kv_link") or DEFAULT_KV_LINK), measurements=list(d.get("measurements", [])),
+                    kv_link=dict(d.get("kv_link") or DEFAULT_KV_LINK),
+                    interference=dict(d["interference"]) if d.get("interference") is not None else None,
+                    runtime=dict(d["runtime"]) if d.get("runtime") is not None else None,
+                    measurements=list(d.get("measurements", [])),
                     options=dict(d.get("options", {})), wall_s=float(d.get("wall_s", 0.0)),
                     created=str(d.get("created", "")))
         except KeyError as e:
@@ -303,7 +391,17 @@ class Profile:
         bw, lat = p.kv_link.get("bandwidth_bytes_per_s"), p.kv_link.get("latency_s")
         if not (isinstance(bw, (int, float)) and bw > 0 and isinstance(lat, (int, float)) and lat >= 0):
             raise ValueError(f"profile kv_link needs bandwidth_bytes_per_s > 0 and latency_s >= 0, got {p.kv_link}")
+        for side in ("export", "import"):
+            for key in (f"{side}_s", f"{side}_bytes_per_s"):
+                v = p.kv_link.get(key)
+                if v is not None and not (isinstance(v, (int, float)) and v >= 0):
+                    raise ValueError(f"profile kv_link.{key} must be a non-negative number, got {v!r}")
+        p.runtime_costs()                        # validates the runtime and interference blocks
         return p
+
+    def runtime_costs(self) -> RuntimeCosts:
+        """The host-loop costs of this profile (zeros for what it did not measure)."""
+        return RuntimeCosts.from_profile_fields(self.runtime, self.kv_link, self.interference)
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")

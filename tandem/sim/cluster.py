@@ -17,7 +17,7 @@ from tandem.perf.roofline import Roofline, kv_capacity_tokens
 from tandem.perf.step_model import Profile, is_profile_dict
 from tandem.policy.presets import POLICIES, get_policy, make_picker, make_router
 from tandem.sim.network import Network
-from tandem.sim.loop import EventLoop
+from tandem.sim.loop import EventLoop, HostLoop
 from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
@@ -164,7 +164,9 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     bw, lat = float(prof.kv_link["bandwidth_bytes_per_s"]), float(prof.kv_link["latency_s"])
     net = Network(nodes, [1] * len(workers), nvlink_bps=bw, net_bps=bw, nvlink_latency_s=lat, net_latency_s=lat,
                   schedule=None)
-    loop = EventLoop(coord, workers, timers, net, prof.kv_bytes_per_token)
+    # the engines are served by tandem's runtime: messages between steps, KV export/import on the workers,
+    # the runtime's latencies and the step slow-down of processes sharing the host (docs/simulator.md)
+    loop = HostLoop(coord, workers, timers, net, prof.kv_bytes_per_token, prof.runtime_costs())
     return coord, workers, loop
 
 
