@@ -415,7 +415,18 @@ def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: Sp
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if miss(mid) < 0 else (lo, mid)
         f_pre = (lo + hi) / 2
-    rt["interference"] = {"prefill": f_pre}
+    rt["interference"] = {"prefill": f_pre, "decode": 1.0}
+
+    # 5. decode steps beside those prefills, read directly off the stream: its inter-token gaps while a prefill
+    #    beside it runs (from that request's send to its first token) against its other gaps (medians)
+    ms = {(m.session_id, m.index): m for m in res.rounds}
+    stream = ms[("probe-stream", 0)]
+    t_tok = stream.sent_s + stream.ttft_s + np.cumsum(stream.itls_s)
+    windows = [(ms[(k[0], 0)].sent_s, ms[(k[0], 0)].sent_s + ms[(k[0], 0)].ttft_s) for k in beside]
+    inside = [g for t, g in zip(t_tok, stream.itls_s) if any(a <= t - g and t <= b for a, b in windows)]
+    outside = [g for t, g in zip(t_tok, stream.itls_s) if not any(a < t and t - g < b for a, b in windows)]
+    f_dec = max(1.0, statistics.median(inside) / statistics.median(outside)) if inside and outside else 1.0
+    rt["interference"]["decode"] = f_dec
     sim1 = sim_ttfts(rt)
     check = {
         "speed": s_now,
@@ -423,6 +434,8 @@ def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: Sp
         "idle_itl_gap_s": {"median": statistics.median(gaps), "min": min(gaps), "max": max(gaps), "n": len(gaps)},
         "host_cpu_s": cpu_host, "probe_tokens": tokens,
         "beside_ttft_real_mean_s": target, "beside_ttft_sim_mean_s_before_fit": before + target,
+        "stream_gaps_beside_prefill_s": {"n": len(inside), "median": statistics.median(inside) if inside else None},
+        "stream_gaps_otherwise_s": {"n": len(outside), "median": statistics.median(outside) if outside else None},
         "ttft_after_fit_real_sim_s": {f"{k[0]} r{k[1]}": [real[k], sim1[k]] for k in sorted(real)},
         "echo_hop": hop,
         "raw": raw,
@@ -434,7 +447,9 @@ def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: Sp
                     "profiled decode step, host_token_s = CPU seconds of the coordinator/HTTP process and the client "
                     "per output token (cores = the host's), request_s = median idle TTFT minus the simulated "
                     "remote-prefill path (request and response latency together; output_s 0), interference.prefill "
-                    "fitted so simulated prefills beside a decode stream take as long as measured")
+                    "fitted so simulated prefills beside a decode stream take as long as measured, "
+                    "interference.decode = that stream's median inter-token gap while those prefills run over its "
+                    "median gap otherwise")
     return {"runtime": rt, "check": check}
 
 
@@ -550,33 +565,50 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    labels = [f"{lab}\n{q.upper()}" for _, lab in METRICS[:3] for q in QUANTILES]
-    keys = [(k, q) for k, _ in METRICS[:3] for q in QUANTILES]
-    for ax, ks, labs, title in ((axes[0], keys, labels, "TTFT (ms)"),
-                                (axes[1], [("itl", q) for q in QUANTILES], [f"ITL {q.upper()}" for q in QUANTILES],
-                                 "ITL, per-round mean (ms)")):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [3, 1.3, 2]})
+    short = {"ttft_initial": "initial", "ttft_incremental": "incremental", "ttft_all": "all rounds", "itl": "ITL"}
+    panels = ((axes[0], [(k, q) for k, _ in METRICS[:3] for q in QUANTILES], "TTFT (ms)"),
+              (axes[1], [("itl", q) for q in QUANTILES], "ITL, per-round mean (ms)"))
+    for ax, ks, title in panels:
         x = np.arange(len(ks))
         real = [res["real_pooled"][k][q] * 1e3 for k, q in ks]
         lo = [min(r["stats"][k][q] for r in res["live_runs"]) * 1e3 for k, q in ks]
         hi = [max(r["stats"][k][q] for r in res["live_runs"]) * 1e3 for k, q in ks]
-        ax.bar(x - 0.27, real, 0.26, label="real (live server, pooled runs)", color="#4c72b0",
+        ax.bar(x - 0.27, real, 0.26, label="real (live server)", color="#4c72b0",
                yerr=[np.maximum(np.subtract(real, lo), 0), np.maximum(np.subtract(hi, real), 0)], capsize=3)
         ax.bar(x, [res["sim_profile_only"][k][q] * 1e3 for k, q in ks], 0.26, label="sim, profile only",
                color="#bbbbbb")
         ax.bar(x + 0.27, [res["sim"][k][q] * 1e3 for k, q in ks], 0.26, label="sim, + runtime model", color="#dd8452")
         for i, (k, q) in enumerate(ks):
-            e = res["errors"][k][q]
-            ax.annotate(f"{100 * e:+.0f}%", (x[i] + 0.27, res["sim"][k][q] * 1e3), ha="center", va="bottom",
-                        fontsize=8)
-        ax.set_xticks(x, labs, fontsize=8)
+            ax.annotate(f"{100 * res['errors'][k][q]:+.0f}%", (x[i] + 0.27, res["sim"][k][q] * 1e3), ha="center",
+                        va="bottom", fontsize=8)
+        ax.set_xticks(x, [f"{short[k]}\n{q.upper()}" for k, q in ks], fontsize=8)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
+    ax = axes[2]
+    for r0, color, label in ((True, "#4c72b0", "round 0"), (False, "#dd8452", "rounds > 0")):
+        pts = [(np.mean([v for v in x["real_ttft_s"] if v is not None]), np.mean([v for v in x["sim_ttft_s"] if v]))
+               for x in res["rounds"] if (x["round"] == 0) == r0 and any(v is not None for v in x["real_ttft_s"])]
+        if pts:
+            a = np.array(pts) * 1e3
+            ax.scatter(a[:, 0], a[:, 1], s=12, alpha=0.7, color=color, label=label)
+    lim = [10, 2000]
+    ax.plot(lim, lim, color="k", lw=0.8)
+    ax.fill_between(lim, [v * 0.85 for v in lim], [v * 1.15 for v in lim], color="k", alpha=0.08, label="±15%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(*lim)
+    ax.set_ylim(*lim)
+    ax.set_xlabel("real TTFT (ms, mean over runs)")
+    ax.set_ylabel("simulated TTFT (ms)")
+    ax.set_title("every round")
+    ax.legend(fontsize=8)
     fig.suptitle(f"tandem sim-to-real: tiny-qwen3-{res['config']['size']}, 1P+1D {POLICY}, "
-                 f"{res['config']['sessions']} sessions (error bars: range over live runs)", fontsize=10)
+                 f"{res['workload']['sessions']} sessions, {len(res['live_runs'])} live runs "
+                 "(error bars: range over runs; labels: error of the runtime model, pooled)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -604,7 +636,7 @@ def main() -> int:
     started = time.time()
     prio = raise_priority(args.nice) if args.nice else "unchanged"
     log(f"scheduler priority: {prio}")
-    out = Path(args.out)
+    out = Path(args.out) if args.size == "30m" else Path(args.out) / args.size
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     work.mkdir(exist_ok=True)
@@ -634,7 +666,7 @@ def main() -> int:
     rt = calib["runtime"]
     log("runtime model: " + ", ".join(f"{k} {rt[k] * 1e3:.2f} ms" for k in ("request_s", "hop_s", "step_gap_s"))
         + f", host CPU {rt['host_token_s'] * 1e3:.2f} ms/token on {rt['cores']} cores, prefill beside a decode "
-          f"stream x{rt['interference']['prefill']:.3f}; machine speed at calibration: prefill "
+          f"stream x{rt['interference']['prefill']:.3f}, decode beside prefills x{rt['interference'].get('decode', 1.0):.3f}; machine speed at calibration: prefill "
           f"x{rt['step_factor']['prefill']:.3f}, decode x{rt['step_factor']['decode']:.3f} of the profile")
 
     sim_bare = run_sim(sessions, with_runtime(profile, None, work / "profile-bare.json"), args.seed)

@@ -229,3 +229,21 @@ def test_profile_cli_errors(tmp_path, capsys):
     assert main(["profile", "--model", str(tmp_path / "empty"), "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot profile" in err[0]
+
+
+def test_kv_path_through_the_engine(tmp_path):
+    """The profiler's KV link: export_kv, ZeroMQ over TCP loopback, import_kv, each fitted as a + bytes / rate."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.engine.profiler import measure_kv_path
+    from tandem.engine.tiny_model import make_tiny_model
+    from tandem.perf.step_model import kv_link_seconds
+    make_tiny_model(tmp_path / "tiny", arch="qwen3", size="1m", seed=0)
+    runner = ModelRunner(EngineConfig(model=str(tmp_path / "tiny"), num_kv_blocks=512))
+    link = measure_kv_path(runner, random.Random(0), repeats=2, max_tokens=1024)
+    assert link["sizes_tokens"] == [16, 64, 256, 1024]
+    for key in ("bandwidth_bytes_per_s", "export_bytes_per_s", "import_bytes_per_s"):
+        assert link[key] > 0
+    assert link["latency_s"] >= 0 and link["export_s"] >= 0 and link["import_s"] >= 0
+    assert "ZeroMQ" in link["source"]
+    assert kv_link_seconds(link, 1 << 20) > kv_link_seconds(link, 1 << 10) > 0

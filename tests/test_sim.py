@@ -130,3 +130,131 @@ def test_long_contexts_on_small_decode_workers_do_not_livelock():
     assert loop.events < 2_000_000
     for w in workers:
         assert w.blocks.num_free == w.blocks.num_blocks
+
+
+# --------------------------------------------------------------------------- the host loop (profiled engines)
+
+def _profile(tmp_path, runtime=None, kv_link=None, interference=None, name="p.json"):
+    """A synthetic `tandem profile` file: step time 2 ms + 0.1 ms per query token + 1 us per KV token read."""
+    from tandem.perf.roofline import BatchShape
+    from tandem.perf.step_model import Profile, StepTimeModel
+    shapes = []
+    for n in (1, 8, 64, 256, 1024):
+        for h in (0, 100, 1000):
+            s = BatchShape()
+            s.add_prefill(h, n)
+            shapes.append(s)
+    for b in (1, 2, 8, 32):
+        for c in (16, 256, 2048):
+            s = BatchShape()
+            for _ in range(b):
+                s.add_decode(c)
+            shapes.append(s)
+    secs = [2e-3 + 1e-4 * (s.prefill_tokens + s.num_decode) + 1e-6 * (s.decode_ctx_tokens + s.prefill_kv_read_tokens)
+            for s in shapes]
+    model = StepTimeModel.from_samples(shapes, secs, 2048, segments=1)
+    link = kv_link or {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
+    prof = Profile(model="/m/tiny", device={"type": "cpu", "name": "test", "cores": 2}, torch_version="x", engine={},
+                   model_config={}, step_model=model, ampd=model.ampd_cost_model(4096, 65536, 1000, kv_link=link),
+                   num_blocks=4096, block_size=16, kv_bytes_per_token=1000, max_model_len=4096,
+                   max_num_batched_tokens=2048, max_num_seqs=256, heldout_error={}, train_error={}, kv_link=link,
+                   interference=interference, runtime=runtime)
+    path = tmp_path / name
+    prof.to_json(path)
+    return path, model
+
+
+def _host_sim(path, sessions):
+    cfg = SimConfig("x", "x", 2, "P:tp1x1,D:tp1x1", "ampd", perf=str(path))
+    coord, workers, loop = build(cfg)
+    loop.run(sessions)
+    assert not coord.live and all(w.blocks.num_free == w.blocks.num_blocks for w in workers)
+    return {r.session_id: r for r in coord.records}, workers, loop
+
+
+def test_host_loop_request_output_latency_and_step_gap(tmp_path):
+    sessions = [Session("s", 0.0, [Round(300, 20, tool_s=1.0), Round(50, 10)], slo=SLO(5.0, 1.0))]
+    base, _, _ = _host_sim(_profile(tmp_path)[0], sessions)
+    rt = {"request_s": 0.01, "output_s": 0.002, "step_gap_s": 0.001}
+    slow, _, _ = _host_sim(_profile(tmp_path, runtime=rt, name="rt.json")[0], sessions)
+    b0, b1 = base["s"].rounds
+    s0, s1 = slow["s"].rounds
+    assert b0.prefill_where == s0.prefill_where == "remote"
+    assert s0.arrival_s == b0.arrival_s == 0.0
+    # request + output latency, and the worker loop's gap after the one prefill step
+    assert s0.ttft_s == pytest.approx(b0.ttft_s + 0.012 + 0.001, abs=1e-9)
+    assert s1.arrival_s == pytest.approx(s0.finish_s + 1.0)                # the tool gap runs from the client's end
+    assert s0.itl_sum_s / s0.itl_count == pytest.approx(b0.itl_sum_s / b0.itl_count + 0.001)
+    assert s1.ttft_s > b1.ttft_s + 0.012
+
+
+def test_host_loop_kv_export_and_import_hold_the_workers(tmp_path):
+    sessions = [Session("s", 0.0, [Round(400, 4)], slo=SLO(5.0, 1.0))]
+    link = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
+    base, _, _ = _host_sim(_profile(tmp_path, kv_link=link)[0], sessions)
+    costly = dict(link, export_s=1e-3, export_bytes_per_s=1e8, import_s=2e-3, import_bytes_per_s=2e8)
+    slow, _, _ = _host_sim(_profile(tmp_path, kv_link=costly, name="kv.json")[0], sessions)
+    nbytes = 401 * 1000                                                     # new tokens + the last output's KV slot
+    extra = 1e-3 + nbytes / 1e8 + 2e-3 + nbytes / 2e8
+    assert slow["s"].rounds[0].ttft_s == pytest.approx(base["s"].rounds[0].ttft_s + extra, rel=0.02)
+
+
+def test_host_loop_messages_wait_for_the_workers_step(tmp_path):
+    """A remote prefill's KV lands on the decode worker between two of its steps: the first token of a round
+    that arrives while another session streams comes at the end of one of the decode worker's steps."""
+    rt = {"step_factor": {"decode": 50.0}}                                  # decode steps of ~0.1 s
+    sessions = [Session("a", 0.0, [Round(16, 40)], slo=SLO(5.0, 10.0)),
+                Session("b", 0.5, [Round(200, 2)], slo=SLO(5.0, 10.0))]
+    coord, workers, loop = build(SimConfig("x", "x", 2, "P:tp1x1,D:tp1x1", "ampd",
+                                           perf=str(_profile(tmp_path, runtime=rt)[0])))
+    ends = []
+    done = workers[1].on_step_done
+
+    def record(plan, result, now):
+        ends.append(now)
+        return done(plan, result, now)
+
+    workers[1].on_step_done = record
+    loop.run(sessions)
+    recs = {r.session_id: r.rounds[0] for r in coord.records}
+    a, b = recs["a"], recs["b"]
+    assert b.prefill_where == "remote" and a.first_token_s < b.first_token_s < a.finish_s
+    assert min(abs(b.first_token_s - t) for t in ends) < 1e-9                # on a step boundary of the worker
+
+
+def test_host_loop_interference_and_cpu_sharing_slow_overlapping_steps(tmp_path):
+    stream = Session("a", 0.0, [Round(16, 200)], slo=SLO(5.0, 10.0))
+    lone = [Session("b", 0.0, [Round(800, 1)], slo=SLO(5.0, 10.0))]
+    beside = [stream, Session("b", 0.2, [Round(800, 1)], slo=SLO(5.0, 10.0))]
+    slow = {"prefill": 2.0, "decode": 1.5}
+
+    def ttft(runtime, inter, sessions, name):
+        return _host_sim(_profile(tmp_path, runtime=runtime, interference=inter, name=name)[0], sessions)[0]
+
+    assert ttft(None, slow, lone, "a.json")["b"].rounds[0].ttft_s == \
+        pytest.approx(ttft(None, None, lone, "b.json")["b"].rounds[0].ttft_s)   # nothing to overlap
+    fast, slowed = ttft(None, None, beside, "c.json"), ttft(None, slow, beside, "d.json")
+    assert slowed["b"].rounds[0].ttft_s > 1.5 * fast["b"].rounds[0].ttft_s
+    itl = lambda r: r.itl_sum_s / r.itl_count                                   # noqa: E731
+    assert itl(slowed["a"].rounds[0]) > itl(fast["a"].rounds[0])
+    # the serving processes' own CPU: with one core for two workers and the host, steps share it
+    shared = ttft({"cores": 1, "host_token_s": 1e-3}, None, beside, "e.json")
+    assert shared["b"].rounds[0].ttft_s > fast["b"].rounds[0].ttft_s
+
+
+def test_profile_runtime_block_is_validated(tmp_path):
+    from tandem.perf.step_model import Profile, kv_link_seconds
+    path, _ = _profile(tmp_path, runtime={"request_s": 0.005, "step_factor": {"prefill": 1.1}, "cores": 2},
+                       interference={"prefill": 1.2, "decode": 1.0})
+    prof = Profile.from_json(path)
+    c = prof.runtime_costs()
+    assert c.request_s == 0.005 and c.step_factor == {"prefill": 1.1, "decode": 1.0} and c.cores == 2
+    assert c.interference == {"prefill": 1.2, "decode": 1.0}
+    link = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4, "export_s": 1e-3, "export_bytes_per_s": 1e9}
+    assert kv_link_seconds(link, 1e6) == pytest.approx(1e-4 + 1e-3 + 1e-3 + 1e-3)
+    for bad in ({"request_s": -1}, {"step_factor": {"prefill": 0}}, {"interference": {"decode": 0.5}},
+                {"cores": 1.5}):
+        d = json.loads(path.read_text())
+        d["runtime"] = bad
+        with pytest.raises(ValueError):
+            Profile.from_dict(d)

@@ -179,7 +179,8 @@ class HostLoop(EventLoop):
         self._step: list[list | None] = [None] * n      # [remaining solo seconds, factor, rate, updated, version]
         self._stepping = 0
         self._cores = float(getattr(costs, "cores", 0) or 0)
-        self._host = [0.0, 1.0, 0.0, 0]                   # [remaining CPU seconds, rate, updated, version]
+        self._host = [0.0, 1.0, 0.0, -1]                  # [remaining CPU seconds, rate, updated, version]
+        self._version = 0
         self._client_sent: dict[str, float] = {}
 
     # ------------------------------------------------------------------ messages
@@ -278,7 +279,7 @@ class HostLoop(EventLoop):
             kind = "prefill" if plan.prefill else "decode"
             solo = self.step_time[wid](plan.shape) * self.costs.step_factor.get(kind, 1.0) + self.costs.step_gap_s
             self._reshare()                                    # progress of the others up to now
-            self._step[wid] = [solo, self.costs.interference.get(kind, 1.0), 1.0, self.now, 0]
+            self._step[wid] = [solo, self.costs.interference.get(kind, 1.0), 1.0, self.now, -1]
             self._stepping += 1
             self._reshare(changed=True)
         elif w.wake_s < self._wakes[wid] and w.wake_s > self.now:
@@ -309,11 +310,13 @@ class HostLoop(EventLoop):
             if changed:
                 rate = (1.0 / st[1] if others > 0 else 1.0) * share
                 st[2] = rate
-                st[4] += 1
+                self._version += 1                             # unique: a stale end never matches a later step
+                st[4] = self._version
                 self._push(now + max(st[0], 0.0) / rate, STEP, wid, st[4])
         if changed and h[0] > 1e-12:
             h[1] = share
-            h[3] += 1
+            self._version += 1
+            h[3] = self._version
             self._push(now + h[0] / share, HOST, None, h[3])
 
     def _host_work(self, cpu_s: float) -> None:
