@@ -320,13 +320,13 @@ class SpeedCheck:
 
 
 def probe_sessions(slo):
-    """The calibration probe (never the workload): (A) six sessions one after the other on the idle server, a
-    round of 64 .. 640 new tokens then one of 48, 32 output tokens each; (B) one session decoding 800 tokens
+    """The calibration probe (never the workload): (A) twelve sessions one after the other on the idle server (two
+    passes over 64 .. 640 new tokens), a first round of that many tokens then one of 48, 32 output tokens each; (B) one session decoding 800 tokens
     while eight 384-token prefills arrive 0.75 s apart (their prefill worker computes beside the stream)."""
     from tandem.workload.session import Round, Session
 
     idle = []
-    for i, n in enumerate(PROBE_FIRST):
+    for i, n in enumerate(PROBE_FIRST * 2):                    # two passes: a burst of other load hits few rounds
         idle.append(Session(f"probe-idle-{i}", 3.5 * i, [Round(n, 32, 0.3), Round(PROBE_NEXT, 32)], slo))
     t_b = 3.5 * len(idle) + 2.0
     busy = [Session("probe-stream", t_b, [Round(32, 800)], slo)]
