@@ -118,10 +118,11 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 while not q.empty():
                     handle(*q.get_nowait())
                 await flush()
+                ran = engine.stats.steps
                 if shell.has_work():
                     await asyncio.to_thread(shell.step)
                     await flush()
-                else:
+                if engine.stats.steps == ran and q.empty():      # nothing ran (e.g. waiting for history KV): sleep
                     try:
                         item = await asyncio.wait_for(q.get(), timeout=max(publish_s, 0.05))
                         handle(*item)
