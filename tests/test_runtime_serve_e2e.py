@@ -33,6 +33,7 @@ from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.cluster import ClusterConfig  # noqa: E402
 from tandem.workload.generators import generate  # noqa: E402
+from redis_helper import redis_server as _redis_server  # noqa: E402
 
 KEY = "sk-e2e"
 MODEL = "tiny-e2e"
@@ -324,37 +325,6 @@ def test_200_concurrent_mixed_requests_on_the_cluster(server):
 
 
 # ---------------------------------------------------------------------------- acceptance 6: --state redis://
-@contextlib.contextmanager
-def _redis_server():
-    """A private redis-server on a free 127.0.0.1 port, without persistence; yields its URL."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server binary not found on PATH (`make test` installs it with apt-get)")
-    redis = pytest.importorskip("redis")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client, deadline = redis.Redis(port=port, socket_connect_timeout=0.2), time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {port} did not start (exit {proc.poll()})")
-                time.sleep(0.02)
-        client.close()
-        yield f"redis://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def test_redis_state_store_serves_a_two_round_session(ckpt, offline):
     """Protects `tandem serve --state redis://`: worker processes publish their states to Redis (not through the
     coordinator), the coordinator routes from them, a 2-round session's outputs equal the offline engine's, and the
