@@ -50,6 +50,7 @@ ERROR_CASES = {
         lambda t: BASE[:2] + ["agentic-long"] + BASE[3:] + ["--deploy", "P:tp4x1,D:tp4x1", "--slo-ttft", "1"],
         "--slo-itl"),
     "unknown preset": (lambda t: ["experiment", "--preset", "huge", "--out", str(t / "o")], "huge"),
+    "unknown prefill basis": (lambda t: BASE + ["--prefill-basis", "history"], "--prefill-basis"),
 }
 SIM_ERROR_CASES = {
     "unknown policy": (lambda t: BASE + ["--policy", "fastest", "--deploy", "P:tp4x1,D:tp4x1"], "fastest"),
@@ -225,3 +226,31 @@ def test_generate_rejects_a_session_file_as_workload(tmp_path, capsys):
     rc = main(["generate", "--workload", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "y.jsonl")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("tandem: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_generate_prefill_basis_prompt_makes_whole_prompts_average_table_1(tmp_path, capsys):
+    from tandem.workload.session import load_sessions
+    files = {}
+    for basis in ("input", "prompt"):
+        files[basis] = tmp_path / f"{basis}.jsonl"
+        assert main(["generate", "--workload", "hotpotqa", "--sessions", "3000", "--rate", "1",
+                     "--prefill-basis", basis, "--out", str(files[basis])]) == 0
+    capsys.readouterr()
+    means = {}  # basis -> (mean whole prompt, mean new tokens) per round
+    for basis, path in files.items():
+        per_round = []
+        for s in load_sessions(path):
+            history = 0
+            for r in s.rounds:
+                per_round.append((history + r.input_tokens, r.input_tokens))
+                history += r.input_tokens + r.output_tokens
+        means[basis] = [sum(x[i] for x in per_round) / len(per_round) for i in (0, 1)]
+    assert means["input"][1] == pytest.approx(1569.8, rel=0.02)     # new tokens per round
+    assert means["prompt"][0] == pytest.approx(1569.8, rel=0.02)    # whole prompt per round
+
+
+def test_prefill_basis_on_a_trace_is_noted_and_ignored(tmp_path, capsys):
+    out = tmp_path / "t.jsonl"
+    assert main(["generate", "--workload", "azure-conv", "--sessions", "5", "--prefill-basis", "prompt",
+                 "--out", str(out)]) == 0
+    assert "--prefill-basis only applies to the AMPD generators" in capsys.readouterr().err

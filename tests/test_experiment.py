@@ -240,3 +240,34 @@ def test_search_over_all_rates_scores_mean_attainment_and_reuses_every_winner_ru
     cand = next(c for d in res["deployments"] if d["policy"] == "ampd" for c in d["candidates"]
                 if c["deploy"] == "P:tp2x2,D:tp4x1")
     assert cand["slo_attainment"] == pytest.approx((0.7 + 0.6) / 2)
+
+
+def test_deploy_per_rate_gives_each_rate_its_own_best_candidate_and_shares_it(monkeypatch, tmp_path):
+    # P:tp4x1,D:tp4x1 is best at low load, P:tp2x2,D:tp4x1 at high load; the others never win
+    def run_task(task: Task) -> TaskResult:
+        att = {"P:tp4x1,D:tp4x1": 0.9 if task.rate < 1.5 else 0.2, "P:tp2x2,D:tp4x1": 0.6}.get(task.deploy, 0.1)
+        assert task.prefill_basis == "prompt"
+        return TaskResult(task, records=_records(att, 0.5), sim_time_s=20.0, wall_s=0.01, events=5,
+                          deployment=task.deploy)
+
+    monkeypatch.setattr(ex, "run_task", run_task)
+    monkeypatch.setattr(ex, "validate_spec", lambda spec: None)
+    spec = ExperimentSpec(workloads=["toolbench"], policies=["ampd", "ampd-no-pr"], rates=[1.0, 2.0], sessions=10,
+                          share_deploy={"ampd-no-pr": "ampd"}, deploy_per_rate=True, prefill_basis="prompt")
+    res = run_experiment(spec, tmp_path, progress=False)
+    by = {(c["policy"], c["rate"]): (c["deploy"], c["slo_attainment"]) for c in res["cells"]}
+    assert by["ampd", 1.0] == ("P:tp4x1,D:tp4x1", pytest.approx(0.9))
+    assert by["ampd", 2.0] == ("P:tp2x2,D:tp4x1", pytest.approx(0.6))
+    assert by["ampd-no-pr", 1.0][0] == "P:tp4x1,D:tp4x1" and by["ampd-no-pr", 2.0][0] == "P:tp2x2,D:tp4x1"
+    d = next(d for d in res["deployments"] if d["policy"] == "ampd")
+    assert d["deploy_by_rate"] == {"1": "P:tp4x1,D:tp4x1", "2": "P:tp2x2,D:tp4x1"}
+    summary = (tmp_path / "summary.md").read_text()
+    assert "1: P:tp4x1,D:tp4x1; 2: P:tp2x2,D:tp4x1" in summary and "read as: prompt" in summary
+
+
+@needs_sim
+def test_validate_spec_rejects_bad_prefill_basis_and_per_rate_without_all_rates():
+    with pytest.raises(ExperimentError, match="prefill_basis must be one of input, prompt"):
+        ex.validate_spec(ExperimentSpec(prefill_basis="history"))
+    with pytest.raises(ExperimentError, match="deploy_per_rate needs search_all_rates"):
+        ex.validate_spec(ExperimentSpec(deploy_per_rate=True, search_all_rates=False))

@@ -14,6 +14,7 @@ from tandem.workload.generators import (
     WORKLOADS,
     agentic_long,
     generate,
+    input_means,
     lognormal_mu_for_mean,
     paper_slo,
 )
@@ -32,16 +33,34 @@ def big():
     return {name: generate(name, 20_000, 2.0, seed=11) for name in TABLE_1}
 
 
-def stats(sessions):
+def new_tokens(sessions):
+    """Each round's input_tokens: what the round prefills."""
+    return [r.input_tokens for s in sessions for r in s.rounds]
+
+
+def prompts(sessions):
+    """Each round's whole prompt: every earlier input and output of its session plus its own input."""
+    out = []
+    for s in sessions:
+        history = 0
+        for r in s.rounds:
+            out.append(history + r.input_tokens)
+            history += r.input_tokens + r.output_tokens
+    return out
+
+
+def stats(sessions, prefill=new_tokens):
+    """(rounds per session, mean prefill length per round, mean output per round): what AMPD Table 1 reports."""
     rounds = [r for s in sessions for r in s.rounds]
-    return (len(rounds) / len(sessions), np.mean([r.input_tokens for r in rounds]),
+    return (len(rounds) / len(sessions), np.mean(prefill(sessions)),
             np.mean([r.output_tokens for r in rounds]))
 
 
 def test_specs_carry_table_1_means_exactly():
     for name, (rounds, prefill, decode) in TABLE_1.items():
         spec = WORKLOADS[name]
-        assert (spec.mean_rounds, spec.mean_input_tokens, spec.mean_output_tokens) == (rounds, prefill, decode)
+        assert (spec.mean_rounds, spec.mean_prefill_tokens, spec.mean_output_tokens) == (rounds, prefill, decode)
+        assert spec.prefill_basis == "input"
     assert set(WORKLOADS) == set(TABLE_1)
 
 
@@ -52,6 +71,29 @@ def test_table_1_means_within_two_percent(big, name):
     assert rounds == pytest.approx(want[0], rel=0.02)
     assert prefill == pytest.approx(want[1], rel=0.02)
     assert decode == pytest.approx(want[2], rel=0.02)
+
+
+def test_prompt_basis_solves_later_round_inputs_in_closed_form_for_fixed_rounds():
+    # 3 rounds, f = 1: prompts sum to 6m + 3o over 3 rounds, so m = (3 * 1569.8 - 3 * 80.03) / 6
+    first, later = input_means(dataclasses.replace(WORKLOADS["hotpotqa"], prefill_basis="prompt"))
+    assert later == pytest.approx((3 * 1569.8 - 3 * 80.03) / 6, abs=1e-9) and first == later
+
+
+@pytest.mark.parametrize("name", TABLE_1)
+def test_prompt_basis_makes_each_rounds_whole_prompt_match_table_1(name):
+    sessions = generate(name, 20_000, 2.0, seed=11, prefill_basis="prompt")
+    assert stats(sessions, prompts) == pytest.approx(TABLE_1[name], rel=0.02)
+    first, later = input_means(dataclasses.replace(WORKLOADS[name], prefill_basis="prompt"))
+    assert np.mean(new_tokens(sessions)) < TABLE_1[name][1]  # the history is part of every later prompt
+    assert first == pytest.approx(WORKLOADS[name].input_first_factor * later)
+
+
+def test_bad_prefill_basis_and_unreachable_prompt_means_are_refused():
+    with pytest.raises(WorkloadError, match="prefill_basis must be one of input, prompt"):
+        dataclasses.replace(WORKLOADS["toolbench"], prefill_basis="history")
+    spec = dataclasses.replace(WORKLOADS["hotpotqa"], mean_prefill_tokens=60.0, prefill_basis="prompt")  # outputs: 80
+    with pytest.raises(WorkloadError, match="outputs alone make the mean prompt exceed 60.0"):
+        generate(spec, 10, 1.0, seed=0)
 
 
 @pytest.mark.parametrize("name", ["toolbench", "hotpotqa", "dureader"])

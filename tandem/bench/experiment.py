@@ -80,6 +80,8 @@ class ExperimentSpec:
     max_candidates: int = 12                  # per (workload, policy) in the deployment search
     reference_rate: float | None = None       # search rate when search_all_rates is off; default: median of `rates`
     search_all_rates: bool = True             # score candidates by mean SLO attainment over every rate
+    deploy_per_rate: bool = False             # pick each rate's best candidate (as a planner given the rate would)
+    prefill_basis: str = "input"              # what Table 1's prefill length measures (see workload.generators)
     jobs: int = 1                             # worker processes
     sim: dict[str, Any] = field(default_factory=dict)           # extra SimConfig fields
     name: str = "custom"
@@ -184,6 +186,11 @@ def validate_spec(spec: ExperimentSpec) -> None:
         raise ExperimentError(f"jobs must be >= 1, got {spec.jobs}")
     if spec.max_candidates < 1:
         raise ExperimentError(f"max_candidates must be >= 1, got {spec.max_candidates}")
+    from tandem.workload.generators import PREFILL_BASES
+    if spec.prefill_basis not in PREFILL_BASES:
+        raise ExperimentError(f"prefill_basis must be one of {', '.join(PREFILL_BASES)}, got {spec.prefill_basis!r}")
+    if spec.deploy_per_rate and not spec.search_all_rates:
+        raise ExperimentError("deploy_per_rate needs search_all_rates (every candidate simulated at every rate)")
     for p, src in spec.share_deploy.items():
         if p in spec.policies and src in spec.share_deploy:
             raise ExperimentError(f"{p} shares the deployment of {src}, which itself shares another's")
@@ -288,6 +295,7 @@ class Task:
     model: str
     gpu: str
     sim: tuple[tuple[str, Any], ...] = ()
+    prefill_basis: str = "input"
 
 
 @dataclass(slots=True)
@@ -309,7 +317,8 @@ def run_task(task: Task) -> TaskResult:
     from tandem.sim.cluster import ConfigError, SimConfig, simulate
     from tandem.workload.generators import generate
 
-    sessions = generate(task.workload, task.sessions, task.rate, task.seed, slo=task.slo)
+    sessions = generate(task.workload, task.sessions, task.rate, task.seed, slo=task.slo,
+                        prefill_basis=task.prefill_basis)
     cfg = SimConfig(model=task.model, gpu=task.gpu, gpus=task.gpus, deploy=task.deploy,
                     policy=task.policy, seed=task.seed, **dict(task.sim))
     t0 = time.perf_counter()
@@ -435,7 +444,7 @@ def _plan(spec: ExperimentSpec, model: str, gpu: str) -> dict[tuple[str, str], d
 def _tasks(spec: ExperimentSpec, model: str, gpu: str, w: str, p: str, deploy: str, rate: float) -> list[Task]:
     sim = tuple(sorted(spec.sim.items()))
     return [Task(w, p, deploy, float(rate), s, spec.sessions, workload_gpus(spec, w), workload_slo(spec, w),
-                 model, gpu, sim) for s in spec.seeds]
+                 model, gpu, sim, spec.prefill_basis) for s in spec.seeds]
 
 
 def search_rates(spec: ExperimentSpec, ref_rate: float) -> list[float]:
@@ -443,9 +452,15 @@ def search_rates(spec: ExperimentSpec, ref_rate: float) -> list[float]:
     return [float(r) for r in spec.rates] if spec.search_all_rates else [float(ref_rate)]
 
 
+def plan_deploy(plan: dict, rate: float) -> str:
+    """The deployment a plan runs at `rate`: its per-rate choice when it has one, else its single choice."""
+    return plan.get("deploy_by_rate", {}).get(float(rate), plan["deploy"])
+
+
 def _search(spec, model, gpu, plans, runner, ref_rate) -> dict[tuple, list[TaskResult]]:
     """Simulate every candidate at the search rates; pick each plan's best by mean SLO attainment
-    over those rates (ties: lower mean TTFT p95); return the winners' runs for reuse."""
+    over those rates (ties: lower mean TTFT p95), and with `deploy_per_rate` also each rate's best;
+    return the winners' runs for reuse."""
     rates = search_rates(spec, ref_rate)
     keys = [(w, p, d) for (w, p), plan in plans.items() if plan["source"] == "search" for d in plan["candidates"]]
     tasks = [t for (w, p, d) in keys for r in rates for t in _tasks(spec, model, gpu, w, p, d, r)]
@@ -458,6 +473,7 @@ def _search(spec, model, gpu, plans, runner, ref_rate) -> dict[tuple, list[TaskR
         if plan["source"] != "search":
             continue
         scored = []
+        per_rate: dict[float, list] = {r: [] for r in rates}
         for order, d in enumerate(plan["candidates"]):
             runs = [grouped[w, p, d, r] for r in rates]
             errors = [x.error for rs in runs for x in rs if x.error]
@@ -465,20 +481,28 @@ def _search(spec, model, gpu, plans, runner, ref_rate) -> dict[tuple, list[TaskR
                 scored.append(({"deploy": d, "error": errors[0]}, None))
                 continue
             keys_ = [_score(cell_summary(rs)) for rs in runs]
+            for r, k in zip(rates, keys_):
+                per_rate[r].append((k, order, d))
             att = -sum(k[0] for k in keys_) / len(keys_)
             p95 = sum(k[1] for k in keys_) / len(keys_)
-            scored.append(({"deploy": d, "slo_attainment": att, "ttft_p95_s": p95}, ((-att, p95), order)))
+            entry = {"deploy": d, "slo_attainment": att, "ttft_p95_s": p95,
+                     "slo_attainment_by_rate": {f"{r:g}": -k[0] for r, k in zip(rates, keys_)}}
+            scored.append((entry, ((-att, p95), order)))
         plan["candidates"] = [c for c, _ in scored]
         ok = [(key, c) for c, key in scored if key is not None]
         if not ok:
             raise ExperimentError(f"no candidate deployment could run ({w}, {p}): {scored[0][0].get('error')}")
-        best = min(ok, key=lambda kc: kc[0])[1]["deploy"]
-        plan["deploy"] = best
+        plan["deploy"] = min(ok, key=lambda kc: kc[0])[1]["deploy"]
+        if spec.deploy_per_rate:
+            plan["deploy_by_rate"] = {r: min(per_rate[r])[2] for r in rates}
         for r in rates:
-            reuse[w, p, best, r] = grouped[w, p, best, r]
+            reuse[w, p, plan_deploy(plan, r), r] = grouped[w, p, plan_deploy(plan, r), r]
     for (w, p), plan in plans.items():
         if plan["source"].startswith("shared:"):
-            plan["deploy"] = plans[w, spec.share_deploy[p]]["deploy"]
+            src = plans[w, spec.share_deploy[p]]
+            plan["deploy"] = src["deploy"]
+            if "deploy_by_rate" in src:
+                plan["deploy_by_rate"] = dict(src["deploy_by_rate"])
     return reuse
 
 
@@ -555,11 +579,17 @@ def _summary_md(result: dict) -> str:
              f"policies {', '.join(spec['policies'])}",
              f"- rates {', '.join(f'{r:g}' for r in spec['rates'])} sessions/s; {spec['sessions']} sessions per cell "
              f"and seed; seeds {', '.join(map(str, spec['seeds']))}",
-             ("- deployments searched at every rate (best mean SLO attainment)" if spec.get("search_all_rates")
+             ("- deployments chosen per rate (each rate's best SLO attainment)" if spec.get("deploy_per_rate")
+              else "- deployments searched at every rate (best mean SLO attainment)" if spec.get("search_all_rates")
               else f"- deployments searched at {result['reference_rate']:g} sessions/s") + f"; wall time {result['wall_s']:.1f} s",
+             f"- Table 1 prefill length read as: {spec.get('prefill_basis', 'input')} "
+             "(input: new tokens per round; prompt: each round's whole prompt)",
              "", "## Deployments", "", "| workload | policy | deploy | how |", "|---|---|---|---|"]
     for d in result["deployments"]:
-        lines.append(f"| {d['workload']} | {d['policy']} | {d['deploy']} | {d['source']} |")
+        by_rate = d.get("deploy_by_rate")
+        deploy = ("; ".join(f"{r}: {x}" for r, x in by_rate.items()) if by_rate and len(set(by_rate.values())) > 1
+                  else d["deploy"])
+        lines.append(f"| {d['workload']} | {d['policy']} | {deploy} | {d['source']} |")
     if result["improvement"]:
         lines += ["", "## AMPD relative improvement in SLO attainment", "",
                   "Mean over cells (workload, rate) of (AMPD - baseline) / baseline where baseline > 0.", "",
@@ -592,8 +622,8 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = T
         todo: list[Task] = []
         for (w, p), plan in plans.items():
             for r in spec.rates:
-                if (w, p, plan["deploy"], float(r)) not in reuse:
-                    todo.extend(_tasks(spec, model, gpu, w, p, plan["deploy"], r))
+                if (w, p, plan_deploy(plan, r), float(r)) not in reuse:
+                    todo.extend(_tasks(spec, model, gpu, w, p, plan_deploy(plan, r), r))
         grouped: dict[tuple, list[TaskResult]] = {k: list(v) for k, v in reuse.items()}
         for res in runner.run(todo, "run"):
             t = res.task
@@ -609,8 +639,8 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = T
     for (w, p), plan in plans.items():
         slo = workload_slo(spec, w)
         for r in spec.rates:
-            runs = grouped[w, p, plan["deploy"], float(r)]
-            cell = {"workload": w, "policy": p, "rate": float(r), "deploy": plan["deploy"],
+            runs = grouped[w, p, plan_deploy(plan, r), float(r)]
+            cell = {"workload": w, "policy": p, "rate": float(r), "deploy": plan_deploy(plan, r),
                     "gpus": workload_gpus(spec, w), "model": model, "gpu": gpu,
                     "slo_ttft_s": slo.ttft_s if slo else None, "slo_itl_s": slo.itl_s if slo else None,
                     "seeds": list(spec.seeds)}
@@ -624,7 +654,9 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = T
     result = {
         "spec": dataclasses.asdict(spec),
         "reference_rate": ref,
-        "deployments": [{"workload": w, "policy": p, "gpus": workload_gpus(spec, w), **plan}
+        "deployments": [{"workload": w, "policy": p, "gpus": workload_gpus(spec, w),
+                         **{k: ({f"{r:g}": d for r, d in v.items()} if k == "deploy_by_rate" else v)
+                            for k, v in plan.items()}}
                         for (w, p), plan in plans.items()],
         "cells": cells,
         "improvement": improvement,

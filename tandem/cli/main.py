@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sessions to generate (default: {DEFAULT_SESSIONS}); for traces, the first K")
     s.add_argument("--override-arrivals", action="store_true",
                    help="re-time a trace's sessions as a Poisson process at --rate")
+    s.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
+                   help="what AMPD Table 1's prefill length is read as for generators: new tokens per round "
+                        "(input, default) or each round's whole prompt (prompt); docs/session-format.md")
     s.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
     s.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
     s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
@@ -134,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rate", type=_positive_float, default=None, help="session arrival rate per second")
     g.add_argument("--seed", type=_seed, default=0, help="seed (default: 0)")
     g.add_argument("--override-arrivals", action="store_true", help="re-time a trace as a Poisson process at --rate")
+    g.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
+                   help="what AMPD Table 1's prefill length is read as for generators: new tokens per round "
+                        "(input, default) or each round's whole prompt (prompt); docs/session-format.md")
     g.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
     g.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
     g.add_argument("--out", required=True, metavar="FILE.jsonl", help="where to write the sessions")
@@ -151,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sessions", type=_positive_int, default=None, help="sessions per cell and seed")
     e.add_argument("--seeds", type=_csv(_seed), default=None, metavar="0,1", help="seeds")
     e.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: 1)")
+    e.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
+                   help="what AMPD Table 1's prefill length is read as (default: input; docs/session-format.md)")
+    e.add_argument("--deploy-per-rate", action="store_true",
+                   help="give each (workload, policy, rate) its own best deployment of the search "
+                        "(default: one per workload and policy, best mean over the rates)")
     e.add_argument("--out", default=None, metavar="DIR", help="report folder (default: reports/<preset>)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_experiment)
@@ -186,12 +197,17 @@ def _load_workload(args, model: str) -> tuple[list, float | None, str]:
     from tandem.workload.session import load_sessions
 
     names = tuple(getattr(generators, "GENERATOR_NAMES", tuple(generators.WORKLOADS)))
+    basis = getattr(args, "prefill_basis", None)
+    if basis is not None and args.workload not in generators.WORKLOADS:
+        _note(f"--prefill-basis only applies to the AMPD generators ({', '.join(generators.WORKLOADS)}); ignored")
+        basis = None
     if args.workload in names:
         if args.override_arrivals:
             _note("--override-arrivals only applies to traces; generated sessions always use --rate")
         rate = args.rate if args.rate is not None else DEFAULT_RATE
         slo = _slo(args, generators.PAPER_SLOS.get((model, args.workload)))
-        sessions = generators.generate(args.workload, args.sessions or DEFAULT_SESSIONS, rate, args.seed, slo=slo)
+        sessions = generators.generate(args.workload, args.sessions or DEFAULT_SESSIONS, rate, args.seed, slo=slo,
+                                       prefill_basis=basis)
         return sessions, rate, "generator"
     if args.workload in traces.TRACE_FILES:
         sessions = traces.load_trace(args.workload, limit=args.sessions)
@@ -372,7 +388,7 @@ def cmd_experiment(args) -> int:
         raise CLIError(f"unknown preset {args.preset!r} (valid: {', '.join(PRESETS)})")
     spec = preset(args.preset, model=args.model, gpu=args.gpu, workloads=args.workloads,
                   policies=args.policies, rates=args.rates, sessions=args.sessions, seeds=args.seeds,
-                  jobs=args.jobs)
+                  jobs=args.jobs, prefill_basis=args.prefill_basis, deploy_per_rate=args.deploy_per_rate or None)
     if args.model is not None or args.gpu is not None:
         spec = dataclasses.replace(spec, deploys={})  # the preset's fixed deployments are for its model and GPU
     out_dir = Path(args.out or f"reports/{args.preset}")

@@ -6,6 +6,7 @@ analytically so that its *population* means equal the table; see docs/session-fo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ class WorkloadSpec:
     rounds_shape: float | None  # negative-binomial shape r (smaller = heavier tail); None unless rounds_dist == "negbin"
     max_rounds: int
     # input_tokens of a round (initial prompt, then new tokens appended): rint(lognormal) clipped to [1, input_max]
-    mean_input_tokens: float    # mean over all rounds of all sessions (Table 1 "prefill length")
+    mean_prefill_tokens: float  # Table 1 "prefill length": mean over all rounds of what prefill_basis names
     input_sigma: float          # sigma of log(length)
     input_first_factor: float   # E[round-0 input] / E[later-round input]
     input_max: int
@@ -44,11 +45,17 @@ class WorkloadSpec:
     tool_min_s: float
     tool_max_s: float
     why: str = ""               # one-paragraph rationale, quoted by the docs
+    # what Table 1's prefill length measures: "input" = the new tokens each round prefills (input_tokens);
+    # "prompt" = each round's whole prompt (history + new tokens), as a log of per-round requests records it
+    prefill_basis: str = "input"
 
     def __post_init__(self) -> None:
         bad = _spec_problem(self)
         if bad:
             raise WorkloadError(f"workload spec {self.name!r}: {bad}")
+
+
+PREFILL_BASES = ("input", "prompt")
 
 
 def _spec_problem(s: WorkloadSpec) -> str:
@@ -62,7 +69,9 @@ def _spec_problem(s: WorkloadSpec) -> str:
         return f"mean_rounds must lie in (1, max_rounds={s.max_rounds}), got {s.mean_rounds}"
     if (s.rounds_dist == "negbin") != (s.rounds_shape is not None and s.rounds_shape > 0):
         return "rounds_shape must be > 0 exactly when rounds_dist is 'negbin'"
-    if not (1 <= s.mean_input_tokens < s.input_max and 1 <= s.mean_output_tokens < s.output_max):
+    if s.prefill_basis not in PREFILL_BASES:
+        return f"prefill_basis must be one of {', '.join(PREFILL_BASES)}, got {s.prefill_basis!r}"
+    if not (1 <= s.mean_prefill_tokens < s.input_max and 1 <= s.mean_output_tokens < s.output_max):
         return "mean token lengths must lie in [1, max)"
     if min(s.input_sigma, s.output_sigma, s.tool_sigma, s.input_first_factor) <= 0:
         return "sigmas and input_first_factor must be > 0"
@@ -75,7 +84,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "toolbench": WorkloadSpec(
         name="toolbench", kind="agentic",
         rounds_dist="poisson", mean_rounds=3.96, rounds_shape=None, max_rounds=16,
-        mean_input_tokens=703.79, input_sigma=0.6, input_first_factor=3.0, input_max=16_384,
+        mean_prefill_tokens=703.79, input_sigma=0.6, input_first_factor=3.0, input_max=16_384,
         mean_output_tokens=50.39, output_sigma=0.5, output_max=1_024,
         tool_median_s=1.0, tool_sigma=0.8, tool_min_s=0.05, tool_max_s=30.0,
         why=("ReAct chains over RapidAPI tools: a long first prompt (system prompt, tool schemas, query) "
@@ -85,7 +94,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "gaia": WorkloadSpec(
         name="gaia", kind="agentic",
         rounds_dist="negbin", mean_rounds=11.32, rounds_shape=1.5, max_rounds=100,
-        mean_input_tokens=6161.02, input_sigma=1.1, input_first_factor=1.0, input_max=65_536,
+        mean_prefill_tokens=6161.02, input_sigma=1.1, input_first_factor=1.0, input_max=65_536,
         mean_output_tokens=528.76, output_sigma=0.9, output_max=8_192,
         tool_median_s=4.0, tool_sigma=1.2, tool_min_s=0.1, tool_max_s=600.0,
         why=("General assistants that browse, read files and run code: most tasks end in a handful of "
@@ -96,7 +105,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "hotpotqa": WorkloadSpec(
         name="hotpotqa", kind="rag",
         rounds_dist="fixed", mean_rounds=3, rounds_shape=None, max_rounds=3,
-        mean_input_tokens=1569.8, input_sigma=0.35, input_first_factor=1.0, input_max=8_192,
+        mean_prefill_tokens=1569.8, input_sigma=0.35, input_first_factor=1.0, input_max=8_192,
         mean_output_tokens=80.03, output_sigma=0.5, output_max=1_024,
         tool_median_s=0.4, tool_sigma=0.5, tool_min_s=0.05, tool_max_s=5.0,
         why=("Iterative RAG with exactly three retrieval calls (AMPD App. B): each round appends a fixed "
@@ -106,7 +115,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "dureader": WorkloadSpec(
         name="dureader", kind="rag",
         rounds_dist="fixed", mean_rounds=3, rounds_shape=None, max_rounds=3,
-        mean_input_tokens=3081.23, input_sigma=0.4, input_first_factor=1.0, input_max=16_384,
+        mean_prefill_tokens=3081.23, input_sigma=0.4, input_first_factor=1.0, input_max=16_384,
         mean_output_tokens=150.10, output_sigma=0.5, output_max=2_048,
         tool_median_s=0.6, tool_sigma=0.5, tool_min_s=0.05, tool_max_s=8.0,
         why=("Iterative RAG over Baidu web documents, three retrieval calls: longer retrieved documents "
@@ -193,6 +202,16 @@ def lognormal_mu_for_mean(mean: float, sigma: float, hi: int) -> float:
     return float(optimize.brentq(f, guess - 10.0, guess + 10.0 + sigma * sigma, xtol=1e-10))
 
 
+def _rounds_pmf(dist: str, param: float, shape: float | None, cap: int) -> np.ndarray:
+    """P(R = r) for r = 0..cap, R = min(1 + N, cap), N Poisson(param) or NB(shape, mean param)."""
+    n = np.arange(0, cap - 1)
+    law = stats.poisson(param) if dist == "poisson" else stats.nbinom(shape, shape / (shape + param))
+    pmf = np.zeros(cap + 1)
+    pmf[1:cap] = law.pmf(n)
+    pmf[cap] = law.sf(cap - 2)
+    return pmf
+
+
 def _rounds_mean(dist: str, param: float, shape: float | None, cap: int) -> float:
     """E[min(1 + N, cap)] = 1 + sum_{j=1..cap-1} P(N >= j), N Poisson(param) or NB(shape, mean param)."""
     j = np.arange(0, cap - 1)
@@ -218,15 +237,39 @@ class _Calibrated:
     mu_output: float
 
 
+def input_means(spec: WorkloadSpec) -> tuple[float, float]:
+    """Mean input_tokens of round 0 and of a later round that make the Table 1 prefill length exact.
+
+    Over all rounds of all sessions, with R the rounds, f = input_first_factor, m the later-round
+    input mean and o the output mean: the summed new inputs are E[f m + (R - 1) m], and the summed
+    prompts are E[f m R + (m + o) R (R - 1) / 2] (round k's prompt holds every earlier input and
+    output), each divided by E[R] to give the per-round mean.
+    """
+    if spec.rounds_dist == "fixed":
+        er = float(spec.mean_rounds)
+        epairs = er * (er - 1.0) / 2.0
+    else:
+        param = rounds_param_for_mean(spec.rounds_dist, spec.mean_rounds, spec.rounds_shape, spec.max_rounds)
+        pmf = _rounds_pmf(spec.rounds_dist, param, spec.rounds_shape, spec.max_rounds)
+        r = np.arange(spec.max_rounds + 1, dtype=np.float64)
+        er, epairs = float(pmf @ r), float(pmf @ (r * (r - 1.0) / 2.0))
+    f, target, out = spec.input_first_factor, spec.mean_prefill_tokens, spec.mean_output_tokens
+    if spec.prefill_basis == "input":
+        later = target * er / (f + er - 1.0)
+    else:
+        later = (target * er - out * epairs) / (f * er + epairs)
+        if later < 1.0:
+            raise WorkloadError(f"workload spec {spec.name!r}: outputs alone make the mean prompt exceed "
+                                f"{target}; no input length can match it")
+    return f * later, later
+
+
 @lru_cache(maxsize=64)
 def _calibrate(spec: WorkloadSpec) -> _Calibrated:
     rounds_param = 0.0
     if spec.rounds_dist != "fixed":
         rounds_param = rounds_param_for_mean(spec.rounds_dist, spec.mean_rounds, spec.rounds_shape, spec.max_rounds)
-    # pooled mean = (E[first] + (E[R] - 1) E[later]) / E[R] with E[first] = f E[later]
-    er, f = spec.mean_rounds, spec.input_first_factor
-    later = spec.mean_input_tokens * er / (f + er - 1.0)
-    first = f * later
+    first, later = input_means(spec)
     if first >= spec.input_max:
         raise WorkloadError(f"workload spec {spec.name!r}: first-round mean {first:.0f} exceeds input_max")
     return _Calibrated(
@@ -258,11 +301,16 @@ def _lognormal_ints(rng: np.random.Generator, mu: np.ndarray | float, sigma: flo
 
 
 def generate(name: str | WorkloadSpec, num_sessions: int, rate: float, seed: int,
-             slo: SLO | None = None) -> list[Session]:
-    """Synthetic sessions of workload `name` (Table 1 means), Poisson arrivals at `rate`/s; deterministic per seed."""
+             slo: SLO | None = None, prefill_basis: str | None = None) -> list[Session]:
+    """Synthetic sessions of workload `name` (Table 1 means), Poisson arrivals at `rate`/s; deterministic per seed.
+
+    `prefill_basis` ("input" or "prompt") overrides what the spec reads Table 1's prefill length as.
+    """
     if isinstance(name, str) and name == "agentic-long":
         return agentic_long(num_sessions, seed, rate=rate, slo=slo)
     spec = name if isinstance(name, WorkloadSpec) else workload_spec(name)
+    if prefill_basis is not None and prefill_basis != spec.prefill_basis:
+        spec = dataclasses.replace(spec, prefill_basis=prefill_basis)
     n = _check_count(num_sessions)
     rate = check_rate(rate)
     if slo is not None and not isinstance(slo, SLO):
