@@ -69,7 +69,7 @@ def test_a_round_stopped_early_counts_only_the_tokens_it_produced():
 
 def test_losing_a_decode_worker_fails_its_sessions_and_rebinds_new_ones_elsewhere():
     coord, workers, loop = cluster("vllm", "C:tp4x2")
-    acts = coord.on_round("a", 64, 8, 0.0)
+    coord.on_round("a", 64, 8, 0.0)
     lost = coord.session_worker("a")
     coord.view.drop(lost)
     out = coord.on_worker_lost(lost, 0.1)

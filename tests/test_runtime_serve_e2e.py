@@ -11,12 +11,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
-import shutil
 import socket
-import subprocess
 import threading
 import time
 

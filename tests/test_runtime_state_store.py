@@ -1,11 +1,8 @@
 """The runtime state store (embedded and a real redis-server) and the coordinator's StoreView over it."""
 from __future__ import annotations
 
-import contextlib
 import random
-import shutil
 import socket
-import subprocess
 import time
 import uuid
 

@@ -8,7 +8,7 @@ from typing import Callable
 from tandem.core.block_manager import BlockManager, OutOfBlocks
 from tandem.core.stats import WindowedMean
 from tandem.core.types import (
-    COLOCATED, DECODE, PREFILL, BatchShape, FetchHistory, FirstToken, PrefillDone, PrefillTask,
+    PREFILL, FetchHistory, FirstToken, PrefillDone, PrefillTask,
     RoundDone, Seq, SessionFailed, StepPlan, StepResult,
 )
 from tandem.policy.reorder import FCFS, Picker

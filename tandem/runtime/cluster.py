@@ -57,7 +57,7 @@ class ClusterConfig:
 async def _refused(err: RequestError):
     """A generation that fails at its first output (EngineClient.generate's contract for add-time errors)."""
     raise err
-    yield  # noqa: unreachable - makes this an async generator
+    yield  # unreachable: makes this an async generator
 
 
 class ServingCluster:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from tandem.core.coordinator import Coordinator
 from tandem.core.deploy import Deployment, DeploymentError, parse_deploy
 from tandem.core.state import InProcessState
-from tandem.core.types import COLOCATED, DECODE, PREFILL
+from tandem.core.types import COLOCATED
 from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.hardware import get_gpu
