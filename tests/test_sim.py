@@ -132,6 +132,20 @@ def test_long_contexts_on_small_decode_workers_do_not_livelock():
         assert w.blocks.num_free == w.blocks.num_blocks
 
 
+def test_two_sequences_that_exactly_fill_the_pool_do_not_preempt_each_other_forever():
+    # found by the paper sweep (GAIA seed 1 at 1.6/s, vllm on C:tp2x16): a running sequence could not grow by
+    # one token because a recompute prefill held the rest of the pool, so it preempted itself; the recompute
+    # finished, the other's recompute was admitted into exactly the space left, and so on without end.
+    # Admission now leaves vLLM's 1% watermark free, and admitted prefills are preempted before running ones.
+    sessions = generate("gaia", 100, 1.6, 1, slo=PAPER_SLOS[(LLAMA, "gaia")])
+    coord, workers, loop = run(sessions, "vllm", "C:tp2x16", gpus=32, seed=1)
+    assert not coord.live and len(coord.records) == 100
+    assert all(r.completed or r.fail_reason for r in coord.records)
+    assert loop.events < 400_000 and loop.now < 20_000
+    for w in workers:
+        assert w.blocks.num_free == w.blocks.num_blocks
+
+
 # --------------------------------------------------------------------------- the host loop (profiled engines)
 
 def _profile(tmp_path, runtime=None, kv_link=None, interference=None, name="p.json"):
@@ -258,3 +272,14 @@ def test_profile_runtime_block_is_validated(tmp_path):
         d["runtime"] = bad
         with pytest.raises(ValueError):
             Profile.from_dict(d)
+
+
+def test_a_session_left_waiting_when_no_event_remains_is_failed_with_a_reason(monkeypatch):
+    # a scheduler that never plans anything: the loop runs dry with the session still live
+    from tandem.core.worker import WorkerCore
+    monkeypatch.setattr(WorkerCore, "schedule", lambda self, now: None)
+    s = Session("s", 0.0, [Round(100, 5)])
+    coord, workers, loop = run([s], "vllm", "C:tp4x2")
+    rec = coord.records[0]
+    assert not coord.live and rec.failed
+    assert rec.fail_reason.startswith("simulation stalled: no event left while the session waited on worker ")

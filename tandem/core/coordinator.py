@@ -97,6 +97,10 @@ class Coordinator:
         st.record.finish_s = now
         return self._end(st)
 
+    def in_flight(self) -> list[str]:
+        """Live sessions with a round under way (not a live session idle until its client's next round)."""
+        return [sid for sid, st in self.live.items() if not (st.open and st.k >= len(st.session.rounds))]
+
     def session_worker(self, session_id: str) -> int | None:
         """The worker a live session is bound to, None if unknown."""
         st = self.live.get(session_id)

@@ -26,6 +26,8 @@ class WorkerConfig:
     max_num_seqs: int = 1 << 30             # sequences prefilling or decoding at once
     mix_decode_with_prefill: bool = False   # co-located chunked prefill: decodes ride along prefill chunks
     retain_s: float = 0.0                   # idle session KV is pinned this long after a round (Continuum TTL)
+    watermark: float = 0.01                 # share of blocks an admitted prefill must leave free so sequences can
+                                            # grow (vLLM's watermark); waived for a context that needs the rest
     window_s: float = 10.0                  # windowed TTFT/ITL statistics
 
 
@@ -55,6 +57,7 @@ class WorkerCore:
         self.events: list = []
         self._order = 0
         self._ctx = 0                               # Σ num_tokens over running sequences
+        self.watermark_blocks = int(cfg.watermark * cfg.num_blocks)
         self.steps = 0
         self.busy_s = 0.0
 
@@ -143,6 +146,8 @@ class WorkerCore:
             ready = any(t.kv_ready for t in self.active)
             if self.cfg.mix_decode_with_prefill or not ready:
                 self._grow_running(now)
+                if not self.running and not self.active:
+                    self._admit(now)                 # growth preempted everything: the freed pool goes to the queue
                 if self.running:
                     plan.decode = list(self.running)
                     n = len(plan.decode)
@@ -168,8 +173,8 @@ class WorkerCore:
             shape.num_prefill += 1
         if not plan.prefill and not plan.decode:
             if (self.pending_kv or self.queue) and self.role != PREFILL and not self.active and not self.running \
-                    and self.wake_s == math.inf:
-                self._unstick(now)
+                    and self.wake_s == math.inf and self._unstick(now):
+                return self.schedule(now)            # the freed histories let the queue in now
             return None
         return plan
 
@@ -191,7 +196,10 @@ class WorkerCore:
                 if t.block_hashes and t.l_hist == 0 and owner.num_tokens == 0 and not self.blocks.held(owner):
                     self._reuse_prefix(owner, t)
                 need = owner.num_tokens + t.l_incr
-            if not self._reserve(owner, need, now, preempt=False):
+            headroom = 0
+            if self.role != PREFILL and -(-need // self.cfg.block_size) + self.watermark_blocks <= self.cfg.num_blocks:
+                headroom = self.watermark_blocks     # room for the running sequences (and this one) to grow
+            if not self._reserve(owner, need, now, preempt=False, headroom=headroom):
                 self._never_fits(need, t, now)
                 break
             self.queue.pop(i)
@@ -251,17 +259,18 @@ class WorkerCore:
                 if not self._reserve(seq, seq.num_tokens + 1, now, preempt=True):
                     self._preempt(seq, now)          # could not free enough: preempt itself
 
-    def _reserve(self, owner, tokens: int, now: float, preempt: bool) -> bool:
-        """Ensure `owner` holds blocks for `tokens`, evicting idle KV and, if allowed, preempting."""
+    def _reserve(self, owner, tokens: int, now: float, preempt: bool, headroom: int = 0) -> bool:
+        """Ensure `owner` holds blocks for `tokens` with `headroom` blocks left free, evicting idle KV and,
+        if allowed, preempting."""
         blocks = self.blocks
+        need = blocks.extra_blocks(owner, tokens) + headroom
+        if blocks.num_free < need and not self._evict_idle(need, now):
+            if not preempt or not self._preempt_for(need, owner, now):
+                return False
         try:
             blocks.grow(owner, tokens)
         except OutOfBlocks:
-            need = blocks.extra_blocks(owner, tokens)
-            if not self._evict_idle(need, now):
-                if not preempt or not self._preempt_for(need, owner, now):
-                    return False
-            blocks.grow(owner, tokens)
+            return False
         if isinstance(owner, Seq):
             owner.cap = blocks.held(owner) * self.cfg.block_size
         return True
@@ -285,13 +294,33 @@ class WorkerCore:
         return blocks.num_free >= need
 
     def _preempt_for(self, need: int, keep, now: float) -> bool:
-        """Preempt running sequences, latest admitted first, until `need` blocks are free."""
+        """Preempt until `need` blocks are free: admitted prefills first (latest first), as vLLM's running
+        list ends with them, then decoding sequences, latest admitted first. Never `keep`."""
+        for t in (reversed(list(self.active)) if self.role != PREFILL else ()):
+            if self.blocks.num_free >= need:
+                return True
+            if self.seqs.get(t.session_id) is not keep:
+                self._preempt_prefill(t, now)
         victims = sorted((s for s in self.running if s is not keep), key=lambda s: s.order, reverse=True)
         for seq in victims:
             if self.blocks.num_free >= need:
                 break
             self._preempt(seq, now)
         return self.blocks.num_free >= need
+
+    def _preempt_prefill(self, t: PrefillTask, now: float) -> None:
+        """Stop an admitted local prefill and drop its session's KV: it restarts from token 0 when readmitted."""
+        self.active.remove(t)
+        seq = self.seqs.get(t.session_id)
+        if seq is not None:
+            self.blocks.free(seq)
+            seq.num_tokens, seq.cap = 0, 0
+            seq.preemptions += 1
+        t.l_incr += t.l_hist
+        t.l_hist, t.done, t.cached, t.hashed, t.start_s = 0, 0, 0, 0, None
+        t.est_s = self.t_pre(0, t.l_incr)
+        self.queue.insert(0, t)
+        self.queued_est_s += t.est_s
 
     def _preempt(self, seq: Seq, now: float) -> None:
         """vLLM's preemption by recompute: drop the KV, re-prefill the whole context locally first."""
@@ -328,9 +357,10 @@ class WorkerCore:
                 still.append(task)
         self.pending_kv = still
 
-    def _unstick(self, now: float) -> None:
+    def _unstick(self, now: float) -> bool:
         """Nothing runs yet work waits for memory held by sessions waiting for their own prefill:
-        drop those histories (their tasks recompute them), or fail the blocked session if even that is not enough."""
+        drop those histories (their tasks recompute them; True), or fail the blocked session if even that
+        is not enough."""
         freed = False
         for t in reversed(self.queue):
             seq = self.seqs.get(t.session_id)
@@ -344,15 +374,16 @@ class WorkerCore:
                 self.queued_est_s += t.est_s
                 freed = True
         if freed:
-            return
+            return True
         waiting = {t.session_id for t in self.queue} | {t.session_id for t in self.pending_kv}
         if any(q.state == "prefill" and sid not in waiting for sid, q in self.seqs.items()):
-            return                                   # a remote prefill's KV is still on its way
+            return False                             # a remote prefill's KV is still on its way
         blocked = self.pending_kv[0] if self.pending_kv else self.queue[0]
         self.events.append(SessionFailed(
             blocked.session_id, self.id, now,
             f"KV memory exhausted: the {self.role} worker's {self.capacity_tokens} tokens are held by sessions "
             f"waiting for prefill; {blocked.l_hist + blocked.l_incr} more cannot be placed"))
+        return False
 
     # ---------------------------------------------------------------- results
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> None:

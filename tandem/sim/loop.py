@@ -133,7 +133,15 @@ class EventLoop:
             if self.progress is not None and len(self.coord.records) - len(self.coord.live) != done_sessions:
                 done_sessions = len(self.coord.records) - len(self.coord.live)
                 self.progress(done_sessions)
+        self._fail_stalled()
         return time.perf_counter() - t0
+
+    def _fail_stalled(self) -> None:
+        """Nothing is left to happen yet sessions are live (a scheduling bug): fail them with a reason, never drop."""
+        for sid in sorted(self.coord.in_flight()):
+            w = self.coord.session_worker(sid)
+            self._apply(self.coord.end_session(
+                sid, self.now, f"simulation stalled: no event left while the session waited on worker {w}"))
 
 
 
@@ -409,6 +417,7 @@ class HostLoop(EventLoop):
             if self.progress is not None and len(coord.records) - len(coord.live) != done_sessions:
                 done_sessions = len(coord.records) - len(coord.live)
                 self.progress(done_sessions)
+        self._fail_stalled()
         self._shift_outputs()
         return time.perf_counter() - t0
 
