@@ -51,6 +51,10 @@ ERROR_CASES = {
         "--slo-itl"),
     "unknown preset": (lambda t: ["experiment", "--preset", "huge", "--out", str(t / "o")], "huge"),
     "unknown prefill basis": (lambda t: BASE + ["--prefill-basis", "history"], "--prefill-basis"),
+    "experiment gpus malformed": (lambda t: ["experiment", "--gpus", "toolbench:16", "--out", str(t / "o")],
+                                  "--gpus"),
+    "experiment gpus for a workload not swept": (
+        lambda t: ["experiment", "--workloads", "toolbench", "--gpus", "gaia=16", "--out", str(t / "o")], "gaia"),
 }
 SIM_ERROR_CASES = {
     "unknown policy": (lambda t: BASE + ["--policy", "fastest", "--deploy", "P:tp4x1,D:tp4x1"], "fastest"),
@@ -208,6 +212,20 @@ def test_experiment_demo_subset(tmp_path, capsys):
     for name in ("table.md", "table.txt", "summary.md", "slo_vs_rate.png"):
         assert (out_dir / name).is_file(), name
     assert "vllm" in res["improvement"]
+
+
+@needs_sim
+def test_experiment_gpus_override_searches_deployments_of_that_size(tmp_path, capsys):
+    out_dir = tmp_path / "rep"
+    argv = ["experiment", "--preset", "demo", "--workloads", "toolbench", "--policies", "ampd",
+            "--rates", "1.0", "--sessions", "4", "--gpus", "toolbench=16", "--deploy-per-rate", "--out", str(out_dir)]
+    assert main(argv) == 0, capsys.readouterr().err
+    res = json.loads((out_dir / "results.json").read_text())
+    (d,) = res["deployments"]
+    assert d["gpus"] == 16 and d["source"] == "search"          # the demo's fixed 8-GPU deployment does not apply
+    from tandem.core.deploy import parse_deploy
+    assert parse_deploy(d["deploy"]).gpus == 16
+    assert res["cells"][0]["gpus"] == 16
 
 
 def test_generate_then_replay_the_file_reports_every_session(tmp_path, capsys):

@@ -88,6 +88,19 @@ def _csv(item_type):
     return parse
 
 
+def _gpus_arg(text: str) -> int | dict[str, int]:
+    """`N` (every workload) or `workload=N,...`."""
+    if "=" not in text:
+        return _positive_int(text)
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, n = part.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"expected N or workload=N,..., got {text!r}")
+        out[name.strip()] = _positive_int(n.strip())
+    return out
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -157,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sessions", type=_positive_int, default=None, help="sessions per cell and seed")
     e.add_argument("--seeds", type=_csv(_seed), default=None, metavar="0,1", help="seeds")
     e.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: 1)")
+    e.add_argument("--gpus", type=_gpus_arg, default=None, metavar="N|W=N,...",
+                   help="GPUs per workload: one count for all, or e.g. toolbench=16,gaia=32 (default: AMPD's)")
     e.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
                    help="what AMPD Table 1's prefill length is read as (default: input; docs/session-format.md)")
     e.add_argument("--deploy-per-rate", action="store_true",
@@ -391,6 +406,12 @@ def cmd_experiment(args) -> int:
                   jobs=args.jobs, prefill_basis=args.prefill_basis, deploy_per_rate=args.deploy_per_rate or None)
     if args.model is not None or args.gpu is not None:
         spec = dataclasses.replace(spec, deploys={})  # the preset's fixed deployments are for its model and GPU
+    if args.gpus is not None:
+        gpus = args.gpus if isinstance(args.gpus, dict) else {w: args.gpus for w in spec.workloads}
+        unknown = sorted(set(gpus) - set(spec.workloads))
+        if unknown:
+            raise CLIError(f"--gpus names workloads not in the experiment: {', '.join(unknown)}")
+        spec = dataclasses.replace(spec, gpus={**spec.gpus, **gpus})
     out_dir = Path(args.out or f"reports/{args.preset}")
     result = run_experiment(spec, out_dir, progress=not args.no_progress and sys.stderr.isatty())
     print(format_cells(result["cells"]), end="")
