@@ -43,6 +43,7 @@ class Coordinator:
         self.router = router
         self.binder = binder or LeastKVBinder()
         self.live: dict[str, _Live] = {}
+        self.rounds_done = 0                              # rounds finished so far (a progress signal for shells)
         self.records: list[SessionRecord] = []
         self.committed: dict[int, int] = {w: 0 for w in view.home_workers()}
         self.capacity = {w: view.capacity(w) for w in view.home_workers()}
@@ -96,6 +97,10 @@ class Coordinator:
             return self._fail(st, now, reason)
         st.record.finish_s = now
         return self._end(st)
+
+    def rounds_under_way(self) -> bool:
+        """Whether some live session has a round between its input and its last token."""
+        return any(st.task is not None for st in self.live.values())
 
     def in_flight(self) -> list[str]:
         """Live sessions with a round under way (not a live session idle until its client's next round)."""
@@ -196,6 +201,7 @@ class Coordinator:
         rnd = st.session.rounds[st.k]
         rec = st.record.rounds[-1]
         rec.finish_s = ev.time_s
+        self.rounds_done += 1
         produced = min(ev.output_tokens, rnd.output_tokens) if ev.output_tokens > 0 else rnd.output_tokens
         rec.output_tokens = produced
         rec.itl_sum_s, rec.itl_count, rec.itl_max_s = ev.itl_sum, ev.itl_count, ev.itl_max

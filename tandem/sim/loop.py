@@ -15,6 +15,10 @@ from tandem.workload.session import Session
 ARRIVAL, TOOL, STEP, XFER, WAKE = range(5)
 
 
+STALL_S = 86_400.0
+"""Simulated time with rounds under way but none finishing anywhere, after which the loop calls it a livelock."""
+
+
 class EventLoop:
     """Virtual-time shell: arrivals, tool gaps, worker steps (timed by `step_time`), KV flows."""
 
@@ -35,6 +39,8 @@ class EventLoop:
         self._plans: list[StepPlan | None] = [None] * len(workers)
         self._wakes: list[float] = [float("inf")] * len(workers)
         self._started: list[float] = [0.0] * len(workers)
+        self.stall_s = STALL_S
+        self._progress_mark = (0, 0.0)                  # (coordinator.rounds_done, when it last changed)
 
     def _push(self, t: float, kind: int, a, b=None) -> None:
         self._n += 1
@@ -108,6 +114,8 @@ class EventLoop:
             t, _, kind, a, b = pop(heap)
             self.now = t
             self.events += 1
+            if not self.events & 4095:
+                self._check_progress()
             if kind == STEP:
                 w = self.workers[a]
                 plan = self._plans[a]
@@ -136,12 +144,23 @@ class EventLoop:
         self._fail_stalled()
         return time.perf_counter() - t0
 
-    def _fail_stalled(self) -> None:
-        """Nothing is left to happen yet sessions are live (a scheduling bug): fail them with a reason, never drop."""
-        for sid in sorted(self.coord.in_flight()):
+    def _check_progress(self) -> None:
+        """Every few thousand events: fail the rounds under way if none has finished for `stall_s` (a livelock)."""
+        done, since = self._progress_mark
+        if self.coord.rounds_done != done or not self.coord.rounds_under_way():
+            self._progress_mark = (self.coord.rounds_done, self.now)
+        elif self.now - since > self.stall_s:
+            self._fail_stalled(f"no round finished anywhere in {self.stall_s:g} s of simulated time")
+            self._progress_mark = (self.coord.rounds_done, self.now)
+
+    def _fail_stalled(self, why: str = "no event left") -> None:
+        """Sessions are stuck (a scheduling bug): fail those with a round under way, with a reason; never drop."""
+        stuck = self.coord.in_flight() if why == "no event left" else \
+            [sid for sid in self.coord.in_flight() if self.coord.live[sid].task is not None]
+        for sid in sorted(stuck):
             w = self.coord.session_worker(sid)
             self._apply(self.coord.end_session(
-                sid, self.now, f"simulation stalled: no event left while the session waited on worker {w}"))
+                sid, self.now, f"simulation stalled: {why} while the session waited on worker {w}"))
 
 
 
@@ -347,6 +366,8 @@ class HostLoop(EventLoop):
             t, _, kind, a, b = pop(heap)
             self.now = t
             self.events += 1
+            if not self.events & 4095:
+                self._check_progress()
             if kind == STEP:
                 st = self._step[a]
                 if st is None or b != st[4]:
