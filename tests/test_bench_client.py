@@ -399,12 +399,16 @@ def test_cli_json_and_table(server, fake, tmp_path, capsys):
     trace = tmp_path / "w.jsonl"
     dump_sessions([Session("cli-0", 0.0, [Round(40, 60, 2.0), Round(20, 40)], slo=SLO(2.0, 0.5))], trace)
     out_file = tmp_path / "r.json"
+    rec_file = tmp_path / "records.jsonl"
     rc = main(["bench", "--url", server, "--workload", str(trace), "--scale", "0.1", "--max-tokens-cap", "5",
-               "--json", "--out", str(out_file), "--no-progress"])
+               "--json", "--out", str(out_file), "--records", str(rec_file), "--no-progress"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     out = json.loads(cap.out)
     assert out == json.loads(out_file.read_text())
+    (rec,) = [json.loads(x) for x in rec_file.read_text().splitlines()]
+    assert rec["session_id"] == "cli-0" and rec["completed"] and len(rec["rounds"]) == 2
+    assert [r["output_tokens"] for r in rec["rounds"]] == [5, 4] and all(r["ttft_s"] > 0 for r in rec["rounds"])
     for key in VLLM_FIELDS + TANDEM_FIELDS:
         assert key in out, key
     assert out["workload"] == str(trace) and out["scale"] == 0.1 and out["slo_attainment"] == 1.0

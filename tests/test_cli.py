@@ -51,6 +51,8 @@ ERROR_CASES = {
         "--slo-itl"),
     "unknown preset": (lambda t: ["experiment", "--preset", "huge", "--out", str(t / "o")], "huge"),
     "unknown prefill basis": (lambda t: BASE + ["--prefill-basis", "history"], "--prefill-basis"),
+    "records into a missing folder": (lambda t: BASE + ["--deploy", "P:tp4x1,D:tp4x1", "--records",
+                                                        str(t / "no" / "r.jsonl")], "No such directory"),
     "experiment gpus malformed": (lambda t: ["experiment", "--gpus", "toolbench:16", "--out", str(t / "o")],
                                   "--gpus"),
     "experiment gpus for a workload not swept": (
@@ -272,3 +274,18 @@ def test_prefill_basis_on_a_trace_is_noted_and_ignored(tmp_path, capsys):
     assert main(["generate", "--workload", "azure-conv", "--sessions", "5", "--prefill-basis", "prompt",
                  "--out", str(out)]) == 0
     assert "--prefill-basis only applies to the AMPD generators" in capsys.readouterr().err
+
+
+@needs_sim
+def test_simulate_records_file_holds_every_session_and_agrees_with_the_printed_metrics(tmp_path, capsys):
+    from tandem.workload.metrics import summarize
+    from tandem.workload.records import load_records
+    path = tmp_path / "records.jsonl"
+    rc = main(BASE + ["--sessions", "12", "--deploy", "P:tp4x1,D:tp4x1", "--json", "--records", str(path)])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    recs = load_records(path)
+    assert [r.session_id for r in recs] == [f"toolbench-{i}" for i in range(12)]
+    assert sum(len(r.rounds) for r in recs) == out["rounds_total"]
+    again = summarize(recs, out["sim_time_s"])
+    assert again["slo_attainment"] == out["slo_attainment"] and again["ttft_p95_s"] == out["ttft_p95_s"]

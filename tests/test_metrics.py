@@ -180,3 +180,21 @@ def test_fail_reasons_are_counted_by_kind_before_the_colon():
     recs.append(SessionRecord("k", 0.0, None, 1, failed=True, finish_s=1.0, fail_reason="KV exceeds the worker's capacity: x"))
     assert summarize(recs, 1.0)["fail_reasons"] == {"KV exceeds the worker's capacity": 1,
                                                      "context exceeds the model's maximum": 3}
+
+
+def test_records_round_trip_through_jsonl_with_derived_times(tmp_path):
+    from tandem.workload.records import dump_records, load_records
+    recs = [sess("a", [rnd(0, 0.0, 0.5), rnd(1, 3.0, 0.2, where="local", preempt=1)]),
+            sess("b", [rnd(0, 1.0, 2.0, finished=False)], slo=None, failed=True, reason="KV exceeds the worker's capacity: x"),
+            sess("c", [], num_rounds=2, failed=True, reason="worker lost")]
+    path = tmp_path / "records.jsonl"
+    dump_records(recs, path)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [d["session_id"] for d in lines] == ["a", "b", "c"]
+    r1 = lines[0]["rounds"][1]
+    assert r1["ttft_s"] == pytest.approx(0.2) and r1["queue_s"] == pytest.approx(0.1)
+    assert r1["itl_mean_s"] == pytest.approx(0.04) and r1["prefill_where"] == "local" and r1["preemptions"] == 1
+    assert lines[1]["rounds"][0]["e2e_s"] is None and lines[1]["slo"] is None and not lines[1]["completed"]
+    back = load_records(path)
+    assert back == recs
+    assert json.dumps(summarize(back, 10.0), sort_keys=True) == json.dumps(summarize(recs, 10.0), sort_keys=True)

@@ -64,6 +64,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="per-request connect/read timeout in seconds (default: %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON object to FILE")
+    p.add_argument("--records", default=None, metavar="FILE.jsonl",
+                   help="also write every session's per-round record (TTFT, ITL, errors) as JSON lines")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
     return p
@@ -98,7 +100,7 @@ class _Bar:
 def cmd_bench(args) -> int:
     """`tandem bench`: load the workload, replay it against --url, print and write the metrics."""
     from tandem.bench.serve_client import BenchConfig, BenchError, run_bench
-    from tandem.cli.main import CLIError, _flush_notes, _load_workload
+    from tandem.cli.main import CLIError, _check_out_path, _flush_notes, _load_workload
 
     from tandem.workload import generators
     if args.sessions is None and args.workload in tuple(getattr(generators, "GENERATOR_NAMES", generators.WORKLOADS)):
@@ -111,8 +113,8 @@ def cmd_bench(args) -> int:
             tokenizer = Tokenizer.from_pretrained(args.tokenizer)
         except TokenizerError as e:
             raise CLIError(str(e)) from None
-    if args.out is not None and Path(args.out).is_dir():
-        raise IsADirectoryError(21, "Is a directory", args.out)
+    _check_out_path(args.out)
+    _check_out_path(args.records)
     _flush_notes()
 
     bar = _Bar(len(sessions), not args.no_progress and sys.stderr.isatty())
@@ -132,6 +134,9 @@ def cmd_bench(args) -> int:
     out.update({"workload": args.workload, "rate": rate, "seed": args.seed,
                 "tokenizer": args.tokenizer, "tool_role": args.tool_role if args.endpoint == "chat" else None})
     text = json.dumps(out, indent=2)
+    if args.records is not None:
+        from tandem.workload.records import dump_records
+        dump_records(res.records, args.records)
     if args.out is not None:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
     if args.json:

@@ -101,6 +101,17 @@ def _gpus_arg(text: str) -> int | dict[str, int]:
     return out
 
 
+def _check_out_path(path: str | None) -> None:
+    """Fail before any work when an output file cannot be written there (a directory, a missing folder)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(21, "Is a directory", path)
+    if not p.parent.is_dir():
+        raise FileNotFoundError(2, "No such directory", str(p.parent))
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -136,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
     s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    s.add_argument("--records", default=None, metavar="FILE.jsonl",
+                   help="also write every session's per-round record (TTFT, ITL, placement, KV) as JSON lines")
     s.set_defaults(func=cmd_simulate)
 
     g = sub.add_parser("generate", help="write a workload (generator or public trace) as a session JSONL file",
@@ -360,8 +373,12 @@ def cmd_simulate(args) -> int:
     if cluster is None:
         raise CLIError("the simulator (tandem.sim.cluster) is not available in this build")
     cfg = _sim_config(cluster, args, model, gpu, gpus, deploy, args.policy)
+    _check_out_path(args.records)
     _flush_notes()
     res = cluster.simulate(sessions, cfg)
+    if args.records is not None:
+        from tandem.workload.records import dump_records
+        dump_records(res.records, args.records)
     out = summarize(res.records, res.sim_time_s)
     out.update({"wall_s": res.wall_s, "sim_time_s": res.sim_time_s, "events": res.events,
                 "deploy": res.deployment, "policy": res.policy, "model": model, "gpu": gpu, "gpus": gpus,

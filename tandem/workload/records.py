@@ -57,3 +57,48 @@ class SessionRecord:
     @property
     def completed(self) -> bool:
         return self.finish_s is not None and not self.failed
+
+
+# --------------------------------------------------------------------------- per-round records as JSONL
+
+_DERIVED = ("ttft_s", "queue_s", "e2e_s")
+
+
+def record_to_json(rec: SessionRecord) -> dict:
+    """One session's record as plain JSON: every field, each round with its TTFT, queueing and E2E times."""
+    rounds = []
+    for r in rec.rounds:
+        d = {f: getattr(r, f) for f in RoundRecord.__dataclass_fields__}
+        d.update({k: getattr(r, k) for k in _DERIVED})
+        d["itl_mean_s"] = r.itl_sum_s / r.itl_count if r.itl_count else None
+        rounds.append(d)
+    slo = None if rec.slo is None else {"ttft_s": rec.slo.ttft_s, "itl_s": rec.slo.itl_s}
+    return {"session_id": rec.session_id, "arrival_s": rec.arrival_s, "slo": slo, "num_rounds": rec.num_rounds,
+            "decode_worker": rec.decode_worker, "finish_s": rec.finish_s, "completed": rec.completed,
+            "failed": rec.failed, "fail_reason": rec.fail_reason, "rounds": rounds}
+
+
+def record_from_json(d: dict) -> SessionRecord:
+    """The SessionRecord that record_to_json wrote (derived fields are recomputed, not read)."""
+    fields = RoundRecord.__dataclass_fields__
+    rounds = [RoundRecord(**{k: v for k, v in r.items() if k in fields}) for r in d["rounds"]]
+    slo = None if d["slo"] is None else SLO(d["slo"]["ttft_s"], d["slo"]["itl_s"])
+    return SessionRecord(d["session_id"], d["arrival_s"], slo, d["num_rounds"], d["decode_worker"], rounds,
+                         d["finish_s"], d["failed"], d["fail_reason"])
+
+
+def dump_records(records: list[SessionRecord], path) -> None:
+    """Write one JSON line per session record (`tandem simulate|bench --records FILE`)."""
+    import json
+    from pathlib import Path
+    with Path(path).open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(record_to_json(rec), separators=(",", ":")) + "\n")
+
+
+def load_records(path) -> list[SessionRecord]:
+    """Read what dump_records wrote, e.g. to recompute metrics with workload.metrics.summarize."""
+    import json
+    from pathlib import Path
+    with Path(path).open(encoding="utf-8") as f:
+        return [record_from_json(json.loads(line)) for line in f if line.strip()]
