@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
 
 import pytest
@@ -27,100 +26,16 @@ pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from tandem.bench.serve_client import parse_prometheus  # noqa: E402
-from tandem.cli.serve_cmd import serving  # noqa: E402
 from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.cluster import ClusterConfig  # noqa: E402
+from live_server import LiveServer  # noqa: E402
 
 MODEL = "tiny-faults"
 MAX_LEN = 2048
 ENGINE = dict(max_model_len=MAX_LEN, num_kv_blocks=512)
 PREFILL, DECODE = 0, 1                     # worker ids of a 1P+1D cluster
-METRICS = ("tandem:local_prefills_total", "tandem:remote_prefills_total", "tandem:kv_transfer_timeouts_total",
-           "tandem:workers_alive", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
-           "vllm:generation_tokens_total")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """`tandem serve` (serve_cmd.serving: ServingCluster + the HTTP app) on a free port, on its own event loop in
-    a daemon thread, as a separate client would see it."""
-
-    def __init__(self, cfg: ClusterConfig, timeout_s: float = 180.0) -> None:
-        self.cfg = cfg
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cluster = None
-        self.error: BaseException | None = None
-        self._ready = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self.thread.start()
-        assert self._ready.wait(timeout_s), "the server did not start"
-        if self.error is not None:
-            raise self.error
-
-    async def _main(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        try:
-            async with serving(self.cfg, "127.0.0.1", self.port) as cluster:
-                self.cluster = cluster
-                self._ready.set()
-                await self._stop.wait()
-        except BaseException as e:             # noqa: BLE001 - reported to the test thread
-            self.error = e
-        finally:
-            self._ready.set()
-
-    def call(self, fn):
-        """Run fn() on the server's loop (the coordinator's state is that loop's) and return its result."""
-        async def run():
-            return fn()
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-
-    def metrics(self) -> dict:
-        r = httpx.get(self.url + "/metrics", timeout=30)
-        assert r.status_code == 200
-        return parse_prometheus(r.text, METRICS)
-
-    def health(self) -> int:
-        return httpx.get(self.url + "/health", timeout=30).status_code
-
-    def pid(self, worker: int) -> int:
-        return self.cluster.procs.workers[worker].pid
-
-    def worker_state(self, worker: int):
-        return self.call(lambda: next(s for s in self.cluster.shell.store.all() if s.worker_id == worker))
-
-    def wait_for(self, what: str, pred, timeout_s: float = 20.0, every_s: float = 0.02) -> float:
-        """Poll pred() until true; returns the seconds it took (fails after timeout_s)."""
-        t0 = time.monotonic()
-        while not pred():
-            assert time.monotonic() - t0 < timeout_s, f"timed out waiting for {what}"
-            time.sleep(every_s)
-        return time.monotonic() - t0
-
-    def idle_kv_usage(self) -> float:
-        """The decode worker's KV usage once nothing runs and two readings 0.1 s apart agree (states lag a bit)."""
-        last = None
-        while True:
-            m = self.metrics()
-            if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == last:
-                return last
-            last = m["vllm:kv_cache_usage_perc"]
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self._stop.set)
-            self.thread.join(60)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import threading
 import time
 
 import pytest
@@ -23,12 +21,12 @@ pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from tandem.bench.serve_client import parse_prometheus, scale_session  # noqa: E402
-from tandem.cli.serve_cmd import serving  # noqa: E402
+from tandem.bench.serve_client import scale_session  # noqa: E402
 from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.cluster import ClusterConfig  # noqa: E402
+from live_server import LiveServer  # noqa: E402
 from tandem.workload.generators import generate  # noqa: E402
 from redis_helper import redis_server as _redis_server  # noqa: E402
 
@@ -43,61 +41,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # tool observations (scaled x0.1) give both paths, whatever the machine's load.
 SLO_TTFT_S = 0.010
 SESSIONS, RATE, SCALE, CAP, SEED = 50, 10.0, 0.1, 8, 3
-COUNTERS = ("tandem:local_prefills_total", "tandem:remote_prefills_total", "tandem:kv_transfer_timeouts_total",
-            "tandem:workers_alive")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """`tandem serve` (serve_cmd.serving: ServingCluster + the HTTP app) on a free port, on its own event loop in
-    a daemon thread, as a separate client would see it."""
-
-    def __init__(self, cfg: ClusterConfig, api_key: str | None = None, timeout_s: float = 180.0) -> None:
-        self.cfg, self.api_key = cfg, api_key
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cluster = None
-        self.error: BaseException | None = None
-        self._ready = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self.thread.start()
-        assert self._ready.wait(timeout_s), "the server did not start"
-        if self.error is not None:
-            raise self.error
-
-    async def _main(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        try:
-            async with serving(self.cfg, "127.0.0.1", self.port, self.api_key) as cluster:
-                self.cluster = cluster
-                self._ready.set()
-                await self._stop.wait()
-        except BaseException as e:             # noqa: BLE001 - reported to the test thread
-            self.error = e
-        finally:
-            self._ready.set()
-
-    def call(self, fn):
-        """Run fn() on the server's loop (the coordinator's state is that loop's) and return its result."""
-        async def run():
-            return fn()
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-
-    def metrics(self) -> dict:
-        r = httpx.get(self.url + "/metrics", timeout=30)
-        assert r.status_code == 200
-        return parse_prometheus(r.text, COUNTERS + ("vllm:kv_cache_usage_perc", "vllm:num_requests_running"))
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self._stop.set)
-            self.thread.join(60)
 
 
 @pytest.fixture(scope="module")
