@@ -98,9 +98,9 @@ class Coordinator:
         st.record.finish_s = now
         return self._end(st)
 
-    def rounds_under_way(self) -> bool:
-        """Whether some live session has a round between its input and its last token."""
-        return any(st.task is not None for st in self.live.values())
+    def in_round(self) -> list[str]:
+        """Live sessions with a round between its input and its last token."""
+        return [sid for sid, st in self.live.items() if st.task is not None]
 
     def in_flight(self) -> list[str]:
         """Live sessions with a round under way (not a live session idle until its client's next round)."""

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from tandem.core.block_manager import BlockManager, OutOfBlocks
+from tandem.core.block_manager import BlockManager
 from tandem.core.stats import WindowedMean
 from tandem.core.types import (
     PREFILL, FetchHistory, FirstToken, PrefillDone, PrefillTask,
@@ -267,10 +267,7 @@ class WorkerCore:
         if blocks.num_free < need and not self._evict_idle(need, now):
             if not preempt or not self._preempt_for(need, owner, now):
                 return False
-        try:
-            blocks.grow(owner, tokens)
-        except OutOfBlocks:
-            return False
+        blocks.grow(owner, tokens)
         if isinstance(owner, Seq):
             owner.cap = blocks.held(owner) * self.cfg.block_size
         return True
@@ -294,9 +291,10 @@ class WorkerCore:
         return blocks.num_free >= need
 
     def _preempt_for(self, need: int, keep, now: float) -> bool:
-        """Preempt until `need` blocks are free: admitted prefills first (latest first), as vLLM's running
-        list ends with them, then decoding sequences, latest admitted first. Never `keep`."""
-        for t in (reversed(list(self.active)) if self.role != PREFILL else ()):
+        """Preempt until `need` blocks are free (decode / co-located workers, which alone grow sequences):
+        admitted prefills first (latest first), as vLLM's running list ends with them, then decoding
+        sequences, latest admitted first. Never `keep`."""
+        for t in reversed(list(self.active)):
             if self.blocks.num_free >= need:
                 return True
             if self.seqs.get(t.session_id) is not keep:

@@ -141,22 +141,21 @@ class EventLoop:
             if self.progress is not None and len(self.coord.records) - len(self.coord.live) != done_sessions:
                 done_sessions = len(self.coord.records) - len(self.coord.live)
                 self.progress(done_sessions)
-        self._fail_stalled()
+        self._fail_stalled(self.coord.in_flight(), "no event left")
         return time.perf_counter() - t0
 
     def _check_progress(self) -> None:
         """Every few thousand events: fail the rounds under way if none has finished for `stall_s` (a livelock)."""
         done, since = self._progress_mark
-        if self.coord.rounds_done != done or not self.coord.rounds_under_way():
+        in_round = self.coord.in_round()
+        if self.coord.rounds_done != done or not in_round:
             self._progress_mark = (self.coord.rounds_done, self.now)
         elif self.now - since > self.stall_s:
-            self._fail_stalled(f"no round finished anywhere in {self.stall_s:g} s of simulated time")
+            self._fail_stalled(in_round, f"no round finished anywhere in {self.stall_s:g} s of simulated time")
             self._progress_mark = (self.coord.rounds_done, self.now)
 
-    def _fail_stalled(self, why: str = "no event left") -> None:
-        """Sessions are stuck (a scheduling bug): fail those with a round under way, with a reason; never drop."""
-        stuck = self.coord.in_flight() if why == "no event left" else \
-            [sid for sid in self.coord.in_flight() if self.coord.live[sid].task is not None]
+    def _fail_stalled(self, stuck: list[str], why: str) -> None:
+        """Sessions are stuck (a scheduling bug): fail them with the reason; never drop them."""
         for sid in sorted(stuck):
             w = self.coord.session_worker(sid)
             self._apply(self.coord.end_session(
@@ -438,7 +437,7 @@ class HostLoop(EventLoop):
             if self.progress is not None and len(coord.records) - len(coord.live) != done_sessions:
                 done_sessions = len(coord.records) - len(coord.live)
                 self.progress(done_sessions)
-        self._fail_stalled()
+        self._fail_stalled(self.coord.in_flight(), "no event left")
         self._shift_outputs()
         return time.perf_counter() - t0
 

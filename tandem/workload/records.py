@@ -1,7 +1,9 @@
 """What the serving cores record about each round and session; metrics are computed from these."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tandem.workload.session import SLO
 
@@ -89,8 +91,6 @@ def record_from_json(d: dict) -> SessionRecord:
 
 def dump_records(records: list[SessionRecord], path) -> None:
     """Write one JSON line per session record (`tandem simulate|bench --records FILE`)."""
-    import json
-    from pathlib import Path
     with Path(path).open("w", encoding="utf-8") as f:
         for rec in records:
             f.write(json.dumps(record_to_json(rec), separators=(",", ":")) + "\n")
@@ -98,7 +98,5 @@ def dump_records(records: list[SessionRecord], path) -> None:
 
 def load_records(path) -> list[SessionRecord]:
     """Read what dump_records wrote, e.g. to recompute metrics with workload.metrics.summarize."""
-    import json
-    from pathlib import Path
     with Path(path).open(encoding="utf-8") as f:
         return [record_from_json(json.loads(line)) for line in f if line.strip()]
