@@ -3,14 +3,17 @@ thread, seen through HTTP as a separate client would (shared by the end-to-end a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
 
 from tandem.bench.serve_client import parse_prometheus
 from tandem.cli.serve_cmd import serving
+from tandem.engine.llm import LLM
 from tandem.runtime.cluster import ClusterConfig
 
 METRICS = ("tandem:local_prefills_total", "tandem:remote_prefills_total", "tandem:kv_transfer_timeouts_total",
@@ -97,3 +100,29 @@ class LiveServer:
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self._stop.set)
             self.thread.join(60)
+
+
+@contextlib.contextmanager
+def one_thread_llm(ckpt: str, **engine_args) -> Iterator[LLM]:
+    """The offline engine on one torch thread, as the workers run (two threads on two busy cores are ~7x slower)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(ckpt, **engine_args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+Request = Callable[[httpx.AsyncClient, int], Awaitable[tuple[bool, httpx.Response]]]
+
+
+def fire_concurrently(url: str, one: Request, n: int = 200) -> tuple[list[httpx.Response], list[httpx.Response]]:
+    """Send one(client, i) for i < n all at once over n connections; (answers to valid, answers to invalid requests)."""
+    async def go() -> list[tuple[bool, httpx.Response]]:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(n)))
+
+    results = asyncio.run(go())
+    return [r for ok, r in results if ok], [r for ok, r in results if not ok]

@@ -26,11 +26,10 @@ pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.cluster import ClusterConfig  # noqa: E402
-from live_server import LiveServer  # noqa: E402
+from live_server import LiveServer, one_thread_llm  # noqa: E402
 
 MODEL = "tiny-faults"
 MAX_LEN = 2048
@@ -47,14 +46,8 @@ def ckpt(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def offline(ckpt):
-    """The offline engine on one torch thread, as the workers run (two threads on two busy cores are ~7x slower)."""
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield LLM(ckpt, **ENGINE)
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread_llm(ckpt, **ENGINE) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

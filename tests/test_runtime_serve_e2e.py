@@ -22,11 +22,10 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from tandem.bench.serve_client import scale_session  # noqa: E402
-from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.cluster import ClusterConfig  # noqa: E402
-from live_server import LiveServer  # noqa: E402
+from live_server import LiveServer, fire_concurrently, one_thread_llm  # noqa: E402
 from tandem.workload.generators import generate  # noqa: E402
 from redis_helper import redis_server as _redis_server  # noqa: E402
 
@@ -60,14 +59,8 @@ def server(ckpt):
 
 @pytest.fixture(scope="module")
 def offline(ckpt):
-    """The offline engine on one torch thread, as the workers run (two threads on two busy cores are ~7x slower)."""
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield LLM(ckpt, **ENGINE)
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread_llm(ckpt, **ENGINE) as llm:
+        yield llm
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -241,14 +234,7 @@ def test_200_concurrent_mixed_requests_on_the_cluster(server):
         return True, await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "stream": i % 5 == 2},
                                   headers=headers)
 
-    async def go() -> list[tuple[bool, httpx.Response]]:
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(200)))
-
-    results = asyncio.run(go())
-    valid = [r for ok, r in results if ok]
-    bad = [r for ok, r in results if not ok]
+    valid, bad = fire_concurrently(server.url, one)
     assert len(valid) == 133 and len(bad) == 67
     assert all(r.status_code == 200 for r in valid), [r.text for r in valid if r.status_code != 200][:3]
     assert all(400 <= r.status_code < 500 and "error" in r.json() for r in bad)

@@ -26,6 +26,7 @@ from tandem.runtime.async_llm import AsyncLLM  # noqa: E402
 from tandem.runtime.client import BackendStats, RequestError  # noqa: E402
 from tandem.server.app import build_app  # noqa: E402
 from tandem.server.tool_parser import parse_tool_calls  # noqa: E402
+from live_server import fire_concurrently  # noqa: E402
 
 KEY = "sk-test"
 MODEL = "tiny"
@@ -633,14 +634,7 @@ def test_200_concurrent_mixed_requests_leave_the_server_healthy(server, client):
         return True, await c.post("/v1/completions", content=json.dumps({"prompt": f"text {i}", "max_tokens": 3}),
                                   headers=AUTH)
 
-    async def go() -> list[tuple[bool, httpx.Response]]:
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(200)))
-
-    results = asyncio.run(go())
-    valid = [r for ok, r in results if ok]
-    bad = [r for ok, r in results if not ok]
+    valid, bad = fire_concurrently(server.url, one)
     assert len(valid) + len(bad) == 200
     assert all(r.status_code == 200 for r in valid), [r.text for r in valid if r.status_code != 200][:3]
     assert all(400 <= r.status_code < 500 and "error" in r.json() for r in bad)
