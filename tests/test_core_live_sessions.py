@@ -9,8 +9,9 @@ from tandem.workload.session import SLO
 LLAMA = "llama-3.1-70b"
 
 
-def cluster(policy="dynamo", deploy="P:tp4x1,D:tp4x1"):
-    coord, workers, loop = build(SimConfig(LLAMA, "h20", 8, deploy, policy))
+def cluster(policy="dynamo", deploy="P:tp4x1,D:tp4x1", session_ttl_s=float("inf")):
+    """A simulated cluster whose live sessions never expire unless asked (play() runs until nothing is left)."""
+    coord, workers, loop = build(SimConfig(LLAMA, "h20", 8, deploy, policy, session_ttl_s=session_ttl_s))
     return coord, workers, loop
 
 

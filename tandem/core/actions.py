@@ -2,8 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from tandem.core.types import PrefillTask
+
+
+class TransferPurpose(Enum):
+    """Why KV moves: a remote prefill reads the session's history, or writes its new KV back."""
+
+    HISTORY = "history"
+    INCREMENTAL = "incremental"
 
 
 @dataclass(slots=True)
@@ -14,15 +22,16 @@ class Submit:
     task: PrefillTask
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Transfer:
-    """Move `tokens` of KV from `src` to `dst`: a lazy history read ("history") or the new KV ("incremental")."""
+    """Move `tokens` of KV from `src` to `dst` for `task`; `id` names it in on_transfer_done/failed."""
 
     src: int
     dst: int
     tokens: int
-    purpose: str
+    purpose: TransferPurpose
     task: PrefillTask
+    id: int = 0
 
 
 @dataclass(slots=True)
@@ -50,6 +59,22 @@ class Delivered:
 
 
 @dataclass(slots=True)
+class RunLocal:
+    """A remote round's KV transfer failed or timed out: decode `worker` prefills `task` itself."""
+
+    worker: int
+    task: PrefillTask
+
+
+@dataclass(slots=True)
+class Cancel:
+    """Prefill `worker` drops `task` (its result is no longer wanted) and frees its KV."""
+
+    worker: int
+    task: PrefillTask
+
+
+@dataclass(slots=True)
 class ToolCall:
     """The session is out calling a tool; its next round's input arrives after `delay_s` (in simulation)."""
 
@@ -63,3 +88,10 @@ class Release:
 
     worker: int
     session_id: str
+
+
+@dataclass(slots=True)
+class Timer:
+    """Call the coordinator's `on_tick` at `at_s` (a KV timeout or an idle session's expiry falls due then)."""
+
+    at_s: float

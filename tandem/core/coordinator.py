@@ -1,16 +1,24 @@
-"""The coordinator core: binds sessions, routes every prefill, tracks rounds and tool gaps, keeps records."""
+"""The coordinator core: binds sessions, routes every prefill, tracks rounds, tool gaps, KV transfers and idle
+sessions, handles lost workers and failed transfers, keeps records. Every shell runs this one object."""
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from tandem.core.actions import Delivered, HistoryReady, KVArrived, Release, Submit, ToolCall, Transfer
+from tandem.core.actions import (
+    Cancel, Delivered, HistoryReady, KVArrived, Release, RunLocal, Submit, Timer, ToolCall, Transfer,
+    TransferPurpose,
+)
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
-from tandem.policy.binding import LeastKVBinder
+from tandem.policy.binding import LeastKVBinder, PrefixAffinityBinder
 from tandem.policy.routing import ClusterView, Router
 from tandem.workload.records import RoundRecord, SessionRecord
 from tandem.workload.session import SLO, Round, Session
+
+HISTORY, INCREMENTAL = TransferPurpose.HISTORY, TransferPurpose.INCREMENTAL
+_XFER, _IDLE = 0, 1                                   # deadline kinds
 
 
 class CoordinatorView(ClusterView, Protocol):
@@ -31,36 +39,56 @@ class _Live:
     task: PrefillTask | None = None
     committed: int = 0         # tokens this session adds to its worker's committed KV
     open: bool = False         # live: more rounds may be appended (on_round); ends by end_session
+    hashes: tuple[int, ...] = ()  # block hashes of the current round's prompt (prefix affinity)
+    idle_since: float | None = None  # between rounds since then (KV resident until session_ttl_s)
 
 
 class Coordinator:
-    """Sans-I/O: `on_*` methods take events and return actions; time comes in as `now`."""
+    """Sans-I/O: `on_*` methods take events and return actions; time comes in as `now`. Built by
+    tandem.core.factory.build_coordinator."""
 
-    def __init__(self, view: CoordinatorView, router: Router, binder: LeastKVBinder | None = None,
-                 max_context: int | None = None) -> None:
+    def __init__(self, view: CoordinatorView, router: Router,
+                 binder: LeastKVBinder | PrefixAffinityBinder | None = None, max_context: int | None = None,
+                 kv_timeout_s: float = math.inf, session_ttl_s: float = math.inf, block_size: int = 16) -> None:
         self.view = view
         self.max_context = max_context
         self.router = router
         self.binder = binder or LeastKVBinder()
+        self.prefixes = getattr(self.binder, "index", None)   # what each worker may hold in its prefix cache
+        self.kv_timeout_s = kv_timeout_s
+        self.session_ttl_s = session_ttl_s
+        self.block_size = block_size
         self.live: dict[str, _Live] = {}
         self.rounds_done = 0                              # rounds finished so far (a progress signal for shells)
         self.records: list[SessionRecord] = []
         self.committed: dict[int, int] = {w: 0 for w in view.home_workers()}
         self.capacity = {w: view.capacity(w) for w in view.home_workers()}
+        self.transfers: dict[int, tuple[Transfer, float]] = {}   # in flight: id -> (transfer, started)
+        self._xfer_ids = 0
+        self._deadlines: list[tuple[float, int, int, object]] = []
+        self._deadline_n = 0
+        self._armed = math.inf                            # the earliest Timer asked of the shell
+        self.kv_failures = 0                              # transfers failed or timed out (fell back to local)
 
     # ------------------------------------------------------------------ arrivals
     def on_session_arrival(self, session: Session, now: float) -> list:
-        """Bind a new session to a worker by KV commitment and start its first round."""
-        w = self.binder.bind(self._homes(), self.committed, self.capacity)
+        """Bind a new session to a worker (longest cached prefix of its first prompt, else least committed KV)
+        and start its first round."""
+        hashes = session.first_prompt_hashes(self.block_size)
+        w = self.binder.bind(self._homes(), self.committed, self.capacity, hashes)
         rec = SessionRecord(session.session_id, session.arrival_s, session.slo, len(session.rounds), decode_worker=w)
         self.records.append(rec)
-        st = _Live(session, rec, w)
+        st = _Live(session, rec, w, hashes=hashes)
         self.live[session.session_id] = st
         return self._start_round(st, now)
 
     def _homes(self) -> list[int]:
         """Workers that can host sessions and are not lost."""
         return [w for w in self.view.home_workers() if w in self.capacity]
+
+    def homes(self) -> list[int]:
+        """Live workers that can host sessions."""
+        return self._homes()
 
     def on_tool_result(self, session_id: str, now: float) -> list:
         """The tool call of `session_id` returned: its next round's input is here."""
@@ -69,32 +97,45 @@ class Coordinator:
 
     # ------------------------------------------------------------------ live sessions (rounds not known ahead)
     def on_round(self, session_id: str, input_tokens: int, max_output_tokens: int, now: float,
-                 slo: SLO | None = None, worker: int | None = None) -> list:
+                 slo: SLO | None = None, worker: int | None = None, block_hashes: Sequence[int] = ()) -> list:
         """A live round arrives: `input_tokens` new tokens after the session's history, at most
-        `max_output_tokens` to generate. A new session is bound first (to `worker` if given, else by the
-        binder); the session stays bound after the round until end_session."""
+        `max_output_tokens` to generate; `block_hashes` are the chained hashes of the whole prompt's full blocks.
+        A new session is bound first (to `worker` if given, else by the binder: longest cached prefix); the
+        session stays bound after the round until end_session or its idle expiry."""
         st = self.live.get(session_id)
         if st is not None and st.task is not None:
             raise ValueError(f"session {session_id!r} already has a round in flight")
         rnd = Round(input_tokens, max_output_tokens)
+        hashes = tuple(block_hashes)
         if st is None:
-            w = worker if worker is not None else self.binder.bind(self._homes(), self.committed, self.capacity)
+            w = worker if worker is not None else self.binder.bind(self._homes(), self.committed, self.capacity,
+                                                                   hashes)
             session = Session(session_id, now, [rnd], slo)
             rec = SessionRecord(session_id, now, slo, 1, decode_worker=w)
             self.records.append(rec)
-            st = self.live[session_id] = _Live(session, rec, w, open=True)
+            st = self.live[session_id] = _Live(session, rec, w, open=True, hashes=hashes)
         else:
             st.session.rounds.append(rnd)
             st.record.num_rounds += 1
+            st.hashes = hashes
         return self._start_round(st, now)
 
+    def touch(self, session_id: str, now: float) -> None:
+        """A live session's next round is on its way (its shell is asking the worker): not idle any more."""
+        st = self.live.get(session_id)
+        if st is not None:
+            st.idle_since = None
+
     def end_session(self, session_id: str, now: float, reason: str | None = None) -> list:
-        """The session is over (idle expiry, client gone, worker lost): release its KV; a reason marks it failed."""
+        """The session is over (client gone, worker lost, request without a session): release its KV; a reason
+        marks it failed."""
         st = self.live.get(session_id)
         if st is None:
             return []
         if reason is not None:
             return self._fail(st, now, reason)
+        if st.hashes and self.prefixes is not None and st.task is None:
+            self.prefixes.remember(st.worker, st.hashes)  # a request without a session leaves its prompt cached
         st.record.finish_s = now
         return self._end(st)
 
@@ -111,14 +152,31 @@ class Coordinator:
         st = self.live.get(session_id)
         return st.worker if st is not None else None
 
+    # ------------------------------------------------------------------ faults
     def on_worker_lost(self, worker: int, now: float) -> list:
-        """`worker` died: sessions bound to it fail (in-flight rounds end with the reason); prefill tasks
-        running on it are routed again (their input is still at the coordinator's shell). The view must no
-        longer list the worker (the state store's liveness does that; InProcessState.drop in tests)."""
+        """`worker` died. Sessions bound to it with a round under way fail with the reason (their KV was there);
+        sessions bound to it between rounds are bound again (least committed KV) and recompute their history
+        in their next round; prefill tasks running on it are routed again (their input is still at the
+        shell); its transfers are abandoned. The view must no longer list the worker (the state store's
+        liveness does that; InProcessState.drop in the simulator)."""
         out: list = []
+        for tid, (tr, _) in list(self.transfers.items()):
+            if worker in (tr.src, tr.dst):
+                del self.transfers[tid]
+        self.committed.pop(worker, None)
+        self.capacity.pop(worker, None)
+        if self.prefixes is not None:
+            self.prefixes.forget(worker)
+        homes = self._homes()
+        reason = f"worker lost: decode worker {worker} stopped"
         for st in list(self.live.values()):
             if st.worker == worker:
-                out += self._fail(st, now, f"worker lost: decode worker {worker} stopped")
+                if st.task is None and homes:
+                    w = self.binder.bind(homes, self.committed, self.capacity)
+                    st.worker = st.record.decode_worker = w
+                    self.committed[w] += st.committed
+                else:
+                    out += self._fail(st, now, reason)
             elif st.task is not None and st.task.worker == worker and not st.task.local:
                 t = st.task
                 t.worker, t.done, t.kv_ready, t.start_s = -1, 0, True, None
@@ -127,12 +185,87 @@ class Coordinator:
                 rec = st.record.rounds[-1]
                 rec.prefill_where, rec.prefill_worker = ("local" if t.local else "remote"), target
                 out.append(Submit(target, t))
-        self.committed.pop(worker, None)
-        self.capacity.pop(worker, None)
         return out
+
+    def on_transfer_failed(self, tr: Transfer, now: float, reason: str = "") -> list:
+        """A KV transfer reported failure: the round's prefill is redone on its decode worker."""
+        if self.transfers.pop(tr.id, None) is None:
+            return []                                     # already abandoned (timed out, session over)
+        return self._fall_back(tr, now)
+
+    def on_tick(self, now: float) -> list:
+        """Time passed: abandon KV transfers older than kv_timeout_s (local recompute) and release the KV of
+        sessions idle longer than session_ttl_s. Shells call this when a Timer falls due (or periodically)."""
+        out: list = []
+        dl = self._deadlines
+        if self._armed <= now:
+            self._armed = math.inf
+        while dl and dl[0][0] <= now:
+            _, _, kind, key = heapq.heappop(dl)
+            if self._stale(kind, key):
+                continue
+            if kind == _XFER:
+                out += self._fall_back(self.transfers.pop(key)[0], now)
+            else:
+                out += self._expire(self.live[key[0]], now)
+        while dl and self._stale(dl[0][2], dl[0][3]):   # done transfers, sessions busy again: no tick for them
+            heapq.heappop(dl)
+        if dl and dl[0][0] < self._armed:
+            self._armed = dl[0][0]
+            out.append(Timer(self._armed))
+        return out
+
+    @property
+    def timer_s(self) -> float:
+        """When the coordinator next wants on_tick (the last Timer it asked for; inf: none)."""
+        return self._armed
+
+    def _stale(self, kind: int, key) -> bool:
+        """A deadline whose transfer landed or whose session is no longer idle since then."""
+        if kind == _XFER:
+            return key not in self.transfers
+        st = self.live.get(key[0])
+        return st is None or st.idle_since != key[1] or st.task is not None
+
+    def _arm(self, at: float, kind: int, key, out: list) -> None:
+        if at == math.inf:
+            return
+        self._deadline_n += 1
+        heapq.heappush(self._deadlines, (at, self._deadline_n, kind, key))
+        if at < self._armed:
+            self._armed = at
+            out.append(Timer(at))
+
+    def _fall_back(self, tr: Transfer, now: float) -> list:
+        """The transfer of a remote round failed or timed out: drop the remote work, prefill locally."""
+        t = tr.task
+        st = self.live.get(t.session_id)
+        if st is None or st.task is not t or t.local:
+            return []
+        for tid, (other, _) in list(self.transfers.items()):
+            if other.task is t:
+                del self.transfers[tid]
+        self.kv_failures += 1
+        rec = st.record.rounds[-1]
+        rec.kv_failures += 1
+        if tr.purpose is INCREMENTAL:
+            rec.kv_fallback_tokens += t.l_incr            # computed remotely, computed again here
+        rec.prefill_where, rec.prefill_worker = "local", st.worker
+        out = [Cancel(t.worker, t), RunLocal(st.worker, t)]
+        return out
+
+    def _expire(self, st: _Live, now: float) -> list:
+        """An idle session outlived session_ttl_s: its KV is released. A live session ends (its client resends
+        the whole conversation with its next request); a simulated one recomputes its history next round."""
+        st.idle_since = None
+        if st.open:
+            st.record.finish_s = now
+            return self._end(st)
+        return [Release(st.worker, st.session.session_id)]
 
     def _start_round(self, st: _Live, now: float) -> list:
         s, k, w = st.session, st.k, st.worker
+        st.idle_since = None
         rnd = s.rounds[k]
         rec = RoundRecord(k, now, rnd.input_tokens)
         st.record.rounds.append(rec)
@@ -153,7 +286,8 @@ class Coordinator:
         task = PrefillTask(s.session_id, k, hist, l_incr, now,
                            ttft_slo_s=slo.ttft_s if slo else math.inf,
                            itl_slo_s=slo.itl_s if slo else math.inf,
-                           output_tokens=rnd.output_tokens, decode_worker=w)
+                           output_tokens=rnd.output_tokens, decode_worker=w,
+                           block_hashes=st.hashes if k == 0 and not st.open else ())
         target = self.router.route(task, self.view, now)
         task.worker = target
         task.local = target == w
@@ -173,24 +307,37 @@ class Coordinator:
                 rec = st.record.rounds[-1]
                 rec.first_token_s = ev.time_s
                 rec.prefill_start_s = ev.prefill_start_s
+                if st.hashes and self.prefixes is not None:   # the prompt's KV is now in that worker's cache
+                    self.prefixes.remember(st.worker, st.hashes)
             return []
         if isinstance(ev, PrefillDone):
             t = ev.task
-            return [Transfer(ev.worker, t.decode_worker, t.l_incr, "incremental", t)]
+            return self._transfer(ev.worker, t.decode_worker, t.l_incr, INCREMENTAL, t, now)
         if isinstance(ev, FetchHistory):
             t = ev.task
-            return [Transfer(t.decode_worker, t.worker, ev.tokens, "history", t)]
+            return self._transfer(t.decode_worker, t.worker, ev.tokens, HISTORY, t, now)
         if isinstance(ev, SessionFailed):
             st = self.live.get(ev.session_id)
             return self._fail(st, now, ev.reason) if st is not None else []
         raise TypeError(f"unknown worker event {ev!r}")
 
+    def _transfer(self, src: int, dst: int, tokens: int, purpose: TransferPurpose, t: PrefillTask,
+                  now: float) -> list:
+        self._xfer_ids += 1
+        tr = Transfer(src, dst, tokens, purpose, t, self._xfer_ids)
+        self.transfers[tr.id] = (tr, now)
+        out: list = [tr]
+        self._arm(now + self.kv_timeout_s, _XFER, tr.id, out)
+        return out
+
     def on_transfer_done(self, tr: Transfer, now: float, elapsed_s: float) -> list:
-        """A KV transfer finished after `elapsed_s`."""
+        """A KV transfer finished after `elapsed_s` (one abandoned meanwhile is ignored)."""
+        if self.transfers.pop(tr.id, None) is None:
+            return []
         st = self.live.get(tr.task.session_id)
         if st is not None and st.task is tr.task:
             st.record.rounds[-1].kv_transfer_s += elapsed_s
-        if tr.purpose == "history":
+        if tr.purpose is HISTORY:
             return [HistoryReady(tr.dst, tr.task)]
         return [KVArrived(tr.dst, tr.task), Delivered(tr.src, tr.task)]
 
@@ -212,10 +359,15 @@ class Coordinator:
         st.context += rnd.input_tokens + produced
         st.k += 1
         st.task = None
+        out: list = []
+        if st.k < len(st.session.rounds) or st.open:      # between rounds: KV resident, idle until the next
+            st.idle_since = now
+            self._arm(now + self.session_ttl_s, _IDLE, (ev.session_id, now), out)
         if st.k < len(st.session.rounds):
-            return [ToolCall(ev.session_id, rnd.tool_s)]
+            out.append(ToolCall(ev.session_id, rnd.tool_s))
+            return out
         if st.open:
-            return []                                     # live: stays bound, KV resident, until end_session
+            return out                                    # live: stays bound, KV resident, until its expiry
         st.record.finish_s = now
         return self._end(st)
 
@@ -230,4 +382,12 @@ class Coordinator:
         del self.live[sid]
         if st.worker in self.committed:
             self.committed[st.worker] -= st.committed
-        return [Release(st.worker, sid)]
+        out: list = []
+        t = st.task
+        if t is not None and not t.local and t.worker >= 0:   # its remote prefill is no longer wanted
+            for tid, (tr, _) in list(self.transfers.items()):
+                if tr.task is t:
+                    del self.transfers[tid]
+            out.append(Cancel(t.worker, t))
+        out.append(Release(st.worker, sid))
+        return out

@@ -4,7 +4,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-ROLES = {"P": "prefill", "D": "decode", "C": "colocated"}
+from tandem.policy.task import Role
+
+ROLES = {"P": Role.PREFILL, "D": Role.DECODE, "C": Role.COLOCATED}
 _PART = re.compile(r"^\s*([PDC])\s*:\s*tp(\d+)\s*x\s*(\d+)\s*$", re.IGNORECASE)
 
 
@@ -16,7 +18,7 @@ class DeploymentError(ValueError):
 class WorkerGroup:
     """`count` replicas of one role, each spanning `tp` GPUs."""
 
-    role: str  # "prefill" | "decode" | "colocated"
+    role: Role
     tp: int
     count: int
 

@@ -1,43 +1,27 @@
 """Messages between the sans-I/O cores and their shells: tasks, step plans and results, events."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
 
 from tandem.perf.roofline import BatchShape
+from tandem.policy.task import COLOCATED, DECODE, PREFILL, PrefillTask, Role
 
-# Worker roles.
-PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+# Worker roles and the prefill task live with the policies that read them.
+__all__ = ["PREFILL", "DECODE", "COLOCATED", "Role", "PrefillTask", "SeqState", "Seq", "StepKind", "PlanEntry",
+           "StepPlan", "StepResult", "FetchHistory", "PrefillDone", "FirstToken", "RoundDone", "SessionFailed"]
 
 
-@dataclass(slots=True, eq=False)
-class PrefillTask:
-    """One prefill (initial, incremental, or recompute) of one session round (ARCHITECTURE: PrefillTask)."""
+class SeqState(Enum):
+    """Where a session's residency on its worker stands."""
 
-    session_id: str
-    round_idx: int
-    l_hist: int                 # resident history KV the task attends to (read lazily when remote)
-    l_incr: int                 # tokens to compute
-    enqueue_s: float            # when the round's input arrived: the TTFT clock starts here
-    ttft_slo_s: float = math.inf
-    itl_slo_s: float = math.inf
-    output_tokens: int = 1      # tokens the round generates (the first comes from this prefill)
-    decode_worker: int = -1     # the worker holding (and keeping) the session's KV
-    worker: int = -1            # where the task runs
-    local: bool = True          # runs on decode_worker itself
-    recompute: bool = False     # re-prefill of a preempted sequence: emits no first token
-    postponed: int = 0          # AMPD Alg. 2 postponement counter
-    est_s: float = 0.0          # estimated compute time on `worker` (perf model), for queue estimates
-    done: int = 0               # tokens computed so far (chunked prefill)
-    kv_ready: bool = True       # history present on `worker` (remote tasks wait for their lazy read)
-    start_s: float | None = None
-    block_hashes: tuple[int, ...] = ()  # chained hashes of the full blocks of history + new tokens (prefix cache)
-    cached: int = 0             # tokens of l_incr found in the prefix cache at admission (not computed)
-    hashed: int = 0             # leading blocks registered in the prefix cache so far
-
-    @property
-    def remaining(self) -> int:
-        return self.l_incr - self.done
+    NEW = "new"                 # bound, nothing resident yet
+    PREFILL = "prefill"         # a round's prefill is queued or running (locally or remotely)
+    RUNNING = "running"         # decoding
+    IDLE = "idle"               # between rounds, KV resident (evictable unless pinned)
+    EVICTED = "evicted"         # between rounds, KV dropped for memory
+    FAILED = "failed"           # the worker cannot hold it
 
 
 @dataclass(slots=True, eq=False)
@@ -48,7 +32,7 @@ class Seq:
     num_tokens: int = 0         # tokens whose KV is resident
     to_decode: int = 0          # tokens still to generate in the current round
     last_token_s: float = -1.0  # time of the previous token of this round (-1: none yet)
-    state: str = "new"          # new | prefill | running | idle | evicted
+    state: SeqState = SeqState.NEW
     retain_until: float = 0.0   # while idle, KV is pinned until then (Continuum TTL)
     order: int = 0              # admission order: preemption victims are the latest admitted
     itl_sum: float = 0.0
@@ -56,24 +40,50 @@ class Seq:
     itl_max: float = 0.0
     cap: int = 0                # tokens the held blocks can store
     preemptions: int = 0
+    query_tokens: int = 1       # query tokens its next decode step computes (1: AR; c: a diffusion chunk)
+    writes_kv: bool = True      # whether that step writes KV (a diffusion denoise writes only at commit)
+
+
+class StepKind(Enum):
+    """What a scheduled sequence does in a step."""
+
+    PREFILL = "prefill"         # a prefill chunk: n query tokens, writes their KV
+    DECODE = "decode"           # a decode step: query_tokens positions, commits 0..query_tokens tokens
+
+
+class PlanEntry(NamedTuple):
+    """One scheduled sequence of a step, as an executor reads it."""
+
+    kind: StepKind
+    session_id: str
+    query_tokens: int
+    writes_kv: bool
 
 
 @dataclass(slots=True)
 class StepPlan:
-    """What a worker runs in one iteration: prefill chunks (task, tokens) and decoding sequences."""
+    """What a worker runs in one iteration: prefill chunks (task, query tokens) and decoding sequences (each
+    computing `seq.query_tokens` positions, set by the scheduler for this step)."""
 
     worker: int
     prefill: list[tuple[PrefillTask, int]] = field(default_factory=list)
     decode: list[Seq] = field(default_factory=list)
     shape: BatchShape = field(default_factory=BatchShape)
 
+    def entries(self) -> list[PlanEntry]:
+        """Every scheduled sequence with its query tokens and whether it writes KV."""
+        out = [PlanEntry(StepKind.PREFILL, t.session_id, n, True) for t, n in self.prefill]
+        out += [PlanEntry(StepKind.DECODE, s.session_id, s.query_tokens, s.writes_kv) for s in self.decode]
+        return out
+
 
 @dataclass(slots=True)
 class StepResult:
-    """What an executor reports back: elapsed time, sampled tokens and finished rounds when real."""
+    """What an executor reports back: elapsed time, tokens committed per decoding session (0..query_tokens;
+    None: every decoding sequence committed all its query tokens) and the rounds a stop rule ended."""
 
     elapsed_s: float
-    tokens: dict[str, list[int]] | None = None
+    committed: dict[str, int] | None = None
     finished: frozenset[str] | set[str] = frozenset()   # sessions whose round stopped this step (EOS, stop)
 
 

@@ -6,29 +6,37 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tandem.core.block_manager import BlockManager
+from tandem.core.config import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_WATERMARK, DEFAULT_WINDOW_S,
+)
 from tandem.core.stats import WindowedMean
 from tandem.core.types import (
     PREFILL, FetchHistory, FirstToken, PrefillDone, PrefillTask,
-    RoundDone, Seq, SessionFailed, StepPlan, StepResult,
+    RoundDone, Seq, SeqState, SessionFailed, StepPlan, StepResult,
 )
 from tandem.policy.reorder import FCFS, Picker
+
+NEW, PREFILLING, RUNNING, IDLE, EVICTED, FAILED = (
+    SeqState.NEW, SeqState.PREFILL, SeqState.RUNNING, SeqState.IDLE, SeqState.EVICTED, SeqState.FAILED)
 
 
 @dataclass(slots=True)
 class WorkerConfig:
-    """Scheduling knobs of one worker (vLLM names where they exist)."""
+    """Scheduling knobs of one worker (vLLM names where they exist); defaults are SchedulerConfig's. Shells
+    get one from tandem.core.factory.build_worker, never by hand."""
 
     role: str
     tp: int
     num_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 1 << 30             # sequences prefilling or decoding at once
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # sequences prefilling or decoding at once
     mix_decode_with_prefill: bool = False   # co-located chunked prefill: decodes ride along prefill chunks
     retain_s: float = 0.0                   # idle session KV is pinned this long after a round (Continuum TTL)
-    watermark: float = 0.01                 # share of blocks an admitted prefill must leave free so sequences can
+    watermark: float = DEFAULT_WATERMARK    # share of blocks an admitted prefill must leave free so sequences can
                                             # grow (vLLM's watermark); waived for a context that needs the rest
-    window_s: float = 10.0                  # windowed TTFT/ITL statistics
+    window_s: float = DEFAULT_WINDOW_S      # windowed TTFT/ITL statistics
+    decode_query_tokens: int = 1            # query tokens per decode step (1: AR; >1: multi-token steps)
 
 
 class WorkerCore:
@@ -73,7 +81,7 @@ class WorkerCore:
         """A new round of `sid` arrives: pin its KV and return how many history tokens are resident."""
         seq = self.attach(sid)
         self.idle.pop(sid, None)
-        seq.state = "prefill"
+        seq.state = PREFILLING
         return seq.num_tokens
 
     def submit(self, task: PrefillTask, now: float) -> None:
@@ -85,6 +93,16 @@ class WorkerCore:
         else:
             self.queue.append(task)
         self.queued_est_s += task.est_s
+
+    def run_local(self, task: PrefillTask, now: float) -> None:
+        """A remote round's KV transfer failed or timed out: prefill it here (decode role) on top of the resident
+        history, as a local task from the start."""
+        if task.session_id not in self.seqs:
+            return                                   # session ended meanwhile
+        if task in self.pending_kv:
+            self.pending_kv.remove(task)
+        task.local, task.done, task.kv_ready, task.start_s = True, 0, True, None
+        self.submit(task, now)
 
     def on_history_fetched(self, task: PrefillTask, now: float) -> None:
         """The lazily read history KV of a remote task has arrived here."""
@@ -112,7 +130,7 @@ class WorkerCore:
         if seq is None:
             return
         self.idle.pop(sid, None)
-        if seq.state == "running":
+        if seq.state is RUNNING:
             self.running.remove(seq)
             self._ctx -= seq.num_tokens
         kept = [t for t in self.queue if t.session_id != sid]
@@ -150,9 +168,18 @@ class WorkerCore:
                     self._admit(now)                 # growth preempted everything: the freed pool goes to the queue
                 if self.running:
                     plan.decode = list(self.running)
-                    n = len(plan.decode)
-                    shape.num_decode = n
-                    shape.decode_ctx_tokens = self._ctx + n
+                    if self.cfg.decode_query_tokens == 1:
+                        n = len(plan.decode)
+                        shape.num_decode = n
+                        shape.decode_ctx_tokens = self._ctx + n
+                    else:                            # multi-token steps: every query position counts as a row
+                        n, ctx = 0, 0
+                        for seq in plan.decode:
+                            q = seq.query_tokens
+                            n += q
+                            ctx += q * seq.num_tokens + q * (q + 1) // 2
+                        shape.num_decode = n
+                        shape.decode_ctx_tokens = ctx
                     budget -= n
                     if not self.cfg.mix_decode_with_prefill:
                         return plan
@@ -239,24 +266,31 @@ class WorkerCore:
         t.hashed = full
 
     def _grow_running(self, now: float) -> None:
-        """Every running sequence writes one more token of KV this step; preempt by recompute if short."""
+        """Every running sequence may write KV for its query tokens this step (one for AR, up to
+        decode_query_tokens, never past its round's end); preempt by recompute if short."""
+        q_max = self.cfg.decode_query_tokens
+        if q_max > 1:
+            for seq in self.running:
+                q = seq.to_decode if seq.to_decode < q_max else q_max
+                seq.query_tokens = q if q > 0 else 1
         for seq in self.running:
-            if seq.num_tokens + 1 > seq.cap:
+            if seq.num_tokens + seq.query_tokens > seq.cap:
                 break
         else:
             return
         for seq in list(self.running):
-            if seq.state == "running" and seq.num_tokens + 1 > seq.cap:
-                if seq.num_tokens + 1 > self.capacity_tokens:   # outgrew the whole pool: no preemption helps
+            grow = seq.num_tokens + seq.query_tokens
+            if seq.state is RUNNING and grow > seq.cap:
+                if grow > self.capacity_tokens:      # outgrew the whole pool: no preemption helps
                     self.running.remove(seq)
                     self._ctx -= seq.num_tokens
                     self.blocks.free(seq)
-                    seq.num_tokens, seq.cap, seq.state = 0, 0, "failed"
+                    seq.num_tokens, seq.cap, seq.state = 0, 0, FAILED
                     self.events.append(SessionFailed(
                         seq.session_id, self.id, now, f"KV exceeds the worker's capacity: "
-                        f"{self.capacity_tokens + 1} tokens on a {self.role} worker of {self.capacity_tokens}"))
+                        f"{grow} tokens on a {self.role} worker of {self.capacity_tokens}"))
                     continue
-                if not self._reserve(seq, seq.num_tokens + 1, now, preempt=True):
+                if not self._reserve(seq, grow, now, preempt=True):
                     self._preempt(seq, now)          # could not free enough: preempt itself
 
     def _reserve(self, owner, tokens: int, now: float, preempt: bool, headroom: int = 0) -> bool:
@@ -285,7 +319,7 @@ class WorkerCore:
                 continue
             del self.idle[sid]
             blocks.free(seq)
-            seq.num_tokens, seq.cap, seq.state = 0, 0, "evicted"
+            seq.num_tokens, seq.cap, seq.state = 0, 0, EVICTED
         if blocks.num_free < need and wake < self.wake_s:
             self.wake_s = wake
         return blocks.num_free >= need
@@ -326,7 +360,7 @@ class WorkerCore:
         self._ctx -= seq.num_tokens
         tokens = seq.num_tokens
         self.blocks.free(seq)
-        seq.num_tokens, seq.cap, seq.state = 0, 0, "prefill"
+        seq.num_tokens, seq.cap, seq.state = 0, 0, PREFILLING
         seq.preemptions += 1
         task = PrefillTask(seq.session_id, -1, 0, tokens, now, decode_worker=self.id, recompute=True)
         self.submit(task, now)
@@ -374,7 +408,7 @@ class WorkerCore:
         if freed:
             return True
         waiting = {t.session_id for t in self.queue} | {t.session_id for t in self.pending_kv}
-        if any(q.state == "prefill" and sid not in waiting for sid, q in self.seqs.items()):
+        if any(q.state is PREFILLING and sid not in waiting for sid, q in self.seqs.items()):
             return False                             # a remote prefill's KV is still on its way
         blocked = self.pending_kv[0] if self.pending_kv else self.queue[0]
         self.events.append(SessionFailed(
@@ -385,7 +419,8 @@ class WorkerCore:
 
     # ---------------------------------------------------------------- results
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> None:
-        """Apply a finished step: advance prefills, commit one token per decoding sequence."""
+        """Apply a finished step: advance prefills, commit each decoding sequence's committed tokens (0..its
+        query tokens; all of them when the result does not say)."""
         self.steps += 1
         self.busy_s += result.elapsed_s
         stopped = result.finished
@@ -406,19 +441,30 @@ class WorkerCore:
         if plan.decode:
             itl_sum, n_tok = 0.0, 0
             finished = False
+            committed = result.committed
             for seq in plan.decode:
-                if seq.state != "running":
+                if seq.state is not RUNNING:
                     continue
-                seq.num_tokens += 1
-                gap = now - seq.last_token_s
-                seq.itl_sum += gap
-                seq.itl_count += 1
-                if gap > seq.itl_max:
-                    seq.itl_max = gap
-                itl_sum += gap
-                n_tok += 1
-                seq.last_token_s = now
-                seq.to_decode -= 1
+                if committed is None:
+                    c = seq.query_tokens
+                else:
+                    c = committed.get(seq.session_id, 0)
+                    if c < 0 or c > seq.query_tokens:
+                        raise ValueError(f"session {seq.session_id!r} committed {c} tokens in a step of "
+                                         f"{seq.query_tokens} query tokens")
+                if c > seq.to_decode:
+                    c = seq.to_decode
+                if c > 0:                            # each commit ends one gap; tokens committed together share it
+                    seq.num_tokens += c
+                    gap = now - seq.last_token_s
+                    seq.itl_sum += gap
+                    seq.itl_count += c
+                    if gap > seq.itl_max:
+                        seq.itl_max = gap
+                    itl_sum += gap
+                    n_tok += c
+                    seq.last_token_s = now
+                    seq.to_decode -= c
                 if stopped and seq.session_id in stopped:
                     seq.to_decode = 0
                 if seq.to_decode <= 0:
@@ -448,14 +494,15 @@ class WorkerCore:
         if seq.to_decode <= 0:
             self._finish_round(seq, now)
             return
-        seq.state = "running"
+        seq.state = RUNNING
+        seq.query_tokens = 1
         self._order += 1
         seq.order = self._order
         self.running.append(seq)
         self._ctx += seq.num_tokens
 
     def _finish_round(self, seq: Seq, now: float) -> None:
-        seq.state = "idle"
+        seq.state = IDLE
         seq.retain_until = now + self.cfg.retain_s
         self.idle[seq.session_id] = seq
         self.events.append(RoundDone(seq.session_id, self.id, now, seq.itl_count + 1, seq.itl_sum, seq.itl_count,

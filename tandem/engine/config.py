@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from tandem.policy.presets import get_policy
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_CACHE_BYTES = 1 << 30        # vLLM's CPU backend takes its KV space from an env var; 1 GiB by default here
 
@@ -21,10 +24,12 @@ class EngineConfig:
     model: str
     dtype: str = "auto"                       # auto (the checkpoint's; float32 on CPU), float32, float16, bfloat16
     device: str = "auto"                      # auto (cuda when available), cpu, cuda, cuda:N
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None          # default: the model's max_position_embeddings
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    policy: str = "vllm"                      # the scheduling policy of the worker core (tandem.policy.presets):
+                                              # its prefill picker and idle-KV retention
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # KV pool budget; default: 1 GiB on CPU, 90% of free memory on CUDA
     gpu_memory_utilization: float = 0.9
@@ -36,6 +41,10 @@ class EngineConfig:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
             raise EngineError("model must be a path to a Hugging Face checkpoint directory")
         self.model = str(self.model)
+        try:
+            get_policy(self.policy)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise EngineError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

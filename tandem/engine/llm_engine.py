@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.core.prefix_hash import extend_hashes
+from tandem.core.config import SchedulerConfig
+from tandem.core.factory import build_worker
 from tandem.core.types import COLOCATED, DECODE, PREFILL, FirstToken, PrefillTask, RoundDone, SessionFailed, StepResult
-from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.engine.config import EngineConfig, EngineError
 from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
 from tandem.engine.model_runner import ModelInput, ModelRunner
@@ -86,10 +87,9 @@ class LLMEngine:
             raise EngineError(
                 f"the KV pool holds {capacity} tokens ({self.runner.num_blocks} blocks of {bs}), fewer than "
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes/num_kv_blocks or lower max_model_len")
-        self.core = WorkerCore(worker_id, WorkerConfig(
-            role=role, tp=1, num_blocks=self.runner.num_blocks, block_size=bs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            mix_decode_with_prefill=role == COLOCATED), t_pre=t_pre)
+        sched = SchedulerConfig(block_size=bs, max_num_batched_tokens=config.max_num_batched_tokens,
+                                max_num_seqs=config.max_num_seqs)
+        self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy, sched, t_pre)
         self.forward_events = role != COLOCATED if forward_events is None else forward_events
         self.core_events: list = []                          # every core event, for a coordinator to drain
         self._task_req: dict[PrefillTask, _Request] = {}     # prefill role: its tasks' requests
@@ -167,11 +167,6 @@ class LLMEngine:
     def begin_round(self, session_id: str) -> int:
         """Pin a session's resident KV for its next round; returns how many tokens of it are resident."""
         return self.core.begin_round(session_id)
-
-    def session_tokens(self, session_id: str) -> list[int]:
-        """The tokens of a session's conversation this engine holds (its KV covers all but the last)."""
-        sess = self.sessions.get(session_id)
-        return list(sess.tokens) if sess is not None else []
 
     def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, session_id: str,
                     l_hist: int, round_idx: int = 0, arrival_time: float | None = None) -> None:
@@ -258,8 +253,7 @@ class LLMEngine:
             return
         self._kv_inbox.pop(request_id, None)
         self._landing.pop(req.session_id, None)
-        req.task.local = True
-        self.core.submit(req.task, self.clock())
+        self.core.run_local(req.task, self.clock())
 
     def _land_kv(self) -> None:
         """Place received KV once the core has given the session its blocks (FirstToken of a remote round)."""
@@ -376,7 +370,8 @@ class LLMEngine:
             if self._append_token(req, tok, entry, t2):
                 finished.add(req.session_id)
             touched[req.request_id] = req
-        core.on_step_done(plan, StepResult(t2 - t0, None, finished), t2)
+        committed = {seq.session_id: 1 for seq in plan.decode}   # an AR step commits one token per sequence
+        core.on_step_done(plan, StepResult(t2 - t0, committed, finished), t2)
         self._on_events(core.drain(), t2, touched)
         t3 = self.clock()
         st = self.stats

@@ -1,68 +1,109 @@
-"""Named scheduling policies: AMPD, its ablations, and the Dynamo / vLLM / Continuum baselines."""
+"""Named scheduling policies (AMPD, its ablations, the Dynamo / vLLM / Continuum baselines) as validated specs."""
 from __future__ import annotations
 
-import random
+import dataclasses
+import math
 from dataclasses import dataclass
+from enum import StrEnum
 
-from tandem.policy.reorder import FCFS, Picker, SessionFirst, TTFTAwareReorder
-from tandem.policy.routing import AdaptiveRouter, LeastCostRemoteRouter, LocalRouter, Router
+
+class RouterKind(StrEnum):
+    """Where a round's prefill runs (tandem/policy/routing.py)."""
+
+    ADAPTIVE = "adaptive"                    # AMPD Alg. 1, slack predicted by Eq. 1-2
+    ADAPTIVE_WINDOW = "adaptive-window"      # AMPD Alg. 1 verbatim: slack from the windowed mean TTFT
+    ADAPTIVE_REMOTE = "adaptive-remote"      # Alg. 1 lines 1-3 then the cheapest prefill worker, never local
+    LEAST_COST_REMOTE = "least-cost-remote"  # Dynamo-like: always the cheapest prefill worker
+    LOCAL = "local"                          # co-located: on the session's own worker
+
+
+class PickerKind(StrEnum):
+    """Which queued prefill a worker takes next (tandem/policy/reorder.py)."""
+
+    FCFS = "fcfs"
+    TTFT_AWARE = "ttft-aware"                # AMPD Alg. 2
+    SESSION_FIRST = "session-first"          # Continuum: continuations first
+
+
+class BinderKind(StrEnum):
+    """Which decode worker a new session is bound to (tandem/policy/binding.py)."""
+
+    PREFIX_AFFINITY = "prefix-affinity"      # longest cached prefix, else least committed KV
+    LEAST_KV = "least-kv"                    # least committed KV (AMPD step 1, Dynamo's KV router)
+
+
+def _enum(kind: type[StrEnum], value, what: str):
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(k.value for k in kind)}") from None
 
 
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
-    """One serving policy: where prefills run, how queues are ordered, how idle KV is kept."""
+    """One serving policy: where prefills run, how queues are ordered, how idle KV is kept. Validated on
+    construction (unknown names and out-of-range knobs raise ValueError); `with_options` makes a variant."""
 
     name: str
     disaggregated: bool
-    router: str                  # adaptive | adaptive-window | adaptive-remote | least-cost-remote | local
-    picker: str                  # fcfs | ttft-aware | session-first
-    retain_idle_kv: bool = False  # Continuum: pin a session's KV for a TTL across its tool call
+    router: RouterKind
+    picker: PickerKind
+    binder: BinderKind = BinderKind.PREFIX_AFFINITY
+    reorder_window: int = 3      # AMPD Alg. 2: tasks considered at the head of the queue (and postponement cap)
+    retain_idle_kv_s: float = 0.0  # Continuum: pin a session's idle KV this long across its tool call (0: evictable)
+    alpha: float = 0.9           # AMPD Alg. 1: a prefill worker has TTFT slack below alpha * SLO
+    beta: float = 0.85           # AMPD Alg. 1: the decode worker has ITL slack below beta * SLO
     description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "router", _enum(RouterKind, self.router, "router"))
+        object.__setattr__(self, "picker", _enum(PickerKind, self.picker, "picker"))
+        object.__setattr__(self, "binder", _enum(BinderKind, self.binder, "binder"))
+        if isinstance(self.reorder_window, bool) or not isinstance(self.reorder_window, int) or self.reorder_window < 1:
+            raise ValueError(f"reorder_window must be an integer >= 1, got {self.reorder_window!r}")
+        if not (isinstance(self.retain_idle_kv_s, (int, float)) and 0 <= self.retain_idle_kv_s < math.inf):
+            raise ValueError(f"retain_idle_kv_s must be a finite number of seconds >= 0, got {self.retain_idle_kv_s!r}")
+        for knob in ("alpha", "beta"):
+            v = getattr(self, knob)
+            if not (isinstance(v, (int, float)) and 0 < v <= 10):
+                raise ValueError(f"{knob} must be in (0, 10], got {v!r}")
+        if not self.disaggregated and self.router != RouterKind.LOCAL:
+            raise ValueError(f"a co-located policy routes every prefill locally, got router {self.router.value!r}")
+
+    @property
+    def retain_idle_kv(self) -> bool:
+        return self.retain_idle_kv_s > 0
+
+    def with_options(self, **options) -> PolicySpec:
+        """This policy with some knobs changed (validated again)."""
+        return dataclasses.replace(self, **options)
 
 
 POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
-    PolicySpec("ampd", True, "adaptive", "ttft-aware",
+    PolicySpec("ampd", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE,
                description="AMPD: adaptive local/remote routing (Alg. 1) + TTFT-aware prefill reordering (Alg. 2)"),
-    PolicySpec("ampd-window", True, "adaptive-window", "ttft-aware",
+    PolicySpec("ampd-window", True, RouterKind.ADAPTIVE_WINDOW, PickerKind.TTFT_AWARE,
                description="AMPD with Alg. 1 verbatim: TTFT slack read from the 10 s windowed mean TTFT"),
-    PolicySpec("ampd-no-pr", True, "adaptive", "fcfs",
+    PolicySpec("ampd-no-pr", True, RouterKind.ADAPTIVE, PickerKind.FCFS,
                description="AMPD without prefill reordering"),
-    PolicySpec("ampd-no-ar-pr", True, "adaptive-remote", "fcfs",
+    PolicySpec("ampd-no-ar-pr", True, RouterKind.ADAPTIVE_REMOTE, PickerKind.FCFS,
                description="AMPD without adaptive routing and reordering: always remote (Alg. 1 lines 1-3, then cheapest prefill worker), FCFS"),
-    PolicySpec("dynamo", True, "least-cost-remote", "fcfs",
+    PolicySpec("dynamo", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS,
                description="Dynamo-like: every prefill on a prefill worker (KV-aware cheapest), FCFS"),
-    PolicySpec("vllm", False, "local", "fcfs",
+    PolicySpec("vllm", False, RouterKind.LOCAL, PickerKind.FCFS,
                description="vLLM-like co-located: continuous batching with chunked prefill, prefix-cached KV evictable"),
-    PolicySpec("continuum", False, "local", "session-first", retain_idle_kv=True,
+    PolicySpec("continuum", False, RouterKind.LOCAL, PickerKind.SESSION_FIRST, retain_idle_kv_s=30.0,
                description="Continuum-like co-located: same-session priority, KV pinned for a TTL across tool calls"),
 )}
 
 
-def get_policy(name: str) -> PolicySpec:
-    """Look up a policy by name; ValueError lists the valid ones."""
+def get_policy(name: str | PolicySpec) -> PolicySpec:
+    """Look up a policy by name (a spec is returned as is); ValueError lists the valid ones."""
+    if isinstance(name, PolicySpec):
+        return name
+    if not isinstance(name, str):
+        raise ValueError(f"a policy is named by a string, got {name!r}")
     try:
         return POLICIES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-
-
-def make_router(spec: PolicySpec, rng: random.Random, alpha: float = 0.9, beta: float = 0.85) -> Router:
-    """The routing object of a policy."""
-    if spec.router == "adaptive":
-        return AdaptiveRouter(rng, alpha, beta)
-    if spec.router == "adaptive-window":
-        return AdaptiveRouter(rng, alpha, beta, slack="window")
-    if spec.router == "adaptive-remote":
-        return AdaptiveRouter(rng, alpha, beta, allow_local=False)
-    if spec.router == "least-cost-remote":
-        return LeastCostRemoteRouter()
-    return LocalRouter()
-
-
-def make_picker(spec: PolicySpec, window: int = 3) -> Picker:
-    """The queue-ordering object of a policy (one per worker: it keeps no cross-worker state)."""
-    if spec.picker == "ttft-aware":
-        return TTFTAwareReorder(window)
-    if spec.picker == "session-first":
-        return SessionFirst()
-    return FCFS()

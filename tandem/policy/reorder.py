@@ -4,7 +4,7 @@ from __future__ import annotations
 from itertools import permutations
 from typing import Protocol
 
-from tandem.core.types import PrefillTask
+from tandem.policy.task import PrefillTask
 
 
 class Picker(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from typing import Protocol, Sequence
 
-from tandem.core.types import PrefillTask
+from tandem.policy.task import PrefillTask
 
 
 class ClusterView(Protocol):

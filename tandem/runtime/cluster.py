@@ -12,14 +12,16 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.core.coordinator import Coordinator
+from tandem.core.config import DEFAULT_KV_TIMEOUT_S, DEFAULT_SESSION_TTL_S, SchedulerConfig
+from tandem.core.factory import build_coordinator
 from tandem.core.types import COLOCATED, DECODE, PREFILL
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
-from tandem.policy.presets import get_policy, make_router
+from tandem.policy.presets import get_policy
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
 from tandem.runtime.coordinator_shell import CoordinatorShell
+from tandem.runtime.costs import serving_cost_model
 from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError
 from tandem.runtime.state_store import open_store
 from tandem.runtime.store_view import StoreView
@@ -43,8 +45,8 @@ class ClusterConfig:
     engine_args: dict = field(default_factory=dict)
     perf: str | None = None
     threads: int | None = 1                  # torch threads per worker
-    kv_timeout_s: float = 10.0
-    session_ttl_s: float = 600.0             # a session idle this long is ended and its KV freed
+    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S  # a session idle this long is ended and its KV freed
     slo_ttft_s: float | None = None          # the SLO AMPD routing aims at (None: no target, prefill workers first)
     slo_itl_s: float | None = None
     startup_timeout_s: float = 120.0
@@ -93,7 +95,7 @@ class ServingCluster:
             if cfg.colocated < 1:
                 raise ValueError(f"policy {spec.name} serves co-located workers: give --colocated N (N >= 1)")
             roles = [COLOCATED] * cfg.colocated
-        args = dict(cfg.engine_args, model=cfg.model)
+        args = dict(cfg.engine_args, model=cfg.model, policy=spec.name)
         self.roles = dict(enumerate(roles))
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
                            dict(role=r, engine_args=args, state=cfg.state, perf=cfg.perf, threads=cfg.threads,
@@ -121,13 +123,14 @@ class ServingCluster:
             await self.shutdown()
             raise
         view.refresh()
-        policy = get_policy(cfg.policy)
-        coord = Coordinator(view, make_router(policy, random.Random(cfg.seed)), max_context=self.max_model_len)
+        sched = SchedulerConfig(block_size=int(first["block_size"]), kv_timeout_s=cfg.kv_timeout_s,
+                                session_ttl_s=cfg.session_ttl_s)
+        coord = build_coordinator(view, get_policy(cfg.policy), sched, random.Random(cfg.seed),
+                                  max_context=self.max_model_len)
         kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
-                                      block_size=int(first["block_size"]), kv_timeout_s=cfg.kv_timeout_s,
-                                      slo=self._slo(), vocab_size=int(first["vocab_size"]),
-                                      session_ttl_s=cfg.session_ttl_s)
+                                      block_size=int(first["block_size"]), slo=self._slo(),
+                                      vocab_size=int(first["vocab_size"]))
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._tick())]
 
@@ -159,17 +162,7 @@ class ServingCluster:
                    c.slo_itl_s if c.slo_itl_s is not None else math.inf)
 
     def _cost(self, info: dict):
-        if self.cfg.perf:
-            from tandem.sim.cluster import load_perf
-            prof = load_perf(self.cfg.perf)
-            return getattr(prof, "ampd", prof)
-        from tandem.engine.models import ModelConfig
-        from tandem.runtime.costs import nominal_cost_model
-        mc = ModelConfig.from_pretrained(self.cfg.model)
-        params = mc.vocab_size * mc.hidden_size + mc.num_hidden_layers * (
-            4 * mc.hidden_size * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
-        return nominal_cost_model(params, mc.num_hidden_layers, mc.hidden_size, int(info["kv_bytes_per_token"]),
-                                  self.max_model_len)
+        return serving_cost_model(self.cfg.model, int(info["kv_bytes_per_token"]), self.max_model_len, self.cfg.perf)
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, worker: int, msg) -> None:

@@ -39,7 +39,7 @@ class _Req:
     prefill_worker: int = -1            # remote prefill worker, -1 when local
     sent_to_decode: bool = False
     kv_arrived: bool = False            # its remote prefill's KV reached the decode worker (KVArrived sent)
-    transfers: dict = field(default_factory=dict)    # purpose -> (Transfer, started monotonic)
+    transfers: dict = field(default_factory=dict)    # purpose -> Transfer in flight (the core times it)
     done: bool = False
 
 
@@ -51,20 +51,17 @@ class CoordinatorShell:
     """Runs the Coordinator core for live requests; one instance per server."""
 
     def __init__(self, coord: Coordinator, store, send: Callable[[int, object], None], kv_addr: dict[int, str],
-                 max_model_len: int, block_size: int = 16, kv_timeout_s: float = 10.0,
+                 max_model_len: int, block_size: int = 16,
                  clock: Callable[[], float] = time.monotonic, slo: SLO | None = None,
-                 vocab_size: int | None = None, session_ttl_s: float = 600.0) -> None:
+                 vocab_size: int | None = None) -> None:
         self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
         self.vocab_size = vocab_size                         # token ids are checked here, as the engine would
-        self.max_model_len, self.block_size, self.kv_timeout_s, self.clock = max_model_len, block_size, kv_timeout_s, clock
+        self.max_model_len, self.block_size, self.clock = max_model_len, block_size, clock
         self.slo = slo                                       # every round's TTFT/ITL target (routing reads it)
         self.reqs: dict[str, _Req] = {}
         self.by_task: dict[PrefillTask, _Req] = {}
         self.session_req: dict[str, _Req] = {}
         self.conv: dict[str, list[int]] = {}                 # session -> conversation tokens resident on its worker
-        self.session_ttl_s = session_ttl_s                   # a session idle this long ends (its KV is freed)
-        self.idle_since: dict[str, float] = {}               # session -> end of its last round
-        self.prefixes: dict[int, set[int]] = {}             # worker -> block hashes of prompts it has seen
         self._begun: dict[str, tuple[asyncio.Future, int]] = {}    # request -> (RoundBegun answer, its worker)
         self._ids = itertools.count()
         self.stats = BackendStats()
@@ -120,7 +117,10 @@ class CoordinatorShell:
             self._apply(coord.end_session(sid, now))
             self.session_req[sid] = req
             worker = None
+        hashes: list[int] = []
+        extend_hashes(hashes, req.prompt, self.block_size)
         if worker is not None:                                 # pin the resident KV and learn how much there is
+            coord.touch(sid, now)
             fut = asyncio.get_running_loop().create_future()
             self._begun[req.request_id] = (fut, worker)
             self.send(worker, m.BeginRound(req.request_id, sid))
@@ -137,34 +137,8 @@ class CoordinatorShell:
         else:
             self.store.put_session(sid, SessionInfo(decode_worker=-1, resident_tokens=0, updated_s=time.time()))
             new = len(req.prompt)
-            worker = self._prefix_worker(req.prompt)
-        self._apply(coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, worker=worker))
-
-    def _prefix_worker(self, prompt: list[int]) -> int | None:
-        """Without a session: the worker that has seen the longest prefix of this prompt (None: let the binder pick)."""
-        hashes: list[int] = []
-        extend_hashes(hashes, prompt, self.block_size)
-        best, best_n = None, 0
-        homes = set(self.coord._homes())
-        for w, seen in self.prefixes.items():
-            if w not in homes:
-                continue
-            n = 0
-            for h in hashes:
-                if h not in seen:
-                    break
-                n += 1
-            if n > best_n:
-                best, best_n = w, n
-        return best
-
-    def _remember_prefix(self, worker: int, tokens: list[int]) -> None:
-        hashes: list[int] = []
-        extend_hashes(hashes, tokens, self.block_size)
-        seen = self.prefixes.setdefault(worker, set())
-        if len(seen) > 200_000:
-            seen.clear()
-        seen.update(hashes)
+        # a new session is bound by the core's binder (longest cached prefix of the prompt, else least KV)
+        self._apply(coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, block_hashes=hashes))
 
     # ------------------------------------------------------------------ core actions out
     def _apply(self, actions: list) -> None:
@@ -175,8 +149,8 @@ class CoordinatorShell:
                 req = self.by_task.get(a.task)
                 if req is None:
                     continue
-                req.transfers[a.purpose] = (a, self.clock())
-                self.send(a.src, m.SendKV(req.request_id, req.session_id, a.purpose, a.tokens, a.dst,
+                req.transfers[a.purpose.value] = a
+                self.send(a.src, m.SendKV(req.request_id, req.session_id, a.purpose.value, a.tokens, a.dst,
                                           self.kv_addr[a.dst]))
             elif isinstance(a, (act.HistoryReady, act.KVArrived, act.Delivered)):
                 req = self.by_task.get(a.task)
@@ -189,7 +163,18 @@ class CoordinatorShell:
                         self.by_task.pop(a.task, None)
             elif isinstance(a, act.Release):
                 self._release(a)
-            # ToolCall: a live session waits for its client's next request
+            elif isinstance(a, act.Cancel):                 # the remote prefill is not wanted any more
+                req = self.by_task.get(a.task)
+                if req is not None:
+                    self.send(a.worker, m.Abort(req.request_id))
+            elif isinstance(a, act.RunLocal):               # its KV transfer failed or timed out
+                req = self.by_task.get(a.task)
+                if req is not None:
+                    req.transfers.clear()
+                    req.prefill_worker = -1
+                    self.send(a.worker, m.RunLocal(req.request_id))
+                    self.stats.kv_transfer_timeouts += 1
+            # ToolCall: a live session waits for its client's next request; Timer: check_timeouts ticks the core
 
     def _submit(self, a: act.Submit) -> None:
         t = a.task
@@ -230,7 +215,6 @@ class CoordinatorShell:
 
     def _release(self, a: act.Release) -> None:
         sid = a.session_id
-        self.idle_since.pop(sid, None)
         self.send(a.worker, m.Release(sid))
         self.store.delete_session(sid)
         self.conv.pop(sid, None)
@@ -254,7 +238,7 @@ class CoordinatorShell:
             req = self.reqs.get(msg.request_id)
             if req is None or msg.purpose not in req.transfers:
                 return
-            tr, _ = req.transfers.pop(msg.purpose)
+            tr = req.transfers.pop(msg.purpose)
             self.stats.kv_transfer_seconds.append(msg.elapsed_s)
             self.stats.kv_transfer_bytes += msg.nbytes
             self._apply(self.coord.on_transfer_done(tr, now, msg.elapsed_s))
@@ -318,10 +302,7 @@ class CoordinatorShell:
             self._finish(req, now)
             if req.keep_session and d.error is None:
                 self.conv[req.session_id] = req.prompt + comp.token_ids
-                self.idle_since[req.session_id] = now
-                self._remember_prefix(req.worker, req.prompt)
             elif not req.keep_session:
-                self._remember_prefix(req.worker, req.prompt)
                 self._apply(self.coord.end_session(req.session_id, now))
         self._push(req)
 
@@ -363,32 +344,13 @@ class CoordinatorShell:
 
     # ------------------------------------------------------------------ time and faults
     def check_timeouts(self) -> None:
-        """Sessions idle longer than session_ttl_s end; a KV transfer that has not landed in kv_timeout_s
-        makes the decode worker recompute the round locally."""
+        """Tick the core: it abandons KV transfers older than its kv_timeout_s (the round is recomputed on its
+        decode worker) and ends sessions idle longer than its session_ttl_s. Called every 0.1 s."""
         now = self.clock()
-        expired = [sid for sid, t in self.idle_since.items()
-                   if now - t > self.session_ttl_s and sid not in self.session_req]
-        for sid in expired:
-            self._apply(self.coord.end_session(sid, now))
+        self._apply(self.coord.on_tick(now))
         coord = self.coord
         if len(coord.records) > 2 * len(coord.live) + 1000:  # live serving keeps records of live sessions only
             coord.records = [r for r in coord.records if r.session_id in coord.live]
-        for req in list(self.reqs.values()):
-            for purpose, (tr, started) in list(req.transfers.items()):
-                if now - started < self.kv_timeout_s:
-                    continue
-                req.transfers.clear()
-                if req.prefill_worker >= 0:
-                    self.send(req.prefill_worker, m.Abort(req.request_id))
-                self.by_task.pop(req.task, None)
-                req.prefill_worker = -1
-                self.send(req.worker, m.RunLocal(req.request_id))
-                self.stats.kv_transfer_timeouts += 1
-                rec = self.coord.records and next((r for r in reversed(self.coord.records)
-                                                   if r.session_id == req.session_id), None)
-                if rec and rec.rounds:
-                    rec.rounds[-1].prefill_where = "local"
-                break
 
     def on_worker_lost(self, worker: int) -> None:
         """A worker died: fail its sessions' requests, re-route prefills it was running."""
@@ -400,7 +362,6 @@ class CoordinatorShell:
             if w == worker and not fut.done():
                 fut.set_exception(RequestError(f"worker lost: decode worker {worker} stopped", 503))
         self._apply(self.coord.on_worker_lost(worker, self.clock()))
-        self.prefixes.pop(worker, None)
         for req in list(self.reqs.values()):
             if req.worker == worker and not req.done:
                 self._fail(req, f"worker lost: decode worker {worker} stopped")

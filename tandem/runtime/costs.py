@@ -37,3 +37,17 @@ def nominal_cost_model(params: int, layers: int, hidden: int, kv_bytes_per_token
     kv = ([kv_features(t) for t in toks], [5e-5 + t * kv_bytes_per_token / NOMINAL_LINK_BPS for t in toks])
     return AMPDCostModel.from_samples({1: pre}, {1: dec}, {(1, 1, True): kv, (1, 1, False): kv},
                                       meta={"source": "nominal CPU roofline (tandem.runtime.costs)"})
+
+
+def serving_cost_model(model: str, kv_bytes_per_token: int, max_len: int, perf: str | None = None):
+    """The cost model the coordinator routes with and every worker estimates its queue with (AMPD Eq. 1-2):
+    the `tandem profile` fit when given (`--perf`), else the nominal roofline of the checkpoint."""
+    if perf:
+        from tandem.sim.cluster import load_perf
+        prof = load_perf(perf)
+        return getattr(prof, "ampd", prof)
+    from tandem.engine.models import ModelConfig
+    mc = ModelConfig.from_pretrained(model)
+    params = mc.vocab_size * mc.hidden_size + mc.num_hidden_layers * (
+        4 * mc.hidden_size * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
+    return nominal_cost_model(params, mc.num_hidden_layers, mc.hidden_size, int(kv_bytes_per_token), max_len)

@@ -53,7 +53,7 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
                   kv_addr: str = "", published_s: float | None = None, alive: bool = True) -> WorkerState:
         """Snapshot `core` at core time `now` (its means) and wall time `published_s` (default: time.time())."""
         return cls(
-            worker_id=core.id, role=core.role, tp=core.cfg.tp, node=node,
+            worker_id=core.id, role=str(core.role), tp=core.cfg.tp, node=node,
             control_addr=control_addr, kv_addr=kv_addr,
             ttft_mean_s=core.ttft.mean(now), itl_mean_s=core.itl.mean(now), window_s=core.cfg.window_s,
             queued_prefill_s=core.pending_prefill_s(), capacity_tokens=core.capacity_tokens,

@@ -21,14 +21,10 @@ CODEC = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV])
 log = logging.getLogger("tandem.worker")
 
 
-def _cost_t_pre(perf: str | None):
-    """The worker's prefill-time estimate for its queue (AMPD Eq. 1-2): a `tandem profile` file, or none."""
-    if not perf:
-        return None
-    from tandem.sim.cluster import load_perf
-    prof = load_perf(perf)
-    cost = getattr(prof, "ampd", prof)
-    return lambda h, n: cost.t_pre(h, n, 1)
+def _kv_bytes_per_token(engine) -> int:
+    mc = engine.model_config
+    return int(engine.runner.kv_caches[0].element_size() * 2 * mc.num_hidden_layers * mc.num_key_value_heads
+               * mc.head_dim)
 
 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
@@ -45,8 +41,13 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
     if threads:
         torch.set_num_threads(threads)
+    from tandem.runtime.costs import serving_cost_model
+
+    cost: list = []                                            # filled once the engine knows its KV layout
     engine = LLMEngine(EngineConfig(**engine_args), role=role, worker_id=env.worker_id,
-                       t_pre=_cost_t_pre(perf), forward_events=True)
+                       t_pre=lambda h, n: cost[0].t_pre(h, n, 1), forward_events=True)
+    # the queue estimates (AMPD Eq. 1-2, Alg. 2) use the cost model the coordinator routes with
+    cost.append(serving_cost_model(engine.config.model, _kv_bytes_per_token(engine), engine.max_model_len, perf))
     store = open_store(state, cluster=cluster) if state != "embedded" else None
     inbox, outbox = PeerInbox(CODEC), PeerOutbox(CODEC)
     up: list = []
@@ -111,8 +112,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         await link.ready({"kv_address": inbox.address, "pid": os.getpid(), "role": role,
                           "capacity_tokens": engine.core.capacity_tokens, "max_model_len": engine.max_model_len,
                           "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
-                          "kv_bytes_per_token": int(engine.runner.kv_caches[0].element_size() * 2
-                                                    * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim)})
+                          "kv_bytes_per_token": _kv_bytes_per_token(engine)})
         try:
             while not link.stopping:
                 while not q.empty():

@@ -5,23 +5,31 @@ import json
 import random
 from dataclasses import dataclass, field
 
+from tandem.core.config import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_KV_TIMEOUT_S, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SESSION_TTL_S, DEFAULT_WINDOW_S, SchedulerConfig,
+)
 from tandem.core.coordinator import Coordinator
 from tandem.core.deploy import Deployment, DeploymentError, parse_deploy
+from tandem.core.factory import build_coordinator, build_worker, resolve_policy
 from tandem.core.state import InProcessState
 from tandem.core.types import COLOCATED
-from tandem.core.worker import WorkerConfig, WorkerCore
+from tandem.core.worker import WorkerCore
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.hardware import get_gpu
 from tandem.perf.models import get_model
 from tandem.perf.roofline import Roofline, kv_capacity_tokens
 from tandem.perf.step_model import Profile, is_profile_dict
-from tandem.policy.presets import POLICIES, get_policy, make_picker, make_router
+from tandem.policy.presets import POLICIES, PolicySpec
+from tandem.sim.commit import UniformCommit
+from tandem.sim.faults import FaultError, FaultSpec
+from tandem.sim.host_loop import HostLoop
+from tandem.sim.loop import EventLoop
 from tandem.sim.network import Network
-from tandem.sim.loop import EventLoop, HostLoop
 from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
-__all__ = ["SimConfig", "SimResult", "simulate", "build", "load_perf", "ConfigError", "POLICIES"]
+__all__ = ["SimConfig", "SimResult", "simulate", "build", "load_perf", "ConfigError", "POLICIES", "FaultError"]
 
 
 class ConfigError(ValueError):
@@ -38,17 +46,44 @@ class SimConfig:
     deploy: str
     policy: str = "ampd"
     seed: int = 0
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048          # prefill and decode workers (vLLM chunked-prefill budget)
-    colocated_max_num_batched_tokens: int = 2048  # vLLM-style chunked prefill budget per step
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # prefill and decode workers (chunked prefill)
+    colocated_max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # co-located workers
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     mem_util: float = 0.9
-    window_s: float = 10.0                      # AMPD windowed TTFT/ITL
+    window_s: float = DEFAULT_WINDOW_S          # AMPD windowed TTFT/ITL
     alpha: float = 0.9
     beta: float = 0.85
     reorder_window: int = 3
-    continuum_ttl_s: float = 30.0
+    continuum_ttl_s: float = 30.0               # idle KV retention of policies that retain it (Continuum)
+    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S  # a KV transfer not landed after this falls back to local prefill
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S  # an idle session's KV is released after this
+    decode_query_tokens: int = 1                # query tokens per decode step (multi-token steps when > 1)
+    commit_tokens: tuple[int, int] | None = None  # multi-token steps: each commits U[lo, hi] tokens (None: all)
+    faults: FaultSpec | None = None             # injected KV-transfer failures and worker deaths
     perf: str | None = None                     # `tandem profile` JSON (step timer, routing costs, KV pool), or
                                                 # an AMPDCostModel JSON (routing costs only); roofline if None
+
+    def policy_spec(self) -> PolicySpec:
+        """The run's policy with this config's knobs (validated; ConfigError names the bad one)."""
+        try:
+            spec = resolve_policy(self.policy)
+            return spec.with_options(
+                reorder_window=self.reorder_window, alpha=self.alpha, beta=self.beta,
+                retain_idle_kv_s=self.continuum_ttl_s if spec.retain_idle_kv else 0.0)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def scheduler(self, **over) -> SchedulerConfig:
+        """The scheduler configuration every core of this run is built with."""
+        kw = dict(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
+                  max_num_seqs=self.max_num_seqs, window_s=self.window_s, kv_timeout_s=self.kv_timeout_s,
+                  session_ttl_s=self.session_ttl_s, decode_query_tokens=self.decode_query_tokens)
+        kw.update(over)
+        try:
+            return SchedulerConfig(**kw)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass(slots=True)
@@ -96,11 +131,8 @@ def load_perf(path: str) -> Profile | AMPDCostModel:
 
 
 def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
-    """Instantiate the cores, the cost models and the shell for `cfg`."""
-    try:
-        spec = get_policy(cfg.policy)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    """Instantiate the cores (through the factory), the cost models and the shell for `cfg`."""
+    spec = cfg.policy_spec()
     if cfg.gpus < 1:
         raise ConfigError(f"--gpus must be at least 1, got {cfg.gpus}")
     dep = parse_deploy(cfg.deploy, cfg.gpus)
@@ -114,26 +146,38 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     nodes = place(dep, gpu.gpus_per_node, cfg.gpus)
     tps = tuple(sorted({tp for _, tp in dep.workers()}))
     cost = perf if perf is not None else AMPDCostModel.from_roofline(model.name, gpu.name, tps)
-    rng = random.Random(cfg.seed)
+    sched = cfg.scheduler()
     workers, timers = [], []
     for wid, (role, tp) in enumerate(dep.workers()):
         cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
-        wc = WorkerConfig(
-            role=role, tp=tp, num_blocks=cap // cfg.block_size, block_size=cfg.block_size,
-            max_num_batched_tokens=cfg.colocated_max_num_batched_tokens if role == COLOCATED else cfg.max_num_batched_tokens,
-            mix_decode_with_prefill=role == COLOCATED,
-            retain_s=cfg.continuum_ttl_s if spec.retain_idle_kv else 0.0,
-            window_s=cfg.window_s)
         t_pre = (lambda h, n, _tp=tp: cost.t_pre(h, n, _tp))
-        workers.append(WorkerCore(wid, wc, make_picker(spec, cfg.reorder_window), t_pre))
+        workers.append(build_worker(
+            wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
+            max_num_batched_tokens=cfg.colocated_max_num_batched_tokens if role == COLOCATED else None))
         timers.append(Roofline(model, gpu, tp).step_time)
     state = InProcessState(workers, cost, nodes)
-    coord = Coordinator(state, make_router(spec, rng, cfg.alpha, cfg.beta), max_context=model.max_context)
+    coord = build_coordinator(state, spec, sched, random.Random(cfg.seed), max_context=model.max_context)
     net = Network(nodes, [w.cfg.tp for w in workers],
                   nvlink_bps=gpu.nvlink_gbs * 1e9 * gpu.link_eff, net_bps=gpu.net_gbs * 1e9 * gpu.link_eff,
                   nvlink_latency_s=gpu.nvlink_latency_s, net_latency_s=gpu.net_latency_s, schedule=None)
     loop = EventLoop(coord, workers, timers, net, model.kv_bytes_per_token)
+    _shell_options(loop, cfg, state)
     return coord, workers, loop
+
+
+def _shell_options(loop: EventLoop, cfg: SimConfig, state: InProcessState) -> None:
+    """Faults and multi-token commits of the run, checked against the deployment."""
+    if cfg.faults is not None and cfg.faults.any:
+        bad = [w for w, _ in cfg.faults.kills if w >= len(loop.workers)]
+        if bad:
+            raise ConfigError(f"--faults kills worker {bad[0]} but the deployment has workers 0-{len(loop.workers) - 1}")
+        loop.set_faults(cfg.faults, cfg.seed, state)
+    if cfg.commit_tokens is not None:
+        lo, hi = cfg.commit_tokens
+        try:
+            loop.commit = UniformCommit(lo, hi, cfg.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
@@ -144,29 +188,24 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     if bad:
         raise ConfigError(f"the profile {cfg.perf} measured one engine on one device (tp1); "
                           f"deployment {dep} asks for tp{bad[0]}")
-    rng = random.Random(cfg.seed)
     step_time = prof.step_model.step_time
     cost = prof.ampd
+    sched = cfg.scheduler(block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
+                          max_num_seqs=prof.max_num_seqs)
     workers, timers = [], []
     for wid, (role, tp) in enumerate(dep.workers()):
-        wc = WorkerConfig(
-            role=role, tp=1, num_blocks=prof.num_blocks, block_size=prof.block_size,
-            max_num_batched_tokens=prof.max_num_batched_tokens, max_num_seqs=prof.max_num_seqs,
-            mix_decode_with_prefill=role == COLOCATED,
-            retain_s=cfg.continuum_ttl_s if spec.retain_idle_kv else 0.0,
-            window_s=cfg.window_s)
-        workers.append(WorkerCore(wid, wc, make_picker(spec, cfg.reorder_window),
-                                  lambda h, n: cost.t_pre(h, n, 1)))
+        workers.append(build_worker(wid, role, 1, prof.num_blocks, spec, sched, lambda h, n: cost.t_pre(h, n, 1)))
         timers.append(step_time)
     nodes = [0] * len(workers)                       # one host: every transfer takes the local link
     state = InProcessState(workers, cost, nodes)
-    coord = Coordinator(state, make_router(spec, rng, cfg.alpha, cfg.beta), max_context=prof.max_model_len)
+    coord = build_coordinator(state, spec, sched, random.Random(cfg.seed), max_context=prof.max_model_len)
     bw, lat = float(prof.kv_link["bandwidth_bytes_per_s"]), float(prof.kv_link["latency_s"])
     net = Network(nodes, [1] * len(workers), nvlink_bps=bw, net_bps=bw, nvlink_latency_s=lat, net_latency_s=lat,
                   schedule=None)
     # the engines are served by tandem's runtime: messages between steps, KV export/import on the workers,
     # the runtime's latencies and the step slow-down of processes sharing the host (docs/simulator.md)
     loop = HostLoop(coord, workers, timers, net, prof.kv_bytes_per_token, prof.runtime_costs())
+    _shell_options(loop, cfg, state)
     return coord, workers, loop
 
 

@@ -33,7 +33,8 @@ Rounds (a round counts for a latency metric once that latency is known)
   co-located prefills) / prefilled rounds. A round is prefilled when prefill_where is set or
   prefill_start_s is known.
 - `rounds_total` (sum of num_rounds), `rounds_completed` (rounds with finish_s),
-  `preemptions`, `recomputed_tokens` (sums over rounds).
+  `preemptions`, `recomputed_tokens`, `kv_failures` (KV transfers failed or timed out, each recomputed
+  locally), `kv_fallback_tokens` (tokens prefilled again after a failed write-back) (sums over rounds).
 - `throughput_output_tokens_per_s`: output tokens of all rounds / `sim_time_s`;
   `throughput_input_tokens_per_s`: input tokens of rounds whose prefill finished / `sim_time_s`.
 
@@ -169,6 +170,8 @@ def summarize(records: Iterable[SessionRecord], sim_time_s: float) -> dict:
         "rounds_completed": sum(1 for r in rounds if r.finish_s is not None),
         "preemptions": sum(r.preemptions for r in rounds),
         "recomputed_tokens": sum(r.recomputed_tokens for r in rounds),
+        "kv_failures": sum(r.kv_failures for r in rounds),
+        "kv_fallback_tokens": sum(r.kv_fallback_tokens for r in rounds),
         "throughput_output_tokens_per_s": _ratio(sum(r.output_tokens for r in rounds), sim_time_s),
         "throughput_input_tokens_per_s": _ratio(
             sum(r.input_tokens for r in rounds if r.first_token_s is not None), sim_time_s),

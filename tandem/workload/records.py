@@ -28,6 +28,8 @@ class RoundRecord:
     itl_max_s: float = 0.0
     kv_transfer_s: float = 0.0       # time spent moving this round's KV (history read + incremental write-back)
     preemptions: int = 0
+    kv_failures: int = 0             # KV transfers of this round that failed or timed out (then recomputed locally)
+    kv_fallback_tokens: int = 0      # tokens computed again on the decode worker after a failed KV write-back
 
     @property
     def ttft_s(self) -> float | None:

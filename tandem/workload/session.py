@@ -49,6 +49,24 @@ class Session:
         """Context length after the last round: all inputs plus all outputs."""
         return sum(r.input_tokens + r.output_tokens for r in self.rounds)
 
+    def first_prompt_hashes(self, block_size: int) -> tuple[int, ...]:
+        """Chained hashes of the full `block_size`-token blocks of the first round's prompt, derived from its
+        `hash_ids` (blocks of `self.block_size` tokens): equal hashes mean equal prefixes (prefix caching).
+
+        Block j ends at token e = (j+1)*block_size, inside trace block i = ceil(e / self.block_size) - 1; the
+        pair (hash_ids[i], offset of e in it) names the prefix [0, e) exactly."""
+        r = self.rounds[0] if self.rounds else None
+        if r is None or not r.hash_ids or not self.block_size:
+            return ()
+        tb = self.block_size
+        covered = min(r.input_tokens, len(r.hash_ids) * tb)
+        out = []
+        for j in range(covered // block_size):
+            e = (j + 1) * block_size
+            i = -(-e // tb) - 1
+            out.append(hash((r.hash_ids[i], e - i * tb)))
+        return tuple(out)
+
 
 # --------------------------------------------------------------------------- parsing
 

@@ -1,0 +1,48 @@
+"""The scheduler configuration every shell shares: one set of defaults (vLLM's names) for the simulator,
+the engine and the runtime's workers and coordinator."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048     # vLLM's chunked-prefill token budget per step
+DEFAULT_MAX_NUM_SEQS = 256                # vLLM's cap on sequences scheduled at once
+DEFAULT_WATERMARK = 0.01                  # vLLM's share of blocks an admitted prefill leaves free
+DEFAULT_WINDOW_S = 10.0                   # AMPD's window of the published TTFT/ITL means
+DEFAULT_KV_TIMEOUT_S = 10.0               # a KV transfer not landed after this is abandoned (local recompute)
+DEFAULT_SESSION_TTL_S = 600.0             # an idle session's KV is released after this
+
+
+def _int(name: str, v, lo: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+def _seconds(name: str, v, allow_inf: bool = True) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or (not allow_inf and math.isinf(v)):
+        raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How every worker core schedules and how the coordinator times out (validated on construction)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    watermark: float = DEFAULT_WATERMARK
+    window_s: float = DEFAULT_WINDOW_S
+    decode_query_tokens: int = 1              # query tokens a decoding sequence computes per step (1: AR; the
+                                              # diffusion chunk or 1 + draft tokens for multi-token steps)
+    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "decode_query_tokens"):
+            _int(name, getattr(self, name))
+        if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        _seconds("window_s", self.window_s, allow_inf=False)
+        _seconds("kv_timeout_s", self.kv_timeout_s)
+        _seconds("session_ttl_s", self.session_ttl_s)

@@ -1,0 +1,81 @@
+"""The one construction path of the cores: every Coordinator and WorkerCore of the simulator, the engine and
+the runtime's processes is built here, from a validated PolicySpec and SchedulerConfig, so a policy named
+anywhere is the policy that runs everywhere."""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+from tandem.core.config import SchedulerConfig
+from tandem.core.coordinator import Coordinator, CoordinatorView
+from tandem.core.types import COLOCATED, Role
+from tandem.core.worker import WorkerConfig, WorkerCore
+from tandem.policy.binding import LeastKVBinder, PrefixAffinityBinder
+from tandem.policy.presets import BinderKind, PickerKind, PolicySpec, RouterKind, get_policy
+from tandem.policy.reorder import FCFS, Picker, SessionFirst, TTFTAwareReorder
+from tandem.policy.routing import AdaptiveRouter, LeastCostRemoteRouter, LocalRouter, Router
+
+__all__ = ["build_worker", "build_coordinator", "make_router", "make_picker", "resolve_policy"]
+
+
+def resolve_policy(policy: str | PolicySpec, **options) -> PolicySpec:
+    """A validated policy spec from a name or spec, with knobs overridden (ValueError names the bad one)."""
+    spec = get_policy(policy)
+    return spec.with_options(**options) if options else spec
+
+
+def make_router(spec: PolicySpec, rng: random.Random) -> Router:
+    """The routing object of a policy (AMPD Alg. 1 and the baselines' fixed rules)."""
+    kind = spec.router
+    if kind is RouterKind.ADAPTIVE:
+        return AdaptiveRouter(rng, spec.alpha, spec.beta)
+    if kind is RouterKind.ADAPTIVE_WINDOW:
+        return AdaptiveRouter(rng, spec.alpha, spec.beta, slack="window")
+    if kind is RouterKind.ADAPTIVE_REMOTE:
+        return AdaptiveRouter(rng, spec.alpha, spec.beta, allow_local=False)
+    if kind is RouterKind.LEAST_COST_REMOTE:
+        return LeastCostRemoteRouter()
+    if kind is RouterKind.LOCAL:
+        return LocalRouter()
+    raise ValueError(f"no router for {kind!r}")
+
+
+def make_picker(spec: PolicySpec) -> Picker:
+    """The queue-ordering object of a policy (one per worker: it keeps no cross-worker state)."""
+    kind = spec.picker
+    if kind is PickerKind.TTFT_AWARE:
+        return TTFTAwareReorder(spec.reorder_window)
+    if kind is PickerKind.SESSION_FIRST:
+        return SessionFirst()
+    if kind is PickerKind.FCFS:
+        return FCFS()
+    raise ValueError(f"no picker for {kind!r}")
+
+
+def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: str | PolicySpec,
+                 sched: SchedulerConfig | None = None, t_pre: Callable[[int, int], float] | None = None,
+                 max_num_batched_tokens: int | None = None) -> WorkerCore:
+    """One worker core of `role` with the policy's picker and idle-KV retention and the scheduler's knobs.
+    `max_num_batched_tokens` overrides the scheduler's budget for this worker (the simulator's co-located one)."""
+    spec = get_policy(policy)
+    sched = sched or SchedulerConfig()
+    role = Role(role)
+    cfg = WorkerConfig(
+        role=role, tp=tp, num_blocks=num_blocks, block_size=sched.block_size,
+        max_num_batched_tokens=max_num_batched_tokens or sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs, mix_decode_with_prefill=role == COLOCATED,
+        retain_s=spec.retain_idle_kv_s, watermark=sched.watermark, window_s=sched.window_s,
+        decode_query_tokens=sched.decode_query_tokens)
+    return WorkerCore(wid, cfg, make_picker(spec), t_pre)
+
+
+def build_coordinator(view: CoordinatorView, policy: str | PolicySpec, sched: SchedulerConfig | None = None,
+                      seed: int | random.Random = 0, max_context: int | None = None) -> Coordinator:
+    """The coordinator core with the policy's router and binder and the scheduler's timeouts."""
+    spec = get_policy(policy)
+    sched = sched or SchedulerConfig()
+    rng = seed if isinstance(seed, random.Random) else random.Random(seed)
+    binder = PrefixAffinityBinder() if spec.binder is BinderKind.PREFIX_AFFINITY else LeastKVBinder()
+    return Coordinator(view, make_router(spec, rng), binder, max_context=max_context,
+                       kv_timeout_s=sched.kv_timeout_s, session_ttl_s=sched.session_ttl_s,
+                       block_size=sched.block_size)
