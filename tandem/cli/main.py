@@ -146,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
     s.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
     s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
+    s.add_argument("--faults", default=None, metavar="SPEC",
+                   help="inject faults and compare with the fault-free run: kv-fail=P (a KV transfer fails), "
+                        "kv-lost=P (it never lands), kill=WORKER@SECONDS; comma-separated")
+    s.add_argument("--kv-timeout", type=_positive_float, default=None, metavar="S",
+                   help="a KV transfer not landed after S seconds is recomputed locally (default: 10)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.add_argument("--records", default=None, metavar="FILE.jsonl",
                    help="also write every session's per-round record (TTFT, ITL, placement, KV) as JSON lines")
@@ -373,8 +378,16 @@ def cmd_simulate(args) -> int:
     if cluster is None:
         raise CLIError("the simulator (tandem.sim.cluster) is not available in this build")
     cfg = _sim_config(cluster, args, model, gpu, gpus, deploy, args.policy)
+    faults = _faults(args)
+    if args.kv_timeout is not None:
+        cfg = dataclasses.replace(cfg, kv_timeout_s=args.kv_timeout)
     _check_out_path(args.records)
     _flush_notes()
+    base = None
+    if faults is not None:                       # the same run without faults: what the faults cost
+        free = cluster.simulate(sessions, cfg)
+        base = summarize(free.records, free.sim_time_s)
+        cfg = dataclasses.replace(cfg, faults=faults)
     res = cluster.simulate(sessions, cfg)
     if args.records is not None:
         from tandem.workload.records import dump_records
@@ -383,12 +396,54 @@ def cmd_simulate(args) -> int:
     out.update({"wall_s": res.wall_s, "sim_time_s": res.sim_time_s, "events": res.events,
                 "deploy": res.deployment, "policy": res.policy, "model": model, "gpu": gpu, "gpus": gpus,
                 "workload": args.workload, "rate": rate, "seed": args.seed})
+    if base is not None:
+        out["faults"] = _fault_cost(str(faults), base, out)
     if args.json:
         from tandem.sim.report import to_jsonable
         print(json.dumps(to_jsonable(out), indent=2))
     else:
         _print_sim_table(out)
+        if base is not None:
+            _print_fault_cost(out["faults"])
     return 0
+
+
+FAULT_METRICS = ("sessions_completed", "sessions_failed", "slo_attainment", "round_slo_attainment",
+                 "ttft_initial_p95_s", "ttft_incremental_p95_s", "itl_mean_s", "kv_failures", "kv_fallback_tokens",
+                 "recomputed_tokens", "local_prefill_fraction")
+
+
+def _faults(args):
+    """The --faults spec, parsed; a malformed one is a one-line CLI error."""
+    if args.faults is None:
+        return None
+    from tandem.sim.faults import FaultError, parse_faults
+    try:
+        return parse_faults(args.faults)
+    except FaultError as e:
+        raise CLIError(f"--faults: {e}") from None
+
+
+def _fault_cost(spec: str, base: dict, faulty: dict) -> dict:
+    """The faulty run against the fault-free one, metric by metric."""
+    rows = {}
+    for k in FAULT_METRICS:
+        a, b = base.get(k), faulty.get(k)
+        rows[k] = {"fault_free": a, "with_faults": b,
+                   "change": (b - a) if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None}
+    return {"spec": spec, "metrics": rows}
+
+
+def _print_fault_cost(cost: dict) -> None:
+    from tandem.sim.report import Column, format_table
+
+    def show(v):
+        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+    rows = [{"metric": k, "free": show(v["fault_free"]), "faults": show(v["with_faults"]), "change": show(v["change"])}
+            for k, v in cost["metrics"].items()]
+    print(f"faults {cost['spec']} against the fault-free run:")
+    print(format_table(rows, [Column("metric", "metric"), Column("free", "fault-free"), Column("faults", "with faults"),
+                              Column("change", "change")]), end="")
 
 
 # --------------------------------------------------------------------------- generate
