@@ -245,14 +245,16 @@ def with_runtime(profile: Path, runtime: dict | None, out: Path) -> Path:
 async def _echo_hop(rounds: int = 300) -> dict:
     """Half the round trip of a control message between this process and a worker process over the runtime's
     transport (Hub/Link: ZeroMQ over TCP, msgspec), the real launcher and an echo worker."""
-    from tandem.runtime._echo_worker import CODEC, Echo
+    if str(ROOT / "tests") not in sys.path:      # the echo worker is a test fixture (tests/echo_worker.py);
+        sys.path.insert(0, str(ROOT / "tests"))  # spawned workers inherit this sys.path
+    from echo_worker import CODEC, Echo
     from tandem.runtime.launcher import Cluster, WorkerSpec
     from tandem.runtime.transport import Hub
 
     rtts = []
     async with Hub(CODEC) as hub:
         cluster = Cluster(hub)
-        await cluster.start([WorkerSpec(0, "tandem.runtime._echo_worker:main")])
+        await cluster.start([WorkerSpec(0, "echo_worker:main")])
         try:
             for i in range(rounds):
                 t = time.perf_counter()
@@ -284,7 +286,8 @@ class SpeedCheck:
 
         from tandem.engine.config import EngineConfig
         from tandem.engine.model_runner import ModelRunner
-        from tandem.engine.profiler import Point, _Bench
+        from tandem.engine.profiling.grids import Point
+        from tandem.engine.profiling.timing import _Bench
 
         torch.set_num_threads(1)
         runner = ModelRunner(EngineConfig(model=str(model), num_kv_blocks=512))

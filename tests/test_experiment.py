@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tandem.bench import experiment as ex
-from tandem.bench.experiment import (ExperimentError, ExperimentSpec, Task, TaskResult, deployment_candidates,
-                                     preset, reference_rate, relative_improvement, run_experiment)
+from tandem.bench.experiment import (ExperimentError, ExperimentSpec, Task, TaskResult, deployment_candidates, pool,
+                                     preset, reference_rate, relative_improvement, run_experiment, sweep)
 from tandem.core.deploy import parse_deploy
 from tandem.workload.records import RoundRecord, SessionRecord
 from tandem.workload.session import SLO
@@ -134,8 +134,8 @@ def fake_sim(monkeypatch):
         return TaskResult(task, records=_records(att, ttft), sim_time_s=20.0, wall_s=0.01, events=5,
                           deployment=task.deploy)
 
-    monkeypatch.setattr(ex, "run_task", run_task)
-    monkeypatch.setattr(ex, "validate_spec", lambda spec: None)
+    monkeypatch.setattr(pool, "run_task", run_task)
+    monkeypatch.setattr(sweep, "validate_spec", lambda spec: None)
     return calls
 
 
@@ -181,13 +181,13 @@ def test_policy_wide_fixed_deploy_only_for_matching_gpu_count(fake_sim, tmp_path
 
 
 def test_failed_candidates_are_skipped(monkeypatch, fake_sim, tmp_path):
-    real = ex.run_task
+    real = pool.run_task
 
     def flaky(task):
         if task.deploy == "P:tp2x2,D:tp4x1":
             return TaskResult(task, error="ConfigError: nope")
         return real(task)
-    monkeypatch.setattr(ex, "run_task", flaky)
+    monkeypatch.setattr(pool, "run_task", flaky)
     spec = ExperimentSpec(workloads=["toolbench"], policies=["ampd"], rates=[1.0], sessions=10)
     res = run_experiment(spec, tmp_path, progress=False)
     d = res["deployments"][0]
@@ -250,8 +250,8 @@ def test_deploy_per_rate_gives_each_rate_its_own_best_candidate_and_shares_it(mo
         return TaskResult(task, records=_records(att, 0.5), sim_time_s=20.0, wall_s=0.01, events=5,
                           deployment=task.deploy)
 
-    monkeypatch.setattr(ex, "run_task", run_task)
-    monkeypatch.setattr(ex, "validate_spec", lambda spec: None)
+    monkeypatch.setattr(pool, "run_task", run_task)
+    monkeypatch.setattr(sweep, "validate_spec", lambda spec: None)
     spec = ExperimentSpec(workloads=["toolbench"], policies=["ampd", "ampd-no-pr"], rates=[1.0, 2.0], sessions=10,
                           share_deploy={"ampd-no-pr": "ampd"}, deploy_per_rate=True, prefill_basis="prompt")
     res = run_experiment(spec, tmp_path, progress=False)

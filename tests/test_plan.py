@@ -10,7 +10,7 @@ import pytest
 
 from tandem.cli.main import main
 from tandem.plan import PlanError, PlanInputs, exhaustive, plan
-from tandem.plan import coefficients as coef_mod
+from tandem.plan.coefficients import evaluator as coef_mod
 from tandem.plan.coefficients import Evaluator, RunCache, SimSpec, Workload, needed_above, p95, simulate_one
 from tandem.plan.milp import Coefficients, solve_topk
 from tandem.plan.space import Pair, explain_no_fit, feasible_degrees, min_kv_tokens, pairs

@@ -133,7 +133,7 @@ def test_profile_json_round_trip(tmp_path):
 
 
 def test_grids_respect_the_engine_limits():
-    from tandem.engine.profiler import heldout_grid, train_grid
+    from tandem.engine.profiling import heldout_grid, train_grid
     for quick in (True, False):
         pts = train_grid(512, 2048, 64, 20_000, quick=quick)
         held = heldout_grid(30, 512, 2048, 64, 20_000, random.Random(0))
@@ -235,7 +235,7 @@ def test_kv_path_through_the_engine(tmp_path):
     """The profiler's KV link: export_kv, ZeroMQ over TCP loopback, import_kv, each fitted as a + bytes / rate."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.model_runner import ModelRunner
-    from tandem.engine.profiler import measure_kv_path
+    from tandem.engine.profiling import measure_kv_path
     from tandem.engine.tiny_model import make_tiny_model
     from tandem.perf.step_model import kv_link_seconds
     make_tiny_model(tmp_path / "tiny", arch="qwen3", size="1m", seed=0)

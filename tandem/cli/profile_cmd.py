@@ -12,11 +12,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from tandem.cli.common import CLIError, positive_int, seed_arg
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `profile` on the subparsers `sub` of the tandem parser."""
-    from tandem.cli.main import _positive_int, _seed
-
     p = sub.add_parser("profile", help="measure the engine's step times on this device and fit its cost model",
                        description="Time prefill, decode and mixed steps of the PyTorch engine over lengths, "
                                    "histories and batch sizes, fit the step-time model and AMPD's cost functions, "
@@ -25,24 +25,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default="profile.json", metavar="FILE", help="where to write the profile (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="a small grid with sequences up to 1024 tokens (seconds on a tiny model): checks the pipeline")
-    p.add_argument("--max-len", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--max-len", type=positive_int, default=None, metavar="N",
                    help="longest sequence profiled (default: the model's context, within the KV pool)")
-    p.add_argument("--repeats", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--repeats", type=positive_int, default=None, metavar="K",
                    help="timed runs of every step; the median is kept (default: 3)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="torch CPU threads (default: torch's; profile with what the server will use)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                    help="compute dtype (default: %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, metavar="N",
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, metavar="N",
                    help="the engine's token budget per step, the largest step measured (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256, metavar="N",
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, metavar="N",
                    help="the engine's most sequences per step (default: %(default)s)")
-    p.add_argument("--num-kv-blocks", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None, metavar="N",
                    help="KV pool size in blocks (default: the engine's memory budget)")
-    p.add_argument("--heldout", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--heldout", type=positive_int, default=None, metavar="N",
                    help="random held-out steps for the error estimate (default: 40; --quick: 16)")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the grids and tokens (default: 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the grids and tokens (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_profile)
     return p
@@ -119,8 +119,6 @@ def summary_rows(prof) -> list[tuple[str, str]]:
 
 def cmd_profile(args) -> int:
     """Profile the engine, write the JSON, print the summary."""
-    from tandem.cli.main import CLIError
-
     model = Path(args.model)
     if not model.is_dir():
         raise CLIError(f"--model {args.model}: not a checkpoint directory")
@@ -131,7 +129,7 @@ def cmd_profile(args) -> int:
         raise CLIError(f"--out {args.out}: folder {out.parent} does not exist")
     from tandem.engine.config import EngineError
     from tandem.engine.loader import ModelLoadError
-    from tandem.engine.profiler import ProfileOptions, profile
+    from tandem.engine.profiling import ProfileOptions, profile
 
     opts = ProfileOptions(quick=args.quick, max_len=args.max_len, repeats=args.repeats, device=args.device,
                           threads=args.threads, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -259,23 +259,25 @@ class CoordinatorShell:
         elif isinstance(msg, m.Stats):
             self.store.publish(msg.state)
 
-    def _event(self, worker: int, ev: m.CoreEvent, now: float) -> None:
+    def _event(self, worker: int, ev, now: float) -> None:
+        """A worker core's event, back as the core event the coordinator consumes."""
         coord = self.coord
-        if ev.kind in ("FetchHistory", "PrefillDone"):
+        if isinstance(ev, (m.EvFetchHistory, m.EvPrefillDone)):
             req = self.reqs.get(ev.request_id)
             if req is None or req.task is None:
                 return
-            core_ev = FetchHistory(req.task, ev.tokens) if ev.kind == "FetchHistory" else PrefillDone(req.task, worker, now)
-        elif ev.kind == "FirstToken":
+            core_ev = (FetchHistory(req.task, ev.tokens) if isinstance(ev, m.EvFetchHistory)
+                       else PrefillDone(req.task, worker, now))
+        elif coord.session_worker(ev.session_id) is None:
+            return
+        elif isinstance(ev, m.EvFirstToken):
             core_ev = FirstToken(ev.session_id, worker, now, now)
-        elif ev.kind == "RoundDone":
+        elif isinstance(ev, m.EvRoundDone):
             core_ev = RoundDone(ev.session_id, worker, now, ev.output_tokens, ev.itl_sum, ev.itl_count, ev.itl_max,
                                 ev.preemptions)
-        elif ev.kind == "SessionFailed":
+        elif isinstance(ev, m.EvSessionFailed):
             core_ev = SessionFailed(ev.session_id, worker, now, ev.reason)
         else:
-            return
-        if coord.session_worker(ev.session_id) is None and ev.kind not in ("FetchHistory", "PrefillDone"):
             return
         self._apply(coord.on_event(core_ev, now))
 

@@ -6,13 +6,11 @@ one (FetchHistory, PrefillDone, FirstToken, RoundDone, SessionFailed) keyed by r
 """
 from __future__ import annotations
 
+from typing import Literal, Union
+
 import msgspec
 
-
-class Params(msgspec.Struct, kw_only=True):
-    """SamplingParams fields, as sent over the wire (None: the default)."""
-
-    fields: dict
+Purpose = Literal["history", "incremental"]     # tandem.core.actions.TransferPurpose on the wire
 
 
 # ------------------------------------------------------------------ coordinator -> worker
@@ -53,7 +51,7 @@ class SendKV(msgspec.Struct, tag=True):
 
     request_id: str
     session_id: str
-    purpose: str
+    purpose: Purpose
     tokens: int
     dst_worker: int
     dst_addr: str
@@ -91,7 +89,7 @@ class KVData(msgspec.Struct, tag=True):
     """A KV payload header; the bytes follow as the next frame."""
 
     request_id: str
-    purpose: str
+    purpose: Purpose
     src_worker: int
     num_tokens: int
     dtype: str
@@ -129,21 +127,41 @@ class Outputs(msgspec.Struct, tag=True):
     deltas: list[Delta]
 
 
-class CoreEvent(msgspec.Struct, tag=True):
-    """A worker core event: kind is FetchHistory | PrefillDone | FirstToken | RoundDone | SessionFailed."""
+class EvFetchHistory(msgspec.Struct, tag=True):
+    """Core event FetchHistory: a remote prefill needs `tokens` of its session's history KV."""
 
-    kind: str
     session_id: str
-    request_id: str = ""
-    time_s: float = 0.0
-    tokens: int = 0
-    output_tokens: int = 0
+    request_id: str
+    tokens: int
+
+
+class EvPrefillDone(msgspec.Struct, tag=True):
+    """Core event PrefillDone: a remote prefill finished; its new KV goes back to the decode worker."""
+
+    session_id: str
+    request_id: str
+
+
+class EvFirstToken(msgspec.Struct, tag=True):
+    session_id: str
+    prefill_start_s: float = 0.0
+
+
+class EvRoundDone(msgspec.Struct, tag=True):
+    session_id: str
+    output_tokens: int
     itl_sum: float = 0.0
     itl_count: int = 0
     itl_max: float = 0.0
     preemptions: int = 0
-    prefill_start_s: float = 0.0
-    reason: str = ""
+
+
+class EvSessionFailed(msgspec.Struct, tag=True):
+    session_id: str
+    reason: str
+
+
+CoreEvent = Union[EvFetchHistory, EvPrefillDone, EvFirstToken, EvRoundDone, EvSessionFailed]
 
 
 class Events(msgspec.Struct, tag=True):

@@ -160,16 +160,16 @@ class WorkerShell:
                 req = eng._task_req.get(ev.task)
                 if req is None:
                     continue                                   # aborted meanwhile
-                out.append(m.CoreEvent("FetchHistory" if isinstance(ev, FetchHistory) else "PrefillDone",
-                                       ev.task.session_id, req.request_id,
-                                       tokens=ev.tokens if isinstance(ev, FetchHistory) else 0))
+                if isinstance(ev, FetchHistory):
+                    out.append(m.EvFetchHistory(ev.task.session_id, req.request_id, ev.tokens))
+                else:
+                    out.append(m.EvPrefillDone(ev.task.session_id, req.request_id))
             elif isinstance(ev, FirstToken):
-                out.append(m.CoreEvent("FirstToken", ev.session_id, prefill_start_s=ev.prefill_start_s))
+                out.append(m.EvFirstToken(ev.session_id, ev.prefill_start_s))
             elif isinstance(ev, RoundDone):
-                out.append(m.CoreEvent("RoundDone", ev.session_id, output_tokens=ev.output_tokens,
-                                       itl_sum=ev.itl_sum, itl_count=ev.itl_count, itl_max=ev.itl_max,
-                                       preemptions=ev.preemptions))
+                out.append(m.EvRoundDone(ev.session_id, ev.output_tokens, ev.itl_sum, ev.itl_count, ev.itl_max,
+                                         ev.preemptions))
             elif isinstance(ev, SessionFailed):
-                out.append(m.CoreEvent("SessionFailed", ev.session_id, reason=ev.reason))
+                out.append(m.EvSessionFailed(ev.session_id, ev.reason))
         if out:
             self.send_up(m.Events(out))

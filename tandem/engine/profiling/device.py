@@ -1,0 +1,36 @@
+"""What a profile was measured on: the CPU or CUDA device, and how loaded the machine was."""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info(device: torch.device) -> dict:
+    """What the profile was measured on: CPU model, cores and torch threads, or the CUDA device."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": props.name, "memory_bytes": int(props.total_memory),
+                "capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda}
+    return {"type": "cpu", "name": _cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "machine": platform.machine()}
+
+
+def _load_avg() -> float | None:
+    """The 1-minute load average (other jobs competing for the cores make timings noisy), if known."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None

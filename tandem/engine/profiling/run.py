@@ -1,0 +1,157 @@
+"""The `profile()` entry point: load the model, time the grids, measure the KV path, fit and assemble a Profile."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import random
+import statistics
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.profiling.device import _load_avg, device_info
+from tandem.engine.profiling.grids import Point, heldout_grid, train_grid
+from tandem.engine.profiling.interference import measure_interference
+from tandem.engine.profiling.kv_path import measure_kv_link, measure_kv_path
+from tandem.engine.profiling.options import ProfileOptions
+from tandem.engine.profiling.timing import _Bench
+from tandem.perf.roofline import BatchShape
+from tandem.perf.step_model import DEFAULT_KV_LINK, Profile, StepTimeModel
+
+Progress = Callable[[str, int, int], None]      # (stage, done, total)
+
+
+def _param_count(runner: ModelRunner) -> int:
+    return int(sum(p.numel() for p in runner.model.parameters()))
+
+
+def profile(model: str, options: ProfileOptions | None = None, progress: Progress | None = None) -> Profile:
+    """Load `model` in a ModelRunner, time the training and held-out grids, fit, and return the Profile."""
+    opt = options or ProfileOptions()
+    threads = torch.get_num_threads()
+    if opt.threads is not None:
+        torch.set_num_threads(opt.threads)
+    try:
+        return _profile(model, opt, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Profile:
+    t_start = time.perf_counter()
+    load_before = _load_avg()
+    cfg = EngineConfig(model=model, dtype=opt.dtype, device=opt.device, block_size=opt.block_size,
+                       max_num_batched_tokens=opt.max_num_batched_tokens, max_num_seqs=opt.max_num_seqs,
+                       kv_cache_memory_bytes=opt.kv_cache_memory_bytes, num_kv_blocks=opt.num_kv_blocks,
+                       attention_backend=opt.attention_backend, seed=opt.seed)
+    if progress:
+        progress("loading model", 0, 1)
+    runner = ModelRunner(cfg)
+    mc = runner.model_config
+    capacity = runner.num_blocks * runner.block_size
+    engine_max_len = cfg.max_model_len or mc.max_position_embeddings
+    max_len = min(engine_max_len, capacity)
+    if opt.max_len is not None:
+        max_len = min(max_len, opt.max_len)
+    if opt.quick:
+        max_len = min(max_len, 1024)
+    if max_len < 2:
+        raise ValueError(f"cannot profile sequences of at most {max_len} token(s)")
+    budget = min(cfg.max_num_batched_tokens, max_len - 1)
+    max_seqs = min(cfg.max_num_seqs, 64 if opt.quick else cfg.max_num_seqs)
+    rng = random.Random(opt.seed)
+    bs = runner.block_size
+    train = train_grid(budget, max_len, max_seqs, capacity, quick=opt.quick, block_size=bs)
+    held = heldout_grid(opt.n_heldout, budget, max_len, max_seqs, capacity, rng, block_size=bs)
+    held = [p for p in held if p not in set(train)]
+
+    bench = _Bench(runner, rng)
+    warm = [Point("prefill", ((0, min(budget, 256)),)), Point("decode", decodes=(min(255, max_len - 1),) * min(8, max_seqs)),
+            Point("mixed", ((min(64, max_len // 2), min(64, budget - 4)),), (min(63, max_len - 1),) * 4)]
+    # Touch the whole KV pool once: a fresh allocation is mapped lazily, and the first write to every
+    # page would otherwise be charged to whichever measured step reaches it first.
+    for t in getattr(runner, "kv_caches", []):
+        t.fill_(0)
+    for i, p in enumerate(warm * 2):
+        bench.run(p)
+        if progress:
+            progress("warming up", i + 1, 2 * len(warm))
+
+    # Train and held-out steps are measured together, in random order, so that drifts in the machine's
+    # load spread over every kind of step instead of biasing one.
+    jobs = [("train", p) for p in train] + [("heldout", p) for p in held]
+    rng.shuffle(jobs)
+    runs = bench.measure([p for _, p in jobs], opt.n_repeats, opt.point_budget_s,
+                         (lambda d, t: progress("measuring steps", d, t)) if progress else None)
+    rows: list[dict] = []
+    for (split_name, p), rs in zip(jobs, runs):
+        rows.append({"split": split_name, **p.to_dict(), **dataclasses.asdict(p.shape()),
+                     "seconds": statistics.median(rs), "runs": rs})
+
+    def split(name: str) -> tuple[list[BatchShape], list[float]]:
+        sel = [r for r in rows if r["split"] == name]
+        return [_shape(r) for r in sel], [r["seconds"] for r in sel]
+
+    tr_s, tr_y = split("train")
+    ho_s, ho_y = split("heldout")
+    if progress:
+        progress("fitting", 0, 1)
+    meta = {"model": model, "device": device_info(runner.device)["name"]}
+    step = StepTimeModel.from_samples(tr_s, tr_y, budget, segments=opt.segments, meta=meta)
+    held_err = step.errors(ho_s, ho_y)
+    held_err["by_kind"] = {k: step.errors([s for s, r in zip(ho_s, _rows(rows, "heldout")) if r["kind"] == k],
+                                          [y for y, r in zip(ho_y, _rows(rows, "heldout")) if r["kind"] == k])
+                           for k in ("prefill", "decode", "mixed")}
+    step.meta["heldout_error"] = {k: v for k, v in held_err.items() if k != "by_kind"}
+    for r in rows:
+        r["predicted"] = step.step_time(_shape(r))
+
+    itemsize = torch.empty((), dtype=runner.dtype).element_size()
+    kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize
+    link = None
+    if opt.measure_link:
+        if progress:
+            progress("KV path", 0, 1)
+        try:
+            link = measure_kv_path(runner, rng, max_tokens=min(max_len, budget))
+        except Exception:                                    # no ZeroMQ here: the bare socket pair
+            link = measure_kv_link()
+        if progress:
+            progress("KV path", 1, 1)
+    interference = None
+    if opt.measure_interference and runner.device.type == "cpu" and not opt.quick:
+        interference = measure_interference(cfg, bench, opt.threads,
+                                            progress=(lambda d, t: progress("interference", d, t)) if progress else None)
+    ampd = step.ampd_cost_model(max_len, capacity, kv_bytes, cfg.max_num_seqs, link,
+                                meta={"model": model, "gpu": meta["device"]})
+    if progress:
+        progress("fitting", 1, 1)
+    model_cfg = {"architecture": mc.architecture, "layers": mc.num_hidden_layers, "hidden": mc.hidden_size,
+                 "intermediate": mc.intermediate_size, "heads": mc.num_attention_heads,
+                 "kv_heads": mc.num_key_value_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size,
+                 "max_position_embeddings": mc.max_position_embeddings, "params": _param_count(runner),
+                 "dtype": str(runner.dtype).removeprefix("torch.")}
+    opts = dataclasses.asdict(opt)
+    opts.update(repeats=opt.n_repeats, heldout=len(held), train_points=len(train), profiled_max_len=max_len,
+                load_avg_before=load_before, load_avg_after=_load_avg())
+    return Profile(
+        model=str(model), device=device_info(runner.device), torch_version=torch.__version__,
+        engine=dataclasses.asdict(cfg), model_config=model_cfg, step_model=step, ampd=ampd,
+        num_blocks=runner.num_blocks, block_size=runner.block_size, kv_bytes_per_token=kv_bytes,
+        max_model_len=engine_max_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs, heldout_error=held_err, train_error=step.meta["train_error"],
+        kv_link=link or dict(DEFAULT_KV_LINK), interference=interference,
+        measurements=rows, options=opts, wall_s=time.perf_counter() - t_start,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def _rows(rows: Iterable[dict], split: str) -> list[dict]:
+    return [r for r in rows if r["split"] == split]
+
+
+def _shape(r: dict) -> BatchShape:
+    return BatchShape(r["prefill_tokens"], r["prefill_attn_pairs"], r["prefill_kv_read_tokens"], r["num_prefill"],
+                      r["num_decode"], r["decode_ctx_tokens"])
