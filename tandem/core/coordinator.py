@@ -41,6 +41,7 @@ class _Live:
     open: bool = False         # live: more rounds may be appended (on_round); ends by end_session
     hashes: tuple[int, ...] = ()  # block hashes of the current round's prompt (prefix affinity)
     idle_since: float | None = None  # between rounds since then (KV resident until session_ttl_s)
+    kv_home: bool = False      # the round's remote prefill KV has reached its decode worker
 
 
 class Coordinator:
@@ -156,8 +157,8 @@ class Coordinator:
     def on_worker_lost(self, worker: int, now: float) -> list:
         """`worker` died. Sessions bound to it with a round under way fail with the reason (their KV was there);
         sessions bound to it between rounds are bound again (least committed KV) and recompute their history
-        in their next round; prefill tasks running on it are routed again (their input is still at the
-        shell); its transfers are abandoned. The view must no longer list the worker (the state store's
+        in their next round; prefill tasks running on it whose KV has not reached their decode worker are
+        routed again (their input is still at the shell); its transfers are abandoned. The view must no longer list the worker (the state store's
         liveness does that; InProcessState.drop in the simulator)."""
         out: list = []
         for tid, (tr, _) in list(self.transfers.items()):
@@ -177,7 +178,7 @@ class Coordinator:
                     self.committed[w] += st.committed
                 else:
                     out += self._fail(st, now, reason)
-            elif st.task is not None and st.task.worker == worker and not st.task.local:
+            elif st.task is not None and st.task.worker == worker and not st.task.local and not st.kv_home:
                 t = st.task
                 t.worker, t.done, t.kv_ready, t.start_s = -1, 0, True, None
                 target = self.router.route(t, self.view, now)
@@ -266,6 +267,7 @@ class Coordinator:
     def _start_round(self, st: _Live, now: float) -> list:
         s, k, w = st.session, st.k, st.worker
         st.idle_since = None
+        st.kv_home = False
         rnd = s.rounds[k]
         rec = RoundRecord(k, now, rnd.input_tokens)
         st.record.rounds.append(rec)
@@ -337,6 +339,8 @@ class Coordinator:
         st = self.live.get(tr.task.session_id)
         if st is not None and st.task is tr.task:
             st.record.rounds[-1].kv_transfer_s += elapsed_s
+            if tr.purpose is INCREMENTAL:
+                st.kv_home = True                         # decoding at home: losing the prefill worker is moot
         if tr.purpose is HISTORY:
             return [HistoryReady(tr.dst, tr.task)]
         return [KVArrived(tr.dst, tr.task), Delivered(tr.src, tr.task)]

@@ -181,15 +181,6 @@ class CoordinatorShell:
         req = self.session_req.get(t.session_id)
         if req is None:
             return
-        if req.kv_arrived:
-            # The core re-routed a round whose prefill worker died after the round's KV had reached the decode
-            # worker: the round is decoding at home and there is nothing to redo (a RunLocal would prefill it a
-            # second time on top of its running sequence). Keep the round as the remote prefill it was.
-            t.worker, t.local = req.prefill_worker, False
-            st = self.coord.live.get(t.session_id)
-            if st is not None and st.record.rounds:
-                st.record.rounds[-1].prefill_where, st.record.rounds[-1].prefill_worker = "remote", req.prefill_worker
-            return
         req.task, req.worker = t, t.decode_worker
         self.by_task[t] = req
         params = _params_dict(req.params)
