@@ -269,15 +269,21 @@ class WorkerCore:
         """Every running sequence may write KV for its query tokens this step (one for AR, up to
         decode_query_tokens, never past its round's end); preempt by recompute if short."""
         q_max = self.cfg.decode_query_tokens
-        if q_max > 1:
+        if q_max == 1:                               # AR: one token each (the hot path of the simulator)
+            for seq in self.running:
+                if seq.num_tokens + 1 > seq.cap:
+                    break
+            else:
+                return
+        else:
+            short = False
             for seq in self.running:
                 q = seq.to_decode if seq.to_decode < q_max else q_max
-                seq.query_tokens = q if q > 0 else 1
-        for seq in self.running:
-            if seq.num_tokens + seq.query_tokens > seq.cap:
-                break
-        else:
-            return
+                seq.query_tokens = q = q if q > 0 else 1
+                if seq.num_tokens + q > seq.cap:
+                    short = True
+            if not short:
+                return
         for seq in list(self.running):
             grow = seq.num_tokens + seq.query_tokens
             if seq.state is RUNNING and grow > seq.cap:
@@ -439,47 +445,83 @@ class WorkerCore:
                             t.output_tokens = 1             # the first token already ended the round
                         self._start_decoding(seq, t, now)
         if plan.decode:
-            itl_sum, n_tok = 0.0, 0
-            finished = False
-            committed = result.committed
-            for seq in plan.decode:
-                if seq.state is not RUNNING:
-                    continue
-                if committed is None:
-                    c = seq.query_tokens
-                else:
-                    c = committed.get(seq.session_id, 0)
-                    if c < 0 or c > seq.query_tokens:
-                        raise ValueError(f"session {seq.session_id!r} committed {c} tokens in a step of "
-                                         f"{seq.query_tokens} query tokens")
-                if c > seq.to_decode:
-                    c = seq.to_decode
-                if c > 0:                            # each commit ends one gap; tokens committed together share it
-                    seq.num_tokens += c
-                    gap = now - seq.last_token_s
-                    seq.itl_sum += gap
-                    seq.itl_count += c
-                    if gap > seq.itl_max:
-                        seq.itl_max = gap
-                    itl_sum += gap
-                    n_tok += c
-                    seq.last_token_s = now
-                    seq.to_decode -= c
-                if stopped and seq.session_id in stopped:
-                    seq.to_decode = 0
-                if seq.to_decode <= 0:
-                    finished = True
-            self._ctx += n_tok
-            self.itl.add(now, itl_sum, n_tok)
-            if finished:
-                keep = []
-                for seq in self.running:
-                    if seq.to_decode > 0:
-                        keep.append(seq)
-                    else:
-                        self._ctx -= seq.num_tokens
-                        self._finish_round(seq, now)
-                self.running = keep
+            if result.committed is None and self.cfg.decode_query_tokens == 1:
+                self._commit_one_each(plan, stopped, now)
+            else:
+                self._commit(plan, result.committed, stopped, now)
+
+    def _commit_one_each(self, plan: StepPlan, stopped, now: float) -> None:
+        """AR steps: every decoding sequence committed one token (the simulator's hot path)."""
+        itl_sum, n_tok = 0.0, 0
+        finished = False
+        for seq in plan.decode:
+            if seq.state is not RUNNING:
+                continue
+            seq.num_tokens += 1
+            gap = now - seq.last_token_s
+            seq.itl_sum += gap
+            seq.itl_count += 1
+            if gap > seq.itl_max:
+                seq.itl_max = gap
+            itl_sum += gap
+            n_tok += 1
+            seq.last_token_s = now
+            seq.to_decode -= 1
+            if stopped and seq.session_id in stopped:
+                seq.to_decode = 0
+            if seq.to_decode <= 0:
+                finished = True
+        self._ctx += n_tok
+        self.itl.add(now, itl_sum, n_tok)
+        if finished:
+            self._retire(now)
+
+    def _retire(self, now: float) -> None:
+        """Sequences whose round is complete leave the running set."""
+        keep = []
+        for seq in self.running:
+            if seq.to_decode > 0:
+                keep.append(seq)
+            else:
+                self._ctx -= seq.num_tokens
+                self._finish_round(seq, now)
+        self.running = keep
+
+    def _commit(self, plan: StepPlan, committed: dict[str, int] | None, stopped, now: float) -> None:
+        """Multi-token (or executor-reported) commits: 0..query tokens per decoding sequence."""
+        itl_sum, n_tok = 0.0, 0
+        finished = False
+        for seq in plan.decode:
+            if seq.state is not RUNNING:
+                continue
+            if committed is None:
+                c = seq.query_tokens
+            else:
+                c = committed.get(seq.session_id, 0)
+                if c < 0 or c > seq.query_tokens:
+                    raise ValueError(f"session {seq.session_id!r} committed {c} tokens in a step of "
+                                     f"{seq.query_tokens} query tokens")
+            if c > seq.to_decode:
+                c = seq.to_decode
+            if c > 0:                            # each commit ends one gap; tokens committed together share it
+                seq.num_tokens += c
+                gap = now - seq.last_token_s
+                seq.itl_sum += gap
+                seq.itl_count += c
+                if gap > seq.itl_max:
+                    seq.itl_max = gap
+                itl_sum += gap
+                n_tok += c
+                seq.last_token_s = now
+                seq.to_decode -= c
+            if stopped and seq.session_id in stopped:
+                seq.to_decode = 0
+            if seq.to_decode <= 0:
+                finished = True
+        self._ctx += n_tok
+        self.itl.add(now, itl_sum, n_tok)
+        if finished:
+            self._retire(now)
 
     def _start_decoding(self, seq: Seq, task: PrefillTask, now: float) -> None:
         seq.num_tokens += task.l_incr

@@ -169,7 +169,8 @@ class LLMEngine:
         return self.core.begin_round(session_id)
 
     def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, session_id: str,
-                    l_hist: int, round_idx: int = 0, arrival_time: float | None = None) -> None:
+                    l_hist: int, round_idx: int = 0, arrival_time: float | None = None,
+                    ttft_slo_s: float = float("inf")) -> None:
         """Prefill role: compute tokens [l_hist, len) of a session on top of its history KV, read lazily."""
         if self.role != PREFILL:
             raise EngineError("add_prefill() runs on a prefill worker")
@@ -180,7 +181,7 @@ class LLMEngine:
             raise EngineError(f"prompt of {len(ids)} tokens exceeds max_model_len={self.max_model_len}")
         now = self.clock() if arrival_time is None else arrival_time
         task = PrefillTask(session_id, round_idx, l_hist, len(ids) - l_hist, now, decode_worker=-1,
-                           worker=self.core.id, local=False)
+                           worker=self.core.id, local=False, ttft_slo_s=ttft_slo_s)
         req = _Request(request_id, session_id, False, None, ids, params,
                        StopChecker(params, self.tokenizer.eos_token_ids, self._decoder(params), ids),
                        make_generator(params.seed, self.runner.device), RequestMetrics(now), task,

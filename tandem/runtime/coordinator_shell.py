@@ -199,8 +199,8 @@ class CoordinatorShell:
         else:
             self.stats.remote_prefills += 1
             req.prefill_worker = a.worker
-            self.send(a.worker, m.AddPrefill(req.request_id, req.session_id, req.prompt, params, t.l_hist,
-                                             t.round_idx))
+            self.send(a.worker, m.AddPrefill(req.request_id, req.session_id, req.prompt, params, t.l_hist, t.round_idx,
+                                             t.ttft_slo_s))
         self.stats.prefix_cache_queries += len(req.prompt)
         self.stats.prefix_cache_hits += t.l_hist
 

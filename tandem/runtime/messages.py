@@ -44,6 +44,7 @@ class AddPrefill(msgspec.Struct, tag=True):
     params: dict
     l_hist: int
     round_idx: int = 0
+    ttft_slo_s: float = float("inf")          # the round's TTFT target: the worker's picker (Alg. 2) orders by it
 
 
 class SendKV(msgspec.Struct, tag=True):
