@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench serve sim-demo
+.PHONY: run test lint install clean bench serve sim-demo
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,12 @@ redis:
 
 test: $(STAMP) redis
 	$(BIN)/python -m pytest
+
+# The layer rule (ARCHITECTURE.md, "Layers") and no import cycles inside packages (pyproject.toml
+# [tool.importlinter]), and ruff's checks (pyproject.toml [tool.ruff]).
+lint: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/ruff check tandem tests benchmarks
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py

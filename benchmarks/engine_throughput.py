@@ -34,12 +34,10 @@ def _prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]
 
 def _gemm(kind: str | None):
     """Select tandem's CPU GEMM (None: leave as is); returns the previous setting."""
-    try:
-        from tandem.engine.models import layers
-    except ImportError:          # pragma: no cover
-        return None
-    prev = getattr(layers, "ONEDNN_LINEAR", None)
-    if kind is not None and prev is not None:
+    from tandem.engine.models import layers
+
+    prev = layers.ONEDNN_LINEAR
+    if kind is not None:
         layers.ONEDNN_LINEAR = kind == "onednn" and layers._onednn_usable()
     return prev
 

@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from tandem.engine.attention import AttnMetadata, allocate_kv_cache, get_backend, kv_bytes_per_block  # noqa: E402
+from tandem.engine.attention import (AttnMetadata, allocate_kv_cache, backend_names, get_backend,  # noqa: E402
+                                     kv_bytes_per_block)
 from tandem.engine.loader import ModelLoadError, load_model  # noqa: E402
 from tandem.engine.models import ModelConfig  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model, parameter_count  # noqa: E402
@@ -151,6 +152,15 @@ def test_backend_registry():
         get_backend("no-such-backend", "cpu")
     with pytest.raises(ValueError, match="CUDA"):
         get_backend("flash", "cpu")
+    assert backend_names() == ["flash", "sdpa"]
+
+
+def test_model_registry_matches_config_architectures():
+    """Protects: ModelConfig accepts exactly the architectures the engine has a class for (the config module
+    names them so that it need not import the model classes that read it)."""
+    from tandem.engine.models import ARCHITECTURES, MODEL_REGISTRY
+
+    assert sorted(MODEL_REGISTRY) == sorted(ARCHITECTURES)
 
 
 def test_loader_errors(ckpts, tmp_path):

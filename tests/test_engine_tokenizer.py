@@ -109,10 +109,10 @@ def test_tokenizer_errors(dirs, tmp_path):
 def _run_cli(argv, capsys):
     """The tiny-model subcommand under a parser built like tandem's (usage errors raise CLIError -> exit 2)."""
     from tandem.cli import tiny_cmd
-    from tandem.cli.main import CLIError, _Parser
+    from tandem.cli.common import CLIError, Parser
 
-    parser = _Parser(prog="tandem")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="tandem")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     tiny_cmd.add_parser(sub)
     try:
         args = parser.parse_args(argv)

@@ -14,12 +14,13 @@ import time
 import msgspec
 import pytest
 
-from tandem.runtime._echo_worker import CODEC, Burst, Echo, Exit, Got, Hang, KvChunk, PeerSend, Sent
+from echo_worker import CODEC, Burst, Echo, Exit, Got, Hang, KvChunk, PeerSend, Sent
 from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError, resolve_target
 from tandem.runtime.transport import (Codec, Heartbeat, Hub, Link, PeerInbox, PeerOutbox, Ready, TransportError,
                                       WorkerUnreachable)
 
-ECHO = "tandem.runtime._echo_worker:main"
+ECHO = "echo_worker:main"          # tests/echo_worker.py: tests/ is on sys.path, children inherit it
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MB = 1 << 20
 
 
@@ -220,12 +221,12 @@ def test_startup_failure_names_the_worker_exit_code_and_exception():
             with pytest.raises(WorkerStartupError) as err:
                 await cluster.start([WorkerSpec(0, ECHO), WorkerSpec(7, ECHO, {"fail_on_start": "no weights in /x"})])
             text = str(err.value)
-            assert "worker 7 (tandem.runtime._echo_worker:main" in text
+            assert "worker 7 (echo_worker:main" in text
             assert "exited with code 1 during startup: RuntimeError: no weights in /x" in text
             assert "worker 0" not in text                          # the healthy one was just stopped
             assert cluster.workers == {}
             with pytest.raises(WorkerStartupError, match="AttributeError: .*'nope'"):
-                await cluster.start([WorkerSpec(8, "tandem.runtime._echo_worker:nope")])
+                await cluster.start([WorkerSpec(8, "echo_worker:nope")])
     run(main())
 
 
@@ -248,10 +249,11 @@ def test_resolve_target():
 
 
 _PARENT = f"""
-import asyncio, json
+import asyncio, json, sys
+sys.path.insert(0, {TESTS_DIR!r})
 from tandem.runtime.transport import Hub
 from tandem.runtime.launcher import Cluster, WorkerSpec
-from tandem.runtime._echo_worker import CODEC
+from echo_worker import CODEC
 
 async def main():
     hub = await Hub(CODEC).start()

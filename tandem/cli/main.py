@@ -8,108 +8,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tandem.cli import bench_cmd, plan_cmd, profile_cmd, serve_cmd, tiny_cmd
+from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, check_out_path, clear_notes,
+                               csv_list, flush_notes, gpus_arg, load_workload, note, positive_float, positive_int,
+                               seed_arg)
 from tandem.core.deploy import DeploymentError, parse_deploy
-from tandem.workload.session import SLO, WorkloadError
-
-PROG = "tandem"
-DEFAULT_SESSIONS = 200
-DEFAULT_RATE = 1.0
-
-
-class CLIError(Exception):
-    """A command-line usage error; its message is printed as `tandem: error: <message>`."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises CLIError instead of printing usage and exiting."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise CLIError(message)
-
-
-_NOTES: list[str] = []
-
-
-def _note(message: str) -> None:
-    """Queue a note for stderr; notes are printed once validation passed, so an error stays one line."""
-    _NOTES.append(message)
-
-
-def _flush_notes() -> None:
-    for message in _NOTES:
-        print(f"{PROG}: note: {message}", file=sys.stderr)
-    _NOTES.clear()
-
-
-# --------------------------------------------------------------------------- argument types
-
-
-def _positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return x
-
-
-def _positive_int(text: str) -> int:
-    try:
-        x = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if x < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return x
-
-
-def _seed(text: str) -> int:
-    try:
-        x = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return x
-
-
-def _csv(item_type):
-    def parse(text: str) -> list:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-        return [item_type(t) for t in items]
-    return parse
-
-
-def _gpus_arg(text: str) -> int | dict[str, int]:
-    """`N` (every workload) or `workload=N,...`."""
-    if "=" not in text:
-        return _positive_int(text)
-    out: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, n = part.partition("=")
-        if not sep or not name.strip():
-            raise argparse.ArgumentTypeError(f"expected N or workload=N,..., got {text!r}")
-        out[name.strip()] = _positive_int(n.strip())
-    return out
-
-
-def _check_out_path(path: str | None) -> None:
-    """Fail before any work when an output file cannot be written there (a directory, a missing folder)."""
-    if path is None:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise IsADirectoryError(21, "Is a directory", path)
-    if not p.parent.is_dir():
-        raise FileNotFoundError(2, "No such directory", str(p.parent))
+from tandem.workload.session import WorkloadError
 
 
 # --------------------------------------------------------------------------- parser
@@ -117,8 +25,8 @@ def _check_out_path(path: str | None) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every subcommand."""
-    p = _Parser(prog=PROG, description="Multi-round LLM serving under PD disaggregation: simulator and experiments.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    p = Parser(prog=PROG, description="Multi-round LLM serving under PD disaggregation: simulator and experiments.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
     s = sub.add_parser("simulate", help="simulate one workload on one deployment with one policy",
                        description="Simulate one workload (a generator name, a public trace name or a "
@@ -128,28 +36,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "(azure-conv, azure-code, mooncake, sharegpt) or a .jsonl session file")
     s.add_argument("--model", default="llama-3.1-70b", help="model name (default: %(default)s)")
     s.add_argument("--gpu", default="h20", help="GPU name (default: %(default)s)")
-    s.add_argument("--gpus", type=_positive_int, default=None,
+    s.add_argument("--gpus", type=positive_int, default=None,
                    help="GPUs in the cluster (default: AMPD's for the workload, else what --deploy uses)")
     s.add_argument("--deploy", default=None, metavar="SPEC",
                    help="deployment, e.g. 'P:tp4x1,D:tp4x1' or 'C:tp4x2' (default: a balanced one that fits)")
     s.add_argument("--policy", default="ampd", help="serving policy (default: %(default)s)")
-    s.add_argument("--rate", type=_positive_float, default=None,
+    s.add_argument("--rate", type=positive_float, default=None,
                    help=f"session arrival rate per second (default: {DEFAULT_RATE:g} for generators)")
-    s.add_argument("--seed", type=_seed, default=0, help="seed of the workload and simulator (default: 0)")
-    s.add_argument("--sessions", type=_positive_int, default=None,
+    s.add_argument("--seed", type=seed_arg, default=0, help="seed of the workload and simulator (default: 0)")
+    s.add_argument("--sessions", type=positive_int, default=None,
                    help=f"sessions to generate (default: {DEFAULT_SESSIONS}); for traces, the first K")
     s.add_argument("--override-arrivals", action="store_true",
                    help="re-time a trace's sessions as a Poisson process at --rate")
     s.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
                    help="what AMPD Table 1's prefill length is read as for generators: new tokens per round "
                         "(input, default) or each round's whole prompt (prompt); docs/session-format.md")
-    s.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
-    s.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
+    s.add_argument("--slo-ttft", type=positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
+    s.add_argument("--slo-itl", type=positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
     s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
     s.add_argument("--faults", default=None, metavar="SPEC",
                    help="inject faults and compare with the fault-free run: kv-fail=P (a KV transfer fails), "
                         "kv-lost=P (it never lands), kill=WORKER@SECONDS; comma-separated")
-    s.add_argument("--kv-timeout", type=_positive_float, default=None, metavar="S",
+    s.add_argument("--kv-timeout", type=positive_float, default=None, metavar="S",
                    help="a KV transfer not landed after S seconds is recomputed locally (default: 10)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.add_argument("--records", default=None, metavar="FILE.jsonl",
@@ -163,16 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long) or public trace "
                         "(azure-conv, azure-code, mooncake, sharegpt)")
     g.add_argument("--model", default="llama-3.1-70b", help="model whose AMPD SLOs are attached (default: %(default)s)")
-    g.add_argument("--sessions", type=_positive_int, default=None,
+    g.add_argument("--sessions", type=positive_int, default=None,
                    help=f"sessions to generate (default: {DEFAULT_SESSIONS}); for traces, the first K")
-    g.add_argument("--rate", type=_positive_float, default=None, help="session arrival rate per second")
-    g.add_argument("--seed", type=_seed, default=0, help="seed (default: 0)")
+    g.add_argument("--rate", type=positive_float, default=None, help="session arrival rate per second")
+    g.add_argument("--seed", type=seed_arg, default=0, help="seed (default: 0)")
     g.add_argument("--override-arrivals", action="store_true", help="re-time a trace as a Poisson process at --rate")
     g.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
                    help="what AMPD Table 1's prefill length is read as for generators: new tokens per round "
                         "(input, default) or each round's whole prompt (prompt); docs/session-format.md")
-    g.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
-    g.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
+    g.add_argument("--slo-ttft", type=positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
+    g.add_argument("--slo-itl", type=positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
     g.add_argument("--out", required=True, metavar="FILE.jsonl", help="where to write the sessions")
     g.set_defaults(func=cmd_generate)
 
@@ -182,13 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--preset", default="demo", help="demo, paper or ablation (default: %(default)s)")
     e.add_argument("--model", default=None, help="model (default: the preset's)")
     e.add_argument("--gpu", default=None, help="GPU (default: the preset's)")
-    e.add_argument("--workloads", type=_csv(str), default=None, metavar="A,B", help="workloads")
-    e.add_argument("--policies", type=_csv(str), default=None, metavar="A,B", help="policies")
-    e.add_argument("--rates", type=_csv(_positive_float), default=None, metavar="R1,R2", help="arrival rates")
-    e.add_argument("--sessions", type=_positive_int, default=None, help="sessions per cell and seed")
-    e.add_argument("--seeds", type=_csv(_seed), default=None, metavar="0,1", help="seeds")
-    e.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: 1)")
-    e.add_argument("--gpus", type=_gpus_arg, default=None, metavar="N|W=N,...",
+    e.add_argument("--workloads", type=csv_list(str), default=None, metavar="A,B", help="workloads")
+    e.add_argument("--policies", type=csv_list(str), default=None, metavar="A,B", help="policies")
+    e.add_argument("--rates", type=csv_list(positive_float), default=None, metavar="R1,R2", help="arrival rates")
+    e.add_argument("--sessions", type=positive_int, default=None, help="sessions per cell and seed")
+    e.add_argument("--seeds", type=csv_list(seed_arg), default=None, metavar="0,1", help="seeds")
+    e.add_argument("--jobs", type=positive_int, default=None, help="worker processes (default: 1)")
+    e.add_argument("--gpus", type=gpus_arg, default=None, metavar="N|W=N,...",
                    help="GPUs per workload: one count for all, or e.g. toolbench=16,gaia=32 (default: AMPD's)")
     e.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
                    help="what AMPD Table 1's prefill length is read as (default: input; docs/session-format.md)")
@@ -199,78 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_experiment)
 
-    from tandem.cli import plan_cmd, tiny_cmd
-    plan_cmd.add_parser(sub)
-    tiny_cmd.add_parser(sub)
-    from tandem.cli import profile_cmd
-    profile_cmd.add_parser(sub)
-    from tandem.cli import serve_cmd
-    serve_cmd.add_parser(sub)
-    from tandem.cli import bench_cmd
-    bench_cmd.add_parser(sub)
+    for command in (plan_cmd, tiny_cmd, profile_cmd, serve_cmd, bench_cmd):
+        command.add_parser(sub)
     return p
 
 
 # --------------------------------------------------------------------------- simulate
-
-
-def _cluster():
-    """The simulator module, or None when this build has none (reported once the inputs are validated)."""
-    try:
-        from tandem.sim import cluster
-    except ImportError:
-        return None
-    return cluster
-
-
-def _load_workload(args, model: str) -> tuple[list, float | None, str]:
-    """Sessions for --workload, the arrival rate applied (None: the trace's own), and the workload kind."""
-    from tandem.workload import generators, traces
-    from tandem.workload.arrivals import with_arrivals
-    from tandem.workload.session import load_sessions
-
-    names = tuple(getattr(generators, "GENERATOR_NAMES", tuple(generators.WORKLOADS)))
-    basis = getattr(args, "prefill_basis", None)
-    if basis is not None and args.workload not in generators.WORKLOADS:
-        _note(f"--prefill-basis only applies to the AMPD generators ({', '.join(generators.WORKLOADS)}); ignored")
-        basis = None
-    if args.workload in names:
-        if args.override_arrivals:
-            _note("--override-arrivals only applies to traces; generated sessions always use --rate")
-        rate = args.rate if args.rate is not None else DEFAULT_RATE
-        slo = _slo(args, generators.PAPER_SLOS.get((model, args.workload)))
-        sessions = generators.generate(args.workload, args.sessions or DEFAULT_SESSIONS, rate, args.seed, slo=slo,
-                                       prefill_basis=basis)
-        return sessions, rate, "generator"
-    if args.workload in traces.TRACE_FILES:
-        sessions = traces.load_trace(args.workload, limit=args.sessions)
-    elif Path(args.workload).suffix in (".jsonl", ".json", ".ndjson") or Path(args.workload).exists():
-        sessions = load_sessions(args.workload)
-        if args.sessions is not None:
-            sessions = sessions[: args.sessions]
-    else:
-        raise WorkloadError(f"unknown workload {args.workload!r}: not a generator ({', '.join(names)}), "
-                            f"a public trace ({', '.join(traces.TRACE_FILES)}) or a .jsonl file")
-    rate = None
-    if args.override_arrivals:
-        rate = args.rate if args.rate is not None else DEFAULT_RATE
-        sessions = with_arrivals(sessions, rate, args.seed)
-    elif args.rate is not None:
-        _note(f"--rate {args.rate:g} is ignored: the trace keeps its own arrival times (add --override-arrivals)")
-    slo = _slo(args, None)
-    if slo is not None:
-        sessions = [dataclasses.replace(s, slo=slo) for s in sessions]
-    return sessions, rate, "trace"
-
-
-def _slo(args, default: SLO | None) -> SLO | None:
-    """--slo-ttft/--slo-itl over `default`; one flag alone completes `default` or is an error."""
-    if args.slo_ttft is None and args.slo_itl is None:
-        return default
-    if default is None and (args.slo_ttft is None or args.slo_itl is None):
-        raise CLIError("give both --slo-ttft and --slo-itl (this workload has no default SLO)")
-    return SLO(args.slo_ttft if args.slo_ttft is not None else default.ttft_s,
-               args.slo_itl if args.slo_itl is not None else default.itl_s)
 
 
 def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False) -> tuple[str, int]:
@@ -281,14 +123,14 @@ def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False)
     colocated = policy_is_colocated(policy)
     if profiled and args.deploy is None:
         args.deploy = "C:tp1x1" if colocated else "P:tp1x1,D:tp1x1"
-        _note(f"no --deploy given; using {args.deploy} (copies of the profiled engine)")
+        note(f"no --deploy given; using {args.deploy} (copies of the profiled engine)")
     if args.deploy is None:
         gpus = args.gpus or PAPER_GPUS.get(args.workload, 8)
         cands = deployment_candidates(model, gpu, gpus, colocated, cap=1)
         if not cands:
             kind = "co-located" if colocated else "prefill/decode"
             raise CLIError(f"no {kind} deployment of {model} fits {gpus} x {gpu}; give --gpus or --deploy")
-        _note(f"no --deploy given; using {cands[0]} on {gpus} GPUs")
+        note(f"no --deploy given; using {cands[0]} on {gpus} GPUs")
         return cands[0], gpus
     dep = parse_deploy(args.deploy, args.gpus)
     gpus = args.gpus or dep.gpus
@@ -314,15 +156,15 @@ def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, pol
     return cfg
 
 
-def _perf(cluster, args):
+def _perf(args):
     """The --perf file parsed (a Profile or an AMPDCostModel), None without --perf; user errors are one line."""
+    from tandem.perf.profile_io import load_perf
+
     if args.perf is None:
         return None
-    if cluster is None or not hasattr(cluster, "load_perf"):
-        raise CLIError("--perf is not supported by this build's simulator")
     if not Path(args.perf).is_file():
         raise FileNotFoundError(2, "No such file", args.perf)
-    return cluster.load_perf(args.perf)
+    return load_perf(args.perf)
 
 
 SIM_TABLE_METRICS: list[tuple[str, str]] = [
@@ -359,30 +201,28 @@ def _print_sim_table(out: dict) -> None:
 def cmd_simulate(args) -> int:
     """`tandem simulate`: validate, build the workload, simulate, print metrics."""
     from tandem.bench.experiment import canonical_gpu, canonical_model
+    from tandem.sim import cluster
     from tandem.workload.metrics import summarize
 
-    cluster = _cluster()
-    perf = _perf(cluster, args)
+    perf = _perf(args)
     profiled = perf is not None and hasattr(perf, "step_model")
     if profiled:  # a `tandem profile` output: model and GPU are labels from it, the catalogue is not used
         model, gpu = perf.name, perf.device_name
-        _note(f"--perf {args.perf}: every worker is the profiled engine ({perf.name} on {gpu}, "
+        note(f"--perf {args.perf}: every worker is the profiled engine ({perf.name} on {gpu}, "
               f"{perf.kv_capacity_tokens:,} KV tokens, held-out step error {100 * (perf.heldout_error.get('median') or 0):.1f}%); "
               f"--model/--gpu are not used and the catalogue's memory checks are skipped")
     else:
         model, gpu = canonical_model(args.model), canonical_gpu(args.gpu)
-    if cluster is not None and args.policy not in cluster.POLICIES:
+    if args.policy not in cluster.POLICIES:
         raise CLIError(f"unknown policy {args.policy!r} (valid: {', '.join(cluster.POLICIES)})")
     deploy, gpus = _deployment(args, model, gpu, args.policy, profiled)
-    sessions, rate, _ = _load_workload(args, model)
-    if cluster is None:
-        raise CLIError("the simulator (tandem.sim.cluster) is not available in this build")
+    sessions, rate, _ = load_workload(args, model)
     cfg = _sim_config(cluster, args, model, gpu, gpus, deploy, args.policy)
     faults = _faults(args)
     if args.kv_timeout is not None:
         cfg = dataclasses.replace(cfg, kv_timeout_s=args.kv_timeout)
-    _check_out_path(args.records)
-    _flush_notes()
+    check_out_path(args.records)
+    flush_notes()
     base = None
     if faults is not None:                       # the same run without faults: what the faults cost
         free = cluster.simulate(sessions, cfg)
@@ -456,8 +296,8 @@ def cmd_generate(args) -> int:
 
     if Path(args.workload).suffix in (".jsonl", ".json", ".ndjson"):
         raise CLIError("--workload must be a generator or trace name; a .jsonl file is already a session file")
-    sessions, _, _ = _load_workload(args, canonical_model(args.model))
-    _flush_notes()
+    sessions, _, _ = load_workload(args, canonical_model(args.model))
+    flush_notes()
     dump_sessions(sessions, args.out)
     rounds = sum(len(s.rounds) for s in sessions)
     print(f"wrote {len(sessions)} sessions ({rounds} rounds) to {args.out}")
@@ -499,24 +339,14 @@ def cmd_experiment(args) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [CLIError, WorkloadError, DeploymentError,
-                                         FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError]
-    try:
-        from tandem.perf import errors as perf_errors
-        errors += [perf_errors.UnknownNameError, perf_errors.DoesNotFitError, perf_errors.ParallelismError]
-    except ImportError:
-        pass
-    try:
-        from tandem.bench.experiment import ExperimentError
-        errors.append(ExperimentError)
-    except ImportError:
-        pass
-    try:
-        from tandem.sim.cluster import ConfigError
-        errors.append(ConfigError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    from tandem.bench.experiment import ExperimentError
+    from tandem.perf.errors import DoesNotFitError, ParallelismError, UnknownNameError
+    from tandem.perf.profile_io import PerfFileError
+    from tandem.sim.cluster import ConfigError
+
+    return (CLIError, WorkloadError, DeploymentError, FileNotFoundError, PermissionError, IsADirectoryError,
+            NotADirectoryError, UnknownNameError, DoesNotFitError, ParallelismError, ExperimentError, ConfigError,
+            PerfFileError)
 
 
 def _message(err: BaseException) -> str:
@@ -529,7 +359,7 @@ def _message(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the tandem command line; returns the exit status (0 ok, 2 user error, 130 interrupted)."""
-    _NOTES.clear()
+    clear_notes()
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)

@@ -17,13 +17,14 @@ import shlex
 import sys
 from pathlib import Path
 
+from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, CLIError, flush_notes, load_workload, positive_float,
+                               positive_int, seed_arg)
+
 DEFAULT_JOBS = max(1, min(os.cpu_count() or 1, 8))
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `plan` on the subparsers `sub` of the tandem parser."""
-    from tandem.cli.main import DEFAULT_RATE, DEFAULT_SESSIONS, _positive_float, _positive_int, _seed
-
     p = sub.add_parser("plan", help="choose prefill/decode workers and TP degrees for a GPU budget (AMPD planner)",
                        description="Search the prefill/decode deployments of --gpus GPUs (TP degrees 1, 2, 4, 8) "
                                    "for the one whose worst P95 latency relative to the SLO (TTFT for prefill, "
@@ -32,22 +33,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long), public trace or .jsonl file")
     p.add_argument("--model", default="llama-3.1-70b", help="model name (default: %(default)s)")
     p.add_argument("--gpu", default="h20", help="GPU name (default: %(default)s)")
-    p.add_argument("--gpus", type=_positive_int, required=True, metavar="N", help="GPU budget")
-    p.add_argument("--rate", type=_positive_float, default=None,
+    p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="GPU budget")
+    p.add_argument("--rate", type=positive_float, default=None,
                    help=f"session arrival rate per second (generators: default {DEFAULT_RATE:g}; files and "
                         "traces: re-time their sessions as a Poisson process at this rate)")
     p.add_argument("--override-arrivals", action="store_true",
                    help="accepted as in `tandem simulate`; --rate always re-times a file's or trace's sessions")
-    p.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S",
+    p.add_argument("--slo-ttft", type=positive_float, default=None, metavar="S",
                    help="TTFT SLO in seconds (default: AMPD's for the model and workload)")
-    p.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S",
+    p.add_argument("--slo-itl", type=positive_float, default=None, metavar="S",
                    help="mean ITL SLO in seconds (default: AMPD's for the model and workload)")
-    p.add_argument("--sessions", type=_positive_int, default=None,
+    p.add_argument("--sessions", type=positive_int, default=None,
                    help=f"sessions simulated per deployment (default: {DEFAULT_SESSIONS}; for files, the first K)")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the workload and simulator (default: 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the workload and simulator (default: 0)")
     p.add_argument("--policy", default="ampd", help="serving policy simulated (default: %(default)s)")
-    p.add_argument("--top", type=_positive_int, default=3, metavar="K", help="deployments to list (default: 3)")
-    p.add_argument("--jobs", type=_positive_int, default=DEFAULT_JOBS,
+    p.add_argument("--top", type=positive_int, default=3, metavar="K", help="deployments to list (default: 3)")
+    p.add_argument("--jobs", type=positive_int, default=DEFAULT_JOBS,
                    help="simulator processes (default: %(default)s)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="where simulation runs are cached (default: ~/.cache/tandem/plan)")
@@ -101,16 +102,14 @@ class _Bar:
 
 def _sessions(args, model: str):
     """The planner's sessions (with SLOs), the rate applied (None: the file's own times) and a description."""
-    from tandem.cli.main import DEFAULT_RATE, CLIError, _load_workload
     from tandem.workload import generators
 
-    names = tuple(getattr(generators, "GENERATOR_NAMES", tuple(generators.WORKLOADS)))
-    is_gen = args.workload in names
+    is_gen = args.workload in generators.GENERATOR_NAMES
     args.override_arrivals = (not is_gen) and args.rate is not None
     if is_gen and generators.PAPER_SLOS.get((model, args.workload)) is None and (
             args.slo_ttft is None or args.slo_itl is None):
         raise CLIError(f"give --slo-ttft and --slo-itl: AMPD has no SLO for {model} on {args.workload}")
-    sessions, rate, kind = _load_workload(args, model)
+    sessions, rate, kind = load_workload(args, model)
     if any(s.slo is None for s in sessions):
         raise CLIError("the planner needs an SLO for every session: give --slo-ttft and --slo-itl")
     if is_gen and rate is None:
@@ -120,8 +119,6 @@ def _sessions(args, model: str):
 
 def _reproduce(args, model: str, gpu: str, deploy: str, rate, kind: str) -> str:
     """The `tandem simulate` command that re-runs one planned deployment on the same sessions."""
-    from tandem.cli.main import DEFAULT_SESSIONS
-
     cmd = ["tandem", "simulate", "--model", model, "--gpu", gpu, "--gpus", str(args.gpus),
            "--workload", args.workload]
     if rate is not None:
@@ -167,7 +164,6 @@ def _row(r, result, source: str) -> dict:
 def cmd_plan(args) -> int:
     """`tandem plan`: validate, plan (and optionally search exhaustively), print."""
     from tandem.bench.experiment import canonical_gpu, canonical_model
-    from tandem.cli.main import CLIError, DEFAULT_SESSIONS, _flush_notes
     from tandem.plan import PlanError, PlanInputs, default_cache_dir, exhaustive, plan
 
     fmt = "json" if args.json else args.format
@@ -180,7 +176,7 @@ def cmd_plan(args) -> int:
                      top_k=args.top, jobs=args.jobs, cache_dir=cache)
     if args.exact:
         inp.exact_max_gpus = args.gpus
-    _flush_notes()
+    flush_notes()
     bar = _Bar(not args.no_progress and sys.stderr.isatty())
     try:
         bar.stage("planning")

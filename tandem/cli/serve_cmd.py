@@ -8,12 +8,13 @@ import contextlib
 import socket
 from pathlib import Path
 
+from tandem.cli.bench_table import print_table
+from tandem.cli.common import CLIError, positive_int
 
 DEMO_SLO = (0.05, 0.02)         # TTFT, ITL seconds: a 1M-parameter model's steps take a few milliseconds
 
 
 def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
-    from tandem.cli.main import _positive_int
     p.add_argument("--model", required=model_required, metavar="PATH", help="Hugging Face checkpoint directory")
     p.add_argument("--prefill-workers", type=int, default=1, metavar="P", help="prefill worker processes (default: 1)")
     p.add_argument("--decode-workers", type=int, default=1, metavar="D", help="decode worker processes (default: 1)")
@@ -22,12 +23,12 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--policy", default="ampd", help="ampd | ampd-no-pr | ampd-no-ar-pr | dynamo | vllm | continuum")
     p.add_argument("--state", default="embedded", help="state store: embedded or redis://HOST:PORT[/DB]")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-model-len", type=_positive_int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    p.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks per worker")
+    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks per worker")
     p.add_argument("--perf", default=None, metavar="FILE", help="a `tandem profile` output for routing costs")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker (default: 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default: 1)")
     p.add_argument("--kv-timeout", type=float, default=10.0, metavar="S",
                    help="a KV transfer slower than this falls back to local recompute (default: 10)")
     p.add_argument("--session-ttl", type=float, default=600.0, metavar="S",
@@ -59,7 +60,6 @@ def add_parser(sub) -> None:
 
 
 def _cluster_config(args):
-    from tandem.cli.main import CLIError
     from tandem.runtime.cluster import ClusterConfig
     if not Path(args.model, "config.json").is_file():
         raise CLIError(f"--model {args.model}: not a checkpoint directory (no config.json)")
@@ -87,7 +87,6 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None):
     """Start the worker processes and the HTTP server; yields the cluster; stops both on exit."""
     import uvicorn
 
-    from tandem.cli.main import CLIError
     from tandem.policy.presets import get_policy
     from tandem.runtime.cluster import ServingCluster
     from tandem.runtime.launcher import WorkerStartupError
@@ -143,7 +142,6 @@ def cmd_demo(args) -> int:
     import json
 
     from tandem.bench.serve_client import BenchConfig, run_bench
-    from tandem.cli.bench_cmd import print_table
     from tandem.engine.tokenizer import Tokenizer
     from tandem.workload.generators import generate
     if args.model is None:
@@ -156,7 +154,7 @@ def cmd_demo(args) -> int:
     if args.perf is None:                                   # routing costs measured on this machine, once
         args.perf = str(Path(args.model) / "profile-quick.json")
         if not Path(args.perf).is_file():
-            from tandem.engine.profiler import ProfileOptions, profile
+            from tandem.engine.profiling import ProfileOptions, profile
             print(f"tandem demo: profiling {args.model} once (tandem profile --quick) for routing costs ...",
                   flush=True)
             profile(args.model, ProfileOptions(quick=True, threads=1, max_len=args.max_model_len)).to_json(args.perf)

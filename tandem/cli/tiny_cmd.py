@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tandem.cli.common import CLIError, positive_int, seed_arg
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `tiny-model` on the subparsers `sub` of the tandem parser."""
-    from tandem.cli.main import _positive_int, _seed
     from tandem.engine.tiny_model import ARCHS, SIZES
 
     p = sub.add_parser("tiny-model", help="write a tiny random Qwen3/Llama checkpoint (HF layout) for tests",
@@ -20,8 +21,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=ARCHS, default="qwen3", help="architecture (default: %(default)s)")
     p.add_argument("--size", choices=SIZES, default="1m", help="about 1M or 30M parameters (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
-    p.add_argument("--seed", type=_seed, default=0, help="weight seed (default: 0)")
-    p.add_argument("--shards", type=_positive_int, default=1, metavar="K",
+    p.add_argument("--seed", type=seed_arg, default=0, help="weight seed (default: 0)")
+    p.add_argument("--shards", type=positive_int, default=1, metavar="K",
                    help="split the weights into K safetensors files with an index (default: 1)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="weight dtype (default: %(default)s)")
@@ -34,7 +35,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_tiny_model(args) -> int:
     """Write the checkpoint and print one summary line."""
-    from tandem.cli.main import CLIError
     from tandem.engine.tiny_model import make_tiny_model, parameter_count
 
     out = Path(args.out)

@@ -44,10 +44,6 @@ class BlockManager:
         """Fraction of blocks in use (vLLM's kv_cache_usage_perc / 100)."""
         return 1.0 - len(self._free) / self.num_blocks
 
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold `num_tokens` tokens."""
-        return -(-num_tokens // self.block_size)
-
     def extra_blocks(self, owner: object, num_tokens: int) -> int:
         """Blocks `owner` still needs so that it can hold `num_tokens` tokens in total."""
         have = len(self.tables.get(owner, ()))

@@ -81,11 +81,6 @@ class GPU:
         """Capacity in bytes (datasheet GB read as GiB, as the cards expose)."""
         return int(self.hbm_gb * GIB)
 
-    @property
-    def ridge_flops_per_byte(self) -> float:
-        """Arithmetic intensity where achievable compute and bandwidth balance."""
-        return self.flops / self.mem_bw
-
 
 GPUS: dict[str, GPU] = {
     # NVIDIA H100 SXM5 80GB datasheet: 989.4 TFLOPS bf16 dense (1979 with sparsity), HBM3

@@ -87,7 +87,9 @@ def solve_topk(coef: Coefficients, k: int, maximal: bool = True,
     hi: list[float] = []
 
     def add(coefs: dict[int, float], low: float, high: float) -> None:
-        rows.append(coefs); lo.append(low); hi.append(high)
+        rows.append(coefs)
+        lo.append(low)
+        hi.append(high)
 
     add({idl[d]: 1.0 for d in d_keys}, 1, 1)                       # (C0) one degree pair
     for (n, m) in d_keys:                                          # (C0) one replica count per kind
@@ -144,7 +146,9 @@ def solve_topk(coef: Coefficients, k: int, maximal: bool = True,
         data, ri, ci = [], [], []
         for t, rr in enumerate(rows):
             for col, v in rr.items():
-                ri.append(t); ci.append(col); data.append(v)
+                ri.append(t)
+                ci.append(col)
+                data.append(v)
         A = csr_array((data, (ri, ci)), shape=(len(rows), nvar))
         res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
                    bounds=bounds, options={"mip_rel_gap": 0.0})

@@ -43,7 +43,7 @@ def serving_cost_model(model: str, kv_bytes_per_token: int, max_len: int, perf: 
     """The cost model the coordinator routes with and every worker estimates its queue with (AMPD Eq. 1-2):
     the `tandem profile` fit when given (`--perf`), else the nominal roofline of the checkpoint."""
     if perf:
-        from tandem.sim.cluster import load_perf
+        from tandem.perf.profile_io import load_perf
         prof = load_perf(perf)
         return getattr(prof, "ampd", prof)
     from tandem.engine.models import ModelConfig

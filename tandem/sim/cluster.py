@@ -1,7 +1,6 @@
 """Build a simulated cluster from a deployment and a policy, run sessions through it, return records."""
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 
@@ -19,7 +18,8 @@ from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.hardware import get_gpu
 from tandem.perf.models import get_model
 from tandem.perf.roofline import Roofline, kv_capacity_tokens
-from tandem.perf.step_model import Profile, is_profile_dict
+from tandem.perf.profile_io import PerfFileError, load_perf
+from tandem.perf.step_model import Profile
 from tandem.policy.presets import POLICIES, PolicySpec
 from tandem.sim.commit import UniformCommit
 from tandem.sim.faults import FaultError, FaultSpec
@@ -113,23 +113,6 @@ def place(dep: Deployment, gpus_per_node: int, gpus: int) -> list[int]:
     return nodes
 
 
-def load_perf(path: str) -> Profile | AMPDCostModel:
-    """Read a --perf file: a `tandem profile` output or an AMPDCostModel JSON; ConfigError (one line) otherwise."""
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--perf {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    try:
-        if is_profile_dict(d):
-            return Profile.from_dict(d)
-        if isinstance(d, dict) and "pre" in d and "dec" in d:
-            return AMPDCostModel.from_dict(d)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--perf {path}: {e}") from None
-    raise ConfigError(f"--perf {path}: neither a `tandem profile` output nor an AMPD cost-model JSON")
-
-
 def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     """Instantiate the cores (through the factory), the cost models and the shell for `cfg`."""
     spec = cfg.policy_spec()
@@ -139,7 +122,10 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     if spec.disaggregated != dep.disaggregated:
         kind = "a disaggregated deployment (P:...,D:...)" if spec.disaggregated else "a co-located deployment (C:...)"
         raise ConfigError(f"policy {spec.name} needs {kind}, got {dep}")
-    perf = load_perf(cfg.perf) if cfg.perf else None
+    try:
+        perf = load_perf(cfg.perf) if cfg.perf else None
+    except PerfFileError as e:
+        raise ConfigError(str(e)) from None
     if isinstance(perf, Profile):
         return _build_profiled(cfg, spec, dep, perf)
     model, gpu = get_model(cfg.model), get_gpu(cfg.gpu)
@@ -150,7 +136,8 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     workers, timers = [], []
     for wid, (role, tp) in enumerate(dep.workers()):
         cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
-        t_pre = (lambda h, n, _tp=tp: cost.t_pre(h, n, _tp))
+        def t_pre(h: int, n: int, _tp: int = tp) -> float:
+            return cost.t_pre(h, n, _tp)
         workers.append(build_worker(
             wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
             max_num_batched_tokens=cfg.colocated_max_num_batched_tokens if role == COLOCATED else None))

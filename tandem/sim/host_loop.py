@@ -10,7 +10,7 @@ from tandem.core.types import BatchShape, PREFILL, StepPlan
 from tandem.core.worker import WorkerCore
 from tandem.sim.faults import Fate
 from tandem.sim.loop import (
-    ARRIVAL, M_BEGIN, M_KV_ARRIVED, M_KV_IN, M_SEND_KV, STEP, TOOL, EventLoop,
+    M_BEGIN, M_KV_ARRIVED, M_KV_IN, M_SEND_KV, STEP, TOOL, EventLoop,
 )
 from tandem.sim.network import Network
 from tandem.workload.session import Session

@@ -70,7 +70,7 @@ class Network:
             if f.remaining < 0:
                 f.remaining = 0.0
             f.updated_s = now
-            rate = min(self._capacity(l) / len(self.on_link[l]) for l in f.links)
+            rate = min(self._capacity(link) / len(self.on_link[link]) for link in f.links)
             f.rate = rate
             f.version += 1
             self.schedule(now + f.remaining / rate + f.latency_s, f, f.version)

@@ -10,12 +10,11 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.attention.metadata import AttnMetadata
-from tandem.engine.attention.registry import register_backend, write_kv
+from tandem.engine.attention.base import write_kv
 
 PAGED_BLOCK_MULTIPLE = 256
 
 
-@register_backend("flash")
 class FlashBackend:
     """Varlen flash attention over the paged KV cache (paged when block_size % 256 == 0, else gathered)."""
 

@@ -1,30 +1,25 @@
-"""Attention backends by name: `sdpa` (pure PyTorch, any device) and `flash` (flash-attn on CUDA)."""
+"""Attention backends by name: `sdpa` (pure PyTorch, any device) and `flash` (flash-attn on CUDA).
+
+The registry imports the built-in backends; backends never import the registry (they share `base`).
+"""
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
-from tandem.engine.attention.metadata import AttnMetadata
+from tandem.engine.attention.base import AttentionBackend, write_kv
+from tandem.engine.attention.flash import FlashBackend
+from tandem.engine.attention.sdpa import SdpaBackend
 
+__all__ = ["AttentionBackend", "backend_names", "flash_available", "get_backend", "register_backend", "write_kv"]
 
-class AttentionBackend(Protocol):
-    """Writes a step's K/V into the paged cache, then runs causal attention of each sequence over its whole KV."""
-
-    name: str
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                meta: AttnMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], kv [2, blocks, block_size, Hkv, D] -> out [T, Hq, D]."""
-        ...
-
-
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"sdpa": SdpaBackend, "flash": FlashBackend}
 
 
 def register_backend(name: str) -> Callable[[type], type]:
-    """Class decorator registering an attention backend under `name`."""
+    """Class decorator registering another attention backend under `name`."""
     def deco(cls: type) -> type:
         cls.name = name
         _BACKENDS[name] = cls
@@ -34,7 +29,6 @@ def register_backend(name: str) -> Callable[[type], type]:
 
 def backend_names() -> list[str]:
     """The registered backend names."""
-    _ensure_builtin()
     return sorted(_BACKENDS)
 
 
@@ -43,16 +37,8 @@ def flash_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter a step's K and V rows into the paged cache at their slots (shared by every backend)."""
-    flat = kv.view(2, -1, kv.shape[-2], kv.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, k.to(kv.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv.dtype))
-
-
 def get_backend(name: str | None, device: torch.device | str = "cpu") -> AttentionBackend:
     """The backend called `name`; None or "auto" picks flash on CUDA when flash_attn imports, else sdpa."""
-    _ensure_builtin()
     dev = torch.device(device)
     if name is None or name == "auto":
         name = "flash" if dev.type == "cuda" and flash_available() else "sdpa"
@@ -61,7 +47,3 @@ def get_backend(name: str | None, device: torch.device | str = "cpu") -> Attenti
     if name == "flash" and dev.type != "cuda":
         raise ValueError(f"attention backend 'flash' needs a CUDA device, got {dev}")
     return _BACKENDS[name]()
-
-
-def _ensure_builtin() -> None:
-    from tandem.engine.attention import flash, sdpa  # noqa: F401  (registers them)

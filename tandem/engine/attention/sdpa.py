@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention.metadata import AttnMetadata
-from tandem.engine.attention.registry import register_backend, write_kv
+from tandem.engine.attention.base import write_kv
 
 DECODE_GROUP_BYTES = 4 << 20     # gathered K+V per decode group (bytes); at least one sequence per group
 
@@ -97,7 +97,6 @@ def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int) -> _Pla
     return plan
 
 
-@register_backend("sdpa")
 class SdpaBackend:
     """Decode sequences in length-sorted groups of gathered blocks; each prefill (chunk) in its own causal SDPA call."""
 

@@ -1,97 +1,14 @@
-"""Model classes by HF architecture name, and the subset of config.json the engine needs."""
+"""Model classes by HF architecture name, and the subset of config.json the engine needs (ModelConfig)."""
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from tandem.engine.models.config import ARCHITECTURES, ModelConfig
+from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.models.qwen3 import Qwen3ForCausalLM
 
-_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass
-class ModelConfig:
-    """The fields of a Hugging Face config.json that build a decoder and size its KV cache."""
-
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    torch_dtype: str | None = None            # the checkpoint's dtype name ("bfloat16", ...), if it says
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Parse a config.json dict; ValueError naming the field when one is missing or unsupported."""
-        archs = d.get("architectures") or []
-        if not archs or not isinstance(archs, list):
-            raise ValueError("config.json has no 'architectures' list")
-        arch = archs[0]
-        if arch not in MODEL_REGISTRY:
-            raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(MODEL_REGISTRY))})")
-
-        def need_int(name: str) -> int:
-            v = d.get(name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"config.json field {name!r} must be a positive integer, got {v!r}")
-            return v
-
-        act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r} (supported: silu)")
-        hidden, heads = need_int("hidden_size"), need_int("num_attention_heads")
-        rope_params = d.get("rope_parameters") or {}
-        theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling")
-        if scaling is None and rope_params.get("rope_type", "default") != "default":
-            scaling = dict(rope_params)
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in _ROPE_TYPES:
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(_ROPE_TYPES)})")
-            if kind == "llama3":
-                scaling = {"original_max_position_embeddings": d.get("max_position_embeddings", 2048), **scaling}
-        eos = d.get("eos_token_id")
-        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-        head_dim = d.get("head_dim") or hidden // heads
-        return cls(
-            architecture=arch, model_type=str(d.get("model_type", "")),
-            vocab_size=need_int("vocab_size"), hidden_size=hidden, intermediate_size=need_int("intermediate_size"),
-            num_hidden_layers=need_int("num_hidden_layers"), num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            torch_dtype=d.get("dtype") or d.get("torch_dtype"),
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
-            attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
-        """Read `path`/config.json."""
-        f = Path(path) / "config.json"
-        try:
-            d = json.loads(f.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"{f} not found") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{f} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
 
 
 def get_model_class(architecture: str) -> type:
@@ -103,12 +20,4 @@ def get_model_class(architecture: str) -> type:
                          f"(supported: {', '.join(sorted(MODEL_REGISTRY))})") from None
 
 
-from tandem.engine.models.llama import LlamaForCausalLM  # noqa: E402
-from tandem.engine.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-
-MODEL_REGISTRY: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
-
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "ModelConfig", "Qwen3ForCausalLM", "get_model_class"]
+__all__ = ["ARCHITECTURES", "MODEL_REGISTRY", "LlamaForCausalLM", "ModelConfig", "Qwen3ForCausalLM", "get_model_class"]

@@ -16,8 +16,8 @@ from torch import nn
 from tandem.engine.attention.metadata import AttnMetadata
 
 if TYPE_CHECKING:
-    from tandem.engine.attention.registry import AttentionBackend
-    from tandem.engine.models import ModelConfig
+    from tandem.engine.attention.base import AttentionBackend
+    from tandem.engine.models.config import ModelConfig
 
 
 def _onednn_usable() -> bool:
@@ -257,11 +257,6 @@ class CausalLM(nn.Module):
         """Share lm_head with the input embeddings when the config says tie_word_embeddings."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def set_backend(self, backend: "AttentionBackend") -> None:
-        """Switch every layer to another attention backend."""
-        for layer in self.model.layers:
-            layer.self_attn.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttnMetadata) -> torch.Tensor:

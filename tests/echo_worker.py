@@ -1,6 +1,7 @@
 """A tiny worker target for transport tests and examples: echoes, bursts, peer sends, hangs, exits.
 
-Importable by spawned children as "tandem.runtime._echo_worker:main". Not used by the server.
+Importable by spawned children as "echo_worker:main" while tests/ is on sys.path (pytest puts it there;
+a spawned child inherits its parent's sys.path). Not part of the package: the server never uses it.
 """
 from __future__ import annotations
 

@@ -1,0 +1,175 @@
+"""What every `tandem` subcommand shares: the usage error, the parser class, argument types, queued notes,
+output-path checks and the --workload loader (generators, public traces, session files).
+
+The lowest module of tandem.cli: it imports no other cli module (`make lint` checks it).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+from tandem.workload.session import SLO, WorkloadError
+
+PROG = "tandem"
+DEFAULT_SESSIONS = 200
+DEFAULT_RATE = 1.0
+
+
+class CLIError(Exception):
+    """A command-line usage error; its message is printed as `tandem: error: <message>`."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises CLIError instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise CLIError(message)
+
+
+# --------------------------------------------------------------------------- notes
+
+_NOTES: list[str] = []
+
+
+def note(message: str) -> None:
+    """Queue a note for stderr; notes are printed once validation passed, so an error stays one line."""
+    _NOTES.append(message)
+
+
+def flush_notes() -> None:
+    """Print the queued notes on stderr (`tandem: note: ...`) and forget them."""
+    for message in _NOTES:
+        print(f"{PROG}: note: {message}", file=sys.stderr)
+    _NOTES.clear()
+
+
+def clear_notes() -> None:
+    """Forget the queued notes (a new command line starts)."""
+    _NOTES.clear()
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return x
+
+
+def positive_int(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return x
+
+
+def seed_arg(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return x
+
+
+def csv_list(item_type):
+    """An argument type: a comma-separated list of `item_type` values."""
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return [item_type(t) for t in items]
+    return parse
+
+
+def gpus_arg(text: str) -> int | dict[str, int]:
+    """`N` (every workload) or `workload=N,...`."""
+    if "=" not in text:
+        return positive_int(text)
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, n = part.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"expected N or workload=N,..., got {text!r}")
+        out[name.strip()] = positive_int(n.strip())
+    return out
+
+
+def check_out_path(path: str | None) -> None:
+    """Fail before any work when an output file cannot be written there (a directory, a missing folder)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(21, "Is a directory", path)
+    if not p.parent.is_dir():
+        raise FileNotFoundError(2, "No such directory", str(p.parent))
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def load_workload(args, model: str) -> tuple[list, float | None, str]:
+    """Sessions for --workload, the arrival rate applied (None: the trace's own), and the workload kind.
+
+    Reads args.workload, rate, sessions, seed, override_arrivals, slo_ttft, slo_itl and (optional)
+    prefill_basis; shared by `simulate`, `generate`, `plan` and `bench`.
+    """
+    from tandem.workload import generators, traces
+    from tandem.workload.arrivals import with_arrivals
+    from tandem.workload.session import load_sessions
+
+    names = generators.GENERATOR_NAMES
+    basis = getattr(args, "prefill_basis", None)
+    if basis is not None and args.workload not in generators.WORKLOADS:
+        note(f"--prefill-basis only applies to the AMPD generators ({', '.join(generators.WORKLOADS)}); ignored")
+        basis = None
+    if args.workload in names:
+        if args.override_arrivals:
+            note("--override-arrivals only applies to traces; generated sessions always use --rate")
+        rate = args.rate if args.rate is not None else DEFAULT_RATE
+        slo = slo_from_args(args, generators.PAPER_SLOS.get((model, args.workload)))
+        sessions = generators.generate(args.workload, args.sessions or DEFAULT_SESSIONS, rate, args.seed, slo=slo,
+                                       prefill_basis=basis)
+        return sessions, rate, "generator"
+    if args.workload in traces.TRACE_FILES:
+        sessions = traces.load_trace(args.workload, limit=args.sessions)
+    elif Path(args.workload).suffix in (".jsonl", ".json", ".ndjson") or Path(args.workload).exists():
+        sessions = load_sessions(args.workload)
+        if args.sessions is not None:
+            sessions = sessions[: args.sessions]
+    else:
+        raise WorkloadError(f"unknown workload {args.workload!r}: not a generator ({', '.join(names)}), "
+                            f"a public trace ({', '.join(traces.TRACE_FILES)}) or a .jsonl file")
+    rate = None
+    if args.override_arrivals:
+        rate = args.rate if args.rate is not None else DEFAULT_RATE
+        sessions = with_arrivals(sessions, rate, args.seed)
+    elif args.rate is not None:
+        note(f"--rate {args.rate:g} is ignored: the trace keeps its own arrival times (add --override-arrivals)")
+    slo = slo_from_args(args, None)
+    if slo is not None:
+        sessions = [dataclasses.replace(s, slo=slo) for s in sessions]
+    return sessions, rate, "trace"
+
+
+def slo_from_args(args, default: SLO | None) -> SLO | None:
+    """--slo-ttft/--slo-itl over `default`; one flag alone completes `default` or is an error."""
+    if args.slo_ttft is None and args.slo_itl is None:
+        return default
+    if default is None and (args.slo_ttft is None or args.slo_itl is None):
+        raise CLIError("give both --slo-ttft and --slo-itl (this workload has no default SLO)")
+    return SLO(args.slo_ttft if args.slo_ttft is not None else default.ttft_s,
+               args.slo_itl if args.slo_itl is not None else default.itl_s)
