@@ -22,6 +22,7 @@ class SeqState(Enum):
     IDLE = "idle"               # between rounds, KV resident (evictable unless pinned)
     EVICTED = "evicted"         # between rounds, KV dropped for memory
     FAILED = "failed"           # the worker cannot hold it
+    RELEASED = "released"       # the session ended here (its KV freed)
 
 
 @dataclass(slots=True, eq=False)

@@ -16,8 +16,9 @@ from tandem.core.types import (
 )
 from tandem.policy.reorder import FCFS, Picker
 
-NEW, PREFILLING, RUNNING, IDLE, EVICTED, FAILED = (
-    SeqState.NEW, SeqState.PREFILL, SeqState.RUNNING, SeqState.IDLE, SeqState.EVICTED, SeqState.FAILED)
+NEW, PREFILLING, RUNNING, IDLE, EVICTED, FAILED, RELEASED = (
+    SeqState.NEW, SeqState.PREFILL, SeqState.RUNNING, SeqState.IDLE, SeqState.EVICTED, SeqState.FAILED,
+    SeqState.RELEASED)
 
 
 @dataclass(slots=True)
@@ -133,6 +134,7 @@ class WorkerCore:
         if seq.state is RUNNING:
             self.running.remove(seq)
             self._ctx -= seq.num_tokens
+        seq.state = RELEASED                         # a step in flight must not commit into it
         kept = [t for t in self.queue if t.session_id != sid]
         if len(kept) != len(self.queue):
             self.queue = kept
@@ -430,7 +432,10 @@ class WorkerCore:
         self.steps += 1
         self.busy_s += result.elapsed_s
         stopped = result.finished
+        active = self.active
         for t, n in plan.prefill:
+            if t not in active:
+                continue                             # cancelled or released while its chunk ran: nothing to do
             t.done += n
             if t.block_hashes:
                 self._register_blocks(t)
