@@ -1,6 +1,14 @@
 """Sim-to-real (issue 6, acceptance 3): the simulator with a profiled cost model against the live server.
 
-    python benchmarks/sim_to_real.py [--size 30m] [--runs 3] [--out docs/results/sim-to-real]
+    python benchmarks/sim_to_real.py [--policy ampd] [--size 30m] [--runs 3] [--out docs/results/sim-to-real]
+    python benchmarks/sim_to_real.py --policy continuum --reuse-profile --reuse-calibration
+
+Both sides run the same policy (`--policy`, any of tandem.policy.presets.POLICIES): the live server and the
+simulator build their cores with the one factory (tandem/core/factory.py), so the policy's router, picker and
+idle-KV retention run on both. A disaggregated policy (ampd, dynamo, ...) runs on 1P+1D (`tandem serve
+--prefill-workers 1 --decode-workers 1`, simulated P:tp1x1,D:tp1x1); a co-located one (continuum, vllm) on two
+co-located workers (`tandem serve --colocated 2`, simulated C:tp1x2): two worker processes either way, so the
+host's cores are shared alike.
 
 1. makes a tiny checkpoint (`tandem tiny-model`, under models/) and profiles it
    (`tandem profile --threads 1`: step-time model, KV path, engine-vs-engine interference);
@@ -11,15 +19,18 @@
    loop's gap between steps (single-stream ITL minus the profiled decode step), the per-round request/response
    latency (idle TTFT minus the simulated remote prefill path) and how much slower prefill steps run while the
    decode worker streams (prefill TTFTs beside a long decode); writes `profile-<size>-live.json` = the profile
-   plus that `runtime` block;
-4. runs the live 1P+1D server (`tandem serve --policy ampd --perf PROFILE --slo-ttft S --slo-itl S --threads 1`,
-   one prefill and one decode worker process) `--runs` times, a fresh server each, and replays the session file
+   plus that `runtime` block. The calibration is a property of the runtime on this host, not of the policy: it is
+   always measured on the ampd 1P+1D probe, and its files (profile, calibration, session file) are per size and
+   shared by the policies (`--reuse-profile --reuse-calibration` lets a second policy use the first one's);
+4. runs the live server (`tandem serve --policy POLICY --perf PROFILE --slo-ttft S --slo-itl S --threads 1`,
+   1P+1D or 2 co-located worker processes) `--runs` times, a fresh server each, and replays the session file
    with the `tandem bench` client (`run_bench`, the code behind `tandem bench`: token-id completions, exact
    lengths, ignore_eos, arrival times and tool gaps of the file), after a few warm-up sessions;
-5. simulates the same session file on the same deployment (P:tp1x1,D:tp1x1), policy and SLOs, with the profile
-   alone and with the calibrated runtime model (`tandem simulate --perf profile-<size>-live.json`);
+5. simulates the same session file on the same deployment (P:tp1x1,D:tp1x1 or C:tp1x2), policy and SLOs, with
+   the profile alone and with the calibrated runtime model (`tandem simulate --perf profile-<size>-live.json`);
 6. compares P50 and P95 of TTFT (initial, incremental, all rounds) and ITL (per-round mean ITL, as
-   tandem.workload.metrics.summarize defines it) real vs simulated: results.json, table.md, sim_vs_real.png.
+   tandem.workload.metrics.summarize defines it) real vs simulated: <out>/<policy>/results.json, table.md,
+   sim_vs_real.png (server logs in <out>/<policy>/work/).
 
 The run raises its own scheduling priority (autogroup nice -10, see raise_priority) because the development
 machine's two cores are shared with other jobs. See docs/sim-to-real.md.
@@ -47,8 +58,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 TANDEM = [sys.executable, "-m", "tandem.cli"]
-DEPLOY = "P:tp1x1,D:tp1x1"
-POLICY = "ampd"
+CALIBRATION_POLICY = "ampd"       # the runtime block is measured on the ampd 1P+1D probe, whatever is compared
 METRICS = [("ttft_initial", "TTFT initial"), ("ttft_incremental", "TTFT incremental"),
            ("ttft_all", "TTFT all rounds"), ("itl", "ITL (round mean)")]
 QUANTILES = ("p50", "p95")
@@ -60,6 +70,26 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ setup
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a policy runs: the live server's worker arguments and the simulated deployment (two worker
+    processes either way)."""
+
+    policy: str
+    deploy: str
+    serve_args: tuple[str, ...]
+    label: str
+
+
+def layout(policy: str) -> Layout:
+    from tandem.policy.presets import get_policy
+
+    spec = get_policy(policy)
+    if spec.disaggregated:
+        return Layout(spec.name, "P:tp1x1,D:tp1x1", ("--prefill-workers", "1", "--decode-workers", "1"), "1P+1D")
+    return Layout(spec.name, "C:tp1x2", ("--colocated", "2"), "2 co-located workers")
 
 
 def raise_priority(nice: int) -> str:
@@ -133,11 +163,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def live_server(model: Path, profile: Path, args, logfile: Path):
-    """`tandem serve` 1P+1D in a subprocess; yields its URL once /health answers; stops it (and its workers)."""
+def live_server(model: Path, profile: Path, args, logfile: Path, lay: Layout):
+    """`tandem serve` (the layout's workers and policy) in a subprocess; yields its URL once /health answers;
+    stops it (and its workers)."""
     port = _free_port()
-    cmd = [*TANDEM, "serve", "--model", str(model), "--prefill-workers", "1", "--decode-workers", "1",
-           "--policy", POLICY, "--perf", str(profile), "--slo-ttft", str(args.slo_ttft), "--slo-itl", str(args.slo_itl),
+    cmd = [*TANDEM, "serve", "--model", str(model), *lay.serve_args,
+           "--policy", lay.policy, "--perf", str(profile), "--slo-ttft", str(args.slo_ttft), "--slo-itl", str(args.slo_itl),
            "--threads", "1", "--port", str(port)]
     log("starting: tandem " + " ".join(str(c).replace(str(ROOT) + "/", "") for c in cmd[3:]))
     f = open(logfile, "w")
@@ -224,10 +255,11 @@ def check_replayed(sessions, res) -> list[str]:
 # ------------------------------------------------------------------------------------------ sim
 
 
-def run_sim(sessions, profile: Path, seed: int):
+def run_sim(sessions, profile: Path, seed: int, lay: Layout):
     from tandem.sim.cluster import SimConfig, simulate
 
-    cfg = SimConfig(model="profiled", gpu="cpu", gpus=2, deploy=DEPLOY, policy=POLICY, seed=seed, perf=str(profile))
+    cfg = SimConfig(model="profiled", gpu="cpu", gpus=2, deploy=lay.deploy, policy=lay.policy, seed=seed,
+                    perf=str(profile))
     return simulate(sessions, cfg)
 
 
@@ -348,17 +380,20 @@ def _ttfts(records, prefix: str) -> dict[tuple[str, int], float]:
 
 
 def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: SpeedCheck) -> dict:
-    """Measure the runtime block on the probe (see probe_sessions) and fit its constants with the simulator."""
+    """Measure the runtime block on the probe (see probe_sessions) and fit its constants with the simulator.
+    Always on the ampd 1P+1D server (CALIBRATION_POLICY), whichever policy is compared: the block describes the
+    runtime on this host, and the probe's prefill-beside-a-decode-stream needs a prefill and a decode worker."""
     from tandem.perf.step_model import Profile
     from tandem.workload.session import SLO
 
+    lay = layout(CALIBRATION_POLICY)
     prof = Profile.from_json(profile)
     st = prof.step_model
     slo = SLO(args.slo_ttft, args.slo_itl)
     probe = probe_sessions(slo)
     s_now = speed.measure()
     factor = {"prefill": s_now["prefill"], "decode": s_now["decode"]}
-    with live_server(model, profile, args, work / "serve-calibration.log") as (url, pid):
+    with live_server(model, profile, args, work / "serve-calibration.log", lay) as (url, pid):
         replay(url, model, warmup_sessions(probe, slo), args.seed)
         cpu0 = _cpu_s(pid) + _own_cpu_s()
         t = time.perf_counter()
@@ -393,7 +428,7 @@ def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: Sp
 
     def sim_ttfts(runtime: dict) -> dict:
         p = with_runtime(profile, runtime, work / "profile-calibrating.json")
-        return _ttfts(run_sim(probe, p, args.seed).records, "probe-")
+        return _ttfts(run_sim(probe, p, args.seed, lay).records, "probe-")
 
     sim0 = sim_ttfts(rt)
     idle_keys = sorted(k for k in real if k[0].startswith("probe-idle"))
@@ -432,6 +467,8 @@ def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: Sp
     rt["interference"]["decode"] = f_dec
     sim1 = sim_ttfts(rt)
     check = {
+        "probe": {"policy": lay.policy, "deploy": lay.deploy, "serve_args": list(lay.serve_args),
+                  "date": datetime.date.today().isoformat(), "load_avg_1min": os.getloadavg()[0]},
         "speed": s_now,
         "idle_residual_s": {f"{k[0]} r{k[1]}": resid[k] for k in idle_keys},
         "idle_itl_gap_s": {"median": statistics.median(gaps), "min": min(gaps), "max": max(gaps), "n": len(gaps)},
@@ -541,11 +578,13 @@ def rel(sim: float | None, real: float | None) -> float | None:
 
 
 def table(res: dict) -> str:
-    size = res["config"]["size"]
+    size, cfg = res["config"]["size"], res["config"]
     lines = [f"Sim-to-real, tiny-qwen3-{size}, {res['workload']['sessions']} ToolBench-shaped sessions "
-             f"({res['workload']['rounds']} rounds), 1P+1D, policy {POLICY}, {len(res['live_runs'])} live runs. "
-             "Real and simulated figures pool the rounds of all runs (the simulation of each run takes the machine "
-             "speed measured just before it); per-run ranges in brackets.", "",
+             f"({res['workload']['rounds']} rounds), {cfg['layout']} ({cfg['deploy']}), policy {cfg['policy']} on "
+             f"both sides, {len(res['live_runs'])} live runs. Real and simulated figures pool the rounds of all runs "
+             "(the simulation of each run takes the machine speed measured just before it); per-run ranges in "
+             "brackets. Runtime model calibrated on the "
+             f"{res['calibration']['probe'].get('policy', CALIBRATION_POLICY)} 1P+1D probe.", "",
              "| metric | real | sim, profile only | error | sim, + runtime model | error | error per run |",
              "|---|---|---|---|---|---|---|"]
     for k, label in METRICS:
@@ -558,8 +597,13 @@ def table(res: dict) -> str:
                          f"{a * 1e3:.1f} ms | {100 * rel(a, real):+.1f}% | {b * 1e3:.1f} ms | "
                          f"**{100 * rel(b, real):+.1f}%** | {100 * min(errs):+.0f}% .. {100 * max(errs):+.0f}% |")
     worst = max(abs(res["errors"][k][q]) for k, _ in METRICS for q in QUANTILES)
+    n_in = sum(abs(res["errors"][k][q]) <= TOLERANCE for k, _ in METRICS for q in QUANTILES)
+    loads = [r["load_avg_1min_at_start"] for r in res["live_runs"]]
     lines += ["", f"Largest |error| with the runtime model (pooled): {100 * worst:.1f}% "
-                  f"({'within' if worst <= TOLERANCE else 'NOT within'} {100 * TOLERANCE:.0f}%)."]
+                  f"({'within' if worst <= TOLERANCE else 'NOT within'} {100 * TOLERANCE:.0f}%; "
+                  f"{n_in} of {len(METRICS) * len(QUANTILES)} pooled figures within). "
+                  f"1-minute load average at the runs' starts: {min(loads):.2f}-{max(loads):.2f} "
+                  f"(at the benchmark's start {res['load_avg_1min_at_start']:.2f})."]
     return "\n".join(lines) + "\n"
 
 
@@ -607,7 +651,8 @@ def plot(res: dict, path: Path) -> None:
     ax.set_ylabel("simulated TTFT (ms)")
     ax.set_title("every round")
     ax.legend(fontsize=8)
-    fig.suptitle(f"tandem sim-to-real: tiny-qwen3-{res['config']['size']}, 1P+1D {POLICY}, "
+    fig.suptitle(f"tandem sim-to-real: tiny-qwen3-{res['config']['size']}, {res['config']['layout']}, "
+                 f"policy {res['config']['policy']}, "
                  f"{res['workload']['sessions']} sessions, {len(res['live_runs'])} live runs "
                  "(error bars: range over runs; labels: error of the runtime model, pooled)", fontsize=10)
     fig.tight_layout()
@@ -619,7 +664,12 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main() -> int:
+    from tandem.policy.presets import POLICIES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--policy", default="ampd", choices=tuple(POLICIES),
+                    help="policy of both the live server and the simulator (default ampd); disaggregated ones run "
+                         "1P+1D, co-located ones (continuum, vllm) 2 co-located workers")
     ap.add_argument("--size", default="30m", choices=("30m", "1m"))
     ap.add_argument("--sessions", type=int, default=40)
     ap.add_argument("--rate", type=float, default=0.4, help="session arrivals per second (Poisson)")
@@ -630,19 +680,28 @@ def main() -> int:
     ap.add_argument("--slo-ttft", type=float, default=0.5)
     ap.add_argument("--slo-itl", type=float, default=0.05)
     ap.add_argument("--runs", type=int, default=3, help="live runs (a fresh server each)")
-    ap.add_argument("--reuse-profile", action="store_true", help="keep an existing profile under --out")
-    ap.add_argument("--reuse-calibration", action="store_true", help="keep an existing profile-<size>-live.json")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "sim-to-real"))
+    ap.add_argument("--reuse-profile", action="store_true",
+                    help="keep an existing profile-<size>.json under --out (shared by the policies)")
+    ap.add_argument("--reuse-calibration", action="store_true",
+                    help="keep an existing profile-<size>-live.json / calibration-<size>.json under --out (measured "
+                         "on the ampd 1P+1D probe, shared by the policies)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "sim-to-real"),
+                    help="per-size files here (<out>/1m for --size 1m), results in <that>/<policy>/")
     ap.add_argument("--nice", type=int, default=-10,
                     help="autogroup nice of this run (needs root; 0 leaves the priority alone; default -10)")
     args = ap.parse_args()
     started = time.time()
+    load_start = os.getloadavg()[0]
+    lay = layout(args.policy)
     prio = raise_priority(args.nice) if args.nice else "unchanged"
-    log(f"scheduler priority: {prio}")
-    out = Path(args.out) if args.size == "30m" else Path(args.out) / args.size
-    out.mkdir(parents=True, exist_ok=True)
-    work = out / "work"
-    work.mkdir(exist_ok=True)
+    log(f"scheduler priority: {prio}; policy {lay.policy} on {lay.label} ({lay.deploy}); "
+        f"1-minute load {load_start:.2f}")
+    out = Path(args.out) if args.size == "30m" else Path(args.out) / args.size   # shared by the policies
+    res_dir = out / lay.policy
+    work = out / "work"                                  # calibration's server log and scratch profile
+    res_work = res_dir / "work"                          # this policy's server logs and per-run profiles
+    for d in (out, work, res_dir, res_work):
+        d.mkdir(parents=True, exist_ok=True)
 
     model = ensure_model(args.size)
     profile = ensure_profile(model, out / f"profile-{args.size}.json", args.reuse_profile)
@@ -657,32 +716,44 @@ def main() -> int:
 
     live_profile = out / f"profile-{args.size}-live.json"
     speed = SpeedCheck(model, prof)
-    if args.reuse_calibration and live_profile.is_file():
-        calib = json.loads((out / f"calibration-{args.size}.json").read_text())
-        log("reusing the calibration " + live_profile.name)
+    calib_file = out / f"calibration-{args.size}.json"
+    recalibrated = not (args.reuse_calibration and live_profile.is_file() and calib_file.is_file())
+    if not recalibrated:
+        calib = json.loads(calib_file.read_text())
+        live = json.loads(live_profile.read_text())
+        live.pop("runtime", None)
+        base = json.loads(profile.read_text())
+        base.pop("runtime", None)
+        if live != base:
+            raise SystemExit(f"{live_profile.name} was calibrated on another profile than {profile.name}: "
+                             "run without --reuse-calibration (or with --reuse-profile)")
+        probe = calib["check"].get("probe", {})
+        log(f"reusing the calibration {live_profile.name} (measured on the {probe.get('policy', CALIBRATION_POLICY)} "
+            f"1P+1D probe{', ' + probe['date'] if 'date' in probe else ''})")
     else:
         hop = asyncio.run(_echo_hop())
         log(f"runtime transport: hop {hop['hop_s'] * 1e3:.3f} ms (half the median echo round trip)")
         calib = calibrate(model, profile, args, work, hop, speed)
         with_runtime(profile, calib["runtime"], live_profile)
-        (out / f"calibration-{args.size}.json").write_text(json.dumps(calib, indent=1) + "\n")
+        calib_file.write_text(json.dumps(calib, indent=1) + "\n")
     rt = calib["runtime"]
     log("runtime model: " + ", ".join(f"{k} {rt[k] * 1e3:.2f} ms" for k in ("request_s", "hop_s", "step_gap_s"))
         + f", host CPU {rt['host_token_s'] * 1e3:.2f} ms/token on {rt['cores']} cores, prefill beside a decode "
           f"stream x{rt['interference']['prefill']:.3f}, decode beside prefills x{rt['interference'].get('decode', 1.0):.3f}; machine speed at calibration: prefill "
           f"x{rt['step_factor']['prefill']:.3f}, decode x{rt['step_factor']['decode']:.3f} of the profile")
 
-    sim_bare = run_sim(sessions, with_runtime(profile, None, work / "profile-bare.json"), args.seed)
+    sim_bare = run_sim(sessions, with_runtime(profile, None, res_work / "profile-bare.json"), args.seed, lay)
     bare_stats = latency_stats(sim_bare.records)
     runs, pooled, pooled_sim, run_records, sim_records = [], [], [], [], []
     for i in range(args.runs):
         sp = speed.measure()
         run_rt = {**rt, "step_factor": {"prefill": sp["prefill"], "decode": sp["decode"]}}
-        sim = run_sim(sessions, with_runtime(profile, run_rt, work / f"profile-{args.size}-run{i}.json"), args.seed)
+        sim = run_sim(sessions, with_runtime(profile, run_rt, res_work / f"profile-{args.size}-run{i}.json"),
+                      args.seed, lay)
         sim_st = latency_stats(sim.records)
         log(f"run {i}: machine speed prefill x{sp['prefill']:.3f}, decode x{sp['decode']:.3f} of the profile; "
             f"simulated {sim.sim_time_s:.1f} s in {sim.wall_s:.2f} s")
-        with live_server(model, live_profile, args, work / f"serve-{args.size}-run{i}.log") as (url, _):
+        with live_server(model, live_profile, args, res_work / f"serve-{args.size}-run{i}.log", lay) as (url, _):
             replay(url, model, warmup_sessions(sessions, sessions[0].slo), args.seed)
             load0 = os.getloadavg()[0]
             t = time.perf_counter()
@@ -713,14 +784,18 @@ def main() -> int:
     errors_bare = {k: {q: rel(bare_stats[k][q], real[k][q]) for q in QUANTILES} for k, _ in METRICS}
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     res = {
-        "config": {**vars(args), "deploy": DEPLOY, "policy": POLICY, "threads_per_worker": 1,
-                   "priority": prio, "commit": git},
+        "config": {**vars(args), "deploy": lay.deploy, "policy": lay.policy, "layout": lay.label,
+                   "serve_args": list(lay.serve_args), "threads_per_worker": 1, "priority": prio, "commit": git,
+                   "shared_files": str(out)},
+        "load_avg_1min_at_start": load_start,
         "machine": {"cpu": prof.device.get("name"), "cores": os.cpu_count(), "python": platform.python_version(),
                     "torch": prof.torch_version, "date": datetime.date.today().isoformat()},
-        "workload": {"file": f"sessions-{args.size}.jsonl", "sessions": len(sessions), "rounds": n_rounds},
-        "profile": {"file": profile.name, "heldout_error": prof.heldout_error, "kv_link": prof.kv_link,
+        "workload": {"file": f"../sessions-{args.size}.jsonl", "sessions": len(sessions), "rounds": n_rounds},
+        "profile": {"file": "../" + profile.name, "heldout_error": prof.heldout_error, "kv_link": prof.kv_link,
                     "interference": prof.interference},
-        "calibration": {"runtime": calib["runtime"], "check": {k: v for k, v in calib["check"].items() if k != "raw"}},
+        "calibration": {"file": f"../{calib_file.name}", "reused": bool(args.reuse_calibration and not recalibrated),
+                        "probe": calib["check"].get("probe", {"policy": CALIBRATION_POLICY}),
+                        "runtime": calib["runtime"], "check": {k: v for k, v in calib["check"].items() if k != "raw"}},
         "sim": sim_stats, "sim_profile_only": bare_stats,
         "real_pooled": real, "live_runs": runs,
         "errors": errors, "errors_profile_only": errors_bare,
@@ -728,11 +803,11 @@ def main() -> int:
         "tolerance": TOLERANCE, "wall_s": time.time() - started,
         "rounds": per_round,
     }
-    (out / "results.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-    (out / "table.md").write_text(table(res))
-    plot(res, out / "sim_vs_real.png")
+    (res_dir / "results.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    (res_dir / "table.md").write_text(table(res))
+    plot(res, res_dir / "sim_vs_real.png")
     print(table(res))
-    log(f"wrote {out}/results.json, table.md, sim_vs_real.png in {time.time() - started:.0f} s")
+    log(f"wrote {res_dir}/results.json, table.md, sim_vs_real.png in {time.time() - started:.0f} s")
     return 0
 
 
