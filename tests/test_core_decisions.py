@@ -266,3 +266,11 @@ def test_coordinator_timer_asks_for_a_tick_only_when_a_deadline_is_due():
     fallback = coord.on_tick(5.1)
     assert [type(a).__name__ for a in fallback] == ["Cancel", "RunLocal"]
     assert coord.records[0].rounds[0].prefill_where == "local"
+
+
+def test_sessions_arriving_after_the_last_decode_worker_died_fail_with_a_reason():
+    ss = _toolbench(n=30, rate=2.0)
+    res = simulate(ss, SimConfig(LLAMA, "h20", 8, "P:tp4x1,D:tp4x1", "ampd", faults=FaultSpec(kills=((1, 5.0),))))
+    late = [s for s in res.records if s.arrival_s > 5.0]
+    assert late and all(s.failed and s.fail_reason.startswith("no live decode worker") for s in late)
+    assert len(res.records) == 30 and all(s.completed or s.failed for s in res.records)

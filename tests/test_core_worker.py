@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 
 from tandem.core.types import (
     COLOCATED, DECODE, PREFILL, FetchHistory, PrefillDone, PrefillTask, RoundDone, SeqState, StepResult,

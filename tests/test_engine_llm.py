@@ -29,6 +29,44 @@ def _prompts(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 
+# Engines with identical options are built once per checkpoint and shared by the tests below. Every prompt a
+# test sends to a shared engine is its own (distinct seeds), so the prefix cache of the default engine never
+# serves one test from another's blocks; the prefix-caching-free engine keeps nothing between requests.
+@pytest.fixture(scope="module")
+def _shared_default(tiny):
+    return LLM(tiny)
+
+
+@pytest.fixture(scope="module")
+def _shared_cold(tiny):
+    return LLM(tiny, enable_prefix_caching=False)
+
+
+def _handed_back(llm: LLM) -> None:
+    """After a test: nothing may still run on a shared engine; its sessions are ended for the next test."""
+    eng = llm.engine
+    left = [rid for rid, r in eng.requests.items() if not r.finished]
+    for rid in left:
+        eng.abort_request(rid)
+    for sid in list(eng.sessions):
+        eng.end_session(sid)
+    assert not left, f"the test left requests running on a shared engine: {left}"
+
+
+@pytest.fixture
+def llm(_shared_default):
+    """The default engine (`LLM(tiny)`), shared."""
+    yield _shared_default
+    _handed_back(_shared_default)
+
+
+@pytest.fixture
+def cold(_shared_cold):
+    """`LLM(tiny, enable_prefix_caching=False)`, shared: every request is computed from scratch."""
+    yield _shared_cold
+    _handed_back(_shared_cold)
+
+
 def test_greedy_matches_transformers_generate_for_a_batch_of_different_lengths(tiny):
     transformers = pytest.importorskip("transformers")
     llm = LLM(tiny, max_num_batched_tokens=64)
@@ -45,9 +83,9 @@ def test_greedy_matches_transformers_generate_for_a_batch_of_different_lengths(t
         assert out.outputs[0].finish_reason == "length"
 
 
-def test_outputs_do_not_depend_on_batching_chunking_or_preemption(tiny):
+def test_outputs_do_not_depend_on_batching_chunking_or_preemption(tiny, cold):
     prompts = _prompts(400, lens=(40, 70, 25, 90, 60, 33), seed=3)
-    alone = [LLM(tiny).generate([p], GREEDY)[0].token_ids for p in prompts]
+    alone = [cold.generate([p], GREEDY)[0].token_ids for p in prompts]
     # 24 blocks of 16 tokens cannot hold six sequences of ~150 tokens: the scheduler must preempt
     small = LLM(tiny, num_kv_blocks=24, max_model_len=384, max_num_batched_tokens=32)
     together = small.generate(prompts, GREEDY)
@@ -55,8 +93,7 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(tiny):
     assert sum(o.metrics.num_preemptions for o in together) > 0
 
 
-def test_a_five_round_session_prefills_only_new_tokens_and_matches_recomputation(tiny):
-    llm = LLM(tiny)
+def test_a_five_round_session_prefills_only_new_tokens_and_matches_recomputation(llm, cold):
     vocab = llm.engine.model_config.vocab_size
     appends = _prompts(vocab, lens=(30, 7, 12, 3, 20), seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -64,7 +101,7 @@ def test_a_five_round_session_prefills_only_new_tokens_and_matches_recomputation
     for k, new in enumerate(appends):
         conv = conv + new
         out = llm.generate([conv], params, session_ids=["s"])[0]
-        scratch = LLM(tiny, enable_prefix_caching=False).generate([conv], params)[0]
+        scratch = cold.generate([conv], params)[0]
         assert out.token_ids == scratch.token_ids
         if k == 0:
             assert out.metrics.num_computed_tokens == len(new)
@@ -75,8 +112,7 @@ def test_a_five_round_session_prefills_only_new_tokens_and_matches_recomputation
         conv = conv + out.token_ids
 
 
-def test_prefix_cache_reuses_full_blocks_and_keeps_outputs(tiny):
-    llm = LLM(tiny)
+def test_prefix_cache_reuses_full_blocks_and_keeps_outputs(llm, cold):
     vocab = llm.engine.model_config.vocab_size
     shared = _prompts(vocab, lens=(70,), seed=7)[0]
     a, b = shared + [5, 6, 7], shared + [9, 10]
@@ -85,12 +121,11 @@ def test_prefix_cache_reuses_full_blocks_and_keeps_outputs(tiny):
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 64           # 4 full blocks of 16 of the 70 shared tokens
     assert second.metrics.num_computed_tokens == len(b) - 64
-    cold = LLM(tiny, enable_prefix_caching=False).generate([b], GREEDY)[0]
-    assert second.token_ids == cold.token_ids
+    scratch = cold.generate([b], GREEDY)[0]
+    assert second.token_ids == scratch.token_ids
 
 
-def test_stop_strings_token_ids_and_max_tokens_end_requests(tiny):
-    llm = LLM(tiny)
+def test_stop_strings_token_ids_and_max_tokens_end_requests(llm):
     base = llm.generate([[10, 11, 12]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     stop_tok = base.token_ids[5]
     out = llm.generate([[10, 11, 12]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
@@ -101,8 +136,7 @@ def test_stop_strings_token_ids_and_max_tokens_end_requests(tiny):
     assert len(llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
-def test_seeded_sampling_is_reproducible_and_logprobs_are_reported(tiny):
-    llm = LLM(tiny)
+def test_seeded_sampling_is_reproducible_and_logprobs_are_reported(llm):
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=123, max_tokens=16, ignore_eos=True, logprobs=2)
     a = llm.generate(["abc", "defgh"], [p, SamplingParams(temperature=0.7, seed=9, max_tokens=16)])[0]
     b = llm.generate(["abc"], p)[0]
@@ -112,8 +146,7 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_reported(tiny):
     assert all(v <= 0 for entry in lps for v in entry.values())
 
 
-def test_chat_applies_the_template(tiny):
-    llm = LLM(tiny)
+def test_chat_applies_the_template(llm):
     msgs = [{"role": "user", "content": "hi there"}]
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     text = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
@@ -144,13 +177,15 @@ def test_max_tokens_is_clipped_to_the_context(tiny):
     assert len(out.token_ids) == 10 and out.outputs[0].finish_reason == "length"
 
 
-def test_decode_attention_split_into_many_length_groups_keeps_outputs(tiny, monkeypatch):
+def test_decode_attention_split_into_many_length_groups_keeps_outputs(cold, monkeypatch):
     """The SDPA backend cuts a decode batch into length-sorted groups by gathered K/V size; with a tiny
-    group budget every sequence is its own group, and outputs must equal the one-group run."""
+    group budget every sequence is its own group, and outputs must equal the one-group run. (The engine
+    without prefix caching: the second run recomputes its prompts as the first did, only the grouping differs;
+    DECODE_GROUP_BYTES is read at every decode step.)"""
     from tandem.engine.attention import sdpa
 
     prompts = _prompts(400, lens=(40, 7, 25, 90, 60, 33), seed=5)
-    one_group = LLM(tiny).generate(prompts, GREEDY)
+    one_group = cold.generate(prompts, GREEDY)
     monkeypatch.setattr(sdpa, "DECODE_GROUP_BYTES", 1)
-    many = LLM(tiny).generate(prompts, GREEDY)
+    many = cold.generate(prompts, GREEDY)
     assert [o.token_ids for o in many] == [o.token_ids for o in one_group]

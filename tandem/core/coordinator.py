@@ -19,6 +19,7 @@ from tandem.workload.session import SLO, Round, Session
 
 HISTORY, INCREMENTAL = TransferPurpose.HISTORY, TransferPurpose.INCREMENTAL
 _XFER, _IDLE = 0, 1                                   # deadline kinds
+NO_HOME = "no live decode worker: every worker that can hold sessions is lost"
 
 
 class CoordinatorView(ClusterView, Protocol):
@@ -76,7 +77,13 @@ class Coordinator:
         """Bind a new session to a worker (longest cached prefix of its first prompt, else least committed KV)
         and start its first round."""
         hashes = session.first_prompt_hashes(self.block_size)
-        w = self.binder.bind(self._homes(), self.committed, self.capacity, hashes)
+        homes = self._homes()
+        if not homes:                                     # every decode worker is lost: say so, drop nothing
+            rec = SessionRecord(session.session_id, session.arrival_s, session.slo, len(session.rounds),
+                                finish_s=now, failed=True, fail_reason=NO_HOME)
+            self.records.append(rec)
+            return []
+        w = self.binder.bind(homes, self.committed, self.capacity, hashes)
         rec = SessionRecord(session.session_id, session.arrival_s, session.slo, len(session.rounds), decode_worker=w)
         self.records.append(rec)
         st = _Live(session, rec, w, hashes=hashes)
@@ -109,8 +116,10 @@ class Coordinator:
         rnd = Round(input_tokens, max_output_tokens)
         hashes = tuple(block_hashes)
         if st is None:
-            w = worker if worker is not None else self.binder.bind(self._homes(), self.committed, self.capacity,
-                                                                   hashes)
+            homes = self._homes()
+            if worker is None and not homes:
+                raise ValueError(NO_HOME)
+            w = worker if worker is not None else self.binder.bind(homes, self.committed, self.capacity, hashes)
             session = Session(session_id, now, [rnd], slo)
             rec = SessionRecord(session_id, now, slo, 1, decode_worker=w)
             self.records.append(rec)

@@ -138,7 +138,11 @@ class CoordinatorShell:
             self.store.put_session(sid, SessionInfo(decode_worker=-1, resident_tokens=0, updated_s=time.time()))
             new = len(req.prompt)
         # a new session is bound by the core's binder (longest cached prefix of the prompt, else least KV)
-        self._apply(coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, block_hashes=hashes))
+        try:
+            actions = coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, block_hashes=hashes)
+        except ValueError as e:                                # no live decode worker left (the core says why)
+            raise RequestError(str(e), 503, code="engine_unavailable") from None
+        self._apply(actions)
 
     # ------------------------------------------------------------------ core actions out
     def _apply(self, actions: list) -> None:
