@@ -57,6 +57,7 @@ class StepStats:
     execute_s: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    iteration_tokens: dict[int, int] = field(default_factory=dict)   # tokens in a step -> steps (cumulative)
 
 
 class LLMEngine:
@@ -377,6 +378,8 @@ class LLMEngine:
         t3 = self.clock()
         st = self.stats
         st.steps += 1
+        n_iter = sum(n for _, n in plan.prefill) + len(plan.decode)    # tokens through the model this step
+        st.iteration_tokens[n_iter] = st.iteration_tokens.get(n_iter, 0) + 1
         st.execute_s += t2 - t1
         st.schedule_s += (t1 - t0) + (t3 - t2)
         return self._collect(touched)

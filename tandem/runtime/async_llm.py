@@ -58,6 +58,10 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.model_name: str = served_model_name or Path(engine.config.model).name
+        cfg = engine.config
+        self._cache_config = {"block_size": str(cfg.block_size), "num_gpu_blocks": str(engine.runner.num_blocks),
+                              "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                              "cache_dtype": str(engine.runner.kv_caches[0].dtype).removeprefix("torch.")}
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}          # only the engine thread mutates it
         self._prefilled: set[str] = set()
@@ -111,7 +115,9 @@ class AsyncLLM:
         return BackendStats(num_requests_running=c.running, num_requests_waiting=c.waiting,
                             kv_cache_usage_perc=c.kv_usage, prefix_cache_queries=c.prefix_queries,
                             prefix_cache_hits=c.prefix_hits, local_prefills=c.prefills, remote_prefills=0,
-                            workers_alive=int(self.is_healthy()), workers_total=1)
+                            workers_alive=int(self.is_healthy()), workers_total=1,
+                            iteration_tokens=dict(self.engine.stats.iteration_tokens),   # a C-level copy: atomic
+                            cache_config=self._cache_config)
 
     def is_healthy(self) -> bool:
         """True while the engine thread runs and has not failed."""

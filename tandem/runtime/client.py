@@ -39,6 +39,8 @@ class BackendStats:
     kv_transfer_timeouts: int = 0                  # transfers that fell back to local recompute
     workers_alive: int = 0
     workers_total: int = 0
+    iteration_tokens: dict[int, int] = field(default_factory=dict)   # tokens per engine step -> steps (cumulative)
+    cache_config: dict[str, str] = field(default_factory=dict)       # vllm:cache_config_info labels
 
 
 class EngineClient(Protocol):

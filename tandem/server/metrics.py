@@ -10,8 +10,10 @@ import threading
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Histogram, generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from tandem.engine.outputs import RequestOutput
 from tandem.runtime.client import BackendStats, EngineClient
@@ -21,6 +23,19 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    out, mantissa, exp = [], (1, 2, 5), 0
+    while True:
+        for m in mantissa:
+            v = m * 10 ** exp
+            if v > max_value:
+                return tuple(out)
+            out.append(v)
+        exp += 1
 
 
 class _BackendCollector:
@@ -44,7 +59,7 @@ class _BackendCollector:
                     ("tandem:local_prefills", "Prefills run on the session's decode worker.", s.local_prefills),
                     ("tandem:remote_prefills", "Prefills run on a prefill worker.", s.remote_prefills),
                     ("tandem:kv_transfer_timeouts", "KV transfers that fell back to local recompute.",
-                     getattr(s, "kv_transfer_timeouts", 0))]
+                     s.kv_transfer_timeouts)]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(label, float(value))
@@ -53,16 +68,49 @@ class _BackendCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, float(value))
             yield c
+        h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens through the model per engine step.",
+                                  labels=["model_name"])
+        counts = s.iteration_tokens
+        cum, buckets = 0, []
+        for le in _ITERATION_BUCKETS:
+            cum = sum(n for k, n in counts.items() if k <= le)
+            buckets.append((str(float(le)), cum))
+        buckets.append(("+Inf", sum(counts.values())))
+        h.add_metric(label, buckets, float(sum(k * n for k, n in counts.items())))
+        yield h
+        if s.cache_config:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                                     labels=sorted(s.cache_config))
+            info.add_metric([s.cache_config[k] for k in sorted(s.cache_config)], 1.0)
+            yield info
 
 
 class ServerMetrics:
     """The app's metrics; `RequestTimer`s report per-request latencies and token counts into it."""
 
-    def __init__(self, client: EngineClient, model_name: str) -> None:
+    def __init__(self, client: EngineClient, model_name: str, max_model_len: int | None = None) -> None:
         self.client = client
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, lab = self.registry, ["model_name"]
+        for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):   # process_*, python_info, python_gc_*
+            r.register(c)
+        tok_buckets = build_1_2_5_buckets(max_model_len or getattr(client, "max_model_len", 0) or 1 << 20)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+                                               lab, buckets=tok_buckets, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per finished request.", lab,
+                                                   buckets=tok_buckets, registry=r)
+        self.request_prefill = Histogram("vllm:request_prefill_time_seconds",
+                                         "First scheduled to first token (arrival when not reported).", lab,
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_decode = Histogram("vllm:request_decode_time_seconds", "First token to last token.", lab,
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_inference = Histogram("vllm:request_inference_time_seconds",
+                                           "First scheduled (or arrival) to last token.", lab,
+                                           buckets=_LATENCY_BUCKETS, registry=r)
+        self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions of finished requests.", lab,
+                                       registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token, server-measured.", lab,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens, server-measured.", lab,
@@ -81,7 +129,8 @@ class ServerMetrics:
         r.register(self._backend)
         self._lock = threading.Lock()
         for m in (self.ttft, self.itl, self.e2e, self.queue, self.kv_transfer, self.prompt_tokens,
-                  self.generation_tokens):
+                  self.generation_tokens, self.request_prompt_tokens, self.request_generation_tokens,
+                  self.request_prefill, self.request_decode, self.request_inference, self.num_preemptions):
             m.labels(model_name)                  # export zero-valued series before the first request
 
     def timer(self, received: float | None = None) -> RequestTimer:
@@ -135,3 +184,14 @@ class RequestTimer:
             self.done = True
             m.e2e.labels(name).observe(now - self.received)
             m.success.labels(name, out.outputs[0].finish_reason or "abort").inc()
+            m.request_prompt_tokens.labels(name).observe(len(out.prompt_token_ids))
+            m.request_generation_tokens.labels(name).observe(n)
+            met = out.metrics
+            start = met.first_scheduled_time if met.first_scheduled_time is not None else met.arrival_time
+            if met.first_token_time is not None:
+                m.request_prefill.labels(name).observe(max(0.0, met.first_token_time - start))
+                if met.last_token_time is not None:
+                    m.request_decode.labels(name).observe(max(0.0, met.last_token_time - met.first_token_time))
+                    m.request_inference.labels(name).observe(max(0.0, met.last_token_time - start))
+            if met.num_preemptions:
+                m.num_preemptions.labels(name).inc(met.num_preemptions)

@@ -1,0 +1,65 @@
+"""vLLM v1's request-level metrics on /metrics (prompt/generation token histograms, prefill/decode/inference
+times, preemptions, iteration tokens, cache config info) and the process metrics, with exact counts."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+pytest.importorskip("torch")
+
+from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+from tandem.runtime.async_llm import AsyncLLM  # noqa: E402
+from tandem.server.app import build_app  # noqa: E402
+from tandem.server.metrics import build_1_2_5_buckets  # noqa: E402
+
+
+def _value(text: str, key: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{key} not in /metrics")
+
+
+def test_1_2_5_buckets_stop_at_the_maximum():
+    assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert build_1_2_5_buckets(4) == (1, 2)
+
+
+def test_request_level_metrics_count_exactly_what_was_served(tmp_path):
+    """Protects the vLLM v1 request histograms, vllm:iteration_tokens_total and vllm:cache_config_info."""
+    make_tiny_model(tmp_path, arch="qwen3", size="1m", seed=1)
+    client = AsyncLLM.from_model(str(tmp_path), served_model_name="tiny", num_kv_blocks=64, max_model_len=256)
+
+    async def run() -> str:
+        app = build_app(client)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            for prompt, n in (([5] * 17, 4), ([7] * 30, 6)):
+                r = await http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": n,
+                                                             "ignore_eos": True, "temperature": 0})
+                assert r.status_code == 200, r.text
+            return (await http.get("/metrics")).text
+
+    try:
+        text = asyncio.run(run())
+        steps = client.engine.stats.steps
+    finally:
+        asyncio.run(client.shutdown())
+    lab = '{model_name="tiny"}'
+    assert _value(text, f"vllm:request_prompt_tokens_count{lab}") == 2
+    assert _value(text, f"vllm:request_prompt_tokens_sum{lab}") == 17 + 30
+    assert _value(text, 'vllm:request_prompt_tokens_bucket{le="20.0",model_name="tiny"}') == 1
+    assert _value(text, f"vllm:request_generation_tokens_sum{lab}") == 4 + 6
+    for name in ("vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                 "vllm:request_inference_time_seconds"):
+        assert _value(text, f"{name}_count{lab}") == 2
+    assert _value(text, f"vllm:num_preemptions_total{lab}") == 0
+    # every step of the engine: prefill 17 then 3 decodes, prefill 30 then 5 decodes (one request at a time)
+    assert _value(text, f"vllm:iteration_tokens_total_count{lab}") == steps == 2 + 3 + 5
+    assert _value(text, f"vllm:iteration_tokens_total_sum{lab}") == 17 + 30 + 3 + 5
+    assert _value(text, 'vllm:iteration_tokens_total_bucket{le="1.0",model_name="tiny"}') == 8
+    info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and 'num_gpu_blocks="64"' in info and 'enable_prefix_caching="True"' in info
+    assert 'cache_dtype="float32"' in info and info.endswith(" 1.0")
+    assert _value(text, "process_resident_memory_bytes") > 0 and "python_info{" in text
