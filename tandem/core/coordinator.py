@@ -27,7 +27,8 @@ class CoordinatorView(ClusterView, Protocol):
 
     def home_workers(self) -> Sequence[int]: ...
     def capacity(self, worker: int) -> int: ...
-    def begin_round(self, worker: int, session_id: str) -> int: ...
+    def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (),
+                    prompt_tokens: int = 0) -> int: ...
 
 
 @dataclass(slots=True)
@@ -287,7 +288,8 @@ class Coordinator:
         if need > self.capacity[w]:
             return self._fail(st, now, f"KV exceeds the worker's capacity: round {k} needs {need} tokens, "
                                        f"worker {w} holds at most {self.capacity[w]}")
-        hist = self.view.begin_round(w, s.session_id)
+        # nothing resident (new, evicted, re-bound): the worker's prefix cache may still hold the conversation's start
+        hist = self.view.begin_round(w, s.session_id, st.hashes, st.context + rnd.input_tokens)
         l_incr = st.context - hist + rnd.input_tokens     # includes the previous round's last token
         rec.history_tokens = hist
         rec.recomputed_tokens = max(0, st.context - hist - (1 if k else 0))

@@ -50,5 +50,5 @@ class InProcessState:
     def capacity(self, worker: int) -> int:
         return self.workers[worker].capacity_tokens
 
-    def begin_round(self, worker: int, session_id: str) -> int:
-        return self.workers[worker].begin_round(session_id)
+    def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (), prompt_tokens: int = 0) -> int:
+        return self.workers[worker].begin_round(session_id, block_hashes, prompt_tokens)

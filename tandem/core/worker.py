@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from tandem.core.block_manager import BlockManager
 from tandem.core.config import (
@@ -78,11 +78,21 @@ class WorkerCore:
             seq = self.seqs[sid] = Seq(sid)
         return seq
 
-    def begin_round(self, sid: str) -> int:
-        """A new round of `sid` arrives: pin its KV and return how many history tokens are resident."""
+    def begin_round(self, sid: str, block_hashes: Sequence[int] = (), prompt_tokens: int = 0) -> int:
+        """A new round of `sid` arrives: pin its KV and return how many history tokens are resident. A session
+        with nothing resident first takes the longest cached prefix of its prompt (`block_hashes`: the chained
+        hashes of the prompt's full blocks, `prompt_tokens` long) from the prefix cache, leaving at least one
+        token to compute; those tokens then count as its history, wherever its prefill runs."""
         seq = self.attach(sid)
         self.idle.pop(sid, None)
         seq.state = PREFILLING
+        if block_hashes and seq.num_tokens == 0 and not self.blocks.held(seq) and prompt_tokens > 1:
+            usable = block_hashes[:(prompt_tokens - 1) // self.cfg.block_size]
+            blocks = self.blocks.match_prefix(usable) if usable else ()
+            if blocks:
+                self.blocks.share(seq, blocks)
+                seq.num_tokens = len(blocks) * self.cfg.block_size
+                seq.cap = seq.num_tokens
         return seq.num_tokens
 
     def submit(self, task: PrefillTask, now: float) -> None:

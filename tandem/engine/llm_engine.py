@@ -139,11 +139,13 @@ class LLMEngine:
             sess = self.sessions[sid] = _Session()
         now = self.clock() if arrival_time is None else arrival_time
         sess.tokens = list(ids)
-        hist = self.core.begin_round(sid)
         if self.config.enable_prefix_caching:
             extend_hashes(sess.hashes, ids, self.config.block_size)
         else:
             sess.hashes = []
+        # a local round takes its prompt's cached prefix as history; a remote one keeps the history the
+        # coordinator routed with (RoundBegun told it what begin_round below returns)
+        hist = self.core.begin_round(sid, () if remote else sess.hashes, n)
         wid = self.core.id
         task = PrefillTask(sid, sess.rounds, hist, n - hist, now, output_tokens=max_tokens, decode_worker=wid,
                            worker=wid, local=not remote, block_hashes=tuple(sess.hashes))
@@ -165,9 +167,13 @@ class LLMEngine:
         return request_id
 
     # ------------------------------------------------------------------ disaggregation (runtime)
-    def begin_round(self, session_id: str) -> int:
-        """Pin a session's resident KV for its next round; returns how many tokens of it are resident."""
-        return self.core.begin_round(session_id)
+    def begin_round(self, session_id: str, prompt_token_ids: list[int] | None = None) -> int:
+        """Pin a session's resident KV for its next round; returns how many tokens of it are resident. With the
+        round's prompt, a session with nothing resident first takes the prompt's cached prefix as its history."""
+        hashes: list[int] = []
+        if prompt_token_ids and self.config.enable_prefix_caching:
+            extend_hashes(hashes, prompt_token_ids, self.config.block_size)
+        return self.core.begin_round(session_id, hashes, len(prompt_token_ids or ()))
 
     def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, session_id: str,
                     l_hist: int, round_idx: int = 0, arrival_time: float | None = None,

@@ -16,10 +16,12 @@ Purpose = Literal["history", "incremental"]     # tandem.core.actions.TransferPu
 # ------------------------------------------------------------------ coordinator -> worker
 
 class BeginRound(msgspec.Struct, tag=True):
-    """Pin a session's resident KV for a new round; the worker answers RoundBegun."""
+    """Pin a session's resident KV for a new round; the worker answers RoundBegun. With the round's prompt, a
+    session with nothing resident first takes the prompt's cached prefix (the worker's prefix cache)."""
 
     request_id: str
     session_id: str
+    prompt_token_ids: list[int] = []
 
 
 class AddRequest(msgspec.Struct, tag=True):

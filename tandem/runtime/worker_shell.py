@@ -43,7 +43,8 @@ class WorkerShell:
         eng = self.engine
         try:
             if isinstance(msg, m.BeginRound):
-                self.send_up(m.RoundBegun(msg.request_id, msg.session_id, eng.begin_round(msg.session_id)))
+                self.send_up(m.RoundBegun(msg.request_id, msg.session_id,
+                                          eng.begin_round(msg.session_id, msg.prompt_token_ids)))
             elif isinstance(msg, m.AddRequest):
                 eng.add_request(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params),
                                 session_id=msg.session_id, remote=msg.remote,
