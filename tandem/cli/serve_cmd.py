@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import socket
 from pathlib import Path
 
@@ -12,6 +13,12 @@ from tandem.cli.bench_table import print_table
 from tandem.cli.common import CLIError, positive_int
 
 DEMO_SLO = (0.05, 0.02)         # TTFT, ITL seconds: a 1M-parameter model's steps take a few milliseconds
+API_KEY_ENV = "TANDEM_API_KEY"
+# Slow clients (slowloris): uvicorn closes an idle keep-alive connection after TIMEOUT_KEEP_ALIVE_S and refuses
+# header blocks over H11_MAX_INCOMPLETE_EVENT_BYTES; the app answers 408 to a body not received within
+# --body-timeout seconds. uvicorn has no timeout on reading headers: put a reverse proxy in front for that.
+TIMEOUT_KEEP_ALIVE_S = 5
+H11_MAX_INCOMPLETE_EVENT_BYTES = 64 << 10
 
 
 def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
@@ -45,7 +52,23 @@ def add_parser(sub) -> None:
     _add_server_args(p, True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (visible in ps: prefer ${API_KEY_ENV} or "
+                        "--api-key-file)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (its first line)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=None, metavar="N",
+                   help="largest request body accepted (413 beyond; default: 8 MiB)")
+    p.add_argument("--max-messages", type=positive_int, default=None, metavar="N",
+                   help="most chat messages per request (default: max_model_len)")
+    p.add_argument("--max-prompt-chars", type=positive_int, default=None, metavar="N",
+                   help="most characters of prompt text / message content (default: 64 x max_model_len)")
+    p.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                   help="a request body not received within S seconds gets a 408 (default: 60)")
+    p.add_argument("--timeout-keep-alive", type=float, default=TIMEOUT_KEEP_ALIVE_S, metavar="S",
+                   help=f"close idle keep-alive connections after S seconds (default: {TIMEOUT_KEEP_ALIVE_S})")
+    p.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
+                   help="most open connections + requests before uvicorn answers 503 (default: no limit)")
     p.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="serve a tiny model 1P+1D, replay a multi-round workload through HTTP, report")
     _add_server_args(d, False)
@@ -82,9 +105,49 @@ def _cluster_config(args):
                          session_ttl_s=args.session_ttl)
 
 
+def api_key_of(args, environ=None) -> str | None:
+    """The API key: --api-key, else the first line of --api-key-file, else $TANDEM_API_KEY, else None (open)."""
+    environ = os.environ if environ is None else environ
+    if getattr(args, "api_key", None):
+        return args.api_key
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise CLIError(f"--api-key-file {path}: {e.strerror or e}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise CLIError(f"--api-key-file {path}: the file is empty")
+        return key
+    return environ.get(API_KEY_ENV) or None
+
+
+def server_options(args) -> dict:
+    """build_app and uvicorn settings from `tandem serve` flags (absent flags keep the defaults)."""
+    from tandem.server.serving import Limits
+    app: dict = {"limits": Limits(max_messages=getattr(args, "max_messages", None),
+                                  max_prompt_chars=getattr(args, "max_prompt_chars", None))}
+    if getattr(args, "max_body_bytes", None) is not None:
+        app["max_body_bytes"] = args.max_body_bytes
+    body_timeout = getattr(args, "body_timeout", None)
+    if body_timeout is not None:
+        if not body_timeout > 0:
+            raise CLIError(f"--body-timeout must be > 0, got {body_timeout}")
+        app["body_timeout_s"] = body_timeout
+    keep_alive = getattr(args, "timeout_keep_alive", TIMEOUT_KEEP_ALIVE_S)
+    if not keep_alive > 0:
+        raise CLIError(f"--timeout-keep-alive must be > 0, got {keep_alive}")
+    return {"app": app, "uvicorn": {"timeout_keep_alive": keep_alive,
+                                    "limit_concurrency": getattr(args, "limit_concurrency", None),
+                                    "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES}}
+
+
 @contextlib.asynccontextmanager
-async def serving(cfg, host: str, port: int, api_key: str | None = None):
-    """Start the worker processes and the HTTP server; yields the cluster; stops both on exit."""
+async def serving(cfg, host: str, port: int, api_key: str | None = None, options: dict | None = None):
+    """Start the worker processes and the HTTP server; yields the cluster; stops both on exit.
+
+    `options`: server_options(args) (limits for build_app, uvicorn's keep-alive and header limits)."""
     import uvicorn
 
     from tandem.policy.presets import get_policy
@@ -97,8 +160,11 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None):
         cluster = await ServingCluster.start(cfg)
     except (ValueError, WorkerStartupError, StateStoreError) as e:
         raise CLIError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    server = uvicorn.Server(uvicorn.Config(build_app(cluster, api_key=api_key), host=host, port=port,
-                                           log_level="warning", lifespan="off"))
+    options = options or {}
+    uv = {"timeout_keep_alive": TIMEOUT_KEEP_ALIVE_S, "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES,
+          **options.get("uvicorn", {})}
+    server = uvicorn.Server(uvicorn.Config(build_app(cluster, api_key=api_key, **options.get("app", {})), host=host,
+                                           port=port, log_level="warning", lifespan="off", **uv))
     task = asyncio.create_task(server.serve())
     try:
         while not server.started:
@@ -117,9 +183,11 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None):
 def cmd_serve(args) -> int:
     """Serve until interrupted."""
     cfg = _cluster_config(args)
+    api_key = api_key_of(args)
+    options = server_options(args)
 
     async def run() -> None:
-        async with serving(cfg, args.host, args.port, args.api_key):
+        async with serving(cfg, args.host, args.port, api_key, options):
             print(f"tandem: serving {Path(cfg.model).name} on http://{args.host}:{args.port}/v1 "
                   f"({cfg.policy}; {cfg.prefill_workers}P+{cfg.decode_workers}D" +
                   (f", {cfg.colocated} co-located" if cfg.colocated else "") + ")", flush=True)

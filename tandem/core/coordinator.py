@@ -131,6 +131,12 @@ class Coordinator:
             st.hashes = hashes
         return self._start_round(st, now)
 
+    def pick_worker(self, block_hashes: Sequence[int] = ()) -> int | None:
+        """The worker the binder would bind a new session with this prompt to (None: no live worker). A shell
+        that must ask the worker first (its resident and cached KV) binds with on_round(worker=...) after."""
+        homes = self._homes()
+        return self.binder.bind(homes, self.committed, self.capacity, tuple(block_hashes)) if homes else None
+
     def touch(self, session_id: str, now: float) -> None:
         """A live session's next round is on its way (its shell is asking the worker): not idle any more."""
         st = self.live.get(session_id)

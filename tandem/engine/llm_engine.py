@@ -131,7 +131,7 @@ class LLMEngine:
         sid = session_id if session_id is not None else f"req-{request_id}"
         sess = self.sessions.get(sid)
         if sess is not None and sess.request is not None:
-            raise EngineError(f"session {sid!r} already has a request running ({sess.request.request_id!r})")
+            raise EngineError(f"session {sid!r} already has a request running; send its rounds one at a time")
         if sess is not None and ids[:len(sess.tokens)] != sess.tokens:
             self.core.release(sid)                   # the conversation was rewritten: start it afresh
             sess = None

@@ -15,14 +15,26 @@ from typing import Any
 
 MAX_LOGPROBS = 20          # the most top logprobs a request may ask for (vLLM's default max_logprobs)
 MIN_TEMPERATURE = 1e-2     # positive temperatures below this are raised to it (vLLM's _MAX_TEMP)
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1     # seed range (a signed 64-bit integer, as vLLM and torch take)
+INT32_MAX = (1 << 31) - 1  # top_k, token ids (stop_token_ids): no tokenizer has more ids
+MAX_SHOWN = 100            # an error message quotes at most this many characters of a bad value
 
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; the message names the field and the bad value."""
 
 
+def shorten(value: Any, limit: int = MAX_SHOWN) -> str:
+    """repr(value) cut to `limit` characters (an error must not echo a 10 MB value back)."""
+    try:
+        text = repr(value)
+    except ValueError:                  # an int with more digits than Python will print
+        return f"<{type(value).__name__} too large to show>"
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 def _bad(field: str, value: Any, why: str) -> SamplingParamsError:
-    return SamplingParamsError(f"{field} {why}, got {value!r}")
+    return SamplingParamsError(f"{field} {why}, got {shorten(value)}")
 
 
 def _is_int(x: Any) -> bool:
@@ -31,6 +43,14 @@ def _is_int(x: Any) -> bool:
 
 def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_finite(x: Any) -> bool:
+    """A real number that is finite as a float (an int beyond float range is not)."""
+    try:
+        return _is_real(x) and math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -62,7 +82,7 @@ class SamplingParams:
     def _check_numbers(self) -> None:
         if not _is_int(self.n) or self.n != 1:
             raise _bad("n", self.n, "must be 1 (only one sequence per request is supported)")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_finite(self.temperature) or self.temperature < 0:
             raise _bad("temperature", self.temperature, "must be a finite number >= 0")
         self.temperature = float(self.temperature)
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -70,18 +90,18 @@ class SamplingParams:
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
         self.top_p = float(self.top_p)
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise _bad("top_k", self.top_k, "must be an int >= -1 (0 or -1 disable it)")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise _bad("top_k", self.top_k, f"must be an int in [-1, {INT32_MAX}] (0 or -1 disable it)")
         self.top_k = int(self.top_k)
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise _bad("min_p", self.min_p, "must be in [0, 1]")
         self.min_p = float(self.min_p)
-        if self.seed is not None and not _is_int(self.seed):
-            raise _bad("seed", self.seed, "must be an int or None")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise _bad("max_tokens", self.max_tokens, "must be an int >= 1 or None")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise _bad("min_tokens", self.min_tokens, "must be an int >= 0")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise _bad("seed", self.seed, f"must be None or an int in [{INT64_MIN}, {INT64_MAX}] (64-bit)")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
+            raise _bad("max_tokens", self.max_tokens, f"must be None or an int in [1, {INT64_MAX}]")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise _bad("min_tokens", self.min_tokens, f"must be an int in [0, {INT64_MAX}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int(self.logprobs)
@@ -93,7 +113,7 @@ class SamplingParams:
                 raise _bad(name, v, "must be in [-2, 2]")
             setattr(self, name, float(v))
         rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
+        if not _is_finite(rp) or rp <= 0:
             raise _bad("repetition_penalty", rp, "must be a finite number > 0")
         self.repetition_penalty = float(rp)
 
@@ -109,8 +129,8 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is None:
             ids = []
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of ints >= 0")
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, f"must be a list of token ids in [0, {INT32_MAX}]")
         self.stop_token_ids = [int(t) for t in ids]
 
     @property

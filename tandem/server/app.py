@@ -7,6 +7,7 @@ Run it with uvicorn, e.g.::
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.engine.sampling_params import shorten
 from tandem.runtime.client import EngineClient
 from tandem.server import serving as sv
 from tandem.server.chat import create_chat_completion
@@ -25,15 +27,19 @@ from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
 from tandem.server.protocol import ModelCard, ModelList
 
 log = logging.getLogger("tandem.server")
-DEFAULT_MAX_BODY_BYTES = 16 << 20
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_BODY_TIMEOUT_S = 60.0       # a client that takes longer to send its body gets a 408 (slow clients)
 _RECEIVED = "tandem_received"
 
 
 class Guard:
-    """Outermost checks: API key on /v1/*, body size (Content-Length and streamed), and a JSON 500 for crashes."""
+    """Outermost checks: API key on /v1/*, body size (Content-Length and streamed) and time to send it, and a
+    JSON 500 for crashes."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+        self.body_timeout = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -47,14 +53,24 @@ class Guard:
             return
         started = False
         seen = 0
+        body_done = False
+        deadline = None if self.body_timeout is None else time.monotonic() + self.body_timeout
 
         async def counted() -> Message:
-            nonlocal seen
-            msg = await receive()
+            nonlocal seen, body_done
+            if body_done or deadline is None:
+                msg = await receive()
+            else:
+                try:
+                    msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise APIError(f"the request body was not received within {self.body_timeout:g} s", 408,
+                                   "request_timeout") from None
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_body:
                     raise APIError(f"request body exceeds the limit of {self.max_body} bytes", 413)
+                body_done = not msg.get("more_body", False)
             return msg
 
         async def tracked(msg: Message) -> None:
@@ -65,6 +81,9 @@ class Guard:
 
         try:
             await self.app(scope, counted, tracked)
+        except APIError as e:                   # a limit hit outside the app's handlers (413, 408)
+            if not started:
+                await _send_error(send, e)
         except Exception:  # noqa: BLE001 - never a traceback to the client
             log.exception("internal error on %s %s", scope.get("method"), scope["path"])
             if not started:
@@ -101,14 +120,15 @@ def _received(request: Request) -> float:
 
 
 def build_app(client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: sv.Limits | None = None,
+              body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """An OpenAI-compatible app in front of `client` (which it does not start or stop)."""
     name = served_model_name or client.model_name
-    state = sv.ServerState(client, name, ServerMetrics(client, name))
+    state = sv.ServerState(client, name, ServerMetrics(client, name), limits or sv.Limits())
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tandem = state
     install_handlers(app)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
 
     @app.get("/health")
     async def health() -> Response:
@@ -130,7 +150,7 @@ def build_app(client: EngineClient, api_key: str | None = None, served_model_nam
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
         if model != name:
-            raise APIError(f"The model `{model}` does not exist.", 404, "model_not_found", "model")
+            raise APIError(f"The model {shorten(model)} does not exist.", 404, "model_not_found", "model")
         return JSONResponse(card().model_dump())
 
     @app.post("/v1/chat/completions")

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: chat template, tool calls (Hermes/Qwen blocks), streaming and not."""
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, shorten
 from tandem.server import serving as sv
 from tandem.server.errors import APIError
 from tandem.server.metrics import RequestTimer
@@ -27,7 +28,7 @@ def _tool_choice(req: ChatCompletionRequest) -> str:
         return "auto" if req.tools else "none"
     if isinstance(tc, str) and tc in TOOL_CHOICES:
         return tc
-    shown = repr(tc) if isinstance(tc, str) else "a named function" if isinstance(tc, dict) else repr(tc)
+    shown = "a named function" if isinstance(tc, dict) else shorten(tc, 40)
     raise APIError(f"tool_choice {shown} is not supported (supported: {', '.join(TOOL_CHOICES)})", 400,
                    "unsupported_parameter", "tool_choice")
 
@@ -36,7 +37,8 @@ def _check(req: ChatCompletionRequest) -> None:
     """Reject chat features that cannot be served (400 naming the field)."""
     sv.check_common(req)
     if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(f"response_format {req.response_format.get('type')!r} is not supported (only 'text')", 400,
+        raise APIError(f"response_format {shorten(req.response_format.get('type'), 40)} is not supported (only "
+                       "'text')", 400,
                        "unsupported_parameter", "response_format")
     if req.functions or req.function_call is not None:
         raise APIError("functions/function_call are deprecated and not supported: use tools", 400,
@@ -52,7 +54,8 @@ def _content(m: ChatMessage, i: int) -> str | None:
         texts = []
         for part in c:
             if part.type != "text" or part.text is None:
-                raise APIError(f"messages[{i}].content: only text parts are supported, got {part.type!r}", 400,
+                raise APIError(f"messages[{i}].content: only text parts are supported, got {shorten(part.type, 40)}",
+                               400,
                                "unsupported_parameter", f"messages.{i}.content")
             texts.append(part.text)
         c = "".join(texts)
@@ -79,17 +82,40 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def check_size(state: sv.ServerState, req: ChatCompletionRequest) -> None:
+    """400 before any templating when there are too many messages or too many characters of content."""
+    max_len = state.client.max_model_len
+    cap = state.limits.messages(max_len)
+    if len(req.messages) > cap:
+        raise APIError(f"{len(req.messages)} messages are more than the limit of {cap} per request", 400,
+                       "invalid_value", "messages")
+    chars = 0
+    for m in req.messages:
+        c = m.content
+        if isinstance(c, str):
+            chars += len(c)
+        elif c is not None:
+            chars += sum(len(p.text or "") for p in c)
+        for call in m.tool_calls or ():
+            if isinstance(call.function.arguments, str):
+                chars += len(call.function.arguments)
+    if req.tools:                                     # the template renders them as JSON
+        chars += len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools]))
+    sv.check_prompt_chars(state, chars, "messages")
+
+
 def render_prompt(state: sv.ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The chat template applied with the tools and a generation prompt, then encoded without special tokens."""
+    """The chat template applied with the tools and a generation prompt, then encoded without special tokens
+    (slow for long conversations: the handler runs it on the preparation threads)."""
     tok = state.client.tokenizer
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     msgs = template_messages(req)
     try:
         text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - template errors (TokenizerError, jinja TypeError, ...) are the caller's
-        raise APIError(f"the chat template cannot render these messages: {e}", 400, "invalid_value",
-                       "messages") from None
-    return text, tok.encode(text, add_special_tokens=False)
+        raise APIError(f"the chat template cannot render these messages: {shorten(str(e), 300)}", 400,
+                       "invalid_value", "messages") from None
+    return text, sv.encode(tok, text, add_special_tokens=False)
 
 
 def logprobs_content(tok: Any, ids: list[int], lps: list[dict[int, float]] | None, top: int) -> list[dict] | None:
@@ -108,24 +134,33 @@ def logprobs_content(tok: Any, ids: list[int], lps: list[dict[int, float]] | Non
     return out
 
 
+def _vocab(state: sv.ServerState) -> int | None:
+    """The vocabulary size stop_token_ids must stay below: the client's `vocab_size` or the tokenizer's, whichever
+    is larger (a model's embedding may have padding rows past the tokenizer's ids); None when neither tells."""
+    sizes = [n for n in (getattr(state.client, "vocab_size", None), getattr(state.client.tokenizer, "vocab_size", None))
+             if isinstance(n, int) and not isinstance(n, bool)]
+    return max(sizes) if sizes else None
+
+
 def _calls(calls: list[ParsedToolCall]) -> list[ResponseToolCall]:
     return [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments)) for c in calls]
 
 
 async def create_chat_completion(state: sv.ServerState, request: Request, received: float) -> Any:
     """Handle one chat completion request."""
-    req = await sv.parse_body(request, ChatCompletionRequest)
+    req = await sv.parse_body(request, ChatCompletionRequest, state)
     sv.check_model(state, req)
     _check(req)
     choice = _tool_choice(req)
     sid = sv.session_of(request, req)
-    text, ids = render_prompt(state, req)
+    check_size(state, req)
+    text, ids = await state.offload(render_prompt, state, req)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = sv.room_for(len(ids), limit, state.client.max_model_len, field)
     top = req.top_logprobs or 0
     params = sv.sampling_params(req, max_tokens, top if req.logprobs else None,
-                                {"logprobs": "top_logprobs", "max_tokens": field})
+                                {"logprobs": "top_logprobs", "max_tokens": field}, _vocab(state))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     timer = state.metrics.timer(received)
     parse = bool(req.tools) and choice == "auto"

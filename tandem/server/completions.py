@@ -9,8 +9,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, shorten
 from tandem.server import serving as sv
+from tandem.server.chat import _vocab
 from tandem.server.errors import APIError
 from tandem.server.metrics import RequestTimer
 from tandem.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
@@ -24,7 +25,7 @@ def _check(req: CompletionRequest) -> None:
     if req.suffix:
         raise APIError("suffix is not supported", 400, "unsupported_parameter", "suffix")
     if req.best_of is not None and req.best_of != 1:
-        raise APIError(f"best_of must be 1, got {req.best_of}", 400, "unsupported_parameter", "best_of")
+        raise APIError(f"best_of must be 1, got {shorten(req.best_of)}", 400, "unsupported_parameter", "best_of")
 
 
 def prompt_of(state: sv.ServerState, req: CompletionRequest) -> tuple[str | None, list[int]]:
@@ -36,12 +37,23 @@ def prompt_of(state: sv.ServerState, req: CompletionRequest) -> tuple[str | None
                            "unsupported_parameter", "prompt")
         p = p[0]
     if isinstance(p, str):
-        text, ids = p, state.client.tokenizer.encode(p) if p else []
+        text, ids = p, sv.encode(state.client.tokenizer, p, add_special_tokens=True) if p else []
     else:
         text, ids = None, list(p)
     if not ids:
         raise APIError("the prompt is empty", 400, "invalid_value", "prompt")
     return text, ids
+
+
+def check_size(state: sv.ServerState, req: CompletionRequest) -> None:
+    """400 before tokenizing: a text over the character cap; token ids that fill the context (a length check)."""
+    p: Any = req.prompt
+    if isinstance(p, list) and len(p) == 1 and not isinstance(p[0], int):
+        p = p[0]
+    if isinstance(p, str):
+        sv.check_prompt_chars(state, len(p), "prompt")
+    elif isinstance(p, list):
+        sv.room_for(len(p), None, state.client.max_model_len)
 
 
 def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float]] | None, offset: int) -> dict | None:
@@ -62,13 +74,14 @@ def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float]] | 
 
 async def create_completion(state: sv.ServerState, request: Request, received: float) -> Any:
     """Handle one completion request."""
-    req = await sv.parse_body(request, CompletionRequest)
+    req = await sv.parse_body(request, CompletionRequest, state)
     sv.check_model(state, req)
     _check(req)
     sid = sv.session_of(request, req)
-    text, ids = prompt_of(state, req)
+    check_size(state, req)
+    text, ids = await state.offload(prompt_of, state, req)
     max_tokens = sv.room_for(len(ids), req.max_tokens, state.client.max_model_len)
-    params = sv.sampling_params(req, max_tokens, req.logprobs)
+    params = sv.sampling_params(req, max_tokens, req.logprobs, vocab_size=_vocab(state))
     rid = f"cmpl-{uuid.uuid4().hex}"
     timer = state.metrics.timer(received)
     gen = sv.start(state, ids, params, rid, sid, text)

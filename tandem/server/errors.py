@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("tandem.server")
 
 _DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-                  413: "request_too_large", 500: "internal_error", 503: "service_unavailable"}
+                  408: "request_timeout", 409: "conflict", 413: "request_too_large", 500: "internal_error",
+                  503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -49,6 +50,7 @@ def error_bytes(err: APIError) -> bytes:
     return json.dumps(error_body(err.message, err.status, err.code, err.param)).encode()
 
 
+_MAX_PARAM = 100
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
 
 
@@ -75,6 +77,10 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
         msg = f"expected one of: {', '.join(dict.fromkeys(kinds))}"
     else:
         msg = errors[0].get("msg", "invalid value")
+    if len(param) > _MAX_PARAM:             # a location can hold a client's dict key: never echo it whole
+        param = param[:_MAX_PARAM] + "..."
+    if len(msg) > 2 * _MAX_PARAM:
+        msg = msg[:2 * _MAX_PARAM] + "..."
     where = f"{param}: " if param else "request body: "
     return APIError(f"{where}{msg}", 400, "invalid_value", param or None)
 

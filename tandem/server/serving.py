@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import functools
 import json
+import json.decoder
+import json.scanner
 import logging
 import math
+import re
 import time
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -18,7 +24,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
+from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, shorten
+from tandem.engine.tokenizer import Tokenizer
 from tandem.runtime.client import EngineClient, RequestError
 from tandem.server.errors import APIError, error_body, validation_error
 from tandem.server.metrics import ServerMetrics
@@ -28,27 +35,154 @@ log = logging.getLogger("tandem.server")
 T = TypeVar("T")
 M = TypeVar("M", bound=_Sampling)
 SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID_CHARS = 256
 _MIN_LOGPROB = -9999.0          # -inf is not JSON; vLLM clamps the same way
+INLINE_PARSE_BYTES = 64 << 10   # bodies up to this are parsed on the event loop (a few ms at most)
+INLINE_ENCODE_CHARS = 4096      # texts up to this are tokenized on the event loop
+CHARS_PER_TOKEN = 64            # default text cap: max_model_len x this many characters (no token is longer)
+_NOT_INT_CHAR = re.compile(r"[^0-9, \t\n\r-]")
+_REQUEST_ID = re.compile(r"\b(?:chatcmpl|cmpl)-[0-9a-f]{32}\b")
+
+
+@dataclass
+class Limits:
+    """Caps checked before expensive work (None: derived from the model's context, max_model_len).
+
+    max_messages: chat messages per request (default max_model_len: every message renders to >= 1 token);
+    max_prompt_chars: characters of message content / text prompt (default CHARS_PER_TOKEN x max_model_len);
+    prompt token ids are capped by max_model_len itself (a longer prompt leaves no room to generate).
+    """
+
+    max_messages: int | None = None
+    max_prompt_chars: int | None = None
+    prep_threads: int = 2           # threads that parse large bodies, render chat templates and tokenize
+
+    def messages(self, max_model_len: int) -> int:
+        return self.max_messages if self.max_messages is not None else max_model_len
+
+    def chars(self, max_model_len: int) -> int:
+        return self.max_prompt_chars if self.max_prompt_chars is not None else CHARS_PER_TOKEN * max_model_len
 
 
 @dataclass
 class ServerState:
-    """What request handlers need: the backend, the served name, metrics."""
+    """What request handlers need: the backend, the served name, metrics, limits, the preparation threads."""
 
     client: EngineClient
     model_name: str
     metrics: ServerMetrics
+    limits: Limits = field(default_factory=Limits)
+    pool: ThreadPoolExecutor | None = None
+
+    def __post_init__(self) -> None:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max(1, self.limits.prep_threads), thread_name_prefix="tandem-prep")
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) on the preparation threads so the event loop keeps answering (health, streams)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    @property
+    def max_array(self) -> int:
+        """The longest JSON array a request may hold (messages or prompt token ids)."""
+        return max(self.limits.messages(self.client.max_model_len), self.client.max_model_len)
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """Read and validate a JSON body: 400 invalid_json when malformed, 400 naming the field when invalid."""
+class _ArrayTooLong(ValueError):
+    pass
+
+
+def _int_run_end(s: str, start: int, max_array: int, chunk: int = 1 << 16) -> int:
+    """Where the run of digits, '-', ',' and whitespace from `start` ends (-1: at the end of `s`), scanned in chunks
+    (other threads run between them); _ArrayTooLong once the run holds max_array commas."""
+    pos, commas = start, 0
+    while pos < len(s):
+        stop = _NOT_INT_CHAR.search(s, pos, pos + chunk)
+        if stop is not None:
+            return stop.start()
+        commas += s.count(",", pos, pos + chunk)
+        if commas >= max_array:
+            raise _ArrayTooLong(max_array)
+        pos += chunk
+    return -1
+
+
+def _limited_decoder(max_array: int) -> json.JSONDecoder:
+    """A pure-Python JSON decoder (it lets other threads run every few ms, the C one holds the GIL to the end)
+    that gives up on any array longer than `max_array`, so a hostile body costs at most that much work."""
+    dec = json.JSONDecoder()
+    ws = json.decoder.WHITESPACE.match
+
+    def parse_array(s_and_end: tuple[str, int], scan_once: Callable, _w: Callable = ws,
+                    _ws: str = json.decoder.WHITESPACE_STR) -> tuple[list, int]:
+        s, end = s_and_end                       # json.decoder.JSONArray with a length cap
+        close = _int_run_end(s, end, max_array)  # fast path: a flat array of integers (a token-id prompt)
+        if close > end and s[close] == "]":
+            body = s[end:close]
+            if body.count(",") + 1 > max_array:
+                raise _ArrayTooLong(max_array)
+            try:
+                return [int(x) for x in body.split(",")], close + 1
+            except ValueError:                   # "[1,,2]", "[-]", "[1 2]": the general path says where
+                pass
+        values: list = []
+        nextchar = s[end:end + 1]
+        if nextchar in _ws:
+            end = _w(s, end + 1).end()
+            nextchar = s[end:end + 1]
+        if nextchar == "]":
+            return values, end + 1
+        while True:
+            try:
+                value, end = scan_once(s, end)
+            except StopIteration as err:
+                raise json.JSONDecodeError("Expecting value", s, err.value) from None
+            values.append(value)
+            if len(values) > max_array:
+                raise _ArrayTooLong(max_array)
+            nextchar = s[end:end + 1]
+            if nextchar in _ws:
+                end = _w(s, end + 1).end()
+                nextchar = s[end:end + 1]
+            end += 1
+            if nextchar == "]":
+                break
+            if nextchar != ",":
+                raise json.JSONDecodeError("Expecting ',' delimiter", s, end - 1)
+            if s[end:end + 1] in _ws:
+                end = _w(s, end + 1).end()
+        return values, end
+
+    dec.parse_array = parse_array
+    dec.scan_once = json.scanner.py_make_scanner(dec)
+    return dec
+
+
+def _load_large(raw: bytes, max_array: int) -> Any:
+    """Parse a large body off the event loop; arrays over `max_array` elements are refused early."""
+    try:
+        return _limited_decoder(max_array).decode(raw.decode("utf-8"))
+    except _ArrayTooLong:
+        raise APIError(f"request body: an array has more than {max_array} elements (the most a request may "
+                       f"hold: chat messages or prompt token ids)", 400, "invalid_value") from None
+    except (ValueError, RecursionError) as e:      # JSONDecodeError, bad UTF-8, a >4300-digit integer, nesting
+        raise APIError(f"malformed JSON body: {shorten(str(e), 200)}", 400, "invalid_json") from None
+
+
+async def parse_body(request: Request, model: type[M], state: ServerState | None = None) -> M:
+    """Read and validate a JSON body: 400 invalid_json when malformed, 400 naming the field when invalid.
+
+    A body over INLINE_PARSE_BYTES is parsed on the preparation threads by a decoder that yields the GIL and
+    stops at arrays longer than any field takes, then validated (bounded work); a small one on the loop."""
     raw = await request.body()
     try:
-        return model.model_validate_json(raw or b"")
+        if state is None or len(raw) <= INLINE_PARSE_BYTES:
+            return model.model_validate_json(raw or b"")
+        return model.model_validate(await state.offload(_load_large, raw, state.max_array))
     except ValidationError as e:
         bad = next((err for err in e.errors() if err.get("type") == "json_invalid"), None)
         if bad is not None:
@@ -56,16 +190,49 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise validation_error(e) from None
 
 
+def check_prompt_chars(state: ServerState, chars: int, param: str) -> None:
+    """400 when a prompt's text exceeds the character cap (checked before templating and tokenizing)."""
+    cap = state.limits.chars(state.client.max_model_len)
+    if chars > cap:
+        raise APIError(f"the prompt has {chars} characters, more than the limit of {cap} (the model's context is "
+                       f"{state.client.max_model_len} tokens)", 400, "context_length_exceeded", param)
+
+
+class _GILFreeEncoding:
+    """tokenizers' `encode_batch` releases the GIL while it works; `encode` holds it to the end."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+        return self.inner.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+
+@functools.lru_cache(maxsize=8)
+def _gil_free_view(tok: Tokenizer) -> Tokenizer:
+    view = copy.copy(tok)
+    view._tok = _GILFreeEncoding(tok._tok)
+    return view
+
+
+def encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """tok.encode(text); a long text through encode_batch, so the event loop runs while it is tokenized."""
+    if len(text) > INLINE_ENCODE_CHARS and type(tok) is Tokenizer and hasattr(getattr(tok, "_tok", None),
+                                                                             "encode_batch"):
+        tok = _gil_free_view(tok)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
 def check_model(state: ServerState, req: _Sampling) -> None:
     """404 model_not_found unless the request names the served model (or none)."""
     if req.model is not None and req.model != state.model_name:
-        raise APIError(f"The model `{req.model}` does not exist.", 404, "model_not_found", "model")
+        raise APIError(f"The model {shorten(req.model)} does not exist.", 404, "model_not_found", "model")
 
 
 def check_common(req: _Sampling) -> None:
     """Reject OpenAI features that cannot be served: several choices, logit_bias."""
     if req.n != 1:
-        raise APIError(f"n must be 1 (only one choice per request is supported), got {req.n}", 400,
+        raise APIError(f"n must be 1 (only one choice per request is supported), got {shorten(req.n)}", 400,
                        "unsupported_parameter", "n")
     if req.logit_bias:
         raise APIError("logit_bias is not supported", 400, "unsupported_parameter", "logit_bias")
@@ -75,6 +242,10 @@ def session_of(request: Request, req: _Sampling) -> str | None:
     """The session id from the body's `session_id` or the `x-session-id` header (400 if they differ)."""
     header = request.headers.get(SESSION_HEADER) or None
     body = req.session_id or None
+    for sid in (body, header):
+        if sid is not None and (len(sid) > MAX_SESSION_ID_CHARS or not sid.isprintable()):
+            raise APIError(f"session_id must be at most {MAX_SESSION_ID_CHARS} printable characters, got "
+                           f"{shorten(sid, 40)}", 400, "invalid_value", "session_id")
     if header is not None and body is not None and header != body:
         raise APIError(f"session_id {body!r} differs from the {SESSION_HEADER} header {header!r}", 400,
                        "invalid_value", "session_id")
@@ -97,8 +268,14 @@ def room_for(prompt_len: int, max_tokens: int | None, max_model_len: int, field:
 
 
 def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
-                    renames: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from the request; a 400 naming the (API) field when a value is invalid."""
+                    renames: dict[str, str] | None = None, vocab_size: int | None = None) -> SamplingParams:
+    """SamplingParams from the request; a 400 naming the (API) field when a value is invalid (stop_token_ids
+    outside [0, vocab_size) too)."""
+    if vocab_size is not None and req.stop_token_ids:
+        bad = next((t for t in req.stop_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(f"stop_token_ids: token id {shorten(bad)} is outside the vocabulary [0, {vocab_size})",
+                           400, "invalid_value", "stop_token_ids")
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -128,8 +305,10 @@ def usage(prompt_len: int, out: RequestOutput | None) -> Usage:
 
 
 def as_api_error(e: RequestError) -> APIError:
-    """A backend RequestError as an APIError."""
-    return APIError(e.message, e.status, e.code, e.param)
+    """A backend RequestError as an APIError; other requests' ids are redacted (a busy session's message names
+    the request that holds it, another client's) and the message is cut to 1000 characters."""
+    msg = _REQUEST_ID.sub("another request", e.message)
+    return APIError(msg if len(msg) <= 1000 else msg[:1000] + "...", e.status, e.code, e.param)
 
 
 def failure(state: ServerState, out: RequestOutput) -> APIError:
