@@ -54,6 +54,8 @@ class ClusterConfig:
     # worker id -> extra keyword arguments of its worker_main.main: fault injection for tests, e.g.
     # {0: {"drop_kv_sends": 1}} makes worker 0 drop its next KV send (see docs/runtime.md)
     worker_kwargs: dict[int, dict] = field(default_factory=dict)
+    # a request whose client reads none of this many queued outputs is aborted (coordinator_shell MAX_UNREAD)
+    max_unread_outputs: int = 4096
 
 
 async def _refused(err: RequestError):
@@ -75,6 +77,7 @@ class ServingCluster:
         self.shell: CoordinatorShell | None = None
         self.roles: dict[int, str] = {}
         self._tasks: list[asyncio.Task] = []
+        self._sending: set[asyncio.Task] = set()   # send tasks in flight (held: the loop keeps weak references)
         self._lost: set[int] = set()
 
     @classmethod
@@ -130,9 +133,20 @@ class ServingCluster:
         kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
                                       block_size=int(first["block_size"]), slo=self._slo(),
-                                      vocab_size=int(first["vocab_size"]))
+                                      vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs)
         self.hub.on_worker_dead(self._on_dead)
-        self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._tick())]
+        self._tasks = [asyncio.create_task(self._pump(), name="coordinator-pump"),
+                       asyncio.create_task(self._tick(), name="coordinator-tick")]
+        for t in self._tasks:
+            t.add_done_callback(self._task_ended)
+
+    def _task_ended(self, t: asyncio.Task) -> None:
+        """The pump and the tick run for the server's life: one that ends is a bug, logged, never unseen."""
+        if t.cancelled():
+            return
+        e = t.exception()
+        log.critical("coordinator task %s ended (%s): the server no longer serves", t.get_name(),
+                     f"{type(e).__name__}: {e}" if e is not None else "returned", exc_info=e)
 
     async def _await_states(self, store, ids: set[int]) -> None:
         """Wait until every worker's first state is in the store: relayed here as Stats (embedded store), or
@@ -168,13 +182,30 @@ class ServingCluster:
     def _send(self, worker: int, msg) -> None:
         if worker in self._lost:
             return
-        asyncio.get_running_loop().create_task(self._send_async(worker, msg))
+        t = asyncio.get_running_loop().create_task(self._send_async(worker, msg))
+        self._sending.add(t)
+        t.add_done_callback(self._sent)
+
+    def _sent(self, t: asyncio.Task) -> None:
+        self._sending.discard(t)
+        if not t.cancelled() and t.exception() is not None:      # _send_async catches everything: a bug
+            log.error("send task failed", exc_info=t.exception())
 
     async def _send_async(self, worker: int, msg) -> None:
+        """Send one message; any failure fails the request it belongs to (never a silent, hanging request)."""
         try:
             await self.hub.send(worker, msg)
-        except WorkerUnreachable as e:
-            log.warning("send to worker %d failed: %s", worker, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:                                   # noqa: BLE001 - every failure reaches its request
+            if isinstance(e, WorkerUnreachable):
+                log.warning("send %s to worker %d failed: %s", type(msg).__name__, worker, e)
+            else:
+                log.error("send %s to worker %d failed: %s: %s", type(msg).__name__, worker, type(e).__name__, e)
+            try:
+                self.shell.on_send_failed(worker, msg, f"{type(e).__name__}: {e}")
+            except Exception:                                    # a bug must not stop the server
+                log.exception("coordinator: failing the request of an unsent %s failed", type(msg).__name__)
 
     async def _pump(self) -> None:
         while True:
@@ -187,7 +218,10 @@ class ServingCluster:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(0.1)
-            self.shell.check_timeouts()
+            try:
+                self.shell.check_timeouts()
+            except Exception:                                    # a bug must not stop the timeouts
+                log.exception("coordinator: check_timeouts failed")
 
     def _on_dead(self, ev: WorkerDead) -> None:
         wid = ev.worker_id
@@ -195,9 +229,19 @@ class ServingCluster:
             return
         self._lost.add(wid)
         log.error("worker %d (%s) lost: %s", wid, self.roles.get(wid), ev.reason)
-        self.shell.store.remove(wid)
-        self.shell.coord.view.refresh()        # re-routing must not see the dead worker in the view's cached snapshot
-        self.shell.on_worker_lost(wid)
+        # no store I/O before the requests are failed or re-routed: the store may be down too (issue 13)
+        self.shell.coord.view.drop(wid)        # re-routing must not see the dead worker (no store round trip)
+        try:
+            self.shell.on_worker_lost(wid)
+        except Exception:                                        # never leave its requests hanging
+            log.exception("coordinator: handling the loss of worker %d failed; failing its requests", wid)
+            for req in list(self.shell.reqs.values()):
+                if wid in (req.worker, req.prefill_worker):
+                    self.shell._fail(req, f"worker lost: worker {wid} stopped")
+        try:
+            self.shell.store.remove(wid)
+        except Exception as e:                                   # noqa: BLE001 - its key expires by itself
+            log.warning("removing worker %d from the state store failed: %s", wid, e)
 
     # ------------------------------------------------------------------ EngineClient
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
@@ -216,7 +260,7 @@ class ServingCluster:
         s = self.shell.stats
         out = BackendStats(**{k: getattr(s, k) for k in BackendStats.__dataclass_fields__})
         s.kv_transfer_seconds = []
-        states = [st for st in self.shell.store.all() if st.worker_id not in self._lost]
+        states = [st for st in self.shell.coord.view.states() if st.worker_id not in self._lost]
         homes = [st for st in states if st.role != PREFILL]
         out.num_requests_running = sum(st.num_running for st in homes)
         out.num_requests_waiting = sum(st.num_waiting for st in states)

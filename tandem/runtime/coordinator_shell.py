@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,8 +20,13 @@ from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
-from tandem.runtime.state_store import SessionInfo
+from tandem.runtime.state_store import SessionInfo, StateStoreError
 from tandem.workload.session import SLO
+
+log = logging.getLogger("tandem.coordinator")
+
+MAX_UNREAD = 4096          # outputs a request may have queued unread before it is cancelled (a stalled client)
+MAX_KV_SAMPLES = 10_000    # kv_transfer_seconds kept between two /metrics scrapes (the oldest go first)
 
 
 @dataclass
@@ -32,8 +38,8 @@ class _Req:
     prompt: list[int]
     params: SamplingParams
     keep_session: bool
-    queue: asyncio.Queue
-    out: RequestOutput
+    ready: asyncio.Event                # set when `out` changed since the consumer last read it
+    out: RequestOutput                  # cumulative, updated in place; the consumer reads snapshots of it
     worker: int = -1                    # the session's decode/co-located worker
     task: PrefillTask | None = None
     prefill_worker: int = -1            # remote prefill worker, -1 when local
@@ -41,6 +47,15 @@ class _Req:
     kv_arrived: bool = False            # its remote prefill's KV reached the decode worker (KVArrived sent)
     transfers: dict = field(default_factory=dict)    # purpose -> Transfer in flight (the core times it)
     done: bool = False
+    unread: int = 0                     # outputs (deltas) coalesced into `out` since the consumer last read
+
+
+def _snapshot(o: RequestOutput) -> RequestOutput:
+    """A copy of a cumulative output the shell may go on updating (what one generate() step yields)."""
+    c = o.outputs[0]
+    return dataclasses.replace(o, outputs=[dataclasses.replace(c, token_ids=list(c.token_ids),
+                                                               logprobs=list(c.logprobs) if c.logprobs else c.logprobs)],
+                               metrics=dataclasses.replace(o.metrics))
 
 
 def _params_dict(p: SamplingParams) -> dict:
@@ -53,9 +68,10 @@ class CoordinatorShell:
     def __init__(self, coord: Coordinator, store, send: Callable[[int, object], None], kv_addr: dict[int, str],
                  max_model_len: int, block_size: int = 16,
                  clock: Callable[[], float] = time.monotonic, slo: SLO | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, max_unread: int = MAX_UNREAD) -> None:
         self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
         self.vocab_size = vocab_size                         # token ids are checked here, as the engine would
+        self.max_unread = max_unread                         # a stream this far behind is cancelled (_push)
         self.max_model_len, self.block_size, self.clock = max_model_len, block_size, clock
         self.slo = slo                                       # every round's TTFT/ITL target (routing reads it)
         self.reqs: dict[str, _Req] = {}
@@ -91,15 +107,19 @@ class CoordinatorShell:
             raise RequestError(f"session {sid!r} already has a request running "
                                f"({self.session_req[sid].request_id!r}); send rounds one at a time", 409)
         now = self.clock()
-        req = _Req(request_id, sid, list(prompt), params, keep, asyncio.Queue(),
+        req = _Req(request_id, sid, list(prompt), params, keep, asyncio.Event(),
                    RequestOutput(request_id, prompt_text, list(prompt), [CompletionOutput(0, "", [], None, None)],
                                  False, RequestMetrics(now), session_id=session_id))
         self.reqs[request_id] = req
         self.session_req[sid] = req
         try:
             await self._start(req, max_out, now)
-            while True:
-                out = await req.queue.get()
+            while True:                                         # outputs queued meanwhile are coalesced: the latest
+                if not req.unread:
+                    await req.ready.wait()
+                req.ready.clear()
+                req.unread = 0
+                out = _snapshot(req.out)
                 yield out
                 if out.finished:
                     return
@@ -131,11 +151,11 @@ class CoordinatorShell:
                                    503) from None
             finally:
                 self._begun.pop(req.request_id, None)
-            self.store.put_session(sid, SessionInfo(decode_worker=worker, resident_tokens=resident,
-                                                    updated_s=time.time()))
+            self._put_session(sid, SessionInfo(decode_worker=worker, resident_tokens=resident,
+                                               updated_s=time.time()))
             new = len(req.prompt) - len(hist_tokens)
         else:
-            self.store.put_session(sid, SessionInfo(decode_worker=-1, resident_tokens=0, updated_s=time.time()))
+            self._put_session(sid, SessionInfo(decode_worker=-1, resident_tokens=0, updated_s=time.time()))
             new = len(req.prompt)
         # a new session is bound by the core's binder (longest cached prefix of the prompt, else least KV)
         try:
@@ -143,6 +163,12 @@ class CoordinatorShell:
         except ValueError as e:                                # no live decode worker left (the core says why)
             raise RequestError(str(e), 503, code="engine_unavailable") from None
         self._apply(actions)
+
+    def _put_session(self, sid: str, info: SessionInfo) -> None:
+        try:                                   # the coordinator's belief: an outage must not fail the request
+            self.store.put_session(sid, info)
+        except StateStoreError as e:
+            log.warning("%s", e)
 
     # ------------------------------------------------------------------ core actions out
     def _apply(self, actions: list) -> None:
@@ -211,8 +237,11 @@ class CoordinatorShell:
     def _release(self, a: act.Release) -> None:
         sid = a.session_id
         self.send(a.worker, m.Release(sid))
-        self.store.delete_session(sid)
         self.conv.pop(sid, None)
+        try:
+            self.store.delete_session(sid)
+        except StateStoreError as e:
+            log.warning("%s", e)
         req = self.session_req.get(sid)
         if req is not None and not req.done:
             rec = next((r for r in reversed(self.coord.records) if r.session_id == sid), None)
@@ -234,7 +263,10 @@ class CoordinatorShell:
             if req is None or msg.purpose not in req.transfers:
                 return
             tr = req.transfers.pop(msg.purpose)
-            self.stats.kv_transfer_seconds.append(msg.elapsed_s)
+            samples = self.stats.kv_transfer_seconds
+            samples.append(msg.elapsed_s)
+            if len(samples) > MAX_KV_SAMPLES:                  # nobody scrapes /metrics: keep the newest only
+                del samples[:len(samples) - MAX_KV_SAMPLES]
             self.stats.kv_transfer_bytes += msg.nbytes
             self._apply(self.coord.on_transfer_done(tr, now, msg.elapsed_s))
         elif isinstance(msg, m.RoundBegun):
@@ -287,10 +319,12 @@ class CoordinatorShell:
             out.metrics.first_token_time = now
         if d.token_ids:
             out.metrics.last_token_time = now
-        comp.token_ids = comp.token_ids + list(d.token_ids)
+        comp.token_ids.extend(d.token_ids)                    # in place: consumers get copies (_snapshot)
         comp.text = d.text if d.reset else comp.text + d.text
         if d.logprobs is not None:
-            comp.logprobs = (comp.logprobs or []) + list(d.logprobs)
+            if comp.logprobs is None:
+                comp.logprobs = []
+            comp.logprobs.extend(d.logprobs)
             comp.cumulative_logprob = d.cumulative_logprob
         out.num_cached_tokens = out.metrics.num_cached_tokens = d.num_cached_tokens
         if d.finished:
@@ -304,12 +338,16 @@ class CoordinatorShell:
         self._push(req)
 
     def _push(self, req: _Req) -> None:
-        o = req.out
-        c = o.outputs[0]
-        snap = dataclasses.replace(o, outputs=[dataclasses.replace(c, token_ids=list(c.token_ids),
-                                                                   logprobs=list(c.logprobs) if c.logprobs else c.logprobs)],
-                                   metrics=dataclasses.replace(o.metrics))
-        req.queue.put_nowait(snap)
+        """Tell the consumer `req.out` changed. Nothing is copied or queued here: the consumer snapshots the
+        cumulative output when it reads (deltas it did not read are coalesced), so an unread stream holds O(1)
+        extra memory. A consumer `max_unread` outputs behind is taken as stalled and its request cancelled."""
+        req.unread += 1
+        req.ready.set()
+        if req.unread > self.max_unread and not req.done:
+            log.warning("request %s: its client read none of its last %d outputs; cancelling it",
+                        req.request_id, req.unread - 1)
+            self._abort(req, f"cancelled: the client read none of the last {req.unread - 1} outputs of its stream "
+                             f"(limit {self.max_unread})")
 
     def _finish(self, req: _Req, now: float) -> None:
         req.done = True
@@ -318,6 +356,8 @@ class CoordinatorShell:
         self.reqs.pop(req.request_id, None)
         if self.session_req.get(req.session_id) is req:
             del self.session_req[req.session_id]
+        if req.task is not None and self.by_task.get(req.task) is req:    # a local prefill gets no Delivered
+            del self.by_task[req.task]
 
     def _fail(self, req: _Req, reason: str) -> None:
         """End a request with an error the client sees (finish_reason abort)."""
@@ -340,6 +380,20 @@ class CoordinatorShell:
         self._apply(self.coord.end_session(req.session_id, self.clock(), reason))
 
     # ------------------------------------------------------------------ time and faults
+    def on_send_failed(self, worker: int, msg, reason: str) -> None:
+        """A message to `worker` could not be sent (encoding, a dead link, ...): the request it belongs to fails
+        now, with the reason, instead of waiting for an answer that cannot come."""
+        rid = getattr(msg, "request_id", None)
+        why = f"internal error: could not send {type(msg).__name__} to worker {worker}: {reason}"
+        fut, _ = self._begun.pop(rid, (None, -1)) if rid is not None else (None, -1)
+        if fut is not None and not fut.done():                 # BeginRound: generate() raises it
+            fut.set_exception(RequestError(why, 500))
+        req = self.reqs.get(rid) if rid is not None else None
+        if req is None and isinstance(msg, m.Release):
+            return                                             # the session is over anyway; its KV ages out
+        if req is not None and not req.done and not isinstance(msg, m.Abort):
+            self._abort(req, why)
+
     def check_timeouts(self) -> None:
         """Tick the core: it abandons KV transfers older than its kv_timeout_s (the round is recomputed on its
         decode worker) and ends sessions idle longer than its session_ttl_s. Called every 0.1 s."""

@@ -6,6 +6,7 @@ Layout, TTLs and staleness rules: docs/state-store.md.
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -21,6 +22,9 @@ DEFAULT_TTL_S = 5.0          # a worker key outlives its last publish by this lo
 URL_FORM = "redis://HOST:PORT[/DB]"
 _URL = re.compile(r"redis://(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})(?:/(?P<db>\d{1,2}))?")
 _CLUSTER = re.compile(r"[A-Za-z0-9_.\-]+")
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 1.0   # a RedisStore that lost Redis retries after this, doubling up to the max
+LOG_EVERY_S = 5.0                          # at most one "Redis is down" warning per store this often
+log = logging.getLogger("tandem.state_store")
 
 
 class StateStoreError(Exception):
@@ -171,6 +175,14 @@ class RedisStore:
         self._enc = msgspec.json.Encoder()
         self._dec_w = msgspec.json.Decoder(WorkerState)
         self._dec_s = msgspec.json.Decoder(SessionInfo)
+        # resilience (docs/state-store.md "When Redis goes away"): writes never raise once the store is open
+        self._down_since: float | None = None    # monotonic time of the first failure of the current outage
+        self._retry_at = 0.0                     # no write is tried before this (backoff)
+        self._backoff_s = BACKOFF_MIN_S
+        self._logged_at = -float("inf")
+        self._last: dict[int, WorkerState] = {}  # the last state published per worker (re-sent on reconnect)
+        self._sessions: dict[str, SessionInfo] = {}   # sessions this process wrote and has not deleted
+        self._dirty: set[str] = set()            # session writes/deletes Redis has not seen yet
         with self._errors("cannot reach"):
             self._r.ping()
 
@@ -192,12 +204,81 @@ class RedisStore:
         """A set of the worker ids ever published (entries whose key expired are pruned on read)."""
         return f"{self.prefix}workers"
 
-    def publish(self, state: WorkerState) -> None:
-        with self._errors():
+    # ------------------------------------------------------------------ outages
+    @property
+    def down(self) -> bool:
+        """True while the last Redis call failed (a write is then retried after a backoff)."""
+        return self._down_since is not None
+
+    def _failed(self, e: BaseException) -> None:
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+            self._backoff_s = BACKOFF_MIN_S
+        else:
+            self._backoff_s = min(BACKOFF_MAX_S, self._backoff_s * 2)
+        self._retry_at = now + self._backoff_s
+        if now - self._logged_at >= LOG_EVERY_S:               # rate-limited: a blip must not flood the log
+            self._logged_at = now
+            log.warning("state store: lost %s (%s); keeping the last state, retrying every <= %g s",
+                        self._where, _one_line(e), BACKOFF_MAX_S)
+
+    def _recovered(self) -> None:
+        """A call succeeded after an outage: Redis may have restarted empty, so write back what this process owns."""
+        if self._down_since is None:
+            return
+        down_s = time.monotonic() - self._down_since
+        self._down_since, self._backoff_s, self._retry_at = None, BACKOFF_MIN_S, 0.0
+        log.warning("state store: %s is back after %.2f s", self._where, down_s)
+        try:
             p = self._r.pipeline(transaction=False)
-            p.set(self.worker_key(state.worker_id), self._enc.encode(state), px=max(1, round(self.ttl_s * 1000)))
-            p.sadd(self.index_key, state.worker_id)
+            for st in self._last.values():
+                self._queue_publish(p, st)
+            self._queue_sessions(p, set(self._sessions) | self._dirty)
             p.execute()
+            self._dirty.clear()
+        except self._errors_cls as e:
+            self._failed(e)
+
+    def _write(self, fn: Callable[[], None]) -> bool:
+        """Run a write unless backing off; on a Redis error log (rate-limited), back off and return False."""
+        if self._down_since is not None and time.monotonic() < self._retry_at:
+            return False
+        try:
+            fn()
+        except self._errors_cls as e:
+            self._failed(e)
+            return False
+        self._recovered()
+        return True
+
+    def _queue_publish(self, p, state: WorkerState) -> None:
+        p.set(self.worker_key(state.worker_id), self._enc.encode(state), px=max(1, round(self.ttl_s * 1000)))
+        p.sadd(self.index_key, state.worker_id)
+
+    def _queue_sessions(self, p, sids) -> None:
+        ttl = None if self.session_ttl_s is None else max(1, round(self.session_ttl_s * 1000))
+        for sid in sids:
+            info = self._sessions.get(sid)
+            if info is None:
+                p.delete(self.session_key(sid))
+            else:
+                p.set(self.session_key(sid), self._enc.encode(info), px=ttl)
+
+    # ------------------------------------------------------------------ the store
+    def publish(self, state: WorkerState) -> None:
+        """Never raises: while Redis is unreachable the state is kept and published again on reconnect (the
+        worker's key may expire meanwhile, which readers see as a silent worker)."""
+        self._last[state.worker_id] = state
+
+        def write() -> None:
+            p = self._r.pipeline(transaction=False)
+            self._queue_publish(p, state)
+            if self._dirty:
+                self._queue_sessions(p, self._dirty)
+            p.execute()
+            self._dirty.clear()
+        self._write(write)
 
     def get(self, worker_id: int) -> WorkerState | None:
         with self._errors():
@@ -211,9 +292,11 @@ class RedisStore:
             gone = [i for i, raw in zip(ids, raws) if raw is None]
             if gone:
                 self._r.srem(self.index_key, *gone)
+        self._recovered()
         return [self._dec_w.decode(raw) for raw in raws if raw is not None]
 
     def remove(self, worker_id: int) -> None:
+        self._last.pop(worker_id, None)
         with self._errors():
             p = self._r.pipeline(transaction=False)
             p.delete(self.worker_key(worker_id))
@@ -221,18 +304,36 @@ class RedisStore:
             p.execute()
 
     def put_session(self, session_id: str, info: SessionInfo) -> None:
-        ttl = None if self.session_ttl_s is None else max(1, round(self.session_ttl_s * 1000))
-        with self._errors():
-            self._r.set(self.session_key(session_id), self._enc.encode(info), px=ttl)
+        """Never raises: kept locally (what get_session falls back to) and written to Redis now or on reconnect."""
+        self._sessions[session_id] = info
+        self._dirty.add(session_id)
+        self._flush_sessions()
 
     def get_session(self, session_id: str) -> SessionInfo | None:
-        with self._errors():
+        """From Redis; this process's own copy when Redis is unreachable or lost it (restarted empty)."""
+        if session_id in self._dirty or (self._down_since is not None and time.monotonic() < self._retry_at):
+            return self._sessions.get(session_id)
+        try:
             raw = self._r.get(self.session_key(session_id))
-        return self._dec_s.decode(raw) if raw is not None else None
+        except self._errors_cls as e:
+            self._failed(e)
+            return self._sessions.get(session_id)
+        self._recovered()
+        return self._dec_s.decode(raw) if raw is not None else self._sessions.get(session_id)
 
     def delete_session(self, session_id: str) -> None:
-        with self._errors():
-            self._r.delete(self.session_key(session_id))
+        """Never raises (as put_session); the local copy goes at once, so ended sessions hold no memory here."""
+        self._sessions.pop(session_id, None)
+        self._dirty.add(session_id)
+        self._flush_sessions()
+
+    def _flush_sessions(self) -> None:
+        def write() -> None:
+            p = self._r.pipeline(transaction=False)
+            self._queue_sessions(p, self._dirty)
+            p.execute()
+            self._dirty.clear()
+        self._write(write)
 
     def close(self) -> None:
         self._r.close()

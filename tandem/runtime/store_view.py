@@ -12,10 +12,16 @@ cost model, making the same cost-model calls as `tandem.core.state.InProcessStat
   asks several questions about every prefill worker, costs one store round trip;
 - residency: `begin_round` returns the resident tokens the coordinator last recorded in the
   session's `SessionInfo` (0 when unknown or bound elsewhere). The decode worker owns the truth:
-  if its KV was evicted meanwhile, the worker corrects l_hist/l_incr of the task when it arrives.
+  if its KV was evicted meanwhile, the worker corrects l_hist/l_incr of the task when it arrives;
+- outages: when the store cannot be read, the view keeps answering from its last snapshot (liveness as
+  of that snapshot; the transport's heartbeats still catch dead workers, `drop`), logs (rate-limited)
+  and retries after `retry_s`;
+- `drop(worker)`: a worker the transport declared dead leaves the routing sets at once, without a store
+  round trip (so a store outage cannot keep a dead worker routable).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -23,34 +29,74 @@ from tandem.core.types import PREFILL
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.runtime.state_store import SessionInfo, StateStore, StateStoreError, WorkerState
 
+log = logging.getLogger("tandem.store_view")
+
 
 class StoreView:
     """CoordinatorView over a StateStore: cached snapshot, liveness filter, stale-window zeroing."""
 
     def __init__(self, store: StateStore, cost: AMPDCostModel, liveness_s: float = 2.0,
-                 max_age_s: float = 0.010, clock: Callable[[], float] = time.time) -> None:
+                 max_age_s: float = 0.010, clock: Callable[[], float] = time.time, retry_s: float = 0.2) -> None:
         self.store, self.cost = store, cost
-        self.liveness_s, self.max_age_s, self.clock = liveness_s, max_age_s, clock
+        self.liveness_s, self.max_age_s, self.clock, self.retry_s = liveness_s, max_age_s, clock, retry_s
         self._loaded_s = -float("inf")
         self._states: dict[int, WorkerState] = {}
         self._prefill: list[int] = []
         self._homes: list[int] = []
+        self.lost: set[int] = set()              # declared dead by the transport (drop): never routed to again
+        self.stale = False                       # True while the last read failed (answers from the last snapshot)
+        self._failed_s = -float("inf")           # wall time of the last failed read
+        self._logged_s = -float("inf")
 
     # ------------------------------------------------------------------ snapshot
     def refresh(self) -> None:
-        """Re-read every worker state now (the cache otherwise lives `max_age_s`)."""
+        """Re-read every worker state now (the cache otherwise lives `max_age_s`). If the store cannot be read
+        and a snapshot exists, keep answering from it (StateStoreError only before the first read)."""
         now = self.clock()
-        states = {s.worker_id: s for s in self.store.all()}
-        alive = [s for s in states.values() if s.alive and now - s.published_s <= self.liveness_s]
+        try:
+            states = {s.worker_id: s for s in self.store.all()}
+        except StateStoreError as e:
+            if self._loaded_s == -float("inf"):
+                raise
+            self._failed_s, self.stale = now, True
+            if now - self._logged_s >= 5.0:
+                self._logged_s = now
+                log.warning("routing view: %s; answering from the snapshot of %.2f s ago", e, now - self._loaded_s)
+            self._prefill = [w for w in self._prefill if w not in self.lost]
+            self._homes = [w for w in self._homes if w not in self.lost]
+            return
+        self.stale = False
+        alive = [s for s in states.values()
+                 if s.alive and now - s.published_s <= self.liveness_s and s.worker_id not in self.lost]
         alive.sort(key=lambda s: s.worker_id)
-        self._states, self._loaded_s = states, now
+        # a worker missing from this read (its key expired, or Redis restarted empty and it has not published
+        # again yet) stays readable (state(): costs of a task bound to it) from its last state; liveness is
+        # from this read only
+        self._states = {**{w: st for w, st in self._states.items() if w not in states and w not in self.lost},
+                        **states}
+        self._loaded_s = now
         self._prefill = [s.worker_id for s in alive if s.role == PREFILL]
         self._homes = [s.worker_id for s in alive if s.role != PREFILL]
 
+    def drop(self, worker: int) -> None:
+        """`worker` is dead (the transport says so): out of the routing sets now, whatever the store says."""
+        self.lost.add(worker)
+        self._prefill = [w for w in self._prefill if w != worker]
+        self._homes = [w for w in self._homes if w != worker]
+
+    def states(self) -> list[WorkerState]:
+        """Every worker's last state (fresh, or the last snapshot while the store is unreachable)."""
+        self._fresh()
+        return [s for _, s in sorted(self._states.items())]
+
     def _fresh(self) -> None:
-        age = self.clock() - self._loaded_s
-        if not 0.0 <= age <= self.max_age_s:
-            self.refresh()
+        now = self.clock()
+        age = now - self._loaded_s
+        if 0.0 <= age <= self.max_age_s:
+            return
+        if self.stale and 0.0 <= now - self._failed_s < self.retry_s:   # the store is down: back off
+            return
+        self.refresh()
 
     def state(self, worker: int) -> WorkerState:
         """The last published state of `worker`, alive or not; StateStoreError if the store has none."""
@@ -97,11 +143,20 @@ class StoreView:
     def capacity(self, worker: int) -> int:
         return self.state(worker).capacity_tokens
 
-    def begin_round(self, worker: int, session_id: str) -> int:
-        """Resident history tokens of `session_id` on `worker` as last recorded; records the binding if new."""
-        info = self.store.get_session(session_id)
+    def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (),
+                    prompt_tokens: int = 0) -> int:
+        """Resident history tokens of `session_id` on `worker` as last recorded; records the binding if new. The
+        prompt's block hashes are not used: the decode worker itself finds a cached prefix when the task arrives."""
+        try:
+            info = self.store.get_session(session_id)
+        except StateStoreError as e:                           # an outage: the shell corrects residency anyway
+            log.warning("routing view: %s", e)
+            info = None
         if info is not None and info.decode_worker == worker:
             return info.resident_tokens
-        self.store.put_session(session_id, SessionInfo(decode_worker=worker, resident_tokens=0,
-                                                       updated_s=self.clock()))
+        try:
+            self.store.put_session(session_id, SessionInfo(decode_worker=worker, resident_tokens=0,
+                                                           updated_s=self.clock()))
+        except StateStoreError as e:
+            log.warning("routing view: %s", e)
         return 0
