@@ -72,7 +72,7 @@ def test_codec_round_trips_tagged_structs_and_rejects_bad_input():
 # -- hub <-> link, in one process --------------------------------------------------------------------
 def test_hub_link_request_response_with_multi_megabyte_frames():
     async def main():
-        async with Hub(CODEC) as hub, Link(CODEC, hub.address, 3) as link:
+        async with Hub(CODEC) as hub, Link(CODEC, hub.address, 3, auth=hub.credentials(3)) as link:
             assert hub.address.startswith("tcp://127.0.0.1:")
             await link.ready({"kv_address": "tcp://127.0.0.1:1", "capacity": 4096})
             assert await hub.wait_ready(3, 5.0) == {"kv_address": "tcp://127.0.0.1:1", "capacity": 4096}
@@ -95,7 +95,7 @@ def test_concurrent_senders_keep_per_sender_order():
     n = 3000
 
     async def main():
-        async with Hub(CODEC) as hub, Link(CODEC, hub.address, 1) as a, Link(CODEC, hub.address, 2) as b:
+        async with Hub(CODEC) as hub, Link(CODEC, hub.address, 1, auth=hub.credentials(1)) as a, Link(CODEC, hub.address, 2, auth=hub.credentials(2)) as b:
             await asyncio.gather(*(lk.send(Echo(i)) for i in range(n) for lk in (a, b)))
             seen: dict[int, list[int]] = {1: [], 2: []}
             for _ in range(2 * n):

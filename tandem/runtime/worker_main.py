@@ -14,10 +14,10 @@ import time
 from tandem.runtime import messages as m
 from tandem.runtime.launcher import WorkerEnv
 from tandem.runtime.state_store import WorkerState, open_store
-from tandem.runtime.transport import Codec, PeerInbox, PeerOutbox
+from tandem.runtime.transport import Codec
 from tandem.runtime.worker_shell import WorkerShell
 
-CODEC = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV])
+CODEC = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV], frames={m.KVData: 1})   # a KV header without its bytes is dropped
 log = logging.getLogger("tandem.worker")
 
 
@@ -49,7 +49,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     # the queue estimates (AMPD Eq. 1-2, Alg. 2) use the cost model the coordinator routes with
     cost.append(serving_cost_model(engine.config.model, _kv_bytes_per_token(engine), engine.max_model_len, perf))
     store = open_store(state, cluster=cluster) if state != "embedded" else None
-    inbox, outbox = PeerInbox(CODEC), PeerOutbox(CODEC)
+    inbox, outbox = env.inbox(CODEC, accept=tuple(m.KV)), env.outbox(CODEC)   # CURVE, the cluster's KV keys
     up: list = []
     peer: list = []
     q: asyncio.Queue = asyncio.Queue()
@@ -102,7 +102,11 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         def handle(kind: str, msg, bufs) -> None:
             if kind == "kv":
                 if isinstance(msg, m.KVData):
-                    shell.on_kv(msg, bufs)
+                    try:
+                        shell.on_kv(msg, bufs)
+                    except Exception:  # noqa: BLE001 - a peer's bad payload must not stop this worker
+                        log.exception("worker %d: dropped a KV message it could not apply (%s)", env.worker_id,
+                                      msg.request_id)
             elif type(msg) in m.CONTROL:
                 shell.on_control(msg)
 
