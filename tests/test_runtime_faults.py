@@ -137,9 +137,10 @@ def test_client_disconnect_mid_stream_stops_the_work_and_frees_the_kv(server):
                     lambda: server.metrics()["vllm:kv_cache_usage_perc"] > idle)
     conv = prompt + r1["token_ids"] + list(range(300, 340))
     freed_session_s = disconnect_mid_stream("sess-c", conv)
-    # the session was ended by the abort: its next round is prefilled from scratch (no resident history)
+    # the session was ended by the abort (its KV freed, above); freed blocks keep their content in the prefix cache
+    # (vLLM's automatic prefix caching), so its next round gets the 9 whole blocks of `conv` back as history
     r3 = asyncio.run(_with_client(server, lambda c: _complete(c, conv + [7, 8, 9], 3, "sess-c")))
-    assert r3["status"] == 200 and r3["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert r3["status"] == 200 and r3["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(conv) // 16) * 16
     print(f"\ndisconnect -> idle KV: {freed_s:.2f} s (no session), {freed_session_s:.2f} s (session)")
 
 

@@ -540,6 +540,9 @@ class WorkerCore:
 
     def _start_decoding(self, seq: Seq, task: PrefillTask, now: float) -> None:
         seq.num_tokens += task.l_incr
+        if task.block_hashes and not task.local:      # KV computed remotely: cache its full blocks here too
+            task.done = task.l_incr
+            self._register_blocks(task)
         if not task.recompute:
             self.events.append(FirstToken(seq.session_id, self.id, now, task.start_s if task.start_s is not None else now))
             if task.local:

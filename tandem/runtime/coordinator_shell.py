@@ -141,28 +141,41 @@ class CoordinatorShell:
         extend_hashes(hashes, req.prompt, self.block_size)
         if worker is not None:                                 # pin the resident KV and learn how much there is
             coord.touch(sid, now)
-            fut = asyncio.get_running_loop().create_future()
-            self._begun[req.request_id] = (fut, worker)
-            self.send(worker, m.BeginRound(req.request_id, sid))
-            try:                                               # failed by on_worker_lost / WorkerFailure
-                resident = await asyncio.wait_for(fut, timeout=10.0)
-            except asyncio.TimeoutError:
-                raise RequestError(f"decode worker {worker} did not answer for session {sid!r} in 10 s",
-                                   503) from None
-            finally:
-                self._begun.pop(req.request_id, None)
-            self._put_session(sid, SessionInfo(decode_worker=worker, resident_tokens=resident,
-                                               updated_s=time.time()))
+            resident = await self._begin_round(req, worker, [])
             new = len(req.prompt) - len(hist_tokens)
         else:
-            self._put_session(sid, SessionInfo(decode_worker=-1, resident_tokens=0, updated_s=time.time()))
+            # a new session: the core's binder picks the worker (longest cached prefix of the prompt, else least
+            # KV), which takes the prompt's cached prefix as the session's history, wherever its prefill runs
+            worker = coord.pick_worker(hashes)
+            if worker is None:
+                raise RequestError("no live decode worker: the server cannot serve", 503, code="engine_unavailable")
+            try:
+                resident = await self._begin_round(req, worker, req.prompt)
+            except BaseException:                              # never bound: free what the worker pinned
+                self.send(worker, m.Release(sid))
+                raise
             new = len(req.prompt)
-        # a new session is bound by the core's binder (longest cached prefix of the prompt, else least KV)
+        self._put_session(sid, SessionInfo(decode_worker=worker, resident_tokens=resident, updated_s=time.time()))
         try:
-            actions = coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, block_hashes=hashes)
+            actions = coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, worker=worker,
+                                     block_hashes=hashes)
         except ValueError as e:                                # no live decode worker left (the core says why)
             raise RequestError(str(e), 503, code="engine_unavailable") from None
         self._apply(actions)
+
+    async def _begin_round(self, req: _Req, worker: int, prompt: list[int]) -> int:
+        """Ask `worker` to pin the session's resident KV (with `prompt`: first take its cached prefix); returns
+        how many tokens are resident."""
+        fut = asyncio.get_running_loop().create_future()
+        self._begun[req.request_id] = (fut, worker)
+        self.send(worker, m.BeginRound(req.request_id, req.session_id, list(prompt)))
+        try:                                                   # failed by on_worker_lost / WorkerFailure
+            return await asyncio.wait_for(fut, timeout=10.0)
+        except asyncio.TimeoutError:
+            raise RequestError(f"decode worker {worker} did not answer for session {req.session_id!r} in 10 s",
+                               503) from None
+        finally:
+            self._begun.pop(req.request_id, None)
 
     def _put_session(self, sid: str, info: SessionInfo) -> None:
         try:                                   # the coordinator's belief: an outage must not fail the request
