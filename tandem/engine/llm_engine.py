@@ -18,6 +18,7 @@ from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from tandem.engine.sampler import make_generator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.stop import StopChecker
+from tandem.engine.structured_output import RequestGrammar, StructuredOutputManager
 from tandem.engine.tokenizer import Tokenizer
 
 
@@ -38,6 +39,7 @@ class _Request:
     finished: bool = False
     error: str | None = None
     first_token: tuple[int, dict[int, float] | None] | None = None   # prefill role: sampled at the end of prefill
+    grammar: RequestGrammar | None = None     # structured output: masks sampling, advanced with every token
 
 
 @dataclass
@@ -79,6 +81,7 @@ class LLMEngine:
         self.role = role
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config, self.tokenizer.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.model_config.vocab_size)
         mc = self.runner.model_config
         self.model_config = mc
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -121,6 +124,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise EngineError(f"request id {request_id!r} is already running")
         text, ids = self._tokens(prompt)
+        grammar = self.structured.grammar(params.structured_output) if params.structured_output else None
         n = len(ids)
         if n >= self.max_model_len:
             raise EngineError(f"prompt of {n} tokens leaves no room to generate: the model's context "
@@ -159,6 +163,7 @@ class LLMEngine:
                        make_generator(params.seed, self.runner.device), RequestMetrics(now), task,
                        logprobs=[] if params.logprobs is not None else None,
                        cumulative_logprob=0.0 if params.logprobs is not None else None)
+        req.grammar = grammar
         sess.request = req
         sess.rounds += 1
         self.requests[request_id] = req
@@ -182,6 +187,7 @@ class LLMEngine:
         if self.role != PREFILL:
             raise EngineError("add_prefill() runs on a prefill worker")
         _, ids = self._tokens(list(prompt_token_ids))
+        grammar = self.structured.grammar(params.structured_output) if params.structured_output else None
         if not 0 <= l_hist < len(ids):
             raise EngineError(f"history of {l_hist} tokens leaves nothing to prefill in a {len(ids)}-token prompt")
         if len(ids) > self.max_model_len:
@@ -193,6 +199,7 @@ class LLMEngine:
                        StopChecker(params, self.tokenizer.eos_token_ids, self._decoder(params), ids),
                        make_generator(params.seed, self.runner.device), RequestMetrics(now), task,
                        logprobs=[] if params.logprobs is not None else None)
+        req.grammar = grammar
         self.requests[request_id] = req
         self._task_req[task] = req
         self.core.submit(task, now)
@@ -400,7 +407,11 @@ class LLMEngine:
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs.get(tok, 0.0)
-        return req.stop.append(tok) is not None
+        stopped = req.stop.append(tok) is not None
+        if req.grammar is not None and req.grammar.accept(tok) and not stopped:
+            req.stop.finish("stop")            # the grammar is complete (its EOS taken) or refused the token
+            stopped = True
+        return stopped
 
     def _sample_row(self, batch: ModelInput, req: _Request, row: int) -> None:
         batch.sample_rows.append(row)
@@ -408,6 +419,7 @@ class LLMEngine:
         batch.generators.append(req.generator)
         batch.output_tokens.append(req.stop.token_ids)
         batch.prompt_tokens.append(req.prompt_token_ids)
+        batch.grammars.append(req.grammar)
 
     def _on_events(self, events: list, now: float, touched: dict[str, _Request]) -> None:
         if self.forward_events:

@@ -11,6 +11,7 @@ from tandem.engine.config import EngineConfig, kv_pool_blocks
 from tandem.engine.loader import load_model
 from tandem.engine.sampler import Sampler, SampleOutput
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import RequestGrammar
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ModelInput:
     generators: list[torch.Generator | None] = field(default_factory=list)
     output_tokens: list[list[int]] = field(default_factory=list)     # per sampled row, for penalties
     prompt_tokens: list[list[int]] = field(default_factory=list)     # per sampled row (repetition penalty)
+    grammars: list[RequestGrammar | None] = field(default_factory=list)  # per sampled row (structured output)
 
     def add(self, token_ids: list[int], start: int, block_table: list[int]) -> None:
         """Append a sequence whose tokens `token_ids` occupy positions start, start+1, ..."""
@@ -69,4 +71,6 @@ class ModelRunner:
         ends = meta.query_start_loc[1:].to(torch.long) - 1
         rows = ends[torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)]
         logits = self.model.compute_logits(hidden[rows])
-        return self.sampler.sample(logits, batch.params, batch.generators, batch.output_tokens, batch.prompt_tokens)
+        grammars = batch.grammars if any(g is not None for g in batch.grammars) else None
+        return self.sampler.sample(logits, batch.params, batch.generators, batch.output_tokens, batch.prompt_tokens,
+                                   grammars)

@@ -6,7 +6,9 @@ Per batch of logits [N, V] (float32 or castable):
    "raw_logprobs": what the model thinks, before any processing);
 2. every row, greedy ones included (as vLLM): EOS and stop_token_ids masked to -inf while the row
    has fewer than min_tokens output tokens; repetition (prompt + output tokens), then frequency and
-   presence (output tokens) penalties;
+   presence (output tokens) penalties; then, for rows with a grammar (structured output), the tokens
+   the grammar does not allow next masked to -inf (one bitmask for the batch; a row that min_tokens
+   and its grammar together leave with no token keeps its grammar's mask only);
 3. greedy rows (temperature 0 or top_k 1): argmax, ties to the lowest id;
 4. random rows: temperature, top-k, top-p, min-p (vLLM v0's order), softmax, then one draw by an
    exponential race, argmax(probs / q) with q ~ Exp(1) drawn from the row's own torch.Generator
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import RequestGrammar, apply_grammar_bitmask
 
 
 @dataclass(slots=True)
@@ -68,14 +71,18 @@ class Sampler:
     def sample(self, logits: Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None] | None = None,
                output_tokens: Sequence[Sequence[int]] | None = None,
-               prompt_tokens: Sequence[Sequence[int]] | None = None) -> SampleOutput:
-        """Sample row i of `logits` under params[i]; output_tokens enable min_tokens and penalties."""
+               prompt_tokens: Sequence[Sequence[int]] | None = None,
+               grammars: Sequence[RequestGrammar | None] | None = None) -> SampleOutput:
+        """Sample row i of `logits` under params[i]; output_tokens enable min_tokens and penalties; grammars[i]
+        (structured output), where not None, limits row i to the tokens its grammar allows next."""
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits must be [N, V] with N = len(params) = {len(params)}, "
                              f"got shape {tuple(logits.shape)}")
         n = len(params)
         if generators is not None and len(generators) != n:
             raise ValueError(f"need one generator (or None) per row: {len(generators)} for {n} rows")
+        if grammars is not None and len(grammars) != n:
+            raise ValueError(f"need one grammar (or None) per row: {len(grammars)} for {n} rows")
         if n == 0:
             return SampleOutput([])
         device = logits.device
@@ -84,11 +91,17 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
 
         x = logits
-        if self._modifies(params, output_tokens, prompt_tokens):      # else no copy of the [N, V] logits
+        constrained = grammars is not None and any(g is not None for g in grammars)
+        modifies = self._modifies(params, output_tokens, prompt_tokens)
+        if modifies or constrained:                                   # else no copy of the [N, V] logits
             x = logits.clone()
             if output_tokens is not None:
                 self._mask_min_tokens(x, params, output_tokens)
             self._apply_penalties(x, params, output_tokens, prompt_tokens)
+            if constrained:
+                masked = apply_grammar_bitmask(x, grammars)
+                if masked and modifies:
+                    self._revive(x, logits, masked, grammars)
 
         tokens = torch.empty(n, dtype=torch.long, device=device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -129,6 +142,19 @@ class Sampler:
             return False
         return any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
                    for p in params)
+
+    @staticmethod
+    def _revive(x: Tensor, logits: Tensor, rows: list[int], grammars: Sequence[RequestGrammar | None]) -> None:
+        """A masked row left with no finite logit (min_tokens forbids EOS where the grammar allows only EOS)
+        falls back to its raw logits under its grammar's mask: the grammar wins."""
+        ri = torch.tensor(rows, device=x.device)
+        dead = ~torch.isfinite(x[ri]).any(dim=-1)
+        if not bool(dead.any()):
+            return
+        dead_rows = ri[dead]
+        sub = logits[dead_rows].clone()
+        apply_grammar_bitmask(sub, [grammars[i] for i in dead_rows.tolist()])
+        x[dead_rows] = sub
 
     def _mask_min_tokens(self, x: Tensor, params: Sequence[SamplingParams],
                          output_tokens: Sequence[Sequence[int]]) -> None:

@@ -13,6 +13,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine.structured_output import StructuredOutput, StructuredOutputError
+
 MAX_LOGPROBS = 20          # the most top logprobs a request may ask for (vLLM's default max_logprobs)
 MIN_TEMPERATURE = 1e-2     # positive temperatures below this are raised to it (vLLM's _MAX_TEMP)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1     # seed range (a signed 64-bit integer, as vLLM and torch take)
@@ -74,10 +76,18 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_output: StructuredOutput | None = None   # JSON object / schema (a dict of its fields is converted)
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_stops()
+        so = self.structured_output
+        try:
+            self.structured_output = StructuredOutput.from_dict(so) if isinstance(so, dict) else so
+        except StructuredOutputError as e:
+            raise SamplingParamsError(f"structured_output: {e}") from None
+        if not isinstance(self.structured_output, (StructuredOutput, type(None))):
+            raise _bad("structured_output", so, "must be None or a StructuredOutput")
 
     def _check_numbers(self) -> None:
         if not _is_int(self.n) or self.n != 1:

@@ -72,7 +72,7 @@ class WorkerShell:
                 self._sent.pop(msg.request_id, None)
             else:
                 raise TypeError(f"unexpected control message {type(msg).__name__}")
-        except (EngineError, SamplingParamsError, KVTransferError, KeyError, TypeError) as e:
+        except (EngineError, SamplingParamsError, KVTransferError, KeyError, TypeError, ValueError) as e:
             rid = getattr(msg, "request_id", "")
             log.warning("worker %d: %s failed: %s", self.id, type(msg).__name__, e)
             self.send_up(m.WorkerFailure(rid, f"{type(msg).__name__} failed on worker {self.id}: {e}"))
