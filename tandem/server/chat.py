@@ -36,10 +36,6 @@ def _tool_choice(req: ChatCompletionRequest) -> str:
 def _check(req: ChatCompletionRequest) -> None:
     """Reject chat features that cannot be served (400 naming the field)."""
     sv.check_common(req)
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(f"response_format {shorten(req.response_format.get('type'), 40)} is not supported (only "
-                       "'text')", 400,
-                       "unsupported_parameter", "response_format")
     if req.functions or req.function_call is not None:
         raise APIError("functions/function_call are deprecated and not supported: use tools", 400,
                        "unsupported_parameter", "functions")

@@ -96,6 +96,7 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     session_id: str | None = None
+    response_format: dict[str, Any] | None = None   # text, json_object, json_schema (grammar-constrained, xgrammar)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -109,7 +110,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
 

@@ -24,6 +24,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.structured_output import StructuredOutput, StructuredOutputError
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, shorten
 from tandem.engine.tokenizer import Tokenizer
 from tandem.runtime.client import EngineClient, RequestError
@@ -267,6 +268,21 @@ def room_for(prompt_len: int, max_tokens: int | None, max_model_len: int, field:
     return max_tokens
 
 
+MAX_SCHEMA_BYTES = 64 << 10          # a JSON schema larger than this is refused before it is compiled
+
+
+def structured_output(response_format: dict | None) -> StructuredOutput | None:
+    """The grammar a `response_format` asks for (None for text); 400 naming response_format when invalid."""
+    if response_format is None:
+        return None
+    try:
+        if len(json.dumps(response_format)) > MAX_SCHEMA_BYTES:
+            raise StructuredOutputError(f"response_format is larger than {MAX_SCHEMA_BYTES} bytes")
+        return StructuredOutput.from_response_format(response_format)
+    except (StructuredOutputError, TypeError, ValueError) as e:
+        raise APIError(shorten(str(e), 300), 400, "invalid_value", "response_format") from None
+
+
 def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
                     renames: dict[str, str] | None = None, vocab_size: int | None = None) -> SamplingParams:
     """SamplingParams from the request; a 400 naming the (API) field when a value is invalid (stop_token_ids
@@ -276,9 +292,10 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
         if bad is not None:
             raise APIError(f"stop_token_ids: token id {shorten(bad)} is outside the vocabulary [0, {vocab_size})",
                            400, "invalid_value", "stop_token_ids")
+    structured = structured_output(req.response_format)
     try:
         return SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            structured_output=structured, n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
             min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
