@@ -22,17 +22,7 @@ from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 
 # Strings are bounded with `pattern` rather than maxLength: xgrammar 0.2.8's maxLength rule lets raw control
 # characters into a string (invalid JSON), which a random model does produce.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z ]{1,12}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "maxItems": 3},
-    },
-    "required": ["name", "age", "color", "tags"],
-    "additionalProperties": False,
-}
+from structured_schema import SCHEMA  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

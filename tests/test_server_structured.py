@@ -16,17 +16,8 @@ from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.async_llm import AsyncLLM  # noqa: E402
 from tandem.server.app import build_app  # noqa: E402
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z ]{1,12}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "maxItems": 3},
-    },
-    "required": ["name", "age", "color", "tags"],
-    "additionalProperties": False,
-}
+from structured_schema import SCHEMA  # noqa: E402
+
 RF = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 
 

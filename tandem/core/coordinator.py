@@ -177,9 +177,7 @@ class Coordinator:
         routed again (their input is still at the shell); its transfers are abandoned. The view must no longer list the worker (the state store's
         liveness does that; InProcessState.drop in the simulator)."""
         out: list = []
-        for tid, (tr, _) in list(self.transfers.items()):
-            if worker in (tr.src, tr.dst):
-                del self.transfers[tid]
+        self._abandon(lambda tr: worker in (tr.src, tr.dst))
         self.committed.pop(worker, None)
         self.capacity.pop(worker, None)
         if self.prefixes is not None:
@@ -232,6 +230,11 @@ class Coordinator:
             out.append(Timer(self._armed))
         return out
 
+    def _abandon(self, which) -> None:
+        """Stop tracking the in-flight transfers `which(transfer)` selects (their completions are then ignored)."""
+        for tid in [tid for tid, (tr, _) in self.transfers.items() if which(tr)]:
+            del self.transfers[tid]
+
     @property
     def timer_s(self) -> float:
         """When the coordinator next wants on_tick (the last Timer it asked for; inf: none)."""
@@ -259,9 +262,7 @@ class Coordinator:
         st = self.live.get(t.session_id)
         if st is None or st.task is not t or t.local:
             return []
-        for tid, (other, _) in list(self.transfers.items()):
-            if other.task is t:
-                del self.transfers[tid]
+        self._abandon(lambda tr: tr.task is t)
         self.kv_failures += 1
         rec = st.record.rounds[-1]
         rec.kv_failures += 1
@@ -406,9 +407,7 @@ class Coordinator:
         out: list = []
         t = st.task
         if t is not None and not t.local and t.worker >= 0:   # its remote prefill is no longer wanted
-            for tid, (tr, _) in list(self.transfers.items()):
-                if tr.task is t:
-                    del self.transfers[tid]
+            self._abandon(lambda tr: tr.task is t)
             out.append(Cancel(t.worker, t))
         out.append(Release(st.worker, sid))
         return out

@@ -30,6 +30,9 @@ STALL_S = 86_400.0
 """Simulated time with rounds under way but none finishing anywhere, after which the loop calls it a livelock."""
 
 _OK = Fate.OK
+# actions that carry a task to one worker, and the message each becomes
+_TASK_MESSAGE = {Submit: M_SUBMIT, KVArrived: M_KV_ARRIVED, Delivered: M_DELIVERED, HistoryReady: M_HISTORY_READY,
+                 RunLocal: M_RUN_LOCAL, Cancel: M_CANCEL}
 
 
 class EventLoop:
@@ -85,27 +88,18 @@ class EventLoop:
         send = self._send
         for act in actions:
             t = type(act)
-            if t is Submit:
-                send(act.worker, M_SUBMIT, act.task, kick)
+            kind = _TASK_MESSAGE.get(t)
+            if kind is not None:
+                send(act.worker, kind, act.task, kick)
             elif t is Transfer:
                 if act.tokens <= 0:
                     self._apply(self.coord.on_transfer_done(act, self.now, 0.0))
                 else:
                     send(act.src, M_SEND_KV, act, kick)
-            elif t is KVArrived:
-                send(act.worker, M_KV_ARRIVED, act.task, kick)
-            elif t is Delivered:
-                send(act.worker, M_DELIVERED, act.task, kick)
-            elif t is HistoryReady:
-                send(act.worker, M_HISTORY_READY, act.task, kick)
             elif t is ToolCall:
                 self._tool_call(act)
             elif t is Release:
                 send(act.worker, M_RELEASE, act.session_id, kick)
-            elif t is RunLocal:
-                send(act.worker, M_RUN_LOCAL, act.task, kick)
-            elif t is Cancel:
-                send(act.worker, M_CANCEL, act.task, kick)
             elif t is Timer:
                 self._push(max(act.at_s, self.now), TICK, None)
             else:
@@ -121,7 +115,7 @@ class EventLoop:
         if kind != M_SEND_KV:                           # a send starts a flow; the worker's step goes on
             kick.add(wid)
 
-    def _effect(self, wid: int, kind: int, arg, extra=None) -> None:
+    def _effect(self, wid: int, kind: int, arg) -> None:
         """What a message does to its worker's core (or, for a KV send, to the network)."""
         w = self.workers[wid]
         now = self.now
