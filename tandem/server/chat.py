@@ -1,6 +1,8 @@
-"""POST /v1/chat/completions: chat template, tool calls (Hermes/Qwen blocks), streaming and not."""
+"""POST /v1/chat/completions: chat template, tool calls (the model's Hermes/Qwen blocks under "auto", grammar-forced
+under "required" or a named function), streaming and not."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -13,25 +15,11 @@ from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams, shorten
 from tandem.server import serving as sv
 from tandem.server.errors import APIError
+from tandem.server.forced_tools import ForcedCallScanner, ToolMode, ToolPolicy, forced_output, resolve, scan_all
 from tandem.server.metrics import RequestTimer
 from tandem.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
                                     ResponseFunction, ResponseMessage, ResponseToolCall)
 from tandem.server.tool_parser import ParsedToolCall, StreamingToolParser, parse_tool_calls
-
-TOOL_CHOICES = ("auto", "none")
-
-
-def _tool_choice(req: ChatCompletionRequest) -> str:
-    """The effective tool_choice ("auto" or "none"); 400 naming any other value."""
-    tc = req.tool_choice
-    if tc is None:
-        return "auto" if req.tools else "none"
-    if isinstance(tc, str) and tc in TOOL_CHOICES:
-        return tc
-    shown = "a named function" if isinstance(tc, dict) else shorten(tc, 40)
-    raise APIError(f"tool_choice {shown} is not supported (supported: {', '.join(TOOL_CHOICES)})", 400,
-                   "unsupported_parameter", "tool_choice")
-
 
 def _check(req: ChatCompletionRequest) -> None:
     """Reject chat features that cannot be served (400 naming the field)."""
@@ -142,24 +130,44 @@ def _calls(calls: list[ParsedToolCall]) -> list[ResponseToolCall]:
     return [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments)) for c in calls]
 
 
+def _reply(policy: ToolPolicy, text: str, reason: str | None) -> tuple[str | None, list[ResponseToolCall], str | None]:
+    """A finished output as (content, tool calls, finish_reason) under the request's tool policy."""
+    if policy.forced:
+        calls = scan_all(policy, text)
+        if not calls:                        # cut before any call began: nothing is lost, the text is the content
+            return text, [], reason
+        tool_calls = [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
+                      for c in calls]
+        done = "tool_calls" if policy.mode == ToolMode.REQUIRED and reason != "length" else reason
+        return None, tool_calls, done
+    if policy.mode != ToolMode.AUTO:
+        return text, [], reason
+    content, parsed = parse_tool_calls(text)
+    if not policy.parallel:
+        parsed = parsed[:1]
+    return content, _calls(parsed), "tool_calls" if parsed else reason
+
+
 async def create_chat_completion(state: sv.ServerState, request: Request, received: float) -> Any:
     """Handle one chat completion request."""
     req = await sv.parse_body(request, ChatCompletionRequest, state)
     sv.check_model(state, req)
     _check(req)
-    choice = _tool_choice(req)
+    policy = resolve(req)
     sid = sv.session_of(request, req)
     check_size(state, req)
     text, ids = await state.offload(render_prompt, state, req)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = sv.room_for(len(ids), limit, state.client.max_model_len, field)
+    max_tokens = sv.room_for(len(ids), limit, state.client.max_model_len, field, "messages")
     top = req.top_logprobs or 0
     params = sv.sampling_params(req, max_tokens, top if req.logprobs else None,
                                 {"logprobs": "top_logprobs", "max_tokens": field}, _vocab(state))
+    forced = forced_output(policy, req.tools or [])
+    if forced is not None:
+        params = dataclasses.replace(params, structured_output=forced)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     timer = state.metrics.timer(received)
-    parse = bool(req.tools) and choice == "auto"
     gen = sv.start(state, ids, params, rid, sid, text)
     first = await sv.first_output(request, gen)
     if first.error is not None or (first.finished and first.outputs[0].finish_reason == "abort"):
@@ -167,17 +175,16 @@ async def create_chat_completion(state: sv.ServerState, request: Request, receiv
         await sv.close(gen)
         raise sv.failure(state, first)
     if req.stream:
-        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, gen, first, timer, parse))
+        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, gen, first, timer, policy))
     out = await sv.unless_gone(request, sv.collect(gen, first, timer.update))
     if out.error is not None or out.outputs[0].finish_reason == "abort":
         raise sv.failure(state, out)
     comp = out.outputs[0]
-    content, calls = parse_tool_calls(comp.text) if parse else (comp.text, [])
-    reason = "tool_calls" if calls else comp.finish_reason
+    content, calls, reason = _reply(policy, comp.text, comp.finish_reason)
     lp = logprobs_content(state.client.tokenizer, comp.token_ids, comp.logprobs, top) if req.logprobs else None
     body = ChatCompletionResponse(
         id=rid, model=state.model_name, usage=sv.usage(len(ids), out),
-        choices=[ChatChoice(message=ResponseMessage(content=content, tool_calls=_calls(calls)),
+        choices=[ChatChoice(message=ResponseMessage(content=content, tool_calls=calls),
                             logprobs={"content": lp} if lp is not None else None, finish_reason=reason,
                             stop_reason=comp.stop_reason)])
     return JSONResponse(body.model_dump())
@@ -185,7 +192,7 @@ async def create_chat_completion(state: sv.ServerState, request: Request, receiv
 
 async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, prompt_len: int,
                   params: SamplingParams, gen: AsyncIterator[RequestOutput], first: RequestOutput,
-                  timer: RequestTimer, parse: bool) -> AsyncIterator[str]:
+                  timer: RequestTimer, policy: ToolPolicy) -> AsyncIterator[str]:
     """SSE chunks: role first, then content / tool-call deltas, finish reason, optional usage, [DONE]."""
     created, tok = sv.now_s(), state.client.tokenizer
     opts = req.stream_options
@@ -201,8 +208,9 @@ async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, p
             body["usage"] = sv.usage(prompt_len, out).model_dump() if every_usage and out is not None else None
         return sv.sse(body)
 
-    texts, tools = sv.TextDelta(params), StreamingToolParser() if parse else None
-    sent_tokens, n_calls = 0, 0
+    texts = sv.TextDelta(params)
+    calls = _StreamedCalls(policy)
+    sent_tokens = 0
     out = first
     try:
         yield chunk({"role": "assistant", "content": ""})
@@ -213,28 +221,19 @@ async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, p
                 yield err
                 break
             comp = out.outputs[0]
-            text = texts.next(comp.text, out.finished)
-            calls: list[ParsedToolCall] = []
-            if tools is not None:
-                text, calls = tools.feed(text)
-                if out.finished:
-                    rest, more = tools.finish()
-                    text, calls = text + rest, calls + more
+            text, call_deltas = calls.feed(texts.next(comp.text, out.finished), out.finished)
             delta: dict[str, Any] = {}
             if text:
                 delta["content"] = text
-            if calls:
-                delta["tool_calls"] = [{"index": n_calls + k, "id": c.id, "type": "function",
-                                        "function": {"name": c.name, "arguments": c.arguments}}
-                                       for k, c in enumerate(calls)]
-                n_calls += len(calls)
+            if call_deltas:
+                delta["tool_calls"] = call_deltas
             new_ids = comp.token_ids[sent_tokens:]
             lp = None
             if req.logprobs and comp.logprobs is not None and new_ids:
                 lp = {"content": logprobs_content(tok, new_ids, comp.logprobs[sent_tokens:], req.top_logprobs or 0)}
             sent_tokens = len(comp.token_ids)
             if out.finished:
-                reason = "tool_calls" if tools is not None and tools.calls else comp.finish_reason
+                reason = calls.finish_reason(comp.finish_reason)
                 yield chunk(delta, reason, lp, out)
                 if with_usage:
                     yield sv.sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -250,3 +249,45 @@ async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, p
         yield sv.SSE_DONE
     finally:
         await sv.close(gen)
+
+
+class _StreamedCalls:
+    """A stream's text deltas split into content and OpenAI `tool_calls` deltas under the request's tool policy."""
+
+    def __init__(self, policy: ToolPolicy) -> None:
+        self.policy = policy
+        self.forced = ForcedCallScanner(policy) if policy.forced else None
+        self.parser = StreamingToolParser() if policy.mode == ToolMode.AUTO else None
+        self.n_calls = 0
+        self.forced_text = ""
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content to send, tool_calls deltas to send) for the next text delta."""
+        if self.forced is not None:
+            self.forced_text += text
+            deltas = self.forced.feed(text)
+            if finished:
+                self.forced.finish()
+                if not self.forced.calls:      # cut before any call began: the text is the content (as unstreamed)
+                    return self.forced_text, []
+            return "", [d.as_delta() for d in deltas]
+        if self.parser is None:
+            return text, []
+        text, parsed = self.parser.feed(text)
+        if finished:
+            rest, more = self.parser.finish()
+            text, parsed = text + rest, parsed + more
+        if not self.policy.parallel:
+            parsed = parsed[:max(0, 1 - self.n_calls)]
+        out = [{"index": self.n_calls + k, "id": c.id, "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(parsed)]
+        self.n_calls += len(parsed)
+        return text, out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The stream's finish_reason: tool_calls when the model called tools (not for a named function: stop)."""
+        if reason == "length":
+            return reason
+        if self.forced is not None:
+            return "tool_calls" if self.policy.mode == ToolMode.REQUIRED and self.forced.calls else reason
+        return "tool_calls" if self.n_calls else reason

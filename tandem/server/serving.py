@@ -253,12 +253,14 @@ def session_of(request: Request, req: _Sampling) -> str | None:
     return body if body is not None else header
 
 
-def room_for(prompt_len: int, max_tokens: int | None, max_model_len: int, field: str = "max_tokens") -> int:
-    """The max_tokens to run with; 400 context_length_exceeded when prompt + max_tokens exceeds the context."""
+def room_for(prompt_len: int, max_tokens: int | None, max_model_len: int, field: str = "max_tokens",
+             prompt_param: str = "prompt") -> int:
+    """The max_tokens to run with; 400 context_length_exceeded when prompt + max_tokens exceeds the context (naming
+    `prompt_param` when the prompt alone fills it)."""
     if prompt_len >= max_model_len:
         raise APIError(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                        f"{prompt_len} tokens, leaving no room for the completion. Please shorten the prompt.",
-                       400, "context_length_exceeded", "messages" if field != "max_tokens" else "prompt")
+                       400, "context_length_exceeded", prompt_param)
     if max_tokens is None:
         return max_model_len - prompt_len
     if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
