@@ -2,10 +2,12 @@
 under "required" or a named function), streaming and not."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -13,10 +15,10 @@ from fastapi.responses import JSONResponse
 
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams, shorten
+from tandem.server import choices
 from tandem.server import serving as sv
 from tandem.server.errors import APIError
 from tandem.server.forced_tools import ForcedCallScanner, ToolMode, ToolPolicy, forced_output, resolve, scan_all
-from tandem.server.metrics import RequestTimer
 from tandem.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
                                     ResponseFunction, ResponseMessage, ResponseToolCall)
 from tandem.server.tool_parser import ParsedToolCall, StreamingToolParser, parse_tool_calls
@@ -155,6 +157,7 @@ async def create_chat_completion(state: sv.ServerState, request: Request, receiv
     _check(req)
     policy = resolve(req)
     sid = sv.session_of(request, req)
+    choices.check_n(req.n, sid)
     check_size(state, req)
     text, ids = await state.offload(render_prompt, state, req)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -167,88 +170,101 @@ async def create_chat_completion(state: sv.ServerState, request: Request, receiv
     if forced is not None:
         params = dataclasses.replace(params, structured_output=forced)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    timer = state.metrics.timer(received)
-    gen = sv.start(state, ids, params, rid, sid, text)
-    first = await sv.first_output(request, gen)
-    if first.error is not None or (first.finished and first.outputs[0].finish_reason == "abort"):
-        timer.update(first)
-        await sv.close(gen)
-        raise sv.failure(state, first)
+    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received)
     if req.stream:
-        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, gen, first, timer, policy))
-    out = await sv.unless_gone(request, sv.collect(gen, first, timer.update))
-    if out.error is not None or out.outputs[0].finish_reason == "abort":
-        raise sv.failure(state, out)
-    comp = out.outputs[0]
-    content, calls, reason = _reply(policy, comp.text, comp.finish_reason)
-    lp = logprobs_content(state.client.tokenizer, comp.token_ids, comp.logprobs, top) if req.logprobs else None
-    body = ChatCompletionResponse(
-        id=rid, model=state.model_name, usage=sv.usage(len(ids), out),
-        choices=[ChatChoice(message=ResponseMessage(content=content, tool_calls=calls),
-                            logprobs={"content": lp} if lp is not None else None, finish_reason=reason,
-                            stop_reason=comp.stop_reason)])
+        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, started, policy))
+    outs = await choices.collect_all(request, started)
+    failed = next((o for o in outs if o.error is not None or o.outputs[0].finish_reason == "abort"), None)
+    if failed is not None:
+        raise sv.failure(state, failed)
+    body = ChatCompletionResponse(id=rid, model=state.model_name, usage=choices.usage(len(ids), outs),
+                                  choices=[_choice(state, req, policy, i, o) for i, o in enumerate(outs)])
     return JSONResponse(body.model_dump())
 
 
+def _choice(state: sv.ServerState, req: ChatCompletionRequest, policy: ToolPolicy, index: int,
+            out: RequestOutput) -> ChatChoice:
+    """One finished choice of a non-streaming response."""
+    comp = out.outputs[0]
+    content, calls, reason = _reply(policy, comp.text, comp.finish_reason)
+    top = req.top_logprobs or 0
+    lp = logprobs_content(state.client.tokenizer, comp.token_ids, comp.logprobs, top) if req.logprobs else None
+    return ChatChoice(index=index, message=ResponseMessage(content=content, tool_calls=calls),
+                      logprobs={"content": lp} if lp is not None else None, finish_reason=reason,
+                      stop_reason=comp.stop_reason)
+
+
+@dataclass
+class _ChoiceStream:
+    """What one streamed choice has sent so far, and how its next output becomes a chunk."""
+
+    texts: sv.TextDelta
+    calls: _StreamedCalls
+    sent_tokens: int = 0
+    done: RequestOutput | None = None
+
+    def delta(self, tok: Any, req: ChatCompletionRequest, out: RequestOutput) -> tuple[dict[str, Any], Any]:
+        """(delta, logprobs) for the output's new text, tool-call parts and tokens."""
+        comp = out.outputs[0]
+        text, call_deltas = self.calls.feed(self.texts.next(comp.text, out.finished), out.finished)
+        delta: dict[str, Any] = {}
+        if text:
+            delta["content"] = text
+        if call_deltas:
+            delta["tool_calls"] = call_deltas
+        new_ids = comp.token_ids[self.sent_tokens:]
+        lp = None
+        if req.logprobs and comp.logprobs is not None and new_ids:
+            lp = {"content": logprobs_content(tok, new_ids, comp.logprobs[self.sent_tokens:], req.top_logprobs or 0)}
+        self.sent_tokens = len(comp.token_ids)
+        if out.finished:
+            self.done = out
+        return delta, lp
+
+
 async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, prompt_len: int,
-                  params: SamplingParams, gen: AsyncIterator[RequestOutput], first: RequestOutput,
-                  timer: RequestTimer, policy: ToolPolicy) -> AsyncIterator[str]:
-    """SSE chunks: role first, then content / tool-call deltas, finish reason, optional usage, [DONE]."""
+                  params: SamplingParams, started: list[choices.Choice], policy: ToolPolicy) -> AsyncIterator[str]:
+    """SSE chunks: each choice's role first, then its content / tool-call deltas and finish reason as they come,
+    optional usage, [DONE]."""
     created, tok = sv.now_s(), state.client.tokenizer
     opts = req.stream_options
     with_usage = bool(opts and opts.include_usage)
     every_usage = with_usage and bool(opts and opts.continuous_usage_stats)
+    timers = {c.index: c.timer for c in started}
+    streams = {c.index: _ChoiceStream(sv.TextDelta(params), _StreamedCalls(policy)) for c in started}
 
-    def chunk(delta: dict, reason: str | None = None, logprobs: Any = None, out: RequestOutput | None = None) -> str:
+    def chunk(index: int, delta: dict, reason: str | None = None, logprobs: Any = None,
+              out: RequestOutput | None = None, usage: Any = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                 "model": state.model_name,
-                                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": reason}]}
+                                "choices": [] if index < 0 else [{"index": index, "delta": delta,
+                                                                  "logprobs": logprobs, "finish_reason": reason}]}
         if with_usage:
-            body["usage"] = sv.usage(prompt_len, out).model_dump() if every_usage and out is not None else None
+            body["usage"] = usage or (sv.usage(prompt_len, out).model_dump() if every_usage and out else None)
         return sv.sse(body)
 
-    texts = sv.TextDelta(params)
-    calls = _StreamedCalls(policy)
-    sent_tokens = 0
-    out = first
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        while True:
-            timer.update(out)
-            err = sv.stream_error(state, out)
-            if err is not None:
-                yield err
-                break
-            comp = out.outputs[0]
-            text, call_deltas = calls.feed(texts.next(comp.text, out.finished), out.finished)
-            delta: dict[str, Any] = {}
-            if text:
-                delta["content"] = text
-            if call_deltas:
-                delta["tool_calls"] = call_deltas
-            new_ids = comp.token_ids[sent_tokens:]
-            lp = None
-            if req.logprobs and comp.logprobs is not None and new_ids:
-                lp = {"content": logprobs_content(tok, new_ids, comp.logprobs[sent_tokens:], req.top_logprobs or 0)}
-            sent_tokens = len(comp.token_ids)
-            if out.finished:
-                reason = calls.finish_reason(comp.finish_reason)
-                yield chunk(delta, reason, lp, out)
-                if with_usage:
-                    yield sv.sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                  "model": state.model_name, "choices": [],
-                                  "usage": sv.usage(prompt_len, out).model_dump()})
-                break
-            if delta or lp:
-                yield chunk(delta, None, lp, out)
-            try:
-                out = await gen.__anext__()
-            except StopAsyncIteration:
-                break
+        for c in started:
+            yield chunk(c.index, {"role": "assistant", "content": ""})
+        async with contextlib.aclosing(choices.merged(started)) as events:
+            async for index, out in events:
+                timers[index].update(out)
+                err = sv.stream_error(state, out)
+                if err is not None:
+                    yield err
+                    break
+                st = streams[index]
+                delta, lp = st.delta(tok, req, out)
+                if out.finished:
+                    yield chunk(index, delta, st.calls.finish_reason(out.outputs[0].finish_reason), lp, out)
+                elif delta or lp:
+                    yield chunk(index, delta, None, lp, out)
+        done = [streams[i].done for i in sorted(streams)]
+        if with_usage and all(d is not None for d in done):
+            yield chunk(-1, {}, usage=choices.usage(prompt_len, done).model_dump())
         yield sv.SSE_DONE
     finally:
-        await sv.close(gen)
+        await choices.close_all(started)
 
 
 class _StreamedCalls:

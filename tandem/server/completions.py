@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams, shorten
+from tandem.server import choices
 from tandem.server import serving as sv
 from tandem.server.chat import _vocab
 from tandem.server.errors import APIError
@@ -20,6 +21,9 @@ from tandem.server.protocol import CompletionChoice, CompletionRequest, Completi
 def _check(req: CompletionRequest) -> None:
     """Reject completion features that cannot be served (400 naming the field)."""
     sv.check_common(req)
+    choices.check_n(req.n, None)
+    if req.n != 1:
+        raise APIError(f"n must be 1 on completions, got {shorten(req.n)}", 400, "unsupported_parameter", "n")
     if req.echo:
         raise APIError("echo is not supported", 400, "unsupported_parameter", "echo")
     if req.suffix:

@@ -231,10 +231,9 @@ def check_model(state: ServerState, req: _Sampling) -> None:
 
 
 def check_common(req: _Sampling) -> None:
-    """Reject OpenAI features that cannot be served: several choices, logit_bias."""
-    if req.n != 1:
-        raise APIError(f"n must be 1 (only one choice per request is supported), got {shorten(req.n)}", 400,
-                       "unsupported_parameter", "n")
+    """Reject OpenAI features that cannot be served, and stream_options without stream (as vLLM)."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options can only be set when stream is true", 400, "invalid_value", "stream_options")
     if req.logit_bias:
         raise APIError("logit_bias is not supported", 400, "unsupported_parameter", "logit_bias")
 
@@ -297,7 +296,7 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
     structured = structured_output(req.response_format)
     try:
         return SamplingParams(
-            structured_output=structured, n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            structured_output=structured, n=1, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
             min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
