@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,7 +25,8 @@ from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.errors import APIError, error_bytes, error_response, install_handlers
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
-from tandem.server.protocol import ModelCard, ModelList
+from tandem.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                    CompletionResponse, ModelCard, ModelList)
 
 log = logging.getLogger("tandem.server")
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -125,7 +127,8 @@ def build_app(client: EngineClient, api_key: str | None = None, served_model_nam
     """An OpenAI-compatible app in front of `client` (which it does not start or stop)."""
     name = served_model_name or client.model_name
     state = sv.ServerState(client, name, ServerMetrics(client, name), limits or sv.Limits())
-    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tandem", summary="OpenAI-compatible API of tandem", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.tandem = state
     install_handlers(app)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
@@ -153,15 +156,40 @@ def build_app(client: EngineClient, api_key: str | None = None, served_model_nam
             raise APIError(f"The model {shorten(model)} does not exist.", 404, "model_not_found", "model")
         return JSONResponse(card().model_dump())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest),
+              responses={200: {"model": ChatCompletionResponse, "description": "a completion, or an SSE stream"}})
     async def chat(request: Request) -> Any:
         return await _answer(create_chat_completion(state, request, _received(request)))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest),
+              responses={200: {"model": CompletionResponse, "description": "a completion, or an SSE stream"}})
     async def completions(request: Request) -> Any:
         return await _answer(create_completion(state, request, _received(request)))
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+_REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest)
+
+
+def _body_schema(model: type) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its body itself (parsed off the event loop, with limits)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies' models (their routes take the raw request), built once."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in _REQUEST_MODELS:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps.update(js.pop("$defs", {}))
+            comps[model.__name__] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _answer(work: Any) -> Any:
