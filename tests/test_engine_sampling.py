@@ -259,6 +259,74 @@ def test_logprobs_are_raw_log_softmax():
     assert Sampler().sample(x, [SamplingParams(logprobs=0)] * 5, [None] * 5).top_logprobs is None
 
 
+# -- logit_bias ----------------------------------------------------------------------------------
+
+def test_logit_bias_plus_100_forces_the_token_greedy_and_sampled():
+    """Protects logit_bias: +100 on a token makes it the argmax and (at temperature 1) the only likely draw."""
+    x = _logits(n=16, v=50, seed=11)
+    low = x.argmin(-1)[0].item()
+    forced = SamplingParams(temperature=0, logit_bias={low: 100})
+    sampled = SamplingParams(temperature=1.0, logit_bias={low: 100})
+    s = Sampler(seed=0)
+    assert s.sample(x[:1], [forced], [None]).token_ids == [low]
+    assert s.sample(x[:1].expand(16, -1), [sampled] * 16, [make_generator(i, "cpu") for i in range(16)]
+                    ).token_ids == [low] * 16
+
+
+def test_logit_bias_minus_100_on_the_argmax_changes_the_greedy_token():
+    """Protects logit_bias with negative values: -100 on the argmax leaves the second best as the greedy token."""
+    x = _logits(n=1, v=50, seed=12)
+    top2 = x[0].topk(2).indices.tolist()
+    out = Sampler().sample(x, [SamplingParams(temperature=0, logit_bias={top2[0]: -100})], [None])
+    assert out.token_ids == [top2[1]]
+
+
+def test_logit_bias_applies_per_row_and_logprobs_stay_raw():
+    """Protects the batched scatter-add: only rows with a bias change (greedy and random rows mixed); the
+    returned logprobs are the raw model's, as vLLM's default raw_logprobs."""
+    x = _logits(n=4, v=30, seed=13)
+    params = [SamplingParams(temperature=0, logit_bias={5: 100, 6: -3.5}, logprobs=0),
+              SamplingParams(temperature=0, logprobs=0),
+              SamplingParams(temperature=1.0, top_k=3, logit_bias={29: 100}),
+              SamplingParams(temperature=0, logit_bias={0: 100, 1: 100.0})]
+    x[3, 1] = x[3, 0] + 1.0                                    # both +100: the larger raw logit wins
+    out = Sampler(seed=0).sample(x, params, [None] * 4)
+    assert out.token_ids == [5, x[1].argmax().item(), 29, 1]
+    raw = torch.log_softmax(x, -1)
+    assert out.logprobs[0] == pytest.approx(raw[0, 5].item(), abs=1e-6)
+
+
+def test_logit_bias_outside_the_logits_is_an_error():
+    """Protects the sampler's guard: a bias on an id >= the vocabulary never indexes out of bounds silently."""
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Sampler().sample(_logits(n=1, v=30), [SamplingParams(temperature=0, logit_bias={30: 1.0})], [None])
+
+
+@pytest.mark.parametrize("bias,why", [
+    ({"5": 1.0}, "keys must be token ids"), ({-1: 1.0}, "keys must be token ids"), ({1.5: 1.0}, "keys must"),
+    ({True: 1.0}, "keys must"), ({1 << 40: 1.0}, "keys must"),
+    ({5: 100.5}, "values must be numbers in \\[-100, 100\\]"), ({5: -101}, "values must"),
+    ({5: math.inf}, "values must"), ({5: math.nan}, "values must"), ({5: "1"}, "values must"),
+    ([(5, 1.0)], "must be None or a dict"), ({i: 1.0 for i in range(301)}, "at most 300 entries, got 301"),
+])
+def test_invalid_logit_bias_is_refused_with_a_short_message(bias, why):
+    """Protects logit_bias validation: int ids >= 0, finite biases in [-100, 100], at most 300 entries."""
+    with pytest.raises(SamplingParamsError, match=why) as err:
+        SamplingParams(logit_bias=bias)
+    assert str(err.value).startswith("logit_bias") and len(str(err.value)) < 300
+
+
+def test_logit_bias_is_normalised_and_a_huge_key_is_not_echoed():
+    """Protects normalisation (int -> float values, {} -> None) and shorten() on a huge bad key."""
+    assert SamplingParams(logit_bias={3: 5, 4: -100}).logit_bias == {3: 5.0, 4: -100.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(logit_bias={"k" * 1_000_000: 1.0})
+    assert len(str(err.value)) < 300
+    with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+
+
 # -- StopChecker ---------------------------------------------------------------------------------
 
 def test_eos_stops_and_is_kept_in_ids_not_text(byte_tok):

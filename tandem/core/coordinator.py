@@ -44,6 +44,7 @@ class _Live:
     hashes: tuple[int, ...] = ()  # block hashes of the current round's prompt (prefix affinity)
     idle_since: float | None = None  # between rounds since then (KV resident until session_ttl_s)
     kv_home: bool = False      # the round's remote prefill KV has reached its decode worker
+    full_prefill: bool = False  # the current round computes its whole prompt at home (prompt logprobs)
 
 
 class Coordinator:
@@ -106,11 +107,14 @@ class Coordinator:
 
     # ------------------------------------------------------------------ live sessions (rounds not known ahead)
     def on_round(self, session_id: str, input_tokens: int, max_output_tokens: int, now: float,
-                 slo: SLO | None = None, worker: int | None = None, block_hashes: Sequence[int] = ()) -> list:
+                 slo: SLO | None = None, worker: int | None = None, block_hashes: Sequence[int] = (),
+                 full_prefill: bool = False) -> list:
         """A live round arrives: `input_tokens` new tokens after the session's history, at most
         `max_output_tokens` to generate; `block_hashes` are the chained hashes of the whole prompt's full blocks.
         A new session is bound first (to `worker` if given, else by the binder: longest cached prefix); the
-        session stays bound after the round until end_session or its idle expiry."""
+        session stays bound after the round until end_session or its idle expiry. `full_prefill`: the round
+        wants every prompt position computed (prompt logprobs exist only where the prefill runs), so its
+        prefill runs on the session's own worker, whatever the router would say."""
         st = self.live.get(session_id)
         if st is not None and st.task is not None:
             raise ValueError(f"session {session_id!r} already has a round in flight")
@@ -129,6 +133,7 @@ class Coordinator:
             st.session.rounds.append(rnd)
             st.record.num_rounds += 1
             st.hashes = hashes
+        st.full_prefill = full_prefill
         return self._start_round(st, now)
 
     def pick_worker(self, block_hashes: Sequence[int] = ()) -> int | None:
@@ -195,7 +200,7 @@ class Coordinator:
             elif st.task is not None and st.task.worker == worker and not st.task.local and not st.kv_home:
                 t = st.task
                 t.worker, t.done, t.kv_ready, t.start_s = -1, 0, True, None
-                target = self.router.route(t, self.view, now)
+                target = self._route(t, now)
                 t.worker, t.local = target, target == st.worker
                 rec = st.record.rounds[-1]
                 rec.prefill_where, rec.prefill_worker = ("local" if t.local else "remote"), target
@@ -307,14 +312,18 @@ class Coordinator:
                            ttft_slo_s=slo.ttft_s if slo else math.inf,
                            itl_slo_s=slo.itl_s if slo else math.inf,
                            output_tokens=rnd.output_tokens, decode_worker=w,
-                           block_hashes=st.hashes if k == 0 and not st.open else ())
-        target = self.router.route(task, self.view, now)
+                           block_hashes=st.hashes if k == 0 and not st.open else (), full_prefill=st.full_prefill)
+        target = self._route(task, now)
         task.worker = target
         task.local = target == w
         rec.prefill_where = "local" if task.local else "remote"
         rec.prefill_worker = target
         st.task = task
         return [Submit(target, task)]
+
+    def _route(self, task: PrefillTask, now: float) -> int:
+        """Where the task's prefill runs: the router's choice, except that a full prefill stays home."""
+        return task.decode_worker if task.full_prefill else self.router.route(task, self.view, now)
 
     # ------------------------------------------------------------------ worker events
     def on_event(self, ev, now: float) -> list:

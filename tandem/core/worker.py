@@ -232,7 +232,8 @@ class WorkerCore:
                     self.queue.pop(i)
                     self.queued_est_s -= t.est_s
                     continue
-                if t.block_hashes and t.l_hist == 0 and owner.num_tokens == 0 and not self.blocks.held(owner):
+                if (t.block_hashes and not t.full_prefill and t.l_hist == 0 and owner.num_tokens == 0
+                        and not self.blocks.held(owner)):
                     self._reuse_prefix(owner, t)
                 need = owner.num_tokens + t.l_incr
             headroom = 0

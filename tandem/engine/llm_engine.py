@@ -13,7 +13,7 @@ from tandem.core.factory import build_worker
 from tandem.core.types import COLOCATED, DECODE, PREFILL, FirstToken, PrefillTask, RoundDone, SessionFailed, StepResult
 from tandem.engine.config import EngineConfig, EngineError
 from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
-from tandem.engine.model_runner import ModelInput, ModelRunner
+from tandem.engine.model_runner import ModelInput, ModelRunner, PromptLogprobsSpec
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.sampler import make_generator
 from tandem.engine.sampling_params import SamplingParams
@@ -40,6 +40,7 @@ class _Request:
     error: str | None = None
     first_token: tuple[int, dict[int, float] | None] | None = None   # prefill role: sampled at the end of prefill
     grammar: RequestGrammar | None = None     # structured output: masks sampling, advanced with every token
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # vLLM's shape: None, then one dict per position
 
 
 @dataclass
@@ -124,6 +125,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise EngineError(f"request id {request_id!r} is already running")
         text, ids = self._tokens(prompt)
+        self._check_logit_bias(params)
+        full = params.prompt_logprobs is not None        # every prompt position computed here: no KV reused
+        if full and remote:
+            raise EngineError("a request with prompt_logprobs is prefilled on its decode worker, not remotely")
         grammar = self.structured.grammar(params.structured_output) if params.structured_output else None
         n = len(ids)
         if n >= self.max_model_len:
@@ -136,8 +141,8 @@ class LLMEngine:
         sess = self.sessions.get(sid)
         if sess is not None and sess.request is not None:
             raise EngineError(f"session {sid!r} already has a request running; send its rounds one at a time")
-        if sess is not None and ids[:len(sess.tokens)] != sess.tokens:
-            self.core.release(sid)                   # the conversation was rewritten: start it afresh
+        if full or (sess is not None and ids[:len(sess.tokens)] != sess.tokens):
+            self.core.release(sid)                   # rewritten, or every position must be computed: start afresh
             sess = None
         if sess is None:
             sess = self.sessions[sid] = _Session()
@@ -149,10 +154,10 @@ class LLMEngine:
             sess.hashes = []
         # a local round takes its prompt's cached prefix as history; a remote one keeps the history the
         # coordinator routed with (RoundBegun told it what begin_round below returns)
-        hist = self.core.begin_round(sid, () if remote else sess.hashes, n)
+        hist = self.core.begin_round(sid, () if remote or full else sess.hashes, n)
         wid = self.core.id
         task = PrefillTask(sid, sess.rounds, hist, n - hist, now, output_tokens=max_tokens, decode_worker=wid,
-                           worker=wid, local=not remote, block_hashes=tuple(sess.hashes))
+                           worker=wid, local=not remote, block_hashes=tuple(sess.hashes), full_prefill=full)
         if slo is not None:
             task.ttft_slo_s, task.itl_slo_s = slo
         stop_params = params.clone()
@@ -164,6 +169,8 @@ class LLMEngine:
                        logprobs=[] if params.logprobs is not None else None,
                        cumulative_logprob=0.0 if params.logprobs is not None else None)
         req.grammar = grammar
+        if full:
+            req.prompt_logprobs = [None] * n
         sess.request = req
         sess.rounds += 1
         self.requests[request_id] = req
@@ -187,6 +194,9 @@ class LLMEngine:
         if self.role != PREFILL:
             raise EngineError("add_prefill() runs on a prefill worker")
         _, ids = self._tokens(list(prompt_token_ids))
+        self._check_logit_bias(params)
+        if params.prompt_logprobs is not None:
+            raise EngineError("a request with prompt_logprobs is prefilled on its decode worker, not remotely")
         grammar = self.structured.grammar(params.structured_output) if params.structured_output else None
         if not 0 <= l_hist < len(ids):
             raise EngineError(f"history of {l_hist} tokens leaves nothing to prefill in a {len(ids)}-token prompt")
@@ -296,6 +306,15 @@ class LLMEngine:
             raise EngineError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         return text, ids
 
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        """EngineError when a logit_bias names a token id outside the model's vocabulary."""
+        if not params.logit_bias:
+            return
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise EngineError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+
     def _decoder(self, params: SamplingParams) -> Callable[[list[int]], str]:
         tok, skip = self.tokenizer, params.skip_special_tokens
         return lambda ids: tok.decode(ids, skip_special_tokens=skip)
@@ -343,6 +362,7 @@ class LLMEngine:
             return self._collect(touched)
         batch = ModelInput()
         rows: list[_Request] = []
+        prompt_lp: list[tuple[_Request, int]] = []        # (request, first position predicted) per spec
         tables = core.blocks.tables
         prefill_role = self.role == PREFILL
         for t, n in plan.prefill:
@@ -357,6 +377,8 @@ class LLMEngine:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t0
             req.metrics.num_computed_tokens += n
+            if req.prompt_logprobs is not None and not t.recompute and not prefill_role:
+                self._want_prompt_logprobs(batch, req, start, n, prompt_lp)
             if t.done + n == t.l_incr and not t.recompute:
                 self._sample_row(batch, req, len(batch.query_lens) - 1)
                 rows.append(req)
@@ -371,6 +393,8 @@ class LLMEngine:
         t1 = self.clock()
         out = self.runner.execute(batch)
         t2 = self.clock()
+        for (req, first), entries in zip(prompt_lp, out.prompt_logprobs if prompt_lp else ()):
+            req.prompt_logprobs[first:first + len(entries)] = entries
         finished: set[str] = set()
         for i, req in enumerate(rows):
             tok = out.token_ids[i]
@@ -412,6 +436,16 @@ class LLMEngine:
             req.stop.finish("stop")            # the grammar is complete (its EOS taken) or refused the token
             stopped = True
         return stopped
+
+    @staticmethod
+    def _want_prompt_logprobs(batch: ModelInput, req: _Request, start: int, n: int,
+                              prompt_lp: list[tuple[_Request, int]]) -> None:
+        """Ask the runner for the logprobs of the prompt tokens this chunk (positions start..start+n-1) predicts."""
+        targets = req.prompt_token_ids[start + 1:start + n + 1]
+        if targets:
+            batch.prompt_logprobs.append(PromptLogprobsSpec(len(batch.query_lens) - 1, targets,
+                                                            req.params.prompt_logprobs))
+            prompt_lp.append((req, start + 1))
 
     def _sample_row(self, batch: ModelInput, req: _Request, row: int) -> None:
         batch.sample_rows.append(row)
@@ -469,4 +503,4 @@ class LLMEngine:
                                 st.finish_reason if req.finished else None, st.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.finished, req.metrics,
                              session_id=req.session_id if req.keep_session else None, error=req.error,
-                             num_cached_tokens=req.task.l_hist)
+                             num_cached_tokens=req.task.l_hist, prompt_logprobs=req.prompt_logprobs)

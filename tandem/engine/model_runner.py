@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -12,6 +13,18 @@ from tandem.engine.loader import load_model
 from tandem.engine.sampler import Sampler, SampleOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import RequestGrammar
+
+PROMPT_LOGPROBS_ELEMS = 1 << 22     # logits computed at once for prompt logprobs (rows x vocab; 16 MiB of float32)
+
+
+@dataclass
+class PromptLogprobsSpec:
+    """Prompt logprobs wanted from one sequence of a step: its query rows predict `targets` (the prompt tokens
+    after each of its first len(targets) query positions); top `k` entries per position besides the target."""
+
+    seq: int                  # the sequence's index in the batch (order of ModelInput.add)
+    targets: list[int]
+    k: int
 
 
 @dataclass
@@ -29,6 +42,7 @@ class ModelInput:
     output_tokens: list[list[int]] = field(default_factory=list)     # per sampled row, for penalties
     prompt_tokens: list[list[int]] = field(default_factory=list)     # per sampled row (repetition penalty)
     grammars: list[RequestGrammar | None] = field(default_factory=list)  # per sampled row (structured output)
+    prompt_logprobs: list[PromptLogprobsSpec] = field(default_factory=list)  # sequences computing prompt logprobs
 
     def add(self, token_ids: list[int], start: int, block_table: list[int]) -> None:
         """Append a sequence whose tokens `token_ids` occupy positions start, start+1, ..."""
@@ -66,11 +80,37 @@ class ModelRunner:
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=dev)
         hidden = self.model(ids, pos, self.kv_caches, meta)
+        prompt_lps = self._prompt_logprobs(hidden, batch) if batch.prompt_logprobs else None
         if not batch.sample_rows:
-            return None
+            return SampleOutput([], prompt_logprobs=prompt_lps) if prompt_lps is not None else None
         ends = meta.query_start_loc[1:].to(torch.long) - 1
         rows = ends[torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)]
         logits = self.model.compute_logits(hidden[rows])
         grammars = batch.grammars if any(g is not None for g in batch.grammars) else None
-        return self.sampler.sample(logits, batch.params, batch.generators, batch.output_tokens, batch.prompt_tokens,
-                                   grammars)
+        out = self.sampler.sample(logits, batch.params, batch.generators, batch.output_tokens, batch.prompt_tokens,
+                                  grammars)
+        out.prompt_logprobs = prompt_lps
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: ModelInput) -> list[list[dict[int, float]]]:
+        """Per spec, each target's raw logprob (log-softmax of the full logits) and the top k, computed over
+        row chunks so a long prompt never holds prompt_len x vocab logits at once."""
+        starts = [0, *accumulate(batch.query_lens)]
+        step = max(1, PROMPT_LOGPROBS_ELEMS // self.model_config.vocab_size)
+        out: list[list[dict[int, float]]] = []
+        for spec in batch.prompt_logprobs:
+            first = starts[spec.seq]
+            entries: list[dict[int, float]] = []
+            for a in range(0, len(spec.targets), step):
+                targets = spec.targets[a:a + step]
+                lp = torch.log_softmax(self.model.compute_logits(hidden[first + a:first + a + len(targets)]), dim=-1)
+                tgt = torch.tensor(targets, dtype=torch.long, device=lp.device)
+                chosen = lp.gather(1, tgt[:, None]).squeeze(1).tolist()
+                if spec.k > 0:
+                    vals, idx = lp.topk(min(spec.k, lp.shape[1]), dim=-1)
+                    tops = [dict(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+                else:
+                    tops = [{} for _ in targets]
+                entries += [{t: c, **top} for t, c, top in zip(targets, chosen, tops)]
+            out.append(entries)
+        return out

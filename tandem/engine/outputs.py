@@ -54,6 +54,7 @@ class RequestOutput:
     session_id: str | None = None
     error: str | None = None              # why the request failed (it is finished with finish_reason "abort")
     num_cached_tokens: int = field(default=0)
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # vLLM's: None, then {token: logprob} per position
 
     @property
     def text(self) -> str:

@@ -5,8 +5,10 @@ Per batch of logits [N, V] (float32 or castable):
 1. raw logprobs = log_softmax(logits), only if some row asked for logprobs (vLLM's default
    "raw_logprobs": what the model thinks, before any processing);
 2. every row, greedy ones included (as vLLM): EOS and stop_token_ids masked to -inf while the row
-   has fewer than min_tokens output tokens; repetition (prompt + output tokens), then frequency and
-   presence (output tokens) penalties; then, for rows with a grammar (structured output), the tokens
+   has fewer than min_tokens output tokens, then each row's logit_bias added (vLLM v1's logits
+   processors that can change the argmax, min tokens then logit bias, run before the penalties; one
+   scatter-add for the batch); repetition (prompt + output tokens), then frequency and presence
+   (output tokens) penalties; then, for rows with a grammar (structured output), the tokens
    the grammar does not allow next masked to -inf (one bitmask for the batch; a row that min_tokens
    and its grammar together leave with no token keeps its grammar's mask only);
 3. greedy rows (temperature 0 or top_k 1): argmax, ties to the lowest id;
@@ -36,6 +38,8 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None               # every row, when any row set logprobs
     top_logprobs: list[dict[int, float]] | None = None  # every row ({} where not asked), when any asked k > 0
+    # the model runner's prompt logprobs: per ModelInput.prompt_logprobs spec, one {token: logprob} per target
+    prompt_logprobs: list[list[dict[int, float]]] | None = None
 
 
 def make_generator(seed: int | None, device: torch.device | str | None = None) -> torch.Generator | None:
@@ -97,6 +101,7 @@ class Sampler:
             x = logits.clone()
             if output_tokens is not None:
                 self._mask_min_tokens(x, params, output_tokens)
+            self._apply_logit_bias(x, params)
             self._apply_penalties(x, params, output_tokens, prompt_tokens)
             if constrained:
                 masked = apply_grammar_bitmask(x, grammars)
@@ -134,7 +139,9 @@ class Sampler:
     @staticmethod
     def _modifies(params: Sequence[SamplingParams], output_tokens: Sequence[Sequence[int]] | None,
                   prompt_tokens: Sequence[Sequence[int]] | None) -> bool:
-        """Whether min_tokens masking or a penalty changes some row's logits in this batch."""
+        """Whether min_tokens masking, a logit_bias or a penalty changes some row's logits in this batch."""
+        if any(p.logit_bias for p in params):
+            return True
         if output_tokens is not None and any(p.min_tokens and len(output_tokens[i]) < p.min_tokens
                                              for i, p in enumerate(params)):
             return True
@@ -171,6 +178,27 @@ class Sampler:
                 cols += ids
         if rows:
             x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
+
+    @staticmethod
+    def _apply_logit_bias(x: Tensor, params: Sequence[SamplingParams]) -> None:
+        """Add every row's logit_bias to its logits, in place, with one scatter-add over the batch."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                rows += [i] * len(p.logit_bias)
+                cols += p.logit_bias.keys()
+                vals += p.logit_bias.values()
+        if not rows:
+            return
+        v = x.shape[1]
+        bad = next((t for t in cols if t >= v), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {v})")
+        dev = x.device
+        x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                     torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
 
     @staticmethod
     def _apply_penalties(x: Tensor, params: Sequence[SamplingParams],

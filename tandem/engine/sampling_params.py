@@ -1,7 +1,8 @@
 """Per-request sampling parameters with vLLM's names, defaults and validation.
 
 Parameters are checked once, when the request is made, so the sampler and the stop checker can
-trust them. `stop` is normalised to a list of strings and `stop_token_ids` to a list of ints.
+trust them. `stop` is normalised to a list of strings and `stop_token_ids` to a list of ints; `logit_bias` (OpenAI's
+token id -> bias in [-100, 100], at most 300 entries) to a dict of int -> float, None when empty.
 A positive temperature below 0.01 is raised to 0.01 as vLLM does (smaller ones overflow to inf/nan
 in the scaled logits); temperature 0 means greedy.
 """
@@ -20,6 +21,8 @@ MIN_TEMPERATURE = 1e-2     # positive temperatures below this are raised to it (
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1     # seed range (a signed 64-bit integer, as vLLM and torch take)
 INT32_MAX = (1 << 31) - 1  # top_k, token ids (stop_token_ids): no tokenizer has more ids
 MAX_SHOWN = 100            # an error message quotes at most this many characters of a bad value
+MAX_LOGIT_BIAS = 300       # entries a logit_bias may have (OpenAI's limit)
+MAX_BIAS = 100.0           # |bias| a logit_bias entry may add (OpenAI's range [-100, 100])
 
 
 class SamplingParamsError(ValueError):
@@ -71,16 +74,19 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None         # normalised to a list
     ignore_eos: bool = False
     logprobs: int | None = None                     # None: none; k: chosen token's + top k
+    prompt_logprobs: int | None = None              # None: none; k: each prompt token's logprob + top k (vLLM)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_output: StructuredOutput | None = None   # JSON object / schema (a dict of its fields is converted)
+    logit_bias: dict[int, float] | None = None      # token id -> bias added to its logit before sampling
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_stops()
+        self._check_logit_bias()
         so = self.structured_output
         try:
             self.structured_output = StructuredOutput.from_dict(so) if isinstance(so, dict) else so
@@ -117,6 +123,9 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _bad("logprobs", self.logprobs, f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise _bad("prompt_logprobs", self.prompt_logprobs, f"must be None or an int in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not -2.0 <= v <= 2.0:
@@ -142,6 +151,22 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
             raise _bad("stop_token_ids", self.stop_token_ids, f"must be a list of token ids in [0, {INT32_MAX}]")
         self.stop_token_ids = [int(t) for t in ids]
+
+    def _check_logit_bias(self) -> None:
+        """Token ids in [0, 2^31), finite biases in [-100, 100], at most MAX_LOGIT_BIAS entries; {} becomes None."""
+        lb = self.logit_bias
+        if lb is None:
+            return
+        if not isinstance(lb, dict):
+            raise _bad("logit_bias", lb, "must be None or a dict of token id -> bias")
+        if len(lb) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(lb)}")
+        for t, b in lb.items():
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise _bad("logit_bias", t, f"keys must be token ids in [0, {INT32_MAX}]")
+            if not _is_finite(b) or not -MAX_BIAS <= b <= MAX_BIAS:
+                raise _bad("logit_bias", b, f"values must be numbers in [{-MAX_BIAS:g}, {MAX_BIAS:g}] (token {t})")
+        self.logit_bias = {int(t): float(b) for t, b in lb.items()} or None
 
     @property
     def greedy(self) -> bool:

@@ -41,6 +41,8 @@ class PrefillTask:
     block_hashes: tuple[int, ...] = ()  # chained hashes of the full blocks of history + new tokens (prefix cache)
     cached: int = 0             # tokens of l_incr found in the prefix cache at admission (not computed)
     hashed: int = 0             # leading blocks registered in the prefix cache so far
+    full_prefill: bool = False  # every prompt token computed on decode_worker (prompt logprobs need each position):
+                                # never routed remote, takes no prefix-cache blocks
 
     @property
     def remaining(self) -> int:

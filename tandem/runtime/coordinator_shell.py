@@ -131,7 +131,8 @@ class CoordinatorShell:
         sid, coord = req.session_id, self.coord
         worker = coord.session_worker(sid)
         hist_tokens = self.conv.get(sid)
-        if worker is not None and (hist_tokens is None or req.prompt[:len(hist_tokens)] != hist_tokens
+        full = req.params.prompt_logprobs is not None          # every prompt position computed: no KV reused
+        if worker is not None and (full or hist_tokens is None or req.prompt[:len(hist_tokens)] != hist_tokens
                                    or len(req.prompt) <= len(hist_tokens)):
             del self.session_req[sid]                          # the conversation was rewritten: start afresh
             self._apply(coord.end_session(sid, now))
@@ -150,7 +151,7 @@ class CoordinatorShell:
             if worker is None:
                 raise RequestError("no live decode worker: the server cannot serve", 503, code="engine_unavailable")
             try:
-                resident = await self._begin_round(req, worker, req.prompt)
+                resident = await self._begin_round(req, worker, [] if full else req.prompt)
             except BaseException:                              # never bound: free what the worker pinned
                 self.send(worker, m.Release(sid))
                 raise
@@ -158,7 +159,7 @@ class CoordinatorShell:
         self._put_session(sid, SessionInfo(decode_worker=worker, resident_tokens=resident, updated_s=time.time()))
         try:
             actions = coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, worker=worker,
-                                     block_hashes=hashes)
+                                     block_hashes=hashes, full_prefill=full)
         except ValueError as e:                                # no live decode worker left (the core says why)
             raise RequestError(str(e), 503, code="engine_unavailable") from None
         self._apply(actions)
@@ -339,6 +340,8 @@ class CoordinatorShell:
                 comp.logprobs = []
             comp.logprobs.extend(d.logprobs)
             comp.cumulative_logprob = d.cumulative_logprob
+        if d.prompt_logprobs is not None:
+            out.prompt_logprobs = d.prompt_logprobs
         out.num_cached_tokens = out.metrics.num_cached_tokens = d.num_cached_tokens
         if d.finished:
             comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason

@@ -124,6 +124,7 @@ class Delta(msgspec.Struct):
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # once, with the first delta (prompt_logprobs set)
 
 
 class Outputs(msgspec.Struct, tag=True):

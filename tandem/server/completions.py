@@ -1,8 +1,11 @@
-"""POST /v1/completions: one prompt (text or token ids), streaming and not, logprobs as an int."""
+"""POST /v1/completions: one prompt (text or token ids), streaming and not, logprobs as an int; `echo` puts the
+prompt's text (and with logprobs its tokens' logprobs, the first one None) before the completion, as vLLM."""
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -24,8 +27,6 @@ def _check(req: CompletionRequest) -> None:
     choices.check_n(req.n, None)
     if req.n != 1:
         raise APIError(f"n must be 1 on completions, got {shorten(req.n)}", 400, "unsupported_parameter", "n")
-    if req.echo:
-        raise APIError("echo is not supported", 400, "unsupported_parameter", "echo")
     if req.suffix:
         raise APIError("suffix is not supported", 400, "unsupported_parameter", "suffix")
     if req.best_of is not None and req.best_of != 1:
@@ -60,17 +61,57 @@ def check_size(state: sv.ServerState, req: CompletionRequest) -> None:
         sv.room_for(len(p), None, state.client.max_model_len)
 
 
-def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float]] | None, offset: int) -> dict | None:
-    """OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) starting at char `offset`."""
+@dataclass(frozen=True)
+class Echo:
+    """What `echo` puts before a choice: the prompt's text, its token ids and, with logprobs, their logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None
+
+
+def echo_of(tok: Any, req: CompletionRequest, text: str | None, ids: list[int], out: RequestOutput) -> Echo | None:
+    """The echo of the prompt (a token-id prompt decoded), None without `echo`; the prompt logprobs come from the
+    backend's output (vLLM's shape: one entry per prompt token, the first None)."""
+    if not req.echo:
+        return None
+    shown = text if text is not None else tok.decode(ids, skip_special_tokens=False)
+    lps = None
+    if req.logprobs is not None:
+        lps = out.prompt_logprobs
+        if lps is None or len(lps) != len(ids):
+            raise RuntimeError(f"the backend returned {'no' if lps is None else len(lps)} prompt logprobs for a "
+                               f"{len(ids)}-token prompt with echo and logprobs")
+    return Echo(shown, list(ids), lps)
+
+
+def with_echo(echo: Echo | None, text: str, ids: list[int], lps: list[dict[int, float]] | None
+              ) -> tuple[str, list[int], list[dict[int, float] | None] | None]:
+    """(text, token ids, logprobs) with the echoed prompt's put first (its logprobs only where logprobs are)."""
+    if echo is None:
+        return text, ids, lps
+    if lps is None or echo.logprobs is None:
+        return echo.text + text, ids, lps
+    return echo.text + text, echo.token_ids + list(ids), echo.logprobs + list(lps)
+
+
+def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float] | None] | None,
+                        offset: int) -> dict | None:
+    """OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) starting at char `offset`; a
+    None entry (an echoed prompt's first token) has None logprob and top logprobs."""
     if lps is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(ids, lps):
         s = tok.decode([tid], skip_special_tokens=False)
         tokens.append(s)
-        token_lps.append(sv.clamp_logprob(entry.get(tid, float("-inf"))))
-        tops.append({tok.decode([k], skip_special_tokens=False): sv.clamp_logprob(v)
-                     for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(sv.clamp_logprob(entry.get(tid, float("-inf"))))
+            tops.append({tok.decode([k], skip_special_tokens=False): sv.clamp_logprob(v)
+                         for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -86,6 +127,8 @@ async def create_completion(state: sv.ServerState, request: Request, received: f
     text, ids = await state.offload(prompt_of, state, req)
     max_tokens = sv.room_for(len(ids), req.max_tokens, state.client.max_model_len)
     params = sv.sampling_params(req, max_tokens, req.logprobs, vocab_size=_vocab(state))
+    if req.echo and req.logprobs is not None:                # the prompt's logprobs too (vLLM: k of them each)
+        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     timer = state.metrics.timer(received)
     gen = sv.start(state, ids, params, rid, sid, text)
@@ -94,15 +137,22 @@ async def create_completion(state: sv.ServerState, request: Request, received: f
         timer.update(first)
         await sv.close(gen)
         raise sv.failure(state, first)
+    tok = state.client.tokenizer
+    try:
+        echo = echo_of(tok, req, text, ids, first)
+    except BaseException:
+        await sv.close(gen)
+        raise
     if req.stream:
-        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, gen, first, timer))
+        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, gen, first, timer, echo))
     out = await sv.unless_gone(request, sv.collect(gen, first, timer.update))
     if out.error is not None or out.outputs[0].finish_reason == "abort":
         raise sv.failure(state, out)
     comp = out.outputs[0]
-    lp = completion_logprobs(state.client.tokenizer, comp.token_ids, comp.logprobs, 0)
+    shown, lp_ids, lp_entries = with_echo(echo, comp.text, comp.token_ids, comp.logprobs)
+    lp = completion_logprobs(tok, lp_ids, lp_entries, 0)
     body = CompletionResponse(id=rid, model=state.model_name, usage=sv.usage(len(ids), out),
-                              choices=[CompletionChoice(text=comp.text, logprobs=lp, finish_reason=comp.finish_reason,
+                              choices=[CompletionChoice(text=shown, logprobs=lp, finish_reason=comp.finish_reason,
                                                         stop_reason=comp.stop_reason,
                                                         token_ids=list(comp.token_ids) if req.return_token_ids else None,
                                                         prompt_token_ids=ids if req.return_token_ids else None)])
@@ -115,8 +165,10 @@ async def create_completion(state: sv.ServerState, request: Request, received: f
 
 
 async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, prompt_len: int, params: SamplingParams,
-                  gen: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer) -> AsyncIterator[str]:
-    """SSE chunks of text deltas, the finish reason, optional usage, then [DONE]."""
+                  gen: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer,
+                  echo: Echo | None = None) -> AsyncIterator[str]:
+    """SSE chunks of text deltas (the first one led by the echoed prompt), the finish reason, optional usage, then
+    [DONE]."""
     created, tok = sv.now_s(), state.client.tokenizer
     opts = req.stream_options
     with_usage = bool(opts and opts.include_usage)
@@ -146,11 +198,13 @@ async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, promp
                 yield err
                 break
             comp = out.outputs[0]
-            text = texts.next(comp.text, out.finished)
             new_ids = comp.token_ids[sent_tokens:]
+            text, lp_ids, lp_entries = with_echo(echo, texts.next(comp.text, out.finished), new_ids,
+                                                 comp.logprobs[sent_tokens:] if comp.logprobs is not None else None)
+            echo = None                                       # the prompt goes with the first chunk only
             lp = None
-            if comp.logprobs is not None and new_ids:
-                lp = completion_logprobs(tok, new_ids, comp.logprobs[sent_tokens:], offset)
+            if lp_entries is not None and lp_ids:
+                lp = completion_logprobs(tok, lp_ids, lp_entries, offset)
                 offset += sum(len(t) for t in lp["tokens"])
             sent_tokens = len(comp.token_ids)
             if out.finished:

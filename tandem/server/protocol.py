@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (OpenAI's names, plus vLLM's sampling extras).
 
 Unknown request fields are ignored, as OpenAI-compatible servers usually do; known OpenAI fields tandem
-cannot honour (n > 1, logit_bias, response_format other than text, echo, suffix, best_of > 1, tool_choice
+cannot honour (n > 1, response_format other than text, suffix, best_of > 1, tool_choice
 other than auto/none) are rejected by the serving code with a 400 that names them.
 """
 from __future__ import annotations

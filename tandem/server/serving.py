@@ -234,8 +234,6 @@ def check_common(req: _Sampling) -> None:
     """Reject OpenAI features that cannot be served, and stream_options without stream (as vLLM)."""
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options can only be set when stream is true", 400, "invalid_value", "stream_options")
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported", 400, "unsupported_parameter", "logit_bias")
 
 
 def session_of(request: Request, req: _Sampling) -> str | None:
@@ -284,16 +282,42 @@ def structured_output(response_format: dict | None) -> StructuredOutput | None:
         raise APIError(shorten(str(e), 300), 400, "invalid_value", "response_format") from None
 
 
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON string keys) as token id -> bias; a 400 naming logit_bias for a key
+    that is not an integer, an id outside [0, vocab_size), or a bias that is not a number in [-100, 100]."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise APIError(f"logit_bias keys must be token ids (integers), got {shorten(key)}", 400,
+                           "invalid_value", "logit_bias")
+        tid = int(key) if len(key) <= 20 else -1            # no vocabulary has a 20-digit id
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            top = f"[0, {vocab_size})" if vocab_size is not None else "of the model"
+            raise APIError(f"logit_bias: token id {shorten(key)} is outside the vocabulary {top}", 400,
+                           "invalid_value", "logit_bias")
+        if not math.isfinite(value) or not -100.0 <= value <= 100.0:
+            raise APIError(f"logit_bias values must be in [-100, 100], got {shorten(value)} for token {tid}", 400,
+                           "invalid_value", "logit_bias")
+        out[tid] = value
+    return out
+
+
 def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
                     renames: dict[str, str] | None = None, vocab_size: int | None = None) -> SamplingParams:
-    """SamplingParams from the request; a 400 naming the (API) field when a value is invalid (stop_token_ids
-    outside [0, vocab_size) too)."""
+    """SamplingParams from the request; a 400 naming the (API) field when a value is invalid (stop_token_ids and
+    logit_bias ids outside [0, vocab_size) too)."""
     if vocab_size is not None and req.stop_token_ids:
         bad = next((t for t in req.stop_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise APIError(f"stop_token_ids: token id {shorten(bad)} is outside the vocabulary [0, {vocab_size})",
                            400, "invalid_value", "stop_token_ids")
     structured = structured_output(req.response_format)
+    bias = logit_bias(req.logit_bias, vocab_size)
     try:
         return SamplingParams(
             structured_output=structured, n=1, temperature=1.0 if req.temperature is None else req.temperature,
@@ -302,7 +326,7 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias)
     except SamplingParamsError as e:
         msg = str(e)
         field = msg.split(" ", 1)[0]
