@@ -45,12 +45,22 @@ async def _scenario(client) -> dict:
         out["session"].append(await complete(SESSION, session_id="s1"))
         out["session"].append(await complete(SESSION[:K] + [9] * 30, session_id="s1"))
         text = (await http.get("/metrics")).text
-    out["hits"] = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("vllm:prefix_cache_hits_total{"))
+        out["hits"] = _hits(text)
+        r = await http.post("/v1/completions", json={"model": client.model_name, "prompt": CHOICES_PROMPT, "n": 3,
+                                                     "max_tokens": 2, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        out["choices"] = [c["index"] for c in r.json()["choices"]]
+        out["choice_hits"] = _hits((await http.get("/metrics")).text) - out["hits"]
     return out
 
 
-EXPECTED = {"anon": [0, 64, 64], "session": [0, (K // BS) * BS]}
+def _hits(metrics: str) -> float:
+    return next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("vllm:prefix_cache_hits_total{"))
+
+
+CHOICES_PROMPT = list(range(300, 350))         # 50 tokens: 3 whole blocks, shared by the n = 3 choices
+EXPECTED = {"anon": [0, 64, 64], "session": [0, (K // BS) * BS], "choices": [0, 1, 2], "choice_hits": 2 * 48}
 
 
 def test_prefix_caching_through_http_in_process(ckpt):

@@ -169,7 +169,7 @@ BAD = [
      "max_tokens"),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
      "invalid_value", "messages.0.role"),
-    ("n > 1", "/v1/completions", {"prompt": "x", "n": 2}, 400, "unsupported_parameter", "n"),
+    ("n > 1 in a session", "/v1/completions", {"prompt": "x", "n": 2, "session_id": "s"}, 400, "invalid_value", "n"),
     ("prompt longer than the context", "/v1/completions", {"prompt": [5] * (MAX_LEN + 10)}, 400,
      "context_length_exceeded", "prompt"),
     ("prompt + max_tokens beyond the context", "/v1/completions", {"prompt": [5] * 100, "max_tokens": MAX_LEN},

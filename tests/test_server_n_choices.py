@@ -96,3 +96,25 @@ def test_streamed_choices_are_merged_by_index_with_usage_at_the_end(app):
     assert content == {c["index"]: c["message"]["content"] for c in whole["choices"]}
     assert usage["completion_tokens"] == 16 and usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]
     assert text.rstrip().endswith("data: [DONE]")
+
+
+def test_completions_n_choices_echo_each_and_stream_by_index(app):
+    """Protects n > 1 on completions: indexed choices, each led by the echoed prompt, streaming equal to not."""
+    body = {"model": "tiny", "prompt": "once upon a time " * 6, "n": 2, "max_tokens": 6, "ignore_eos": True,
+            "temperature": 1.0, "seed": 3, "echo": True}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as h:
+            whole = (await h.post("/v1/completions", json=body)).json()
+            s = await h.post("/v1/completions", json={**body, "stream": True})
+            return whole, s.text
+    whole, text = asyncio.run(go())
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert all(c["text"].startswith(body["prompt"]) for c in whole["choices"])
+    assert whole["usage"]["completion_tokens"] == 12
+    got: dict[int, str] = {}
+    for line in text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for ch in json.loads(line[6:])["choices"]:
+                got[ch["index"]] = got.get(ch["index"], "") + ch["text"]
+    assert got == {c["index"]: c["text"] for c in whole["choices"]}

@@ -46,9 +46,11 @@ def check_n(n: int, session_id: str | None) -> None:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index`'s params: one sequence, seed shifted by the index when the request is seeded."""
+    """Choice `index`'s params: one sequence, seed shifted by the index when the request is seeded; prompt logprobs
+    only on the first (they are the same for every choice, and asking for them forgoes the shared prefix)."""
     seed = params.seed + index if params.seed is not None else None
-    return dataclasses.replace(params, n=1, seed=seed)
+    plp = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=plp)
 
 
 def _failed(out: RequestOutput) -> bool:

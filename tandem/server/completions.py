@@ -2,6 +2,7 @@
 prompt's text (and with logprobs its tokens' logprobs, the first one None) before the completion, as vLLM."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
@@ -17,16 +18,12 @@ from tandem.server import choices
 from tandem.server import serving as sv
 from tandem.server.chat import _vocab
 from tandem.server.errors import APIError
-from tandem.server.metrics import RequestTimer
 from tandem.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 
 
 def _check(req: CompletionRequest) -> None:
     """Reject completion features that cannot be served (400 naming the field)."""
     sv.check_common(req)
-    choices.check_n(req.n, None)
-    if req.n != 1:
-        raise APIError(f"n must be 1 on completions, got {shorten(req.n)}", 400, "unsupported_parameter", "n")
     if req.suffix:
         raise APIError("suffix is not supported", 400, "unsupported_parameter", "suffix")
     if req.best_of is not None and req.best_of != 1:
@@ -123,6 +120,7 @@ async def create_completion(state: sv.ServerState, request: Request, received: f
     sv.check_model(state, req)
     _check(req)
     sid = sv.session_of(request, req)
+    choices.check_n(req.n, sid)
     check_size(state, req)
     text, ids = await state.offload(prompt_of, state, req)
     max_tokens = sv.room_for(len(ids), req.max_tokens, state.client.max_model_len)
@@ -130,32 +128,21 @@ async def create_completion(state: sv.ServerState, request: Request, received: f
     if req.echo and req.logprobs is not None:                # the prompt's logprobs too (vLLM: k of them each)
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    timer = state.metrics.timer(received)
-    gen = sv.start(state, ids, params, rid, sid, text)
-    first = await sv.first_output(request, gen)
-    if first.error is not None or (first.finished and first.outputs[0].finish_reason == "abort"):
-        timer.update(first)
-        await sv.close(gen)
-        raise sv.failure(state, first)
+    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received)
     tok = state.client.tokenizer
     try:
-        echo = echo_of(tok, req, text, ids, first)
+        echo = echo_of(tok, req, text, ids, started[0].first)
     except BaseException:
-        await sv.close(gen)
+        await choices.close_all(started)
         raise
     if req.stream:
-        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, gen, first, timer, echo))
-    out = await sv.unless_gone(request, sv.collect(gen, first, timer.update))
-    if out.error is not None or out.outputs[0].finish_reason == "abort":
-        raise sv.failure(state, out)
-    comp = out.outputs[0]
-    shown, lp_ids, lp_entries = with_echo(echo, comp.text, comp.token_ids, comp.logprobs)
-    lp = completion_logprobs(tok, lp_ids, lp_entries, 0)
-    body = CompletionResponse(id=rid, model=state.model_name, usage=sv.usage(len(ids), out),
-                              choices=[CompletionChoice(text=shown, logprobs=lp, finish_reason=comp.finish_reason,
-                                                        stop_reason=comp.stop_reason,
-                                                        token_ids=list(comp.token_ids) if req.return_token_ids else None,
-                                                        prompt_token_ids=ids if req.return_token_ids else None)])
+        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, started, echo))
+    outs = await choices.collect_all(request, started)
+    failed = next((o for o in outs if o.error is not None or o.outputs[0].finish_reason == "abort"), None)
+    if failed is not None:
+        raise sv.failure(state, failed)
+    body = CompletionResponse(id=rid, model=state.model_name, usage=choices.usage(len(ids), outs),
+                              choices=[_choice(tok, req, ids, echo, i, o) for i, o in enumerate(outs)])
     data = body.model_dump()
     if not req.return_token_ids:
         for c in data["choices"]:
@@ -164,20 +151,59 @@ async def create_completion(state: sv.ServerState, request: Request, received: f
     return JSONResponse(data)
 
 
+def _choice(tok: Any, req: CompletionRequest, ids: list[int], echo: Echo | None, index: int,
+            out: RequestOutput) -> CompletionChoice:
+    """One finished choice of a non-streaming response (the echoed prompt first)."""
+    comp = out.outputs[0]
+    shown, lp_ids, lp_entries = with_echo(echo, comp.text, comp.token_ids, comp.logprobs)
+    return CompletionChoice(index=index, text=shown, logprobs=completion_logprobs(tok, lp_ids, lp_entries, 0),
+                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                            token_ids=list(comp.token_ids) if req.return_token_ids else None,
+                            prompt_token_ids=ids if req.return_token_ids else None)
+
+
+@dataclass
+class _ChoiceStream:
+    """What one streamed choice has sent so far (the echoed prompt goes with its first chunk)."""
+
+    texts: sv.TextDelta
+    echo: Echo | None
+    sent_tokens: int = 0
+    offset: int = 0
+    done: RequestOutput | None = None
+
+    def delta(self, tok: Any, out: RequestOutput) -> tuple[str, Any, list[int]]:
+        """(text, logprobs, new token ids) for the output's new tokens."""
+        comp = out.outputs[0]
+        new_ids = comp.token_ids[self.sent_tokens:]
+        text, lp_ids, lp_entries = with_echo(self.echo, self.texts.next(comp.text, out.finished), new_ids,
+                                             comp.logprobs[self.sent_tokens:] if comp.logprobs is not None else None)
+        self.echo = None
+        lp = None
+        if lp_entries is not None and lp_ids:
+            lp = completion_logprobs(tok, lp_ids, lp_entries, self.offset)
+            self.offset += sum(len(t) for t in lp["tokens"])
+        self.sent_tokens = len(comp.token_ids)
+        if out.finished:
+            self.done = out
+        return text, lp, new_ids
+
+
 async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, prompt_len: int, params: SamplingParams,
-                  gen: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer,
-                  echo: Echo | None = None) -> AsyncIterator[str]:
-    """SSE chunks of text deltas (the first one led by the echoed prompt), the finish reason, optional usage, then
-    [DONE]."""
+                  started: list[choices.Choice], echo: Echo | None = None) -> AsyncIterator[str]:
+    """SSE chunks of each choice's text deltas (its first led by the echoed prompt) and finish reason as they come,
+    optional usage, then [DONE]."""
     created, tok = sv.now_s(), state.client.tokenizer
     opts = req.stream_options
     with_usage = bool(opts and opts.include_usage)
     every_usage = with_usage and bool(opts and opts.continuous_usage_stats)
-
     ids_too = req.return_token_ids
+    timers = {c.index: c.timer for c in started}
+    streams = {c.index: _ChoiceStream(sv.TextDelta(params), echo) for c in started}
 
-    def chunk(text: str, reason: str | None, logprobs: Any, out: RequestOutput, new_ids: list[int]) -> str:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason,
+    def chunk(index: int, text: str, reason: str | None, logprobs: Any, out: RequestOutput,
+              new_ids: list[int]) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": out.outputs[0].stop_reason if reason else None}
         if ids_too:
             choice["token_ids"] = list(new_ids)
@@ -187,39 +213,23 @@ async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, promp
             body["usage"] = sv.usage(prompt_len, out).model_dump() if every_usage else None
         return sv.sse(body)
 
-    texts = sv.TextDelta(params)
-    sent_tokens, offset = 0, 0
-    out = first
     try:
-        while True:
-            timer.update(out)
-            err = sv.stream_error(state, out)
-            if err is not None:
-                yield err
-                break
-            comp = out.outputs[0]
-            new_ids = comp.token_ids[sent_tokens:]
-            text, lp_ids, lp_entries = with_echo(echo, texts.next(comp.text, out.finished), new_ids,
-                                                 comp.logprobs[sent_tokens:] if comp.logprobs is not None else None)
-            echo = None                                       # the prompt goes with the first chunk only
-            lp = None
-            if lp_entries is not None and lp_ids:
-                lp = completion_logprobs(tok, lp_ids, lp_entries, offset)
-                offset += sum(len(t) for t in lp["tokens"])
-            sent_tokens = len(comp.token_ids)
-            if out.finished:
-                yield chunk(text, comp.finish_reason, lp, out, new_ids)
-                if with_usage:
-                    yield sv.sse({"id": rid, "object": "text_completion", "created": created,
-                                  "model": state.model_name, "choices": [],
-                                  "usage": sv.usage(prompt_len, out).model_dump()})
-                break
-            if text or lp or (ids_too and new_ids):
-                yield chunk(text, None, lp, out, new_ids)
-            try:
-                out = await gen.__anext__()
-            except StopAsyncIteration:
-                break
+        async with contextlib.aclosing(choices.merged(started)) as events:
+            async for index, out in events:
+                timers[index].update(out)
+                err = sv.stream_error(state, out)
+                if err is not None:
+                    yield err
+                    break
+                text, lp, new_ids = streams[index].delta(tok, out)
+                if out.finished:
+                    yield chunk(index, text, out.outputs[0].finish_reason, lp, out, new_ids)
+                elif text or lp or (ids_too and new_ids):
+                    yield chunk(index, text, None, lp, out, new_ids)
+        done = [streams[i].done for i in sorted(streams)]
+        if with_usage and all(d is not None for d in done):
+            yield sv.sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                          "choices": [], "usage": choices.usage(prompt_len, done).model_dump()})
         yield sv.SSE_DONE
     finally:
-        await sv.close(gen)
+        await choices.close_all(started)

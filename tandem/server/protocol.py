@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (OpenAI's names, plus vLLM's sampling extras).
 
 Unknown request fields are ignored, as OpenAI-compatible servers usually do; known OpenAI fields tandem
-cannot honour (n > 1, response_format other than text, suffix, best_of > 1, tool_choice
-other than auto/none) are rejected by the serving code with a 400 that names them.
+cannot honour (several prompts per completion, suffix, best_of > 1, functions/function_call) are rejected by the
+serving code with a 400 that names them.
 """
 from __future__ import annotations
 
