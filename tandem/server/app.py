@@ -26,12 +26,17 @@ from tandem.server.completions import create_completion
 from tandem.server.errors import APIError, error_bytes, error_response, install_handlers
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
 from tandem.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                    CompletionResponse, ModelCard, ModelList)
+                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                    TokenizeRequest, TokenizeResponse)
+from tandem.server.tokenize import create_detokenize, create_tokenize
 
 log = logging.getLogger("tandem.server")
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_BODY_TIMEOUT_S = 60.0       # a client that takes longer to send its body gets a 408 (slow clients)
 _RECEIVED = "tandem_received"
+
+
+KEYED_PATHS = ("/tokenize", "/detokenize")       # outside /v1 but doing work for the caller: the key applies
 
 
 class Guard:
@@ -92,7 +97,7 @@ class Guard:
                 await _send_error(send, APIError("internal server error", 500))
 
     def _refuse(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
-        if self.api_key is not None and path.startswith("/v1"):
+        if self.api_key is not None and (path.startswith("/v1") or path in KEYED_PATHS):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, key = auth.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
@@ -166,11 +171,21 @@ def build_app(client: EngineClient, api_key: str | None = None, served_model_nam
     async def completions(request: Request) -> Any:
         return await _answer(create_completion(state, request, _received(request)))
 
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest),
+              responses={200: {"model": TokenizeResponse, "description": "the token ids"}})
+    async def tokenize(request: Request) -> Any:
+        return await _answer(create_tokenize(state, request))
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse, "description": "the text"}})
+    async def detokenize(request: Request) -> Any:
+        return await _answer(create_detokenize(state, request))
+
     app.openapi = lambda: _openapi(app)
     return app
 
 
-_REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest)
+_REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
 def _body_schema(model: type) -> dict[str, Any]:

@@ -90,18 +90,19 @@ def check_size(state: sv.ServerState, req: ChatCompletionRequest) -> None:
     sv.check_prompt_chars(state, chars, "messages")
 
 
-def render_prompt(state: sv.ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The chat template applied with the tools and a generation prompt, then encoded without special tokens
-    (slow for long conversations: the handler runs it on the preparation threads)."""
+def render_prompt(state: sv.ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True,
+                  add_special_tokens: bool = False) -> tuple[str, list[int]]:
+    """The chat template applied with the tools (and a generation prompt), then encoded (without special tokens by
+    default); slow for long conversations: the handler runs it on the preparation threads."""
     tok = state.client.tokenizer
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     msgs = template_messages(req)
     try:
-        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True)
+        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - template errors (TokenizerError, jinja TypeError, ...) are the caller's
         raise APIError(f"the chat template cannot render these messages: {shorten(str(e), 300)}", 400,
                        "invalid_value", "messages") from None
-    return text, sv.encode(tok, text, add_special_tokens=False)
+    return text, sv.encode(tok, text, add_special_tokens=add_special_tokens)
 
 
 def logprobs_content(tok: Any, ids: list[int], lps: list[dict[int, float]] | None, top: int) -> list[dict] | None:
@@ -203,8 +204,8 @@ class _ChoiceStream:
     sent_tokens: int = 0
     done: RequestOutput | None = None
 
-    def delta(self, tok: Any, req: ChatCompletionRequest, out: RequestOutput) -> tuple[dict[str, Any], Any]:
-        """(delta, logprobs) for the output's new text, tool-call parts and tokens."""
+    def delta(self, tok: Any, req: ChatCompletionRequest, out: RequestOutput) -> tuple[dict[str, Any], Any, bool]:
+        """(delta, logprobs, whether new tokens came) for the output's new text, tool-call parts and tokens."""
         comp = out.outputs[0]
         text, call_deltas = self.calls.feed(self.texts.next(comp.text, out.finished), out.finished)
         delta: dict[str, Any] = {}
@@ -219,7 +220,7 @@ class _ChoiceStream:
         self.sent_tokens = len(comp.token_ids)
         if out.finished:
             self.done = out
-        return delta, lp
+        return delta, lp, bool(new_ids)
 
 
 async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, prompt_len: int,
@@ -254,11 +255,13 @@ async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, p
                     yield err
                     break
                 st = streams[index]
-                delta, lp = st.delta(tok, req, out)
+                delta, lp, new_tokens = st.delta(tok, req, out)
                 if out.finished:
                     yield chunk(index, delta, st.calls.finish_reason(out.outputs[0].finish_reason), lp, out)
                 elif delta or lp:
                     yield chunk(index, delta, None, lp, out)
+                elif new_tokens and policy.mode == ToolMode.NONE:      # a token with no text yet: a chunk still
+                    yield chunk(index, {"content": ""}, None, None, out)   # (as vLLM: one per engine output)
         done = [streams[i].done for i in sorted(streams)]
         if with_usage and all(d is not None for d in done):
             yield chunk(-1, {}, usage=choices.usage(prompt_len, done).model_dump())

@@ -224,7 +224,7 @@ async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, promp
                 text, lp, new_ids = streams[index].delta(tok, out)
                 if out.finished:
                     yield chunk(index, text, out.outputs[0].finish_reason, lp, out, new_ids)
-                elif text or lp or (ids_too and new_ids):
+                elif text or lp or new_ids:             # one chunk per engine output with tokens, as vLLM
                     yield chunk(index, text, None, lp, out, new_ids)
         done = [streams[i].done for i in sorted(streams)]
         if with_usage and all(d is not None for d in done):

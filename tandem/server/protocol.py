@@ -126,6 +126,25 @@ class CompletionRequest(_Sampling):
     return_token_ids: bool = False          # vLLM extension: the completion's token ids (and the prompt's)
 
 
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): a text `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None       # default: True for a prompt, False for messages (as vLLM)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---------------------------------------------------------------------------- responses
 class PromptTokensDetails(BaseModel):
     """Prompt tokens served from cache (session history or prefix cache)."""
@@ -226,3 +245,18 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    """The answer of /tokenize."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    """The answer of /detokenize."""
+
+    prompt: str
