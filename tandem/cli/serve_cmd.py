@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 from pathlib import Path
 
@@ -161,8 +162,9 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
     except (ValueError, WorkerStartupError, StateStoreError) as e:
         raise CLIError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     options = options or {}
+    from tandem.server.http_protocol import HeadTimeoutH11Protocol
     uv = {"timeout_keep_alive": TIMEOUT_KEEP_ALIVE_S, "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES,
-          **options.get("uvicorn", {})}
+          "http": HeadTimeoutH11Protocol, **options.get("uvicorn", {})}
     server = uvicorn.Server(uvicorn.Config(build_app(cluster, api_key=api_key, **options.get("app", {})), host=host,
                                            port=port, log_level="warning", lifespan="off", **uv))
     task = asyncio.create_task(server.serve())
@@ -186,17 +188,25 @@ def cmd_serve(args) -> int:
     api_key = api_key_of(args)
     options = server_options(args)
 
+    from tandem.server.memory import return_large_frees_to_the_os
+    return_large_frees_to_the_os()
+    stopped_by: list[int] = []
+
     async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):          # stop cleanly: HTTP server, then the workers
+            loop.add_signal_handler(sig, lambda s=sig: (stopped_by.append(s), stop.set()))
         async with serving(cfg, args.host, args.port, api_key, options):
             print(f"tandem: serving {Path(cfg.model).name} on http://{args.host}:{args.port}/v1 "
                   f"({cfg.policy}; {cfg.prefill_workers}P+{cfg.decode_workers}D" +
                   (f", {cfg.colocated} co-located" if cfg.colocated else "") + ")", flush=True)
-            await asyncio.Event().wait()
+            await stop.wait()
     try:
         asyncio.run(run())
     except KeyboardInterrupt:
         return 130
-    return 0
+    return 130 if stopped_by and stopped_by[0] == signal.SIGINT else 0
 
 
 def _free_port() -> int:

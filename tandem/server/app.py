@@ -56,6 +56,7 @@ class Guard:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         err = self._refuse(scope["path"], headers)
         if err is not None:
+            await _drain(receive)
             await _send_error(send, err)
             return
         started = False
@@ -90,6 +91,8 @@ class Guard:
             await self.app(scope, counted, tracked)
         except APIError as e:                   # a limit hit outside the app's handlers (413, 408)
             if not started:
+                if e.status == 413:
+                    await _drain(receive)         # the rest of the body, bounded
                 await _send_error(send, e)
         except Exception:  # noqa: BLE001 - never a traceback to the client
             log.exception("internal error on %s %s", scope.get("method"), scope["path"])
@@ -112,6 +115,26 @@ class Guard:
             if n > self.max_body:
                 return APIError(f"request body of {n} bytes exceeds the limit of {self.max_body} bytes", 413)
         return None
+
+
+DRAIN_BYTES = 64 << 20       # a refused body is read and dropped up to this much ...
+DRAIN_S = 5.0                # ... or this long, so the client reads the error instead of a connection reset
+
+
+async def _drain(receive: Receive) -> None:
+    """Read and drop what is left of a refused request's body (bounded in bytes and time): closing a connection
+    with unread data resets it, and a client still sending would never see the 4xx."""
+    left, deadline = DRAIN_BYTES, time.monotonic() + DRAIN_S
+    while left > 0:
+        try:
+            msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return
+        if msg["type"] != "http.request":
+            return
+        left -= len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return
 
 
 async def _send_error(send: Send, err: APIError) -> None:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Request
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -179,7 +180,10 @@ async def parse_body(request: Request, model: type[M], state: ServerState | None
 
     A body over INLINE_PARSE_BYTES is parsed on the preparation threads by a decoder that yields the GIL and
     stops at arrays longer than any field takes, then validated (bounded work); a small one on the loop."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:                     # the client left mid-body: nobody to answer, nothing to log
+        raise ClientGone() from None
     try:
         if state is None or len(raw) <= INLINE_PARSE_BYTES:
             return model.model_validate_json(raw or b"")
