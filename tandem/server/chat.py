@@ -224,7 +224,7 @@ class _ChoiceStream:
 
 
 async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, prompt_len: int,
-                  params: SamplingParams, started: list[choices.Choice], policy: ToolPolicy) -> AsyncIterator[str]:
+                  params: SamplingParams, started: list[choices.Choice], policy: ToolPolicy) -> AsyncIterator[bytes]:
     """SSE chunks: each choice's role first, then its content / tool-call deltas and finish reason as they come,
     optional usage, [DONE]."""
     created, tok = sv.now_s(), state.client.tokenizer
@@ -235,7 +235,7 @@ async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, p
     streams = {c.index: _ChoiceStream(sv.TextDelta(params), _StreamedCalls(policy)) for c in started}
 
     def chunk(index: int, delta: dict, reason: str | None = None, logprobs: Any = None,
-              out: RequestOutput | None = None, usage: Any = None) -> str:
+              out: RequestOutput | None = None, usage: Any = None) -> bytes:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                 "model": state.model_name,
                                 "choices": [] if index < 0 else [{"index": index, "delta": delta,

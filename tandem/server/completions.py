@@ -190,7 +190,7 @@ class _ChoiceStream:
 
 
 async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, prompt_len: int, params: SamplingParams,
-                  started: list[choices.Choice], echo: Echo | None = None) -> AsyncIterator[str]:
+                  started: list[choices.Choice], echo: Echo | None = None) -> AsyncIterator[bytes]:
     """SSE chunks of each choice's text deltas (its first led by the echoed prompt) and finish reason as they come,
     optional usage, then [DONE]."""
     created, tok = sv.now_s(), state.client.tokenizer
@@ -202,7 +202,7 @@ async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, promp
     streams = {c.index: _ChoiceStream(sv.TextDelta(params), echo) for c in started}
 
     def chunk(index: int, text: str, reason: str | None, logprobs: Any, out: RequestOutput,
-              new_ids: list[int]) -> str:
+              new_ids: list[int]) -> bytes:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": out.outputs[0].stop_reason if reason else None}
         if ids_too:

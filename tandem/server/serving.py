@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 from fastapi import Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
@@ -364,7 +365,7 @@ def failure(state: ServerState, out: RequestOutput) -> APIError:
     return APIError(msg, status, "request_failed")
 
 
-def stream_error(state: ServerState, out: RequestOutput) -> str | None:
+def stream_error(state: ServerState, out: RequestOutput) -> bytes | None:
     """The SSE error event ending a stream whose request failed after acceptance; None while it is fine."""
     if out.error is None and out.outputs[0].finish_reason != "abort":
         return None
@@ -442,15 +443,18 @@ async def collect(gen: AsyncIterator[RequestOutput], first: RequestOutput, on_ou
     return out
 
 
-def sse(obj: Any) -> str:
-    """One server-sent event carrying JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+_encode_json = msgspec.json.Encoder().encode
 
 
-SSE_DONE = "data: [DONE]\n\n"
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying JSON (msgspec: a stream's chunks are the event loop's main work)."""
+    return b"data: " + _encode_json(obj) + b"\n\n"
 
 
-async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Pass SSE events through; a crash mid-stream becomes an error event and [DONE] (and is logged)."""
     try:
         async for event in events:
@@ -482,7 +486,7 @@ class TextDelta:
 class SSEResponse(StreamingResponse):
     """A streaming response that always watches for disconnects and always closes its iterator."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
         super().__init__(guarded(content), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
