@@ -188,8 +188,8 @@ def cmd_serve(args) -> int:
     api_key = api_key_of(args)
     options = server_options(args)
 
-    from tandem.server.memory import return_large_frees_to_the_os
-    return_large_frees_to_the_os()
+    from tandem.server.process import freeze_startup_objects, tune_for_serving
+    tune_for_serving()
     stopped_by: list[int] = []
 
     async def run() -> None:
@@ -198,6 +198,7 @@ def cmd_serve(args) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):          # stop cleanly: HTTP server, then the workers
             loop.add_signal_handler(sig, lambda s=sig: (stopped_by.append(s), stop.set()))
         async with serving(cfg, args.host, args.port, api_key, options):
+            freeze_startup_objects()
             print(f"tandem: serving {Path(cfg.model).name} on http://{args.host}:{args.port}/v1 "
                   f"({cfg.policy}; {cfg.prefill_workers}P+{cfg.decode_workers}D" +
                   (f", {cfg.colocated} co-located" if cfg.colocated else "") + ")", flush=True)

@@ -68,8 +68,9 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def check_size(state: sv.ServerState, req: ChatCompletionRequest) -> None:
-    """400 before any templating when there are too many messages or too many characters of content."""
+def check_size(state: sv.ServerState, req: ChatCompletionRequest) -> int:
+    """400 before any templating when there are too many messages or too many characters of content; else the
+    characters to render."""
     max_len = state.client.max_model_len
     cap = state.limits.messages(max_len)
     if len(req.messages) > cap:
@@ -88,6 +89,7 @@ def check_size(state: sv.ServerState, req: ChatCompletionRequest) -> None:
     if req.tools:                                     # the template renders them as JSON
         chars += len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools]))
     sv.check_prompt_chars(state, chars, "messages")
+    return chars
 
 
 def render_prompt(state: sv.ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True,
@@ -154,22 +156,23 @@ def _reply(policy: ToolPolicy, text: str, reason: str | None) -> tuple[str | Non
 async def create_chat_completion(state: sv.ServerState, request: Request, received: float) -> Any:
     """Handle one chat completion request."""
     req = await sv.parse_body(request, ChatCompletionRequest, state)
-    sv.check_model(state, req)
-    _check(req)
-    policy = resolve(req)
-    sid = sv.session_of(request, req)
-    choices.check_n(req.n, sid)
-    check_size(state, req)
-    text, ids = await state.offload(render_prompt, state, req)
-    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = sv.room_for(len(ids), limit, state.client.max_model_len, field, "messages")
-    top = req.top_logprobs or 0
-    params = sv.sampling_params(req, max_tokens, top if req.logprobs else None,
-                                {"logprobs": "top_logprobs", "max_tokens": field}, _vocab(state))
-    forced = forced_output(policy, req.tools or [])
-    if forced is not None:
-        params = dataclasses.replace(params, structured_output=forced)
+    async with state.admission:
+        sv.check_model(state, req)
+        _check(req)
+        policy = resolve(req)
+        sid = sv.session_of(request, req)
+        choices.check_n(req.n, sid)
+        chars = check_size(state, req)
+        text, ids = await state.prepare(chars, render_prompt, state, req)
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = sv.room_for(len(ids), limit, state.client.max_model_len, field, "messages")
+        top = req.top_logprobs or 0
+        params = sv.sampling_params(req, max_tokens, top if req.logprobs else None,
+                                    {"logprobs": "top_logprobs", "max_tokens": field}, _vocab(state))
+        forced = forced_output(policy, req.tools or [])
+        if forced is not None:
+            params = dataclasses.replace(params, structured_output=forced)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received)
     if req.stream:

@@ -47,15 +47,18 @@ def prompt_of(state: sv.ServerState, req: CompletionRequest) -> tuple[str | None
     return text, ids
 
 
-def check_size(state: sv.ServerState, req: CompletionRequest) -> None:
-    """400 before tokenizing: a text over the character cap; token ids that fill the context (a length check)."""
+def check_size(state: sv.ServerState, req: CompletionRequest) -> int:
+    """400 before tokenizing: a text over the character cap; token ids that fill the context (a length check).
+    Returns the characters to tokenize (0 for token ids)."""
     p: Any = req.prompt
     if isinstance(p, list) and len(p) == 1 and not isinstance(p[0], int):
         p = p[0]
     if isinstance(p, str):
         sv.check_prompt_chars(state, len(p), "prompt")
-    elif isinstance(p, list):
+        return len(p)
+    if isinstance(p, list):
         sv.room_for(len(p), None, state.client.max_model_len)
+    return 0
 
 
 @dataclass(frozen=True)
@@ -117,16 +120,17 @@ def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float] | N
 async def create_completion(state: sv.ServerState, request: Request, received: float) -> Any:
     """Handle one completion request."""
     req = await sv.parse_body(request, CompletionRequest, state)
-    sv.check_model(state, req)
-    _check(req)
-    sid = sv.session_of(request, req)
-    choices.check_n(req.n, sid)
-    check_size(state, req)
-    text, ids = await state.offload(prompt_of, state, req)
-    max_tokens = sv.room_for(len(ids), req.max_tokens, state.client.max_model_len)
-    params = sv.sampling_params(req, max_tokens, req.logprobs, vocab_size=_vocab(state))
-    if req.echo and req.logprobs is not None:                # the prompt's logprobs too (vLLM: k of them each)
-        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+    async with state.admission:
+        sv.check_model(state, req)
+        _check(req)
+        sid = sv.session_of(request, req)
+        choices.check_n(req.n, sid)
+        chars = check_size(state, req)
+        text, ids = await state.prepare(chars, prompt_of, state, req)
+        max_tokens = sv.room_for(len(ids), req.max_tokens, state.client.max_model_len)
+        params = sv.sampling_params(req, max_tokens, req.logprobs, vocab_size=_vocab(state))
+        if req.echo and req.logprobs is not None:                # the prompt's logprobs too (vLLM: k of them each)
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received)
     tok = state.client.tokenizer

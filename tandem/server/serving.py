@@ -42,6 +42,9 @@ MAX_SESSION_ID_CHARS = 256
 _MIN_LOGPROB = -9999.0          # -inf is not JSON; vLLM clamps the same way
 INLINE_PARSE_BYTES = 64 << 10   # bodies up to this are parsed on the event loop (a few ms at most)
 INLINE_ENCODE_CHARS = 4096      # texts up to this are tokenized on the event loop
+INLINE_PREP_CHARS = 4096        # requests with up to this many characters are templated/tokenized on the loop
+ADMISSION_SLOTS = 8             # requests preparing (checks, template, tokens) at once: a burst of arrivals is
+                                # prepared a few per loop iteration, so /health and streams are not queued behind it
 CHARS_PER_TOKEN = 64            # default text cap: max_model_len x this many characters (no token is longer)
 _NOT_INT_CHAR = re.compile(r"[^0-9, \t\n\r-]")
 _REQUEST_ID = re.compile(r"\b(?:chatcmpl|cmpl)-[0-9a-f]{32}\b")
@@ -77,6 +80,8 @@ class ServerState:
     limits: Limits = field(default_factory=Limits)
     pool: ThreadPoolExecutor | None = None
 
+    admission: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ADMISSION_SLOTS))
+
     def __post_init__(self) -> None:
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max(1, self.limits.prep_threads), thread_name_prefix="tandem-prep")
@@ -84,6 +89,13 @@ class ServerState:
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) on the preparation threads so the event loop keeps answering (health, streams)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    async def prepare(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) for an input of `chars` characters: on the loop when small (handing a sub-millisecond job to a
+        thread costs the loop more, in GIL hand-offs, than doing it), on the preparation threads when large."""
+        if chars <= INLINE_PREP_CHARS:
+            return fn(*args)
+        return await self.offload(fn, *args)
 
     @property
     def max_array(self) -> int:

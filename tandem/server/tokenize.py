@@ -38,10 +38,11 @@ async def create_tokenize(state: sv.ServerState, request: Request) -> Any:
     if req.messages is not None:
         if not req.messages:
             raise APIError("messages is empty", 400, "invalid_value", "messages")
-        check_size(state, _chat_of(req))
+        chars = check_size(state, _chat_of(req))
     else:
-        sv.check_prompt_chars(state, len(req.prompt or ""), "prompt")
-    ids = await state.offload(_tokenize, state, req)
+        chars = len(req.prompt or "")
+        sv.check_prompt_chars(state, chars, "prompt")
+    ids = await state.prepare(chars, _tokenize, state, req)
     tok = state.client.tokenizer
     strs = [tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
     body = TokenizeResponse(count=len(ids), max_model_len=state.client.max_model_len, tokens=ids, token_strs=strs)
@@ -57,5 +58,5 @@ async def create_detokenize(state: sv.ServerState, request: Request) -> Any:
     if bad is not None:
         raise APIError(f"tokens: token id {sv.shorten(bad)} is outside the vocabulary [0, {vocab})", 400,
                        "invalid_value", "tokens")
-    text = await state.offload(state.client.tokenizer.decode, req.tokens)
+    text = await state.prepare(len(req.tokens), state.client.tokenizer.decode, req.tokens)
     return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
