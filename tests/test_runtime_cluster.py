@@ -74,7 +74,7 @@ def test_multi_round_session_matches_the_offline_engine(tiny, policy, p, d, colo
 
 def test_a_killed_decode_worker_is_noticed_and_its_request_fails_with_a_reason(tiny):
     async def main():
-        c = await ServingCluster.start(ClusterConfig(tiny, 1, 1, 0, "dynamo", engine_args=ENGINE))
+        c = await ServingCluster.start(ClusterConfig(tiny, 1, 1, 0, "dynamo", engine_args=ENGINE, max_restarts=0))
         try:
             params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
             gen = c.generate(list(range(10, 60)), params, "long", session_id="s")

@@ -34,6 +34,9 @@ from live_server import LiveServer, one_thread_llm  # noqa: E402
 MODEL = "tiny-faults"
 MAX_LEN = 2048
 ENGINE = dict(max_model_len=MAX_LEN, num_kv_blocks=512)
+# these tests check what the loss of a worker does (the supervisor's replacements: tests/test_runtime_supervisor.py);
+# a silent worker is declared dead after 1.5 s
+NO_RESTART = dict(max_restarts=0, worker_timeout_s=1.5)
 PREFILL, DECODE = 0, 1                     # worker ids of a 1P+1D cluster
 
 
@@ -53,7 +56,7 @@ def offline(ckpt):
 @pytest.fixture(scope="module")
 def server(ckpt):
     """ampd without an SLO target: every prefill goes to the prefill worker while one is alive."""
-    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE))
+    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE, **NO_RESTART))
     yield srv
     srv.stop()
 
@@ -237,7 +240,7 @@ def test_hung_prefill_worker_is_declared_dead_by_heartbeat_fenced_and_its_rounds
     """Protects liveness for a worker that hangs instead of exiting (SIGSTOP: a blocked loop, a partition): the
     coordinator declares it dead from its missing heartbeats within 2 s, fences it (SIGKILL, so it cannot come back
     holding KV), and the rounds waiting on it complete locally with the offline output; /health stays 200."""
-    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE))
+    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE, **NO_RESTART))
     try:
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
@@ -278,7 +281,7 @@ def test_killed_decode_worker_fails_its_requests_clearly_and_health_turns_503(ck
     non-streaming one a 5xx JSON body, and a session's next round still waiting for the worker's RoundBegun answer
     a 503, all within 2 s and naming the lost worker; /health becomes 503 and a new request is refused with a 503
     JSON body."""
-    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE))
+    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE, **NO_RESTART))
     try:
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:

@@ -39,6 +39,10 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default: 1)")
     p.add_argument("--kv-timeout", type=float, default=10.0, metavar="S",
                    help="a KV transfer slower than this falls back to local recompute (default: 10)")
+    p.add_argument("--worker-timeout", type=float, default=10.0, metavar="S",
+                   help="a worker silent S seconds (no heartbeat) is declared dead, fenced and replaced (default: 10)")
+    p.add_argument("--max-worker-restarts", type=int, default=3, metavar="N",
+                   help="replace a dead worker at most N times per 5 minutes (0: never; default: 3)")
     p.add_argument("--session-ttl", type=float, default=600.0, metavar="S",
                    help="a session idle this long (no round) is ended and its KV freed (default: 600)")
     p.add_argument("--slo-ttft", type=float, default=None, metavar="S",
@@ -95,7 +99,7 @@ def _cluster_config(args):
     p, d = args.prefill_workers, args.decode_workers
     if args.colocated:
         p = d = 0
-    for name in ("kv_timeout", "slo_ttft", "slo_itl", "session_ttl"):
+    for name in ("kv_timeout", "slo_ttft", "slo_itl", "session_ttl", "worker_timeout"):
         v = getattr(args, name)
         if v is not None and not v > 0:
             raise CLIError(f"--{name.replace('_', '-')} must be > 0, got {v}")
@@ -103,7 +107,15 @@ def _cluster_config(args):
         raise CLIError(f"--perf {args.perf}: no such file")
     return ClusterConfig(args.model, p, d, args.colocated, args.policy, args.state, args.served_model_name, eng,
                          args.perf, args.threads, args.kv_timeout, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
-                         session_ttl_s=args.session_ttl)
+                         session_ttl_s=args.session_ttl, worker_timeout_s=args.worker_timeout,
+                         max_restarts=_restarts(args.max_worker_restarts))
+
+
+def _restarts(n: int) -> int:
+    """--max-worker-restarts, checked (≥ 0)."""
+    if n < 0:
+        raise CLIError(f"--max-worker-restarts must be >= 0, got {n}")
+    return n
 
 
 def api_key_of(args, environ=None) -> str | None:

@@ -207,6 +207,16 @@ class Coordinator:
                 out.append(Submit(target, t))
         return out
 
+    def on_worker_joined(self, worker: int, now: float) -> list:
+        """`worker` (re)started empty (a lost worker's replacement under the same id): it may host sessions again
+        if it can, with nothing committed and no cached prefix. The view must list it again."""
+        if worker in self.view.home_workers():
+            self.capacity[worker] = self.view.capacity(worker)
+            self.committed[worker] = 0
+        if self.prefixes is not None:
+            self.prefixes.forget(worker)
+        return []
+
     def on_transfer_failed(self, tr: Transfer, now: float, reason: str = "") -> list:
         """A KV transfer reported failure: the round's prefill is redone on its decode worker."""
         if self.transfers.pop(tr.id, None) is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,10 +26,14 @@ from tandem.runtime.costs import serving_cost_model
 from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError
 from tandem.runtime.state_store import open_store
 from tandem.runtime.store_view import StoreView
-from tandem.runtime.transport import Hub, WorkerDead, WorkerUnreachable
+from tandem.runtime.transport import HEARTBEAT_S, Hub, WorkerDead, WorkerUnreachable
 from tandem.runtime.worker_main import CODEC
 
 log = logging.getLogger("tandem.cluster")
+DEFAULT_WORKER_TIMEOUT_S = 10.0
+DEFAULT_MAX_RESTARTS = 3
+RESTART_WINDOW_S = 300.0
+RESTART_BACKOFF_S = (0.5, 2.0, 5.0)    # wait before the 1st, 2nd, 3rd+ restart within the window
 
 
 @dataclass
@@ -56,6 +61,10 @@ class ClusterConfig:
     worker_kwargs: dict[int, dict] = field(default_factory=dict)
     # a request whose client reads none of this many queued outputs is aborted (coordinator_shell MAX_UNREAD)
     max_unread_outputs: int = 4096
+    # a ready worker silent this long (no heartbeat: stopped, hung, or its host gone) is declared dead and fenced
+    worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S
+    # a dead worker is replaced (same id and role) at most this many times per RESTART_WINDOW_S; 0: never
+    max_restarts: int = DEFAULT_MAX_RESTARTS
 
 
 async def _refused(err: RequestError):
@@ -79,6 +88,10 @@ class ServingCluster:
         self._tasks: list[asyncio.Task] = []
         self._sending: set[asyncio.Task] = set()   # send tasks in flight (held: the loop keeps weak references)
         self._lost: set[int] = set()
+        self._specs_by_id: dict[int, WorkerSpec] = {}
+        self._restarts: dict[int, list[float]] = {}       # worker id -> monotonic times of its recent restarts
+        self._restarting: set[asyncio.Task] = set()
+        self._closing = False
 
     @classmethod
     async def start(cls, cfg: ClusterConfig) -> "ServingCluster":
@@ -107,10 +120,14 @@ class ServingCluster:
 
     async def _start(self) -> None:
         cfg = self.cfg
+        if not cfg.worker_timeout_s > 0:
+            raise ValueError(f"worker timeout must be > 0 s, got {cfg.worker_timeout_s}")
         specs = self._specs()
+        self._specs_by_id = {s.worker_id: s for s in specs}
         store = open_store(cfg.state)
-        self.hub = await Hub(CODEC).start()
-        self.procs = Cluster(self.hub, startup_timeout_s=cfg.startup_timeout_s)
+        self.hub = await Hub(CODEC, dead_after_s=cfg.worker_timeout_s).start()
+        self.procs = Cluster(self.hub, startup_timeout_s=cfg.startup_timeout_s,
+                             heartbeat_s=min(HEARTBEAT_S, cfg.worker_timeout_s / 4))
         try:
             infos = {wid: wp.info for wid, wp in (await self.procs.start(specs)).items()}
         except BaseException:
@@ -164,6 +181,15 @@ class ServingCluster:
                 continue
             if isinstance(msg, m.Stats):
                 store.publish(msg.state)
+
+    async def _await_fresh_state(self, wid: int, after_s: float) -> None:
+        """Wait (serving: the pump relays states into the store) for a state of `wid` published after `after_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.startup_timeout_s
+        while not any(st.worker_id == wid and st.published_s >= after_s for st in self.shell.store.all()):
+            if loop.time() > deadline:
+                raise WorkerStartupError(f"worker {wid} published no state within {self.cfg.startup_timeout_s:g} s")
+            await asyncio.sleep(0.05)
 
     def _slo(self):
         import math
@@ -242,6 +268,52 @@ class ServingCluster:
             self.shell.store.remove(wid)
         except Exception as e:                                   # noqa: BLE001 - its key expires by itself
             log.warning("removing worker %d from the state store failed: %s", wid, e)
+        self._supervise(wid)
+
+    # ------------------------------------------------------------------ supervisor
+    def _supervise(self, wid: int) -> None:
+        """Replace a dead worker (same id and role, fresh keys), unless it died too often lately."""
+        if self._closing or self.cfg.max_restarts <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        recent = [t for t in self._restarts.get(wid, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= self.cfg.max_restarts:
+            log.error("worker %d (%s) died %d times in %g s: not restarting it again", wid, self.roles.get(wid),
+                      len(recent), RESTART_WINDOW_S)
+            return
+        self._restarts[wid] = recent + [now]
+        delay = RESTART_BACKOFF_S[min(len(recent), len(RESTART_BACKOFF_S) - 1)]
+        t = asyncio.get_running_loop().create_task(self._restart(wid, delay), name=f"restart-worker-{wid}")
+        self._restarting.add(t)
+        t.add_done_callback(self._restarted)
+
+    def _restarted(self, t: asyncio.Task) -> None:
+        self._restarting.discard(t)
+        if not t.cancelled() and t.exception() is not None:     # _restart reports its own failures: a bug
+            log.error("restarting a worker failed", exc_info=t.exception())
+
+    async def _restart(self, wid: int, delay_s: float) -> None:
+        """Reap the dead process, start its replacement, wait for its first state, then make it routable."""
+        await asyncio.sleep(delay_s)
+        old = self.procs.workers.get(wid)
+        if old is not None:
+            old.kill()
+            await old.wait(5.0)                                  # reaped: no zombie left behind
+        log.warning("restarting worker %d (%s)", wid, self.roles.get(wid))
+        try:
+            wp = await self.procs.add(self._specs_by_id[wid])
+            await self._await_fresh_state(wid, time.time() - 1.0)
+        except Exception as e:                                   # noqa: BLE001 - the next death may try again
+            log.error("worker %d could not be restarted: %s", wid, e)
+            if wid in self._lost:
+                self._supervise(wid)
+            return
+        if self._closing:
+            return
+        self._lost.discard(wid)
+        self.shell.coord.view.revive(wid)
+        self.shell.on_worker_joined(wid, wp.info["kv_address"])
+        log.warning("worker %d (%s) is back (pid %s)", wid, self.roles.get(wid), wp.pid)
 
     # ------------------------------------------------------------------ EngineClient
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
@@ -273,7 +345,8 @@ class ServingCluster:
         return any(r != PREFILL and w not in self._lost for w, r in self.roles.items())
 
     async def shutdown(self) -> None:
-        for t in self._tasks:
+        self._closing = True
+        for t in [*self._tasks, *self._restarting]:
             t.cancel()
         if self.procs is not None:
             await self.procs.stop()

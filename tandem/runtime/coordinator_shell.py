@@ -396,6 +396,11 @@ class CoordinatorShell:
         self._apply(self.coord.end_session(req.session_id, self.clock(), reason))
 
     # ------------------------------------------------------------------ time and faults
+    def on_worker_joined(self, worker: int, kv_address: str) -> None:
+        """A replacement for a lost worker is up: its new KV inbox, and the core may route to it again."""
+        self.kv_addr[worker] = kv_address
+        self._apply(self.coord.on_worker_joined(worker, self.clock()))
+
     def on_send_failed(self, worker: int, msg, reason: str) -> None:
         """A message to `worker` could not be sent (encoding, a dead link, ...): the request it belongs to fails
         now, with the reason, instead of waiting for an answer that cannot come."""

@@ -233,8 +233,9 @@ class Cluster:
     """Workers around one Hub: start them and wait until all are ready, fence the dead, stop them all."""
 
     def __init__(self, hub: Hub, *, startup_timeout_s: float = STARTUP_TIMEOUT_S, stop_grace_s: float = 5.0,
-                 fence: bool = True) -> None:
+                 fence: bool = True, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.hub, self.startup_timeout_s, self.stop_grace_s = hub, startup_timeout_s, stop_grace_s
+        self.heartbeat_s = heartbeat_s
         self.workers: dict[int, WorkerProcess] = {}
         self.deaths: list[WorkerDead] = []
         self._fence = fence
@@ -276,7 +277,7 @@ class Cluster:
     def _spawn(self, spec: WorkerSpec) -> WorkerProcess:
         auth = self.hub.credentials(spec.worker_id)            # fresh keys per spawn (a restart revokes the old)
         wp = spawn_worker(spec.target, spec.kwargs, spec.worker_id, self.hub.address,
-                          heartbeat_s=HEARTBEAT_S, env=spec.env, auth=auth)
+                          heartbeat_s=self.heartbeat_s, env=spec.env, auth=auth)
         self.workers[spec.worker_id] = wp
         self.hub.watch(spec.worker_id, wp)
         return wp

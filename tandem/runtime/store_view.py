@@ -84,6 +84,11 @@ class StoreView:
         self._prefill = [w for w in self._prefill if w != worker]
         self._homes = [w for w in self._homes if w != worker]
 
+    def revive(self, worker: int) -> None:
+        """`worker` was restarted (a fresh process under the same id): routable again once its state is read."""
+        self.lost.discard(worker)
+        self._loaded_s = float("-inf")             # the next read reloads the store
+
     def states(self) -> list[WorkerState]:
         """Every worker's last state (fresh, or the last snapshot while the store is unreachable)."""
         self._fresh()
