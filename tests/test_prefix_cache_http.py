@@ -51,7 +51,36 @@ async def _scenario(client) -> dict:
         assert r.status_code == 200, r.text
         out["choices"] = [c["index"] for c in r.json()["choices"]]
         out["choice_hits"] = _hits((await http.get("/metrics")).text) - out["hits"]
+        # vllm:iteration_tokens_total: one 40-token prefill step and 4 one-token decode steps, wherever they ran
+        before, _ = await _settled_steps(http)     # worker processes report step counts with their state: wait
+        r = await http.post("/v1/completions", json={"model": client.model_name, "prompt": list(range(400, 440)),
+                                                     "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        after, text = await _settled_steps(http)
+        out["steps"] = (after[0] - before[0], after[1] - before[1])
+        out["cache_config"] = next(line.split("{")[0] for line in text.splitlines()
+                                   if line.startswith("vllm:cache_config_info{"))
     return out
+
+
+async def _settled_steps(http: httpx.AsyncClient) -> tuple[tuple[float, float], str]:
+    """vllm:iteration_tokens_total's (count, sum) once two reads 0.3 s apart agree, and the last /metrics text."""
+    last = None
+    for _ in range(40):
+        text = (await http.get("/metrics")).text
+        now = _steps(text)
+        if now == last:
+            return now, text
+        last = now
+        await asyncio.sleep(0.3)
+    raise AssertionError("vllm:iteration_tokens_total kept changing")
+
+
+def _steps(metrics: str) -> tuple[float, float]:
+    """(count, sum) of vllm:iteration_tokens_total."""
+    def value(name: str) -> float:
+        return next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{"))
+    return value("vllm:iteration_tokens_total_count"), value("vllm:iteration_tokens_total_sum")
 
 
 def _hits(metrics: str) -> float:
@@ -60,7 +89,8 @@ def _hits(metrics: str) -> float:
 
 
 CHOICES_PROMPT = list(range(300, 350))         # 50 tokens: 3 whole blocks, shared by the n = 3 choices
-EXPECTED = {"anon": [0, 64, 64], "session": [0, (K // BS) * BS], "choices": [0, 1, 2], "choice_hits": 2 * 48}
+EXPECTED = {"anon": [0, 64, 64], "session": [0, (K // BS) * BS], "choices": [0, 1, 2], "choice_hits": 2 * 48,
+            "steps": (5, 44), "cache_config": "vllm:cache_config_info"}
 
 
 def test_prefix_caching_through_http_in_process(ckpt):

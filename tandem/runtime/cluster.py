@@ -92,6 +92,7 @@ class ServingCluster:
         self._restarts: dict[int, list[float]] = {}       # worker id -> monotonic times of its recent restarts
         self._restarting: set[asyncio.Task] = set()
         self._closing = False
+        self._cache_config: dict[str, str] = {}
 
     @classmethod
     async def start(cls, cfg: ClusterConfig) -> "ServingCluster":
@@ -148,6 +149,8 @@ class ServingCluster:
         coord = build_coordinator(view, get_policy(cfg.policy), sched, random.Random(cfg.seed),
                                   max_context=self.max_model_len)
         kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
+        self._cache_config = next((dict(info.get("cache_config") or {}) for wid, info in sorted(infos.items())
+                                   if self.roles.get(wid) != PREFILL), {})
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
                                       block_size=int(first["block_size"]), slo=self._slo(),
                                       vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs)
@@ -332,6 +335,8 @@ class ServingCluster:
         s = self.shell.stats
         out = BackendStats(**{k: getattr(s, k) for k in BackendStats.__dataclass_fields__})
         s.kv_transfer_seconds = []
+        out.iteration_tokens = dict(s.iteration_tokens)
+        out.cache_config = self._cache_config
         states = [st for st in self.shell.coord.view.states() if st.worker_id not in self._lost]
         homes = [st for st in states if st.role != PREFILL]
         out.num_requests_running = sum(st.num_running for st in homes)

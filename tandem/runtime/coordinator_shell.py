@@ -27,6 +27,7 @@ log = logging.getLogger("tandem.coordinator")
 
 MAX_UNREAD = 4096          # outputs a request may have queued unread before it is cancelled (a stalled client)
 MAX_KV_SAMPLES = 10_000    # kv_transfer_seconds kept between two /metrics scrapes (the oldest go first)
+MAX_STEP_TOKENS = 1 << 20  # a StepCounts key beyond this (tokens in one engine step) is not a real step: dropped
 
 
 @dataclass
@@ -272,6 +273,11 @@ class CoordinatorShell:
         elif isinstance(msg, m.Events):
             for ev in msg.events:
                 self._event(worker, ev, now)
+        elif isinstance(msg, m.StepCounts):
+            counts = self.stats.iteration_tokens
+            for k, n in msg.iteration_tokens.items():
+                if isinstance(k, int) and isinstance(n, int) and 0 <= k <= MAX_STEP_TOKENS and n > 0:
+                    counts[k] = counts.get(k, 0) + n
         elif isinstance(msg, m.KVReceived):
             req = self.reqs.get(msg.request_id)
             if req is None or msg.purpose not in req.transfers:

@@ -191,7 +191,14 @@ class WorkerFailure(msgspec.Struct, tag=True):
 
 CONTROL = [BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered, RunLocal, Release,
            Abort]
-UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure]
+class StepCounts(msgspec.Struct, tag=True):
+    """Worker -> coordinator, with its state: engine steps by tokens per step since the last StepCounts (the
+    vllm:iteration_tokens_total histogram of the multi-process backend)."""
+
+    iteration_tokens: dict[int, int]
+
+
+UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure, StepCounts]
 KV = [KVData]
 
 

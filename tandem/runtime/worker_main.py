@@ -21,6 +21,14 @@ CODEC = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV], frames={m.KVData: 1})   # a KV h
 log = logging.getLogger("tandem.worker")
 
 
+def _cache_config(engine) -> dict[str, str]:
+    """The labels of vllm:cache_config_info for this worker's KV cache."""
+    cfg = engine.config
+    return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(engine.runner.num_blocks),
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
+            "cache_dtype": str(engine.runner.kv_caches[0].dtype).removeprefix("torch.")}
+
+
 def _kv_bytes_per_token(engine) -> int:
     mc = engine.model_config
     return int(engine.runner.kv_caches[0].element_size() * 2 * mc.num_hidden_layers * mc.num_key_value_heads
@@ -86,6 +94,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 await link.send(msg, *bufs)
 
         last_pub = 0.0
+        counted: dict[int, int] = {}                 # iteration tokens already reported
 
         async def publish(force: bool = False) -> None:
             nonlocal last_pub
@@ -98,6 +107,10 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 store.publish(st)
             else:
                 await link.send(m.Stats(st))
+            new = {k: n - counted.get(k, 0) for k, n in engine.stats.iteration_tokens.items() if n != counted.get(k, 0)}
+            if new:
+                counted.update(engine.stats.iteration_tokens)
+                await link.send(m.StepCounts(new))
 
         def handle(kind: str, msg, bufs) -> None:
             if kind == "kv":
@@ -116,7 +129,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         await link.ready({"kv_address": inbox.address, "pid": os.getpid(), "role": role,
                           "capacity_tokens": engine.core.capacity_tokens, "max_model_len": engine.max_model_len,
                           "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
-                          "kv_bytes_per_token": _kv_bytes_per_token(engine)})
+                          "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": _cache_config(engine)})
         try:
             while not link.stopping:
                 while not q.empty():
