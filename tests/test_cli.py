@@ -98,8 +98,9 @@ def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=REPO, env=env)
 
 
-SUBPROCESS_CASES = ["unknown model", "unknown gpu", "deploy needs more GPUs", "malformed deploy",
-                    "model does not fit", "missing file", "malformed JSONL line"]
+# every case runs in-process above; a real process checks the exit path (one line on stderr, exit 2) for a
+# flag error and a file error (each subprocess costs ~3 s of interpreter start on 2 cores)
+SUBPROCESS_CASES = ["unknown model", "malformed JSONL line"]
 
 
 @pytest.mark.parametrize("name", SUBPROCESS_CASES)
