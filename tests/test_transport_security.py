@@ -148,6 +148,31 @@ def test_kv_inbox_refuses_senders_without_the_cluster_keys():
     run(main())
 
 
+def test_a_curve_kv_inbox_delivers_large_payloads_from_another_context():
+    """Protects the workers' authenticated KV plane: with CURVE, libzmq may report a PULL socket readable
+    before a large message can be read (recv says EAGAIN); the reader must wait for it, not die. This is
+    what kept CURVE off the workers' KV inboxes: every KV transfer between processes timed out."""
+    async def main():
+        async with Hub(CODEC) as hub:
+            auth = hub.credentials(1)
+            inbox = PeerInbox(CODEC, auth=auth)
+            other = zmq.asyncio.Context()                         # as a peer process would: its own context
+            out = PeerOutbox(CODEC, auth=auth, ctx=other)
+            payloads = [bytes([i]) * (316 << 10) for i in range(3)]
+            try:
+                for i, p in enumerate(payloads):
+                    await out.send(inbox.address, KvChunk(0, i), p)
+                got = [await asyncio.wait_for(inbox.recv(), 3.0) for _ in payloads]
+                assert [(msg, bytes(bufs[0])) for msg, bufs in got] == [
+                    (KvChunk(0, i), p) for i, p in enumerate(payloads)]
+                assert inbox.rejected_frames == 0
+            finally:
+                out.close(0.0)
+                inbox.close()
+                other.term()
+    run(main())
+
+
 # -- 2.3: malformed frames never kill a reader --------------------------------------------------------
 JUNK = os.urandom(3 << 20)
 
@@ -255,18 +280,31 @@ def test_serving_cluster_survives_hostile_peers_and_garbage(tiny):
                                          num_waiting=10**6, published_s=time.time()))
             for s in socks:
                 await s.send_multipart([WCODEC.encode(forged)])
-            # 2.3: garbage to the decode worker's KV inbox
+            # 2.2 on the KV plane: a stranger's PUSH (no keys, or keys the cluster never issued) is refused at
+            # the CURVE handshake, so nothing it sends reaches the decode worker
+            head = WCODEC.encode(m.KVData("nope", "history", 0, 4, "float32", [4], time.time()))
+            kv_server, kv_client = hub._kv
+            for keys in (None, Keys.new()):
+                push = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 0)
+                if keys is not None:
+                    push.curve_serverkey, push.curve_publickey, push.curve_secretkey = (
+                        kv_server.public, keys.public, keys.secret)
+                push.connect(kv_addr)
+                socks.append(push)
+                await push.send_multipart([head, b"\0" * 16])
+            # 2.3: garbage from a holder of the cluster's KV keys (an insider, or a buggy peer) reaches the
+            # worker's reader, which must drop and count it and keep going
             push = zmq.asyncio.Context.instance().socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
+            push.curve_serverkey, push.curve_publickey, push.curve_secretkey = (
+                kv_server.public, kv_client.public, kv_client.secret)
             push.connect(kv_addr)
             socks.append(push)
-            head = WCODEC.encode(m.KVData("nope", "history", 0, 4, "float32", [4], time.time()))
             garbage = [[b"\xc1"], [b""], [head], [JUNK], [WCODEC.encode(m.RoundBegun("x", "s", 1))],
                        [head, b"\0" * 16, b"extra"]]
             for g in garbage:
                 await push.send_multipart(g)
-            # (the workers' KV plane is not CURVE-authenticated yet, launcher.KV_AUTH: these reach the worker's
-            # own reader, which must drop them and keep going)
             # and garbage to each worker's link, from the hub's own socket
             for wid in (0, 1):
                 for g in ([b"\xc1"], [b""], [JUNK]):
@@ -292,3 +330,7 @@ def test_serving_cluster_survives_hostile_peers_and_garbage(tiny):
     assert alive == (True, True, 2)
     assert stats.remote_prefills == 4 and stats.kv_transfer_timeouts == 0
     assert refused >= 3 and dropped == 0
+    # the decode worker reported what its KV inbox dropped (6 garbage messages) and refused (2 strangers), and
+    # each worker's link the 3 garbage messages the hub's socket sent it: 6 + 2 x 3 frames, hub's 0 included
+    assert stats.rejected_frames == 12
+    assert stats.rejected_handshakes >= refused + 2

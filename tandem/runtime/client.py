@@ -41,6 +41,8 @@ class BackendStats:
     workers_total: int = 0
     iteration_tokens: dict[int, int] = field(default_factory=dict)   # tokens per engine step -> steps (cumulative)
     cache_config: dict[str, str] = field(default_factory=dict)       # vllm:cache_config_info labels
+    rejected_frames: int = 0                       # tandem: messages dropped as malformed (hub and workers)
+    rejected_handshakes: int = 0                   # tandem: connections refused at the CURVE handshake (likewise)
 
 
 class EngineClient(Protocol):

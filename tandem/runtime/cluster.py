@@ -337,6 +337,9 @@ class ServingCluster:
         s.kv_transfer_seconds = []
         out.iteration_tokens = dict(s.iteration_tokens)
         out.cache_config = self._cache_config
+        if self.hub is not None:                         # the workers' counts arrive in their StepCounts
+            out.rejected_frames += self.hub.rejected_frames
+            out.rejected_handshakes += self.hub.rejected_handshakes
         states = [st for st in self.shell.coord.view.states() if st.worker_id not in self._lost]
         homes = [st for st in states if st.role != PREFILL]
         out.num_requests_running = sum(st.num_running for st in homes)

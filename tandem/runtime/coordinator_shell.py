@@ -278,6 +278,8 @@ class CoordinatorShell:
             for k, n in msg.iteration_tokens.items():
                 if isinstance(k, int) and isinstance(n, int) and 0 <= k <= MAX_STEP_TOKENS and n > 0:
                     counts[k] = counts.get(k, 0) + n
+            self.stats.rejected_frames += min(max(msg.rejected_frames, 0), MAX_STEP_TOKENS)
+            self.stats.rejected_handshakes += min(max(msg.rejected_handshakes, 0), MAX_STEP_TOKENS)
         elif isinstance(msg, m.KVReceived):
             req = self.reqs.get(msg.request_id)
             if req is None or msg.purpose not in req.transfers:

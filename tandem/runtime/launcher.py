@@ -30,7 +30,6 @@ from tandem.runtime.transport import HEARTBEAT_S, Codec, Hub, Link, PeerInbox, P
 ORPHAN_EXIT = 75           # exit code of a child that noticed its parent died
 PARENT_POLL_S = 0.2        # how often a child checks that its parent is alive
 STARTUP_TIMEOUT_S = 60.0   # default time a worker has to send Ready
-KV_AUTH = False            # CURVE on the workers' KV inboxes/outboxes: off, see WorkerEnv.inbox
 
 _SPAWN = multiprocessing.get_context("spawn")
 _LIVE: set[WorkerProcess] = set()
@@ -58,16 +57,13 @@ class WorkerEnv:
         return Link(codec, self.hub_address, self.worker_id, self.heartbeat_s, auth=self.auth)
 
     def inbox(self, codec: Codec, accept: tuple[type, ...] = ()) -> PeerInbox:
-        """This worker's KV inbox; with `accept`, messages of other types are dropped (and counted).
-
-        KNOWN GAP: not CURVE-authenticated yet. `PeerInbox(auth=...)` works in one process (tests), but between
-        worker processes the first KV message over a CURVE+ZAP connection was intermittently never delivered
-        (ZAP said 200, the PULL never saw it), so KV_AUTH stays off until that is understood."""
-        return PeerInbox(codec, auth=self.auth if KV_AUTH else None, accept=accept)
+        """This worker's KV inbox (CURVE: only holders of the cluster's KV client key get in); with `accept`,
+        messages of other types are dropped (and counted)."""
+        return PeerInbox(codec, auth=self.auth, accept=accept)
 
     def outbox(self, codec: Codec) -> PeerOutbox:
-        """An outbox to the cluster's KV inboxes (with the cluster's KV keys once KV_AUTH is on)."""
-        return PeerOutbox(codec, auth=self.auth if KV_AUTH else None)
+        """An outbox to the cluster's KV inboxes, with the cluster's KV client keys."""
+        return PeerOutbox(codec, auth=self.auth)
 
 
 @dataclass(frozen=True)

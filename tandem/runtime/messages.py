@@ -196,6 +196,8 @@ class StepCounts(msgspec.Struct, tag=True):
     vllm:iteration_tokens_total histogram of the multi-process backend)."""
 
     iteration_tokens: dict[int, int]
+    rejected_frames: int = 0          # messages its readers dropped as malformed, since the last StepCounts
+    rejected_handshakes: int = 0      # connections its KV inbox refused (no or wrong CURVE keys), likewise
 
 
 UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure, StepCounts]

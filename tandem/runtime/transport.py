@@ -342,6 +342,15 @@ async def _send(sock: zmq.asyncio.Socket, parts: list[Buffer], wait_release: boo
         await asyncio.sleep(0.0005)
 
 
+async def _recv_multipart(sock: zmq.asyncio.Socket) -> list[zmq.Frame]:
+    """The next multipart message; rides out zmq's spurious readiness (EVENTS said POLLIN, recv said EAGAIN)."""
+    while True:
+        try:
+            return await sock.recv_multipart(copy=False)
+        except zmq.Again:                                      # seen with CURVE and messages of ~300 KB
+            await asyncio.sleep(0.0005)
+
+
 def _unpack_or_drop(codec: Codec, frames: Sequence[zmq.Frame], rejects: _Rejects
                     ) -> tuple[msgspec.Struct, Frames] | None:
     try:
@@ -631,7 +640,7 @@ class Hub:
         assert self._sock is not None
         while True:
             try:
-                frames = await self._sock.recv_multipart(copy=False)
+                frames = await _recv_multipart(self._sock)
                 got = self._accept(frames)
             except asyncio.CancelledError:
                 raise
@@ -729,7 +738,7 @@ class Link:
         are dropped (counted in `rejected_frames`, logged)."""
         assert self._sock is not None, "Link.start() first"
         while True:
-            got = _unpack_or_drop(self.codec, await self._sock.recv_multipart(copy=False), self._rejects)
+            got = _unpack_or_drop(self.codec, await _recv_multipart(self._sock), self._rejects)
             if got is not None:
                 break
         msg, bufs = got
@@ -795,7 +804,7 @@ class PeerInbox:
         """The next (message, payload frames) from any peer; per-sender order is kept; malformed ones dropped."""
         while True:
             assert self._sock is not None, "inbox closed"
-            got = self.decode(await self._sock.recv_multipart(copy=False))
+            got = self.decode(await _recv_multipart(self._sock))
             if got is not None:
                 return got
 

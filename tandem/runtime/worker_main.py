@@ -95,6 +95,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
         last_pub = 0.0
         counted: dict[int, int] = {}                 # iteration tokens already reported
+        rejected = [0, 0]                            # dropped frames, refused handshakes already reported
 
         async def publish(force: bool = False) -> None:
             nonlocal last_pub
@@ -108,11 +109,16 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             else:
                 await link.send(m.Stats(st))
             new = {k: n - counted.get(k, 0) for k, n in engine.stats.iteration_tokens.items() if n != counted.get(k, 0)}
-            if new:
+            frames = inbox.rejected_frames + link.rejected_frames
+            handshakes = inbox.rejected_handshakes
+            if new or frames != rejected[0] or handshakes != rejected[1]:
                 counted.update(engine.stats.iteration_tokens)
-                await link.send(m.StepCounts(new))
+                await link.send(m.StepCounts(new, frames - rejected[0], handshakes - rejected[1]))
+                rejected[:] = [frames, handshakes]
 
         def handle(kind: str, msg, bufs) -> None:
+            if kind == "died":
+                raise RuntimeError("a message reader of this worker died") from msg
             if kind == "kv":
                 if isinstance(msg, m.KVData):
                     try:
@@ -123,7 +129,16 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             elif type(msg) in m.CONTROL:
                 shell.on_control(msg)
 
-        tasks = [asyncio.create_task(read_link()), asyncio.create_task(read_inbox())]
+        def reader_died(t: asyncio.Task) -> None:       # a reader that dies must end the worker, not go quiet
+            if not t.cancelled() and t.exception() is not None:
+                log.error("worker %d: %s failed: %r; exiting (the supervisor replaces this worker)", env.worker_id,
+                          t.get_name(), t.exception())
+                q.put_nowait(("died", t.exception(), []))
+
+        tasks = [asyncio.create_task(read_link(), name="control reader"),
+                 asyncio.create_task(read_inbox(), name="KV inbox reader")]
+        for t in tasks:
+            t.add_done_callback(reader_died)
         mc = engine.model_config
         await publish(force=True)
         await link.ready({"kv_address": inbox.address, "pid": os.getpid(), "role": role,

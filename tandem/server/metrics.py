@@ -59,7 +59,11 @@ class _BackendCollector:
                     ("tandem:local_prefills", "Prefills run on the session's decode worker.", s.local_prefills),
                     ("tandem:remote_prefills", "Prefills run on a prefill worker.", s.remote_prefills),
                     ("tandem:kv_transfer_timeouts", "KV transfers that fell back to local recompute.",
-                     s.kv_transfer_timeouts)]
+                     s.kv_transfer_timeouts),
+                    ("tandem:transport_rejected_frames", "Messages dropped as malformed or from an unknown peer "
+                     "(coordinator and workers).", s.rejected_frames),
+                    ("tandem:transport_rejected_handshakes", "Connections refused at the CURVE handshake "
+                     "(coordinator and workers' KV inboxes).", s.rejected_handshakes)]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(label, float(value))
