@@ -176,7 +176,7 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
     options = options or {}
     from tandem.server.http_protocol import HeadTimeoutH11Protocol
     uv = {"timeout_keep_alive": TIMEOUT_KEEP_ALIVE_S, "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES,
-          "http": HeadTimeoutH11Protocol, **options.get("uvicorn", {})}
+          "http": HeadTimeoutH11Protocol.answering_health(cluster.is_healthy), **options.get("uvicorn", {})}
     server = uvicorn.Server(uvicorn.Config(build_app(cluster, api_key=api_key, **options.get("app", {})), host=host,
                                            port=port, log_level="warning", lifespan="off", **uv))
     task = asyncio.create_task(server.serve())
@@ -200,7 +200,7 @@ def cmd_serve(args) -> int:
     api_key = api_key_of(args)
     options = server_options(args)
 
-    from tandem.server.process import freeze_startup_objects, tune_for_serving
+    from tandem.server.process import event_loop_factory, freeze_startup_objects, tune_for_serving
     tune_for_serving()
     stopped_by: list[int] = []
 
@@ -216,7 +216,8 @@ def cmd_serve(args) -> int:
                   (f", {cfg.colocated} co-located" if cfg.colocated else "") + ")", flush=True)
             await stop.wait()
     try:
-        asyncio.run(run())
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(run())
     except KeyboardInterrupt:
         return 130
     return 130 if stopped_by and stopped_by[0] == signal.SIGINT else 0

@@ -86,7 +86,6 @@ class ServingCluster:
         self.shell: CoordinatorShell | None = None
         self.roles: dict[int, str] = {}
         self._tasks: list[asyncio.Task] = []
-        self._sending: set[asyncio.Task] = set()   # send tasks in flight (held: the loop keeps weak references)
         self._lost: set[int] = set()
         self._specs_by_id: dict[int, WorkerSpec] = {}
         self._restarts: dict[int, list[float]] = {}       # worker id -> monotonic times of its recent restarts
@@ -209,32 +208,38 @@ class ServingCluster:
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, worker: int, msg) -> None:
+        """Send one message now (no task per message: a burst of requests sends thousands); a failure, now or once
+        zmq gets to it, fails the request it belongs to (never a silent, hanging request)."""
         if worker in self._lost:
             return
-        t = asyncio.get_running_loop().create_task(self._send_async(worker, msg))
-        self._sending.add(t)
-        t.add_done_callback(self._sent)
-
-    def _sent(self, t: asyncio.Task) -> None:
-        self._sending.discard(t)
-        if not t.cancelled() and t.exception() is not None:      # _send_async catches everything: a bug
-            log.error("send task failed", exc_info=t.exception())
-
-    async def _send_async(self, worker: int, msg) -> None:
-        """Send one message; any failure fails the request it belongs to (never a silent, hanging request)."""
         try:
-            await self.hub.send(worker, msg)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:                                   # noqa: BLE001 - every failure reaches its request
-            if isinstance(e, WorkerUnreachable):
-                log.warning("send %s to worker %d failed: %s", type(msg).__name__, worker, e)
-            else:
-                log.error("send %s to worker %d failed: %s: %s", type(msg).__name__, worker, type(e).__name__, e)
+            fut = self.hub.post(worker, msg)
+        except Exception as e:                                   # noqa: BLE001 - unencodable, or a dead worker
+            self._send_failed(worker, msg, e)
+            return
+        if not fut.done():                                       # at the high-water mark: zmq sends it later
+            fut.add_done_callback(lambda f: self._sent(worker, msg, f))
+        elif fut.exception() is not None:
+            self._send_failed(worker, msg, Hub.send_error(worker, fut.exception()))
+
+    def _sent(self, worker: int, msg, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self._send_failed(worker, msg, Hub.send_error(worker, fut.exception()))
+
+    def _send_failed(self, worker: int, msg, e: BaseException) -> None:
+        """Fail the request of an unsent message, on the next loop iteration (not inside the core's call that sent
+        it)."""
+        if isinstance(e, WorkerUnreachable):
+            log.warning("send %s to worker %d failed: %s", type(msg).__name__, worker, e)
+        else:
+            log.error("send %s to worker %d failed: %s: %s", type(msg).__name__, worker, type(e).__name__, e)
+
+        def fail() -> None:
             try:
                 self.shell.on_send_failed(worker, msg, f"{type(e).__name__}: {e}")
             except Exception:                                    # a bug must not stop the server
                 log.exception("coordinator: failing the request of an unsent %s failed", type(msg).__name__)
+        asyncio.get_running_loop().call_soon(fail)
 
     async def _pump(self) -> None:
         while True:
@@ -243,6 +248,9 @@ class ServingCluster:
                 self.shell.on_message(wid, msg)
             except Exception:                                    # a bug must not stop the server
                 log.exception("coordinator: handling %s from worker %d failed", type(msg).__name__, wid)
+            # one worker message per loop iteration: an Outputs message wakes every stream it carries a token
+            # for, and a queue of them handled at once would hold /health and new requests for that long
+            await asyncio.sleep(0)
 
     async def _tick(self) -> None:
         while True:

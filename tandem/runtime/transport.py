@@ -517,15 +517,31 @@ class Hub:
     async def send(self, worker_id: int, msg: msgspec.Struct, *bufs: Buffer, wait_release: bool = False) -> None:
         """Send `msg` (+ payload frames, not copied) to one worker; WorkerUnreachable if not connected."""
         assert self._sock is not None, "Hub.start() first"
-        peer = self.peers.get(worker_id)
-        if peer is not None and peer.dead is not None:
-            raise WorkerUnreachable(f"worker {worker_id} is dead ({peer.dead.reason})")
+        self._check_alive(worker_id)
         try:
             await _send(self._sock, [identity(worker_id), *self.codec.pack(msg, bufs)], wait_release)
         except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                raise WorkerUnreachable(f"worker {worker_id} is not connected") from None
-            raise
+            raise self.send_error(worker_id, e) from None
+
+    def post(self, worker_id: int, msg: msgspec.Struct) -> asyncio.Future:
+        """Send `msg` to one worker without awaiting: the future is done at once unless the socket is at its
+        high-water mark (then zmq sends it in order later). A failure is the future's exception (map it with
+        `send_error`); one raised here means the message cannot be encoded or the worker is known dead."""
+        assert self._sock is not None, "Hub.start() first"
+        self._check_alive(worker_id)
+        return self._sock.send_multipart([identity(worker_id), self.codec.encode(msg)], copy=False)
+
+    @staticmethod
+    def send_error(worker_id: int, e: BaseException) -> BaseException:
+        """The error a failed send to `worker_id` means (WorkerUnreachable when it is not connected)."""
+        if isinstance(e, zmq.ZMQError) and e.errno == zmq.EHOSTUNREACH:
+            return WorkerUnreachable(f"worker {worker_id} is not connected")
+        return e
+
+    def _check_alive(self, worker_id: int) -> None:
+        peer = self.peers.get(worker_id)
+        if peer is not None and peer.dead is not None:
+            raise WorkerUnreachable(f"worker {worker_id} is dead ({peer.dead.reason})")
 
     async def recv(self) -> tuple[int, msgspec.Struct, Frames]:
         """The next (worker_id, message, payload frames) from any live worker, in arrival order."""

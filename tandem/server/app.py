@@ -24,6 +24,7 @@ from tandem.server import serving as sv
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.errors import APIError, error_bytes, error_response, install_handlers
+from tandem.server.http_protocol import UNHEALTHY
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
 from tandem.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -165,7 +166,7 @@ def build_app(client: EngineClient, api_key: str | None = None, served_model_nam
     async def health() -> Response:
         if client.is_healthy():
             return Response(status_code=200)
-        return error_response(APIError("the backend is not healthy", 503, "service_unavailable"))
+        return error_response(UNHEALTHY)
 
     @app.get("/metrics")
     async def metrics() -> Response:

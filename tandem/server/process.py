@@ -12,11 +12,13 @@
   requests that pause stalled the event loop for 100-300 ms at a time."""
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import gc
 import logging
 import sys
+from collections.abc import Callable
 
 log = logging.getLogger("tandem.server")
 M_MMAP_THRESHOLD = -3            # glibc's mallopt parameter number
@@ -37,6 +39,15 @@ def return_large_frees_to_the_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     if not ok:
         log.warning("mallopt(M_MMAP_THRESHOLD, %d) failed: freed request memory may stay in the heap", threshold)
     return ok
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when installed (as uvicorn's and vLLM's servers use), else asyncio's default (None)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def tune_for_serving() -> None:

@@ -61,7 +61,8 @@ class Limits:
 
     max_messages: int | None = None
     max_prompt_chars: int | None = None
-    prep_threads: int = 2           # threads that parse large bodies, render chat templates and tokenize
+    prep_threads: int = 1           # threads that parse large bodies, render chat templates and tokenize (more
+                                    # only take GIL time from the event loop: this work is pure Python)
 
     def messages(self, max_model_len: int) -> int:
         return self.max_messages if self.max_messages is not None else max_model_len
