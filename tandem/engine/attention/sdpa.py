@@ -1,4 +1,7 @@
-"""The pure-PyTorch attention backend (scaled_dot_product_attention over the paged cache): CPU and reference.
+"""The PyTorch attention backend (scaled_dot_product_attention over the paged cache): CPU and reference.
+
+On the CPU in float32, decode sequences go to the paged decode kernel (native.py: K/V read once, in place) when it
+builds on this machine; otherwise, and on other devices, to the gather + SDPA path below.
 
 Decode (one query token per sequence) is memory-bound: every step reads each sequence's whole K/V. PyTorch has
 no paged attention kernel, so K/V are gathered, whole blocks at a time, into a reused buffer and attended there.
@@ -15,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.attention.metadata import AttnMetadata
+from tandem.engine.attention import native
 from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.metadata import AttnMetadata
 
 DECODE_GROUP_BYTES = 4 << 20     # gathered K+V per decode group (bytes); at least one sequence per group
 
@@ -40,13 +44,21 @@ class _DecodeGroup:
 
 
 @dataclass
+class _Native:
+    rows: torch.Tensor               # int64 [n] query rows of the decode sequences
+    seqs: torch.Tensor               # int64 [n] their block-table rows
+    lens: torch.Tensor               # int64 [n] their KV lengths
+
+
+@dataclass
 class _Plan:
-    groups: list[_DecodeGroup]
+    groups: list[_DecodeGroup]       # for the gather + SDPA path
     all_decode: bool                 # every sequence of the step is a decode
     prefills: list[_Prefill]
+    native: _Native | None           # for the paged decode kernel (native.py), when it takes this step
 
 
-def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int) -> _Plan:
+def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int, use_native: bool) -> _Plan:
     """Index tensors of one step, built at its first layer and kept in meta.scratch for the others."""
     plan = meta.scratch.get("sdpa")
     if plan is not None:
@@ -58,7 +70,12 @@ def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int) -> _Pla
         acc += n
     dec = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lambda i: meta.seq_lens[i])
     groups: list[_DecodeGroup] = []
-    if dec:
+    native = None
+    if dec and use_native:
+        native = _Native(torch.tensor([starts[i] for i in dec], dtype=torch.long),
+                         torch.tensor(dec, dtype=torch.long),
+                         torch.tensor([meta.seq_lens[i] for i in dec], dtype=torch.long))
+    elif dec:
         table = meta.block_tables
         cap = max(1, DECODE_GROUP_BYTES // max(1, kv_block_bytes))    # blocks per group
         i = 0
@@ -92,7 +109,7 @@ def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int) -> _Pla
         pos = torch.arange(nblk * bs, device=device)
         qpos = torch.arange(L - n, L, device=device)
         prefills.append(_Prefill(starts[i], n, meta.block_tables[i, :nblk].long(), pos[None, :] <= qpos[:, None]))
-    plan = _Plan(groups, len(dec) == len(meta.query_lens), prefills)
+    plan = _Plan(groups, len(dec) == len(meta.query_lens), prefills, native)
     meta.scratch["sdpa"] = plan
     return plan
 
@@ -109,10 +126,15 @@ class SdpaBackend:
                 meta: AttnMetadata, scale: float) -> torch.Tensor:
         """Write k/v at meta.slot_mapping, then attend each query to its sequence's keys up to its position."""
         write_kv(k, v, kv, meta.slot_mapping)
-        plan = _plan(meta, q.device, 2 * kv[0, 0].numel() * kv.element_size())
+        use_native = native.supports(q, kv)
+        plan = _plan(meta, q.device, 2 * kv[0, 0].numel() * kv.element_size(), use_native)
         hq, hkv, d = q.shape[1], kv.shape[3], kv.shape[4]
         gqa = hq != hkv
-        out = torch.empty_like(q) if q.shape[0] else q
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q.shape[0] else q
+        if plan.native is not None:
+            q = q.contiguous()
+            n = plan.native
+            native.paged_decode(q, kv, meta.block_tables, n.rows, n.seqs, n.lens, scale, out)
         for g in plan.groups:
             qs = q[g.start:g.start + g.n] if g.rows is None else q.index_select(0, g.rows)
             kb = self._gather(kv, g.blocks)                                          # [2, n*nblk, bs, Hkv, D]

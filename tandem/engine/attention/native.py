@@ -1,0 +1,142 @@
+"""The CPU's paged decode attention kernel (csrc/paged_decode.c), compiled for this machine on first use.
+
+PyTorch has no paged attention for the CPU, so the SDPA backend gathers each decode sequence's K/V into a
+contiguous copy and attends to the copy: K/V cross memory twice per step. This kernel reads them once, in place,
+with an online softmax (what vLLM's CPU backend does with its own C++ kernels). It is built with the machine's C
+compiler (-O3 -march=native -fopenmp) into a cache directory keyed by the source, the compiler and the CPU, and
+called through ctypes (which releases the GIL). Without a compiler, or with TANDEM_CPU_ATTENTION=sdpa, the SDPA
+path runs instead; `load()` says why in `unavailable_reason()`.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+COMPILE_TIMEOUT_S = 120.0
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+    return Path(root) / "kernels"
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's model and flags (a shared cache may serve several machines)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))][:3]
+    except OSError:
+        keep = []
+    return "\n".join([platform.machine(), platform.processor(), *keep])
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return cc
+    return next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    src = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([src, version.encode(), _cpu_key().encode(), " ".join(FLAGS).encode()]))
+    path = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                  timeout=COMPILE_TIMEOUT_S)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+            os.replace(tmp, path)                 # atomic: concurrent workers never load a half-written file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(path))
+    f = lib.tandem_paged_decode
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+    f.restype = None
+    lib.tandem_paged_decode_limits.restype = ctypes.c_int
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it cannot be used here (see `unavailable_reason`)."""
+    global _lib, _why, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("TANDEM_CPU_ATTENTION", "native").lower() in ("sdpa", "torch", "0", "off"):
+                _why = "turned off by TANDEM_CPU_ATTENTION"
+            else:
+                try:
+                    _lib = _build()
+                except Exception as e:  # noqa: BLE001 - any failure means: use the SDPA path, and say why once
+                    _why = f"{type(e).__name__}: {e}"
+                    log.warning("CPU paged decode attention kernel unavailable (%s): using the SDPA path", _why)
+            _tried = True
+    return _lib
+
+
+def unavailable_reason() -> str | None:
+    """Why `load()` returned None (None if it loaded or was not tried)."""
+    return _why
+
+
+def limits() -> tuple[int, int, int] | None:
+    """(max query heads, max head dim, max block size) the kernel takes, or None if unavailable."""
+    lib = load()
+    if lib is None:
+        return None
+    v = lib.tandem_paged_decode_limits()
+    return v // 1000000, (v // 1000) % 1000, v % 1000
+
+
+def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether the kernel takes this step's tensors (CPU, float32, shapes within its limits)."""
+    lim = limits()
+    if lim is None or q.device.type != "cpu" or q.dtype != torch.float32 or kv.dtype != torch.float32:
+        return False
+    hq, hkv, d, bs = q.shape[1], kv.shape[3], kv.shape[4], kv.shape[2]
+    return hq % hkv == 0 and hq <= lim[0] and d <= lim[1] and bs <= lim[2] and kv.is_contiguous()
+
+
+def paged_decode(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
+                 seqs: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """out[rows[i]] = attention of q[rows[i]] over the first seq_lens[i] tokens of sequence seqs[i]'s blocks.
+
+    q/out [T, Hq, D] float32 contiguous, kv [2, blocks, block_size, Hkv, D], block_tables int32 [S, max_blocks],
+    rows/seqs/seq_lens int64 [n]. The caller checks `supports` first."""
+    lib = load()
+    assert lib is not None, "paged_decode without the kernel: check supports() first"
+    assert q.is_contiguous() and out.is_contiguous() and block_tables.dtype == torch.int32
+    bt = block_tables.contiguous()
+    lib.tandem_paged_decode(q.data_ptr(), kv.data_ptr(), bt.data_ptr(), bt.shape[1], rows.data_ptr(),
+                            seqs.data_ptr(), seq_lens.data_ptr(), rows.numel(), kv.shape[1], kv.shape[2], q.shape[1],
+                            kv.shape[3], kv.shape[4], float(scale), out.data_ptr(), torch.get_num_threads())
