@@ -20,6 +20,8 @@ API_KEY_ENV = "TANDEM_API_KEY"
 # --body-timeout seconds. uvicorn has no timeout on reading headers: put a reverse proxy in front for that.
 TIMEOUT_KEEP_ALIVE_S = 5
 H11_MAX_INCOMPLETE_EVENT_BYTES = 64 << 10
+GRACEFUL_SHUTDOWN_S = 10        # on SIGTERM, streams still open this long after the stop are cancelled (uvicorn
+                                # otherwise waits for every connection to close, however long that takes)
 
 
 def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
@@ -72,6 +74,9 @@ def add_parser(sub) -> None:
                    help="a request body not received within S seconds gets a 408 (default: 60)")
     p.add_argument("--timeout-keep-alive", type=float, default=TIMEOUT_KEEP_ALIVE_S, metavar="S",
                    help=f"close idle keep-alive connections after S seconds (default: {TIMEOUT_KEEP_ALIVE_S})")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=GRACEFUL_SHUTDOWN_S, metavar="S",
+                   help="on SIGTERM/SIGINT, cancel requests still open after S seconds (default: "
+                        f"{GRACEFUL_SHUTDOWN_S})")
     p.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
                    help="most open connections + requests before uvicorn answers 503 (default: no limit)")
     p.set_defaults(func=cmd_serve)
@@ -151,7 +156,10 @@ def server_options(args) -> dict:
     keep_alive = getattr(args, "timeout_keep_alive", TIMEOUT_KEEP_ALIVE_S)
     if not keep_alive > 0:
         raise CLIError(f"--timeout-keep-alive must be > 0, got {keep_alive}")
-    return {"app": app, "uvicorn": {"timeout_keep_alive": keep_alive,
+    graceful = getattr(args, "timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
+    if not graceful > 0:
+        raise CLIError(f"--timeout-graceful-shutdown must be > 0, got {graceful}")
+    return {"app": app, "uvicorn": {"timeout_keep_alive": keep_alive, "timeout_graceful_shutdown": graceful,
                                     "limit_concurrency": getattr(args, "limit_concurrency", None),
                                     "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES}}
 
@@ -176,6 +184,7 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
     options = options or {}
     from tandem.server.http_protocol import HeadTimeoutH11Protocol
     uv = {"timeout_keep_alive": TIMEOUT_KEEP_ALIVE_S, "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES,
+          "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
           "http": HeadTimeoutH11Protocol.answering_health(cluster.is_healthy), **options.get("uvicorn", {})}
     server = uvicorn.Server(uvicorn.Config(build_app(cluster, api_key=api_key, **options.get("app", {})), host=host,
                                            port=port, log_level="warning", lifespan="off", **uv))
@@ -200,7 +209,7 @@ def cmd_serve(args) -> int:
     api_key = api_key_of(args)
     options = server_options(args)
 
-    from tandem.server.process import event_loop_factory, freeze_startup_objects, tune_for_serving
+    from tandem.server.process import event_loop_factory, freeze_startup_objects, tune_for_serving, warm_up
     tune_for_serving()
     stopped_by: list[int] = []
 
@@ -209,7 +218,8 @@ def cmd_serve(args) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):          # stop cleanly: HTTP server, then the workers
             loop.add_signal_handler(sig, lambda s=sig: (stopped_by.append(s), stop.set()))
-        async with serving(cfg, args.host, args.port, api_key, options):
+        async with serving(cfg, args.host, args.port, api_key, options) as cluster:
+            warm_up(cluster.tokenizer)
             freeze_startup_objects()
             print(f"tandem: serving {Path(cfg.model).name} on http://{args.host}:{args.port}/v1 "
                   f"({cfg.policy}; {cfg.prefill_workers}P+{cfg.decode_workers}D" +
