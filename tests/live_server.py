@@ -28,6 +28,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def uvicorn_app(app, **config) -> Iterator[int]:
+    """`app` on a real uvicorn (127.0.0.1, a free port, a daemon thread) until the block ends; yields the port.
+    `config`: more uvicorn.Config settings (http=, lifespan=, ...)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 class LiveServer:
     """serve_cmd.serving(cfg) on a free port until stop(); errors while starting are raised here."""
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +21,8 @@ from tandem.runtime.async_llm import AsyncLLM  # noqa: E402
 from tandem.runtime.coordinator_shell import _params_dict  # noqa: E402
 from tandem.runtime.transport import Codec  # noqa: E402
 from tandem.server.app import build_app  # noqa: E402
+
+from live_server import uvicorn_app  # noqa: E402
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -50,20 +49,8 @@ def client(ckpt) -> Iterator[AsyncLLM]:
 @pytest.fixture(scope="module")
 def url(client) -> Iterator[str]:
     """The app on uvicorn, 127.0.0.1 and a free port, in a daemon thread."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(client, api_key=KEY), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_app(build_app(client, api_key=KEY)) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def _post(url: str, path: str, body: dict) -> httpx.Response:

@@ -4,7 +4,6 @@ not a plain `GET /health` head (a body, another path, a partial head, pipelined 
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
@@ -15,7 +14,7 @@ h11 = pytest.importorskip("h11")
 from tandem.server.app import build_app  # noqa: E402
 from tandem.server.http_protocol import HeadTimeoutH11Protocol  # noqa: E402
 
-from live_server import free_port  # noqa: E402
+from live_server import uvicorn_app  # noqa: E402
 
 
 class _Client:
@@ -40,19 +39,10 @@ def _fast_check(client: _Client) -> bool:
 
 @pytest.fixture(scope="module")
 def served():
-    p, client = free_port(), _Client()
-    app = build_app(client)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=p, log_level="warning", lifespan="off",
-                                           http=HeadTimeoutH11Protocol.answering_health(lambda: _fast_check(client))))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.time() + 10
-    while not server.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield p, client
-    server.should_exit = True
-    t.join(5)
+    client = _Client()
+    with uvicorn_app(build_app(client), lifespan="off",
+                     http=HeadTimeoutH11Protocol.answering_health(lambda: _fast_check(client))) as port:
+        yield port, client
 
 
 def _responses(sock: socket.socket, n: int) -> list[tuple[int, dict[bytes, bytes], bytes]]:

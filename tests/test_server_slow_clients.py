@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 
 import pytest
@@ -16,7 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from tandem.server.app import build_app  # noqa: E402
 from tandem.server.http_protocol import HeadTimeoutH11Protocol  # noqa: E402
 
-from live_server import free_port  # noqa: E402
+from live_server import uvicorn_app  # noqa: E402
 
 HEAD_S = 0.5
 
@@ -38,19 +37,8 @@ class _Quick(HeadTimeoutH11Protocol):
 
 @pytest.fixture(scope="module")
 def port():
-    p = free_port()
-    app = build_app(_Client(), max_body_bytes=1 << 20)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=p, log_level="warning", http=_Quick,
-                                           lifespan="off"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.time() + 10
-    while not server.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield p
-    server.should_exit = True
-    t.join(5)
+    with uvicorn_app(build_app(_Client(), max_body_bytes=1 << 20), http=_Quick, lifespan="off") as p:
+        yield p
 
 
 def _closed_within(s: socket.socket, limit: float) -> float | None:
