@@ -1,0 +1,48 @@
+"""One offline vLLM run for benchmarks/engine_vs_vllm.py, executed by the vLLM virtualenv's python.
+
+    .vllm-venv/bin/python benchmarks/_vllm_runner.py SPEC.json OUT.json
+
+SPEC (written by engine_vs_vllm.py): model, prompts (token ids), output_len and the engine limits. The thread
+count and the KV space come from the environment (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE), set by the
+caller. Writes OUT: the time the engine was ready (Unix seconds), the generate() wall time, the output token
+ids and the versions. Imports nothing from tandem: tandem is not installed in that virtualenv.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(spec_path: str, out_path: str) -> int:
+    spec = json.loads(open(spec_path).read())
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0,
+              max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              max_num_seqs=spec["max_num_seqs"], block_size=spec["block_size"],
+              enable_prefix_caching=True)
+    ready = time.time()
+    n = spec["output_len"]
+    # min_tokens = max_tokens masks EOS for every generated token, as tandem's min_tokens does
+    sp = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0][:16])],
+                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)   # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    result = {"ready_unix": ready, "wall_s": wall, "output_tokens": sum(map(len, ids)), "token_ids": ids,
+              "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+              "torch_threads": torch.get_num_threads()}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
