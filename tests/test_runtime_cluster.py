@@ -116,3 +116,31 @@ def test_an_idle_session_expires_and_its_kv_is_freed(tiny):
     # the session's KV was released: only the prefix cache's full blocks (5 x 16 of the 80 + 6 - 1 history
     # tokens) are reused, not the 85 resident tokens a live session would have
     assert again.error is None and again.num_cached_tokens == 80
+
+
+def test_a_worker_busy_in_a_long_step_still_takes_new_requests(tiny):
+    """Protects against refusing work while a worker is busy: its steps take 2.6 s (a loaded machine's long prefill
+    chunk), longer than the routing view's 2 s liveness limit. A request arriving mid-step used to fail at once with
+    "no decode worker left" (the worker published its state only between steps); now the worker re-publishes its
+    last state every 0.5 s during a step, and both requests complete."""
+    async def main():
+        c = await ServingCluster.start(ClusterConfig(tiny, 0, 0, 1, "vllm", engine_args=ENGINE,
+                                                     worker_kwargs={0: {"step_sleep_s": 2.6}}))
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+            async def one(rid: str, first: int):
+                last = None
+                async for o in c.generate(list(range(first, first + 20)), params, rid):
+                    last = o
+                return last
+            a = asyncio.create_task(one("a", 10))
+            await asyncio.sleep(2.3)                              # mid-step: the last state is 2.3 s old
+            b = await one("b", 40)
+            return await a, b
+        finally:
+            await c.shutdown()
+
+    a, b = asyncio.run(main())
+    for out in (a, b):
+        assert out.error is None and out.finished and len(out.outputs[0].token_ids) == 2

@@ -11,6 +11,8 @@ import logging
 import os
 import time
 
+import msgspec
+
 from tandem.runtime import messages as m
 from tandem.runtime.launcher import WorkerEnv
 from tandem.runtime.state_store import WorkerState, open_store
@@ -18,6 +20,7 @@ from tandem.runtime.transport import Codec
 from tandem.runtime.worker_shell import WorkerShell
 
 CODEC = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV], frames={m.KVData: 1})   # a KV header without its bytes is dropped
+KEEP_FRESH_S = 0.5         # during a step longer than this, the last state is re-published (re-stamped) this often
 log = logging.getLogger("tandem.worker")
 
 
@@ -37,11 +40,12 @@ def _kv_bytes_per_token(engine) -> int:
 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
                publish_s: float = 0.02, perf: str | None = None, threads: int | None = None,
-               drop_kv_sends: int = 0, kv_send_faults: list | None = None) -> None:
+               drop_kv_sends: int = 0, kv_send_faults: list | None = None, step_sleep_s: float = 0.0) -> None:
     """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process).
 
     Fault injection (tests, docs/runtime.md): `drop_kv_sends=N` silently drops this worker's next N KV sends, as
-    a lost transfer; `kv_send_faults` gives one entry per later KV send: "drop", a delay in seconds, or None."""
+    a lost transfer; `kv_send_faults` gives one entry per later KV send: "drop", a delay in seconds, or None;
+    `step_sleep_s` makes every engine step that long slower (a loaded machine's long prefill step)."""
     import torch
 
     from tandem.engine.config import EngineConfig
@@ -94,6 +98,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 await link.send(msg, *bufs)
 
         last_pub = 0.0
+        last_state: list = [None]                    # the last WorkerState published (read on the loop only)
         counted: dict[int, int] = {}                 # iteration tokens already reported
         rejected = [0, 0]                            # dropped frames, refused handshakes already reported
 
@@ -104,10 +109,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 return
             last_pub = now
             st = WorkerState.from_core(engine.core, engine.clock(), kv_addr=inbox.address, published_s=now)
-            if store is not None:
-                store.publish(st)
-            else:
-                await link.send(m.Stats(st))
+            last_state[0] = st
+            await send_state(st)
             new = {k: n - counted.get(k, 0) for k, n in engine.stats.iteration_tokens.items() if n != counted.get(k, 0)}
             frames = inbox.rejected_frames + link.rejected_frames
             handshakes = inbox.rejected_handshakes
@@ -115,6 +118,32 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 counted.update(engine.stats.iteration_tokens)
                 await link.send(m.StepCounts(new, frames - rejected[0], handshakes - rejected[1]))
                 rejected[:] = [frames, handshakes]
+
+        async def send_state(st: WorkerState) -> None:
+            if store is not None:
+                store.publish(st)
+            else:
+                await link.send(m.Stats(st))
+
+        async def keep_fresh() -> None:
+            """While a step runs (on its thread, the engine's state must not be read), re-publish the last state
+            with a fresh time: a long step is a busy worker, not a lost one (the view counts a worker whose state
+            is older than its liveness limit, 2 s, as gone, and refuses requests when no decode worker is left)."""
+            nonlocal last_pub
+            while True:
+                await asyncio.sleep(KEEP_FRESH_S)
+                now = time.time()
+                if last_state[0] is not None and now - last_pub >= KEEP_FRESH_S:
+                    last_pub = now
+                    try:
+                        await send_state(msgspec.structs.replace(last_state[0], published_s=now))
+                    except Exception as e:  # noqa: BLE001 - the next publish retries; the heartbeat is separate
+                        log.warning("worker %d: could not re-publish its state: %s", env.worker_id, e)
+
+        def step() -> None:
+            if step_sleep_s > 0:
+                time.sleep(step_sleep_s)
+            shell.step()
 
         def handle(kind: str, msg, bufs) -> None:
             if kind == "died":
@@ -136,7 +165,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 q.put_nowait(("died", t.exception(), []))
 
         tasks = [asyncio.create_task(read_link(), name="control reader"),
-                 asyncio.create_task(read_inbox(), name="KV inbox reader")]
+                 asyncio.create_task(read_inbox(), name="KV inbox reader"),
+                 asyncio.create_task(keep_fresh(), name="state keep-alive")]
         for t in tasks:
             t.add_done_callback(reader_died)
         mc = engine.model_config
@@ -152,7 +182,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 await flush()
                 ran = engine.stats.steps
                 if shell.has_work():
-                    await asyncio.to_thread(shell.step)
+                    await asyncio.to_thread(step)
                     await flush()
                 if engine.stats.steps == ran and q.empty():      # nothing ran (e.g. waiting for history KV): sleep
                     try:
