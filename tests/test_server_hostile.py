@@ -17,7 +17,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from tandem.cli.common import CLIError  # noqa: E402
 from tandem.cli.main import build_parser  # noqa: E402
-from tandem.cli.serve_cmd import (API_KEY_ENV, H11_MAX_INCOMPLETE_EVENT_BYTES, TIMEOUT_KEEP_ALIVE_S,  # noqa: E402
+from tandem.cli.serve_cmd import (API_KEY_ENV, GRACEFUL_SHUTDOWN_S, H11_MAX_INCOMPLETE_EVENT_BYTES, TIMEOUT_KEEP_ALIVE_S,  # noqa: E402
                                   api_key_of, server_options)
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from tandem.engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams  # noqa: E402
@@ -383,17 +383,23 @@ def test_api_key_from_the_environment_or_a_file(tmp_path, client):
 
 def test_serve_flags_set_the_limits_and_uvicorn_slow_client_settings():
     """Issue 13 2.4/2.9: `tandem serve` flags reach build_app (body cap, limits, body timeout) and uvicorn
-    (keep-alive timeout, header size limit, concurrency limit), and uvicorn accepts them."""
+    (keep-alive timeout, graceful-shutdown timeout, header size limit, concurrency limit), and uvicorn accepts them;
+    a non-positive graceful-shutdown timeout is a one-line CLI error."""
     opts = server_options(_serve_args("--max-body-bytes", "1000", "--max-messages", "7", "--max-prompt-chars", "9",
-                                      "--body-timeout", "3", "--timeout-keep-alive", "2", "--limit-concurrency", "50"))
+                                      "--body-timeout", "3", "--timeout-keep-alive", "2", "--limit-concurrency", "50",
+                                      "--timeout-graceful-shutdown", "4"))
     assert opts["app"]["max_body_bytes"] == 1000 and opts["app"]["body_timeout_s"] == 3
     assert opts["app"]["limits"] == Limits(max_messages=7, max_prompt_chars=9)
-    assert opts["uvicorn"] == {"timeout_keep_alive": 2, "limit_concurrency": 50,
+    assert opts["uvicorn"] == {"timeout_keep_alive": 2, "limit_concurrency": 50, "timeout_graceful_shutdown": 4,
                                "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES}
     cfg = uvicorn.Config(lambda *a: None, **opts["uvicorn"])
     assert cfg.timeout_keep_alive == 2 and cfg.h11_max_incomplete_event_size == H11_MAX_INCOMPLETE_EVENT_BYTES
+    assert cfg.timeout_graceful_shutdown == 4
     default = server_options(_serve_args())
     assert default["uvicorn"]["timeout_keep_alive"] == TIMEOUT_KEEP_ALIVE_S and "max_body_bytes" not in default["app"]
+    assert default["uvicorn"]["timeout_graceful_shutdown"] == GRACEFUL_SHUTDOWN_S
+    with pytest.raises(CLIError, match="--timeout-graceful-shutdown must be > 0"):
+        server_options(_serve_args("--timeout-graceful-shutdown", "0"))
 
 
 def test_a_body_sent_too_slowly_gets_a_408(client):
