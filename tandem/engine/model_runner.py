@@ -6,7 +6,7 @@ from itertools import accumulate
 
 import torch
 
-from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block
+from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block, native
 from tandem.engine.attention.metadata import AttnMetadata
 from tandem.engine.config import EngineConfig, kv_pool_blocks
 from tandem.engine.loader import load_model
@@ -71,6 +71,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, cfg.block_size,
                                            mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=cfg.seed)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            native.load()            # build the CPU decode kernel now (about 1 s, once per machine), not in a step
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> SampleOutput | None:
