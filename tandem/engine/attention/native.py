@@ -31,6 +31,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _tried = False
+_limits: tuple[int, int, int] | None = None     # asked of the library once (supports() runs at every layer)
 
 
 def _cache_dir() -> Path:
@@ -111,11 +112,14 @@ def unavailable_reason() -> str | None:
 
 def limits() -> tuple[int, int, int] | None:
     """(max query heads, max head dim, max block size) the kernel takes, or None if unavailable."""
-    lib = load()
-    if lib is None:
-        return None
-    v = lib.tandem_paged_decode_limits()
-    return v // 1000000, (v // 1000) % 1000, v % 1000
+    global _limits
+    if _limits is None:
+        lib = load()
+        if lib is None:
+            return None
+        v = lib.tandem_paged_decode_limits()
+        _limits = (v // 1000000, (v // 1000) % 1000, v % 1000)
+    return _limits
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:

@@ -1,0 +1,11 @@
+"""A free TCP port on 127.0.0.1, for the servers the benchmarks and the demo start."""
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
