@@ -295,6 +295,15 @@ def _tandem_runner(spec_path: str, out_path: str, threads: str) -> int:
     return 0
 
 
+def _launch(cmd: list[str], env: dict | None, work: Path, log) -> tuple[float, subprocess.Popen, TreeMemory]:
+    """Start one system's process in its own session (so its whole group can be killed), with its memory sampled."""
+    launch = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True)
+    mem = TreeMemory(proc.pid)
+    mem.start()
+    return launch, proc, mem
+
+
 def offline_run(system: str, threads: int, spec: Path, work: Path, tag: str, vllm_py: str) -> dict:
     out, logp = work / f"{tag}.json", work / f"{tag}.log"
     if system == "tandem":
@@ -302,10 +311,7 @@ def offline_run(system: str, threads: int, spec: Path, work: Path, tag: str, vll
     else:
         cmd, env = [vllm_py, str(REPO / "benchmarks" / "_vllm_runner.py"), str(spec), str(out)], _vllm_env(threads)
     with open(logp, "w") as log:
-        launch = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True)
-        mem = TreeMemory(proc.pid)
-        mem.start()
+        launch, proc, mem = _launch(cmd, env, work, log)
         try:
             rc = proc.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -444,10 +450,7 @@ def online_run(system: str, rate: float, n: int, work: Path, tag: str, vllm_py: 
     logp = work / f"{tag}.log"
     arrivals, prompts, warm = online_load(rate, n)
     with open(logp, "w") as log:
-        launch = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True)
-        mem = TreeMemory(proc.pid)
-        mem.start()
+        launch, proc, mem = _launch(cmd, env, work, log)
         try:
             ready = None
             while time.time() - launch < READY_TIMEOUT_S and proc.poll() is None:
