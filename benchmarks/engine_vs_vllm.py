@@ -2,7 +2,7 @@
 
     python benchmarks/engine_vs_vllm.py [--runs 5] [--threads 1,2] [--rates 4,8] [--requests 120]
         [--skip-offline] [--skip-online] [--out docs/results/engine_vs_vllm] [--vllm-venv .vllm-venv]
-        [--require-vllm] [--tandem-rev REV]
+        [--online-runs 3] [--require-vllm] [--tandem-rev REV]
 
 Recorded in BENCHMARKS.md ("Engine vs vLLM CPU (issue 14)") with --tandem-rev COMMIT --rates 2,4,8: about 19 min on
 2 cores (4 and 8 req/s are past saturation there; 2 is not).
@@ -24,8 +24,9 @@ ready to generate, and the peak RSS summed over the process tree (psutil, sample
 
 Online: `tandem serve --colocated 1 --policy vllm --threads 1` against vLLM's OpenAI server
 (`python -m vllm.entrypoints.openai.api_server`, VLLM_CPU_OMP_THREADS_BIND=0), both on 127.0.0.1 with the same
-limits (tandem serve keeps its block size 16: it has no flag for it). A fresh server per (rate, system); the
-systems alternate, the first one swapping from rate to rate. Each gets 2 warm-up requests, then the same
+limits (tandem serve keeps its block size 16: it has no flag for it). A fresh server per run; --online-runs
+runs per (rate, system), the systems alternating and the first one swapping from run to run; the table gives
+each figure's median over the runs (min-max of throughput and TPOT p50 beside it). Each gets 2 warm-up requests, then the same
 open-loop Poisson load: --requests streamed /v1/completions requests with 256-token token-id prompts, 64 output
 tokens, ignore_eos, temperature 0. Client-side TTFT, TPOT ((e2e - TTFT) / (tokens - 1)), ITL (gaps between
 token chunks), achieved requests/s and output tokens/s, startup (launch to GET /v1/models answering) and the
@@ -112,6 +113,8 @@ def parse_args(argv):
     ap.add_argument("--threads", default="1,2", help="offline thread counts (default 1,2)")
     ap.add_argument("--rates", default="4,8", help="online Poisson rates, requests/s (default 4,8)")
     ap.add_argument("--requests", type=int, default=120, help="online requests per rate and system (default 120)")
+    ap.add_argument("--online-runs", type=int, default=3,
+                    help="online runs per rate and system, alternating, each on a fresh server (default 3)")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--skip-online", action="store_true")
     ap.add_argument("--out", default="docs/results/engine_vs_vllm")
@@ -125,6 +128,8 @@ def parse_args(argv):
             raise ArgError(f"--runs must be >= 1, got {args.runs}")
         if args.requests < 1:
             raise ArgError(f"--requests must be >= 1, got {args.requests}")
+        if args.online_runs < 1:
+            raise ArgError(f"--online-runs must be >= 1, got {args.online_runs}")
         if args.skip_offline and args.skip_online:
             raise ArgError("--skip-offline and --skip-online together leave nothing to run")
         args.thread_list = _ints(args.threads, "--threads")
@@ -474,6 +479,23 @@ def online_run(system: str, rate: float, n: int, work: Path, tag: str, vllm_py: 
     return m
 
 
+ONLINE_KEYS = ("request_throughput", "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
+               "p50_itl_ms", "p99_itl_ms", "mean_ttft_ms", "mean_itl_ms", "startup_s", "peak_rss_bytes",
+               "peak_pss_bytes", "duration_s", "max_itl_ms", "client_lag_max_s")
+
+
+def online_cell(runs: list[dict], n: int) -> dict:
+    """One system's runs at one rate: every figure's median (min and max beside it), failures summed."""
+    out: dict = {"runs": runs, "requests": n, "failed": sum(r["failed"] for r in runs),
+                 "requests_total": n * len(runs), "errors": sorted({e for r in runs for e in r["errors"]})[:3]}
+    for k in ONLINE_KEYS:
+        xs = [r[k] for r in runs if r.get(k) is not None]
+        if xs:
+            out[k] = statistics.median(xs)
+            out[k + "_range"] = [min(xs), max(xs)]
+    return out
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -539,21 +561,25 @@ def tables(res: dict) -> tuple[str, str]:
             vals = " / ".join(_f(tp.get(k)) for k in ("min", "median", "max")) if tp else f"failed: {c.get('error', '')}"
             off_lines.append(f"| {t} | {s} | {vals} | {ratio} | {_f(c.get('startup_s'), '.1f')} | "
                              f"{_gib(c.get('peak_rss_bytes'))} | {_gib(c.get('peak_pss_bytes'))} | {same} |")
-    on_lines = ["| rate req/s | system | achieved req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
-                "ITL p50 / p99 ms | startup s | peak RSS GiB | peak PSS GiB | failed |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+    on_lines = ["| rate req/s | system | achieved req/s (min-max) | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+                "TPOT p50 min-max | ITL p50 / p99 ms | startup s | peak RSS GiB | peak PSS GiB | failed |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rate, cell in (res.get("online") or {}).items():
         for s in SYSTEMS:
             m = cell.get(s) or {}
             if "error" in m:
-                on_lines.append(f"| {rate} | {s} | failed: {m['error'][:120]} | | | | | | | | |")
+                on_lines.append(f"| {rate} | {s} | failed: {m['error'][:120]} | | | | | | | | | |")
                 continue
+            rr = m.get("request_throughput_range") or [None, None]
+            tr = m.get("p50_tpot_ms_range") or [None, None]
             on_lines.append(
-                f"| {rate} | {s} | {_f(m.get('request_throughput'), '.2f')} | {_f(m.get('output_throughput'))} | "
+                f"| {rate} | {s} | {_f(m.get('request_throughput'), '.2f')} ({_f(rr[0], '.2f')}-{_f(rr[1], '.2f')}) | "
+                f"{_f(m.get('output_throughput'))} | "
                 f"{_f(m.get('p50_ttft_ms'))} / {_f(m.get('p99_ttft_ms'))} | {_f(m.get('p50_tpot_ms'), '.1f')} / "
-                f"{_f(m.get('p99_tpot_ms'), '.1f')} | {_f(m.get('p50_itl_ms'), '.1f')} / {_f(m.get('p99_itl_ms'), '.1f')} | "
+                f"{_f(m.get('p99_tpot_ms'), '.1f')} | {_f(tr[0], '.1f')}-{_f(tr[1], '.1f')} | "
+                f"{_f(m.get('p50_itl_ms'), '.1f')} / {_f(m.get('p99_itl_ms'), '.1f')} | "
                 f"{_f(m.get('startup_s'), '.1f')} | {_gib(m.get('peak_rss_bytes'))} | {_gib(m.get('peak_pss_bytes'))} | "
-                f"{m.get('failed', '-')}/{m.get('requests', '-')} |")
+                f"{m.get('failed', '-')}/{m.get('requests_total', m.get('requests', '-'))} |")
     return "\n".join(off_lines), "\n".join(on_lines)
 
 
@@ -643,13 +669,13 @@ def main(argv=None) -> int:
         "limits": {**LIMITS, "kv_cache_gib": KV_GIB, "offline_block_size": OFFLINE_BLOCK_SIZE,
                    "online_block_size": {"tandem": 16, "vllm": OFFLINE_BLOCK_SIZE}},
         "offline_workload": OFFLINE, "online_workload": {**ONLINE, "requests": args.requests, "threads": 1},
-        "runs": args.runs, "offline": {}, "online": {}, "failures": [],
+        "runs": args.runs, "online_runs": args.online_runs, "offline": {}, "online": {}, "failures": [],
     }
     spec = work / "offline-spec.json"
     spec.write_text(json.dumps({"model": str(MODEL_DIR), "prompts": offline_prompts(vocab),
                                 "output_len": OFFLINE["output_len"], "block_size": OFFLINE_BLOCK_SIZE, **LIMITS}))
     n_off = 0 if args.skip_offline else 2 * args.runs * len(args.thread_list)
-    n_on = 0 if args.skip_online else 2 * len(args.rate_list)
+    n_on = 0 if args.skip_online else 2 * len(args.rate_list) * args.online_runs
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=console, transient=True) as bar:
         task = bar.add_task("runs", total=n_off + n_on)
@@ -690,21 +716,24 @@ def main(argv=None) -> int:
                 res["offline"][str(t)] = cell
         if not args.skip_online:
             for k, rate in enumerate(args.rate_list):
-                cell = {}
-                for s in (SYSTEMS if k % 2 == 0 else SYSTEMS[::-1]):
-                    bar.update(task, description=f"online {s}, {rate:g} req/s, {args.requests} requests")
-                    try:
-                        m = online_run(s, rate, args.requests, work, f"online-{s}-rate{rate:g}", vllm_py)
-                        cell[s] = m
-                        console.print(f"online  {s:6} {rate:g} req/s: TPOT p50 {_f(m['p50_tpot_ms'], '.1f')} ms, "
-                                      f"TTFT p50 {_f(m['p50_ttft_ms'])} ms, {m['failed']} failed, "
-                                      f"startup {m['startup_s']:.1f} s")
-                    except RunFailed as e:
-                        res["failures"].append(str(e))
-                        cell[s] = {"error": str(e)}
-                        console.print(f"[red]{e}[/red]")
-                    bar.advance(task)
-                res["online"][f"{rate:g}"] = {s: cell[s] for s in SYSTEMS}
+                runs_by = {s: [] for s in SYSTEMS}
+                for i in range(args.online_runs):
+                    for s in (SYSTEMS if (k + i) % 2 == 0 else SYSTEMS[::-1]):
+                        bar.update(task, description=f"online {s}, {rate:g} req/s, run {i + 1}/{args.online_runs}")
+                        try:
+                            m = online_run(s, rate, args.requests, work, f"online-{s}-rate{rate:g}-r{i}", vllm_py)
+                            runs_by[s].append(m)
+                            console.print(f"online  {s:6} {rate:g} req/s run {i + 1}: "
+                                          f"{_f(m['request_throughput'], '.2f')} req/s, TPOT p50/p99 "
+                                          f"{_f(m['p50_tpot_ms'], '.1f')}/{_f(m['p99_tpot_ms'], '.1f')} ms, "
+                                          f"TTFT p50 {_f(m['p50_ttft_ms'])} ms, {m['failed']} failed, "
+                                          f"startup {m['startup_s']:.1f} s")
+                        except RunFailed as e:
+                            res["failures"].append(str(e))
+                            console.print(f"[red]{e}[/red]")
+                        bar.advance(task)
+                res["online"][f"{rate:g}"] = {s: online_cell(runs_by[s], args.requests) if runs_by[s]
+                                              else {"error": "every run failed"} for s in SYSTEMS}
     for cell in res["offline"].values():
         for s in SYSTEMS:
             for r in cell[s].get("runs", []):
@@ -722,7 +751,8 @@ def main(argv=None) -> int:
                f"{off_md}\n")
     if res["online"]:
         md += (f"\nOnline, 1 compute thread, {args.requests} Poisson requests per rate, {ONLINE['prompt_len']} prompt / "
-               f"{ONLINE['output_len']} output tokens, streamed /v1/completions:\n\n{on_md}\n")
+               f"{ONLINE['output_len']} output tokens, streamed /v1/completions, {args.online_runs} alternating runs "
+               f"per system (medians of the runs' figures):\n\n{on_md}\n")
     if res["failures"]:
         md += "\nFailures:\n" + "\n".join(f"- {f}" for f in res["failures"]) + "\n"
     (out / "table.md").write_text(md)

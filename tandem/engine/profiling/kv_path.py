@@ -62,12 +62,14 @@ def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return float(max(icpt, 0.0)), float(max(slope, 1e-15))
 
 
-def measure_kv_path(runner: ModelRunner, rng: random.Random, repeats: int = 7, max_tokens: int = 2048) -> dict:
+def measure_kv_path(runner: ModelRunner, rng: random.Random, repeats: int = 7, max_tokens: int = 2048,
+                    secure: bool | None = None) -> dict:
     """The KV path between two engines on this host, as the runtime takes it (docs/profiler.md):
 
     export: `export_kv` gathers a sequence's positions out of the paged cache into one payload (the source
     worker does this between its steps); wire: the payload's bytes over ZeroMQ PUSH/PULL on TCP loopback (the
-    runtime's peer KV channel), from the send until the receiver holds the bytes; import: `KVPayload.from_buffer`
+    runtime's peer KV channel), from the send until the receiver holds the bytes, CURVE-encrypted as the
+    runtime's KV inboxes are (`secure`; default: whenever this libzmq has CURVE); import: `KVPayload.from_buffer`
     and `import_kv` scatter it into the destination's blocks. Each side is fitted as a + bytes / bandwidth over
     payloads of 16 .. max_tokens tokens (median of `repeats`); the wire's intercept is its latency."""
     import zmq
@@ -78,10 +80,21 @@ def measure_kv_path(runner: ModelRunner, rng: random.Random, repeats: int = 7, m
     cap = runner.num_blocks * bs
     sizes = [n for n in (16, 64, 256, 1024, 2048) if n <= min(max_tokens, cap // 2)] or [min(16, cap // 2)]
     blocks = list(range(runner.num_blocks))
+    if secure is None:
+        secure = bool(zmq.has("curve"))
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
+    if secure:               # encryption costs about 3 ns a byte on each side: the wire's largest term on CPU hosts
+        server_pub, server_sec = zmq.curve_keypair()
+        client_pub, client_sec = zmq.curve_keypair()
+        pull.setsockopt(zmq.CURVE_SERVER, 1)
+        pull.setsockopt(zmq.CURVE_PUBLICKEY, server_pub)
+        pull.setsockopt(zmq.CURVE_SECRETKEY, server_sec)
+        push.setsockopt(zmq.CURVE_SERVERKEY, server_pub)
+        push.setsockopt(zmq.CURVE_PUBLICKEY, client_pub)
+        push.setsockopt(zmq.CURVE_SECRETKEY, client_sec)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
     push.connect(f"tcp://127.0.0.1:{port}")
     got: list = []
     ready = threading.Event()
@@ -137,5 +150,6 @@ def measure_kv_path(runner: ModelRunner, rng: random.Random, repeats: int = 7, m
     return {"bandwidth_bytes_per_s": 1.0 / wire_slope, "latency_s": wire_lat,
             "export_s": fits["export"][0], "export_bytes_per_s": 1.0 / fits["export"][1],
             "import_s": fits["import"][0], "import_bytes_per_s": 1.0 / fits["import"][1],
-            "sizes_tokens": sizes,
-            "source": "measured: engine export_kv -> ZeroMQ PUSH/PULL over TCP loopback -> import_kv"}
+            "sizes_tokens": sizes, "secure": secure,
+            "source": "measured: engine export_kv -> ZeroMQ PUSH/PULL over TCP loopback"
+                      f"{' (CURVE, as the runtime)' if secure else ''} -> import_kv"}
