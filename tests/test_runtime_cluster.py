@@ -144,3 +144,34 @@ def test_a_worker_busy_in_a_long_step_still_takes_new_requests(tiny):
     a, b = asyncio.run(main())
     for out in (a, b):
         assert out.error is None and out.finished and len(out.outputs[0].token_ids) == 1
+
+
+def test_a_request_arriving_mid_step_runs_in_the_next_step(tiny):
+    """Protects the early handling of control messages: a request arriving while the worker's model runs a step is
+    registered during that step (BeginRound answered, AddRequest queued), so it runs in the very next step. Steps
+    take 1.5 s here; "b" arrives 0.5 s into "a"'s first step and finishes with the second step, about 2.5 s after
+    it was sent. Before, its BeginRound waited for the first step's end and its AddRequest for the second's, so it
+    ran in the third step (about 4 s)."""
+    async def main():
+        c = await ServingCluster.start(ClusterConfig(tiny, 0, 0, 1, "vllm", engine_args=ENGINE,
+                                                     worker_kwargs={0: {"step_sleep_s": 1.5}}))
+        try:
+            async def one(rid: str, first: int, n: int):
+                last = None
+                async for o in c.generate(list(range(first, first + 20)), SamplingParams(
+                        temperature=0.0, max_tokens=n, ignore_eos=True), rid):
+                    last = o
+                return last
+            a = asyncio.create_task(one("a", 10, 4))
+            await asyncio.sleep(0.5)
+            t = time.perf_counter()
+            b = await one("b", 40, 1)
+            took = time.perf_counter() - t
+            return await a, b, took
+        finally:
+            await c.shutdown()
+
+    a, b, took = asyncio.run(main())
+    assert a.error is None and len(a.outputs[0].token_ids) == 4
+    assert b.error is None and len(b.outputs[0].token_ids) == 1
+    assert 1.8 < took < 3.3, f"b took {took:.2f} s: expected one step after the one it arrived in (about 2.5 s)"

@@ -10,12 +10,13 @@ from typing import Callable
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.config import SchedulerConfig
 from tandem.core.factory import build_worker
-from tandem.core.types import COLOCATED, DECODE, PREFILL, FirstToken, PrefillTask, RoundDone, SessionFailed, StepResult
+from tandem.core.types import (COLOCATED, DECODE, PREFILL, FirstToken, PrefillTask, RoundDone, SessionFailed, StepPlan,
+                               StepResult)
 from tandem.engine.config import EngineConfig, EngineError
 from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
 from tandem.engine.model_runner import ModelInput, ModelRunner, PromptLogprobsSpec
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tandem.engine.sampler import make_generator
+from tandem.engine.sampler import SampleOutput, make_generator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.stop import StopChecker
 from tandem.engine.structured_output import RequestGrammar, StructuredOutputManager
@@ -61,6 +62,19 @@ class StepStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     iteration_tokens: dict[int, int] = field(default_factory=dict)   # tokens in a step -> steps (cumulative)
+
+
+@dataclass
+class PreparedStep:
+    """A step between its parts (prepare_step, execute_step, finish_step): the plan, its batch, the sampled rows."""
+
+    plan: StepPlan | None
+    t0: float
+    batch: ModelInput | None = None
+    rows: list[_Request] = field(default_factory=list)
+    prompt_lp: list[tuple[_Request, int]] = field(default_factory=list)    # (request, first position predicted)
+    t1: float = 0.0
+    t2: float = 0.0
 
 
 class LLMEngine:
@@ -345,24 +359,21 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; returns the requests that produced a token or finished in it."""
+        prep = self.prepare_step()
+        return self.finish_step(prep, self.execute_step(prep))
+
+    def prepare_step(self) -> PreparedStep:
+        """The first part of a step: the core plans the batch and its model input is built (engine state read)."""
         t0 = self.clock()
         core = self.core
         plan = core.schedule(t0)
         if self._landing:
             self._land_kv()
-        touched: dict[str, _Request] = {}
+        prep = PreparedStep(plan, t0)
         if plan is None:
-            self._on_events(core.drain(), t0, touched)
-            if not touched and self.role != PREFILL and not core.has_work():
-                for req in [r for r in self.requests.values()
-                            if not r.finished and (r.task.local or r.metrics.first_token_time is not None)]:
-                    req.error = "the engine could not schedule this request"
-                    self._finish(req, "abort", t0, release=True)
-                    touched[req.request_id] = req
-            return self._collect(touched)
-        batch = ModelInput()
-        rows: list[_Request] = []
-        prompt_lp: list[tuple[_Request, int]] = []        # (request, first position predicted) per spec
+            return prep
+        batch = prep.batch = ModelInput()
+        rows, prompt_lp = prep.rows, prep.prompt_lp
         tables = core.blocks.tables
         prefill_role = self.role == PREFILL
         for t, n in plan.prefill:
@@ -390,13 +401,38 @@ class LLMEngine:
             self._sample_row(batch, sess.request, len(batch.query_lens) - 1)
             rows.append(sess.request)
         self.stats.decode_tokens += len(plan.decode)
-        t1 = self.clock()
-        out = self.runner.execute(batch)
-        t2 = self.clock()
-        for (req, first), entries in zip(prompt_lp, out.prompt_logprobs if prompt_lp else ()):
+        prep.t1 = self.clock()
+        return prep
+
+    def execute_step(self, prep: PreparedStep) -> SampleOutput | None:
+        """The model runs the prepared batch. It reads only the batch, the weights and the KV blocks the batch
+        owns, so a runtime may add requests to the engine meanwhile (under its own lock)."""
+        if prep.batch is None:
+            return None
+        out = self.runner.execute(prep.batch)
+        prep.t2 = self.clock()
+        return out
+
+    def finish_step(self, prep: PreparedStep, out: SampleOutput | None) -> list[RequestOutput]:
+        """The last part of a step: tokens appended, stops checked, the core told; returns the touched requests."""
+        core = self.core
+        touched: dict[str, _Request] = {}
+        if prep.plan is None:
+            t0 = prep.t0
+            self._on_events(core.drain(), t0, touched)
+            if not touched and self.role != PREFILL and not core.has_work():
+                for req in [r for r in self.requests.values()
+                            if not r.finished and (r.task.local or r.metrics.first_token_time is not None)]:
+                    req.error = "the engine could not schedule this request"
+                    self._finish(req, "abort", t0, release=True)
+                    touched[req.request_id] = req
+            return self._collect(touched)
+        plan, t0, t1, t2 = prep.plan, prep.t0, prep.t1, prep.t2
+        prefill_role = self.role == PREFILL
+        for (req, first), entries in zip(prep.prompt_lp, out.prompt_logprobs if prep.prompt_lp else ()):
             req.prompt_logprobs[first:first + len(entries)] = entries
         finished: set[str] = set()
-        for i, req in enumerate(rows):
+        for i, req in enumerate(prep.rows):
             tok = out.token_ids[i]
             entry = None
             if req.logprobs is not None:

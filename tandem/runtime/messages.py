@@ -191,6 +191,11 @@ class WorkerFailure(msgspec.Struct, tag=True):
 
 CONTROL = [BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered, RunLocal, Release,
            Abort]
+# Control messages a worker carries out while its model runs a step, in arrival order, as long as no message
+# before them waits for the step's end: they only queue work or pin KV that the running step does not touch.
+# The others (KV moves, releases, aborts) change what the running step reads, so they wait for its end.
+EARLY_CONTROL = (BeginRound, AddRequest, AddPrefill)
+
 class StepCounts(msgspec.Struct, tag=True):
     """Worker -> coordinator, with its state: engine steps by tokens per step since the last StepCounts (the
     vllm:iteration_tokens_total histogram of the multi-process backend)."""

@@ -7,6 +7,7 @@ steps only, so the engine is never touched by two threads at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -74,7 +75,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             peer.append((addr, msg, bufs))
 
     shell = WorkerShell(engine, env.worker_id, lambda msg, *b: up.append((msg, b)), send_peer,
-                        drop_kv_sends=drop_kv_sends, kv_send_faults=kv_send_faults or ())
+                        drop_kv_sends=drop_kv_sends, kv_send_faults=kv_send_faults or (), step_sleep_s=step_sleep_s)
 
     async with env.link(CODEC) as link:
         async def read_link() -> None:
@@ -141,8 +142,6 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                         log.warning("worker %d: could not re-publish its state: %s", env.worker_id, e)
 
         def step() -> None:
-            if step_sleep_s > 0:
-                time.sleep(step_sleep_s)
             shell.step()
 
         def handle(kind: str, msg, bufs) -> None:
@@ -175,16 +174,46 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                           "capacity_tokens": engine.core.capacity_tokens, "max_model_len": engine.max_model_len,
                           "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
                           "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": _cache_config(engine)})
+        deferred: collections.deque = collections.deque()      # messages waiting for the running step's end
+
+        async def step_taking_early_messages() -> None:
+            """One engine step on its thread. Meanwhile the control messages that may run beside the model
+            (m.EARLY_CONTROL) are carried out as they arrive, until one arrives that must wait for the step's
+            end: it and every later message wait, so messages still take effect in the order they came."""
+            fut = asyncio.ensure_future(asyncio.to_thread(step))
+            getter: asyncio.Future | None = None
+            try:
+                while True:
+                    if getter is None and not deferred:
+                        getter = asyncio.ensure_future(q.get())
+                    waiting = {fut} if getter is None else {fut, getter}
+                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    if getter is not None and getter in done:
+                        item, getter = getter.result(), None
+                        if item[0] == "ctl" and isinstance(item[1], m.EARLY_CONTROL):
+                            handle(*item)
+                            await flush()
+                        else:
+                            deferred.append(item)
+                    if fut in done:
+                        fut.result()
+                        return
+            finally:
+                if getter is not None:
+                    getter.cancel()                    # asyncio.Queue.get leaves the item queued when cancelled
+
         try:
             while not link.stopping:
+                while deferred:
+                    handle(*deferred.popleft())
                 while not q.empty():
                     handle(*q.get_nowait())
                 await flush()
                 ran = engine.stats.steps
                 if shell.has_work():
-                    await asyncio.to_thread(step)
+                    await step_taking_early_messages()
                     await flush()
-                if engine.stats.steps == ran and q.empty():      # nothing ran (e.g. waiting for history KV): sleep
+                if engine.stats.steps == ran and q.empty() and not deferred:   # nothing ran: sleep
                     try:
                         item = await asyncio.wait_for(q.get(), timeout=max(publish_s, 0.05))
                         handle(*item)

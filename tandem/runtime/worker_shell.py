@@ -6,6 +6,7 @@ worker's KV inbox; `tandem.runtime.worker_main` wires them to ZeroMQ.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -25,8 +26,9 @@ class WorkerShell:
 
     def __init__(self, engine: LLMEngine, worker_id: int, send_up: Callable, send_peer: Callable,
                  wall: Callable[[], float] = time.time, drop_kv_sends: int = 0,
-                 kv_send_faults: Sequence[str | float | None] = ()) -> None:
+                 kv_send_faults: Sequence[str | float | None] = (), step_sleep_s: float = 0.0) -> None:
         self.engine, self.id = engine, worker_id
+        self.step_sleep_s = step_sleep_s                      # fault injection: every model run that much longer
         # fault injection, one entry per KV send from now on: "drop" (lost), seconds (delayed), None (normal);
         # drop_kv_sends=N is N "drop"s first
         self.kv_send_faults: list = ["drop"] * drop_kv_sends + list(kv_send_faults)
@@ -36,10 +38,18 @@ class WorkerShell:
         self.send_up, self.send_peer, self.wall = send_up, send_peer, wall
         self._sent: dict[str, tuple[int, str]] = {}          # request -> (tokens, text) streamed so far
         self._first: dict[str, tuple[int, dict | None]] = {}  # remote request -> first token from its prefill
+        # Held while the engine's state is read or changed: by the step thread except while the model runs
+        # (execute_step), so that early control messages (EARLY_CONTROL) are carried out during the model's run
+        # rather than after it: a new round's BeginRound and AddRequest then cost no extra step.
+        self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ control plane
     def on_control(self, msg) -> None:
         """Carry out one coordinator message, then report what it caused."""
+        with self.lock:
+            self._control(msg)
+
+    def _control(self, msg) -> None:
         eng = self.engine
         try:
             if isinstance(msg, m.BeginRound):
@@ -101,6 +111,10 @@ class WorkerShell:
     # ------------------------------------------------------------------ KV plane
     def on_kv(self, head: m.KVData, frames: list) -> None:
         """A peer's KV landed: keep it for its request and tell the coordinator (it decides where it goes)."""
+        with self.lock:
+            self._kv(head, frames)
+
+    def _kv(self, head: m.KVData, frames: list) -> None:
         req = self.engine.requests.get(head.request_id)
         if req is None or (self.engine.role == DECODE and req.task.local):
             # Late: the request was aborted or finished here, or its transfer timed out and the round is being
@@ -125,8 +139,15 @@ class WorkerShell:
         return self.engine.core.has_work()
 
     def step(self) -> None:
-        """Run one engine step and report its outputs and core events."""
-        self._emit(self.engine.step())
+        """Run one engine step and report its outputs and core events; the lock is free while the model runs."""
+        eng = self.engine
+        with self.lock:
+            prep = eng.prepare_step()
+        if self.step_sleep_s > 0 and prep.batch is not None:
+            time.sleep(self.step_sleep_s)                      # a slow model run (fault injection)
+        out = eng.execute_step(prep)
+        with self.lock:
+            self._emit(eng.finish_step(prep, out))
 
     def _emit(self, outs: list[RequestOutput]) -> None:
         deltas = [d for d in (self._delta(o) for o in outs) if d is not None]

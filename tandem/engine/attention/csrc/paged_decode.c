@@ -16,6 +16,7 @@
 #define MAX_H 64      /* query heads */
 #define MAX_D 256     /* head dim */
 #define MAX_BS 64     /* tokens per block */
+#define PF_DIST 2     /* blocks ahead whose K and V are prefetched */
 
 /* exp(x) for x <= 0 (scores minus their running max), vectorizable: x = n ln2 + r with n an integer (the exponent
  * bits) and |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts), exp(r) from its degree-7 Taylor polynomial. Relative
@@ -70,8 +71,16 @@ void tandem_paged_decode(const float *q, const float *kv, const int32_t *block_t
             const int64_t n = (bi + 1) * block_size <= L ? block_size : L - bi * block_size;
             const float *kb = K + b * blk_stride;
             const float *vb = V + b * blk_stride;
+            /* The next block sits anywhere in the pool, out of the hardware prefetchers' sight: its K and V rows
+             * are requested one token at a time while this block's tokens are computed, so they stream in
+             * meanwhile (cold KV is the usual case: a step's weights evict it between layers). */
+            const float *kn = bi + PF_DIST < nblk ? K + table[bi + PF_DIST] * blk_stride : NULL;
+            const float *vn = bi + PF_DIST < nblk ? V + table[bi + PF_DIST] * blk_stride : NULL;
             for (int64_t t = 0; t < n; t++) {
                 const float *kt = kb + t * tok_stride;
+                if (kn)
+                    for (int64_t off = 0; off < tok_stride; off += 16)
+                        __builtin_prefetch(kn + t * tok_stride + off, 0, 3);
                 for (int64_t i = 0; i < hq; i++) {
                     const float *qi = qr + i * d, *kr = kt + (i / G) * d;
                     float s = 0.0f;
@@ -106,6 +115,9 @@ void tandem_paged_decode(const float *q, const float *kv, const int32_t *block_t
             }
             for (int64_t t = 0; t < n; t++) {
                 const float *vt = vb + t * tok_stride;
+                if (vn)
+                    for (int64_t off = 0; off < tok_stride; off += 16)
+                        __builtin_prefetch(vn + t * tok_stride + off, 0, 3);
                 for (int64_t i = 0; i < hq; i++) {
                     const float p = sc[i][t], *vr = vt + (i / G) * d;
                     float *a = acc[i];
