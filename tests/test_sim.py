@@ -236,6 +236,29 @@ def test_host_loop_messages_wait_for_the_workers_step(tmp_path):
     assert min(abs(b.first_token_s - t) for t in ends) < 1e-9                # on a step boundary of the worker
 
 
+def test_host_loop_begin_round_and_submit_run_beside_the_step(tmp_path):
+    """As the runtime (messages.EARLY_CONTROL): a round > 0 that arrives while its worker steps is asked about
+    (BeginRound) and submitted during that step, so its prefill runs in the very next step; it used to wait for
+    the running step's end (the BeginRound), then for the next one's (the Submit)."""
+    rt = {"step_factor": {"decode": 50.0, "prefill": 50.0}, "hop_s": 0.001}       # steps of ~0.1 s
+    sessions = [Session("a", 0.0, [Round(16, 60)], slo=SLO(5.0, 10.0)),
+                Session("b", 0.05, [Round(16, 1, tool_s=0.3), Round(16, 1)], slo=SLO(5.0, 10.0))]
+    coord, workers, loop = build(SimConfig("x", "x", 1, "C:tp1x1", "vllm",
+                                           perf=str(_profile(tmp_path, runtime=rt)[0])))
+    ends = []
+    done = workers[0].on_step_done
+
+    def record(plan, result, now):
+        ends.append(now)
+        return done(plan, result, now)
+
+    workers[0].on_step_done = record
+    loop.run(sessions)
+    r1 = {r.session_id: r for r in coord.records}["b"].rounds[1]
+    after = [t for t in ends if t > r1.arrival_s]
+    assert r1.first_token_s == pytest.approx(after[1], abs=1e-9)     # the step after the one it arrived in
+
+
 def test_host_loop_interference_and_cpu_sharing_slow_overlapping_steps(tmp_path):
     stream = Session("a", 0.0, [Round(16, 200)], slo=SLO(5.0, 10.0))
     lone = [Session("b", 0.0, [Round(800, 1)], slo=SLO(5.0, 10.0))]

@@ -10,12 +10,13 @@ from tandem.core.types import BatchShape, PREFILL, StepPlan
 from tandem.core.worker import WorkerCore
 from tandem.sim.faults import Fate
 from tandem.sim.loop import (
-    M_BEGIN, M_KV_ARRIVED, M_KV_IN, M_SEND_KV, STEP, TOOL, EventLoop,
+    M_BEGIN, M_KV_ARRIVED, M_KV_IN, M_SEND_KV, M_SUBMIT, STEP, TOOL, EventLoop,
 )
 from tandem.sim.network import Network
 from tandem.workload.session import Session
 
 REQ, TOOLREQ, BEGUN, CTL, CTLDONE, EVT, HOST = range(7, 14)
+EARLY = (M_BEGIN, M_SUBMIT)     # carried out while the worker steps (tandem.runtime.messages.EARLY_CONTROL)
 
 
 class HostLoop(EventLoop):
@@ -29,9 +30,11 @@ class HostLoop(EventLoop):
       gap runs from there);
     - every coordinator action is a message that reaches its worker `hop_s` later, and every worker event
       reaches the coordinator `hop_s` later;
-    - a worker handles its messages only between two steps, one after the other (`msg_s` each); a KV send
-      first gathers the KV on the source worker (export), the bytes then cross the link, and the destination
-      worker places them between its own steps (import): both hold their worker like a message does;
+    - a worker handles its messages between two steps, one after the other (`msg_s` each), except that a
+      BeginRound or a Submit reaching a worker in a step with nothing waiting before it is carried out at once,
+      beside the model's run (the runtime's `messages.EARLY_CONTROL`); a KV send first gathers the KV on the
+      source worker (export), the bytes then cross the link, and the destination worker places them between
+      its own steps (import): both hold their worker like a message does;
     - every step takes `step_factor[kind]` times the step model plus `step_gap_s` (the worker loop between
       steps);
     - a step runs `interference[kind]` times slower while another worker is in a step (the slow-down applies
@@ -73,6 +76,9 @@ class HostLoop(EventLoop):
 
     def _deliver(self, wid: int, item: tuple) -> None:
         if self.dead[wid]:
+            return
+        if item[0] in EARLY and self.workers[wid].busy and not self._inbox[wid] and not self._handling[wid]:
+            self._carry_out(wid, item)                 # beside the running step, as the runtime does
             return
         self._inbox[wid].append(item)
         if not self.workers[wid].busy and not self._handling[wid]:
