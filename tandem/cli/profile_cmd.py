@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tandem.cli.common import CLIError, positive_int, seed_arg
+from tandem.cli.common import CLIError, csv_list, positive_int, seed_arg
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -40,6 +40,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the engine's most sequences per step (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=positive_int, default=None, metavar="N",
                    help="KV pool size in blocks (default: the engine's memory budget)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: time decode steps eagerly (no CUDA graphs)")
+    p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
+                   help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
+                        "max-num-seqs, at most 512)")
     p.add_argument("--heldout", type=positive_int, default=None, metavar="N",
                    help="random held-out steps for the error estimate (default: 40; --quick: 16)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the grids and tokens (default: 0)")
@@ -134,7 +138,8 @@ def cmd_profile(args) -> int:
     opts = ProfileOptions(quick=args.quick, max_len=args.max_len, repeats=args.repeats, device=args.device,
                           threads=args.threads, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, heldout=args.heldout,
-                          seed=args.seed)
+                          seed=args.seed, enforce_eager=args.enforce_eager,
+                          cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
     bar = _Bar(not args.no_progress and sys.stderr.isatty())
     try:
         prof = profile(str(model), opts, bar)

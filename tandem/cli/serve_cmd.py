@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from tandem.cli.bench_table import print_table
-from tandem.cli.common import CLIError, positive_int
+from tandem.cli.common import CLIError, csv_list, positive_int
 from tandem.bench.ports import free_port
 
 DEMO_SLO = (0.05, 0.02)         # TTFT, ITL seconds: a 1M-parameter model's steps take a few milliseconds
@@ -37,6 +37,10 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks per worker")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
+    p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
+                   help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
+                        "max-num-seqs, at most 512)")
     p.add_argument("--perf", default=None, metavar="FILE", help="a `tandem profile` output for routing costs")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default: 1)")
     p.add_argument("--kv-timeout", type=float, default=10.0, metavar="S",
@@ -101,6 +105,10 @@ def _cluster_config(args):
         eng["max_model_len"] = args.max_model_len
     if args.num_kv_blocks is not None:
         eng["num_kv_blocks"] = args.num_kv_blocks
+    if args.enforce_eager:
+        eng["enforce_eager"] = True
+    if args.cuda_graph_sizes is not None:
+        eng["cuda_graph_sizes"] = tuple(args.cuda_graph_sizes)
     p, d = args.prefill_workers, args.decode_workers
     if args.colocated:
         p = d = 0

@@ -36,6 +36,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None          # overrides the budget (vLLM: num_gpu_blocks_override)
     attention_backend: str | None = None      # None/auto: flash on CUDA when installed, else sdpa
     seed: int = 0
+    enforce_eager: bool = False               # CUDA: never capture decode steps as CUDA graphs (always eager)
+    cuda_graph_sizes: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, 8, 16, ... 512
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -59,6 +61,10 @@ class EngineConfig:
             raise EngineError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise EngineError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.cuda_graph_sizes is not None:
+            self.cuda_graph_sizes = _graph_sizes(self.cuda_graph_sizes)
 
     def torch_device(self) -> torch.device:
         """The device to run on: `device`, or CUDA when present for auto."""
@@ -76,6 +82,15 @@ class EngineConfig:
         if device.type == "cpu":
             return torch.float32
         return DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+
+
+def _graph_sizes(sizes: object) -> tuple[int, ...]:
+    """cuda_graph_sizes checked (a non-empty list of integers >= 1) and sorted without repeats."""
+    ok = isinstance(sizes, (list, tuple)) and len(sizes) > 0 and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)
+    if not ok:
+        raise EngineError(f"cuda_graph_sizes must be a non-empty list of integers >= 1, got {sizes!r}")
+    return tuple(sorted(set(sizes)))
 
 
 def kv_pool_blocks(cfg: EngineConfig, bytes_per_block: int, device: torch.device) -> int:

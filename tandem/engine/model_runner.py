@@ -9,6 +9,7 @@ import torch
 from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block, native
 from tandem.engine.attention.metadata import AttnMetadata
 from tandem.engine.config import EngineConfig, kv_pool_blocks
+from tandem.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
 from tandem.engine.loader import load_model
 from tandem.engine.sampler import Sampler, SampleOutput
 from tandem.engine.sampling_params import SamplingParams
@@ -68,25 +69,37 @@ class ModelRunner:
         per_block = kv_bytes_per_block(mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
                                        mc.head_dim, self.dtype)
         self.num_blocks = kv_pool_blocks(cfg, per_block, self.device)
-        self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, cfg.block_size,
-                                           mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        graphs = graphs_apply(cfg, self.device)          # CUDA only; the graphs' padding rows get a scratch block
+        self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks + (1 if graphs else 0),
+                                           cfg.block_size, mc.num_key_value_heads, mc.head_dim, self.dtype,
+                                           self.device)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=cfg.seed)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             native.load()            # build the CPU decode kernel now (about 1 s, once per machine), not in a step
+        self.graphs: DecodeGraphs | None = None        # decode steps as CUDA graphs (cuda_graphs.py)
+        if graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.block_size,
+                                       cfg.max_model_len or mc.max_position_embeddings, capture_sizes(cfg),
+                                       scratch_block=self.num_blocks)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> SampleOutput | None:
         """Run the model over the batch (writing its KV) and sample the requested rows."""
         dev = self.device
-        meta = AttnMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, dev)
-        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(batch.positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        meta = None
+        hidden = self.graphs.execute(batch) if self.graphs is not None else None   # a decode step's graph replay
+        if hidden is None:
+            meta = AttnMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, dev)
+            ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
+            pos = torch.tensor(batch.positions, dtype=torch.long, device=dev)
+            hidden = self.model(ids, pos, self.kv_caches, meta)
         prompt_lps = self._prompt_logprobs(hidden, batch) if batch.prompt_logprobs else None
         if not batch.sample_rows:
             return SampleOutput([], prompt_logprobs=prompt_lps) if prompt_lps is not None else None
-        ends = meta.query_start_loc[1:].to(torch.long) - 1
-        rows = ends[torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)]
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)
+        if meta is not None:                        # else one hidden row per (decode) sequence
+            rows = (meta.query_start_loc[1:].to(torch.long) - 1)[rows]
         logits = self.model.compute_logits(hidden[rows])
         grammars = batch.grammars if any(g is not None for g in batch.grammars) else None
         out = self.sampler.sample(logits, batch.params, batch.generators, batch.output_tokens, batch.prompt_tokens,

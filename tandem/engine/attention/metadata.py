@@ -23,6 +23,8 @@ class AttnMetadata:
     max_seq_len: int
     # Backends cache per-step derived tensors here (computed at the first layer, reused by the others).
     scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # A backend every layer uses for this step instead of its own (the CUDA-graph decode path, static_decode.py).
+    backend: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -195,7 +195,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.backend.forward(q, k, v, kv, meta, self.scale)
+        o = (self.backend if meta.backend is None else meta.backend).forward(q, k, v, kv, meta, self.scale)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 

@@ -22,6 +22,8 @@ class ProfileOptions:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     attention_backend: str | None = None
+    enforce_eager: bool = False         # CUDA: decode steps eagerly, not as CUDA graphs
+    cuda_graph_sizes: tuple[int, ...] | None = None   # CUDA: captured decode batch sizes (None: the default list)
     heldout: int | None = None          # held-out steps (default 40; quick: 16)
     segments: int = SEGMENTS
     seed: int = 0

@@ -46,7 +46,8 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
     cfg = EngineConfig(model=model, dtype=opt.dtype, device=opt.device, block_size=opt.block_size,
                        max_num_batched_tokens=opt.max_num_batched_tokens, max_num_seqs=opt.max_num_seqs,
                        kv_cache_memory_bytes=opt.kv_cache_memory_bytes, num_kv_blocks=opt.num_kv_blocks,
-                       attention_backend=opt.attention_backend, seed=opt.seed)
+                       attention_backend=opt.attention_backend, seed=opt.seed, enforce_eager=opt.enforce_eager,
+                       cuda_graph_sizes=opt.cuda_graph_sizes)
     if progress:
         progress("loading model", 0, 1)
     runner = ModelRunner(cfg)
