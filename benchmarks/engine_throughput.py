@@ -92,7 +92,8 @@ def profile_steps(path: str, reps: int = 3) -> dict:
 
     from tandem import SamplingParams
     from tandem.engine.config import EngineConfig
-    from tandem.engine.model_runner import ModelInput, ModelRunner
+    from tandem.engine.model_input import ModelInput
+    from tandem.engine.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model=path))
     bs = runner.block_size

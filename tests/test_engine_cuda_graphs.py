@@ -17,7 +17,8 @@ from tandem.engine.config import EngineConfig, EngineError  # noqa: E402
 from tandem.engine.cuda_graphs import (DecodeGraphs, capture_sizes, default_capture_sizes, graphs_apply,  # noqa: E402
                                        padded_size)
 from tandem.engine.loader import load_model  # noqa: E402
-from tandem.engine.model_runner import ModelInput, ModelRunner, PromptLogprobsSpec  # noqa: E402
+from tandem.engine.model_input import ModelInput, PromptLogprobsSpec  # noqa: E402
+from tandem.engine.model_runner import ModelRunner  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 
 BS = 8                  # tokens per block: contexts below cross block boundaries

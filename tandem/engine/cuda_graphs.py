@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -24,9 +24,7 @@ from torch import nn
 from tandem.engine.attention.metadata import AttnMetadata
 from tandem.engine.attention.static_decode import GATHER_BYTES, StaticDecodeBackend
 from tandem.engine.config import EngineConfig
-
-if TYPE_CHECKING:
-    from tandem.engine.model_runner import ModelInput
+from tandem.engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512      # vLLM's default largest captured batch
@@ -53,7 +51,7 @@ def graphs_apply(cfg: EngineConfig, device: torch.device) -> bool:
     return device.type == "cuda" and not cfg.enforce_eager
 
 
-def padded_size(batch: "ModelInput", sizes: Sequence[int]) -> int | None:
+def padded_size(batch: ModelInput, sizes: Sequence[int]) -> int | None:
     """The captured size a step pads to (the smallest >= its batch), or None when it must run eagerly: not every
     sequence is a decode, prompt logprobs are asked, or the batch is larger than the largest size."""
     n = len(batch.query_lens)
@@ -95,7 +93,7 @@ class DecodeGraphs:
                             slot_mapping=self.slot_mapping[:n], block_size=self.block_size, max_query_len=1,
                             max_seq_len=self.max_len, backend=self.attention)
 
-    def size_for(self, batch: "ModelInput") -> int | None:
+    def size_for(self, batch: ModelInput) -> int | None:
         """The captured graph's size this step replays in, or None (run eagerly): see padded_size; also None when
         nothing was captured (CPU, enforce_eager) or a sequence is longer than the static block table."""
         if self.device.type != "cuda" or not self.graphs:
@@ -103,7 +101,7 @@ class DecodeGraphs:
         size = padded_size(batch, self.sizes)
         return size if size is not None and max(batch.seq_lens) <= self.max_len else None
 
-    def load(self, batch: "ModelInput", size: int) -> None:
+    def load(self, batch: ModelInput, size: int) -> None:
         """Copy a decode batch into the static inputs; rows past the batch up to `size` become padding rows."""
         n, bs, sb = len(batch.query_lens), self.block_size, self.scratch_block
         table = np.full((size, self.max_blocks), sb, dtype=np.int32)
@@ -126,7 +124,7 @@ class DecodeGraphs:
         self.hidden[:size].copy_(h)
         return self.hidden[:size]
 
-    def execute(self, batch: "ModelInput") -> torch.Tensor | None:
+    def execute(self, batch: ModelInput) -> torch.Tensor | None:
         """Replay the step's graph: hidden states [n, H] of its n sequences (a view of the static buffer), or None
         when the step does not qualify and must run eagerly."""
         size = self.size_for(batch)

@@ -14,7 +14,8 @@ from tandem.core.types import (COLOCATED, DECODE, PREFILL, FirstToken, PrefillTa
                                StepResult)
 from tandem.engine.config import EngineConfig, EngineError
 from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
-from tandem.engine.model_runner import ModelInput, ModelRunner, PromptLogprobsSpec
+from tandem.engine.model_input import ModelInput, PromptLogprobsSpec
+from tandem.engine.model_runner import ModelRunner
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.sampler import SampleOutput, make_generator
 from tandem.engine.sampling_params import SamplingParams

@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from tandem.engine.model_runner import ModelInput, ModelRunner
+from tandem.engine.model_input import ModelInput
+from tandem.engine.model_runner import ModelRunner
 from tandem.engine.profiling.grids import Point
 from tandem.engine.sampling_params import SamplingParams
 
