@@ -247,4 +247,5 @@ def test_kv_path_through_the_engine(tmp_path):
     assert link["latency_s"] >= 0 and link["export_s"] >= 0 and link["import_s"] >= 0
     assert "ZeroMQ" in link["source"]
     assert link["secure"] is True and "CURVE" in link["source"]      # the runtime's KV inboxes are CURVE servers
+    assert link["crypto_s_per_byte"] > 0                                # encryption's CPU, beside the steps
     assert kv_link_seconds(link, 1 << 20) > kv_link_seconds(link, 1 << 10) > 0

@@ -259,6 +259,23 @@ def test_host_loop_begin_round_and_submit_run_beside_the_step(tmp_path):
     assert r1.first_token_s == pytest.approx(after[1], abs=1e-9)     # the step after the one it arrived in
 
 
+def test_host_loop_kv_encryption_takes_cpu_from_the_steps(tmp_path):
+    """The wire's encryption (kv_link.crypto_s_per_byte) is CPU work on the host: on one core, a remote prefill's
+    KV sent while the decode worker streams slows that stream's steps (processor sharing), so it ends later; with
+    no CPU model (cores 0) encryption changes nothing."""
+    sessions = [Session("a", 0.0, [Round(16, 200)], slo=SLO(5.0, 10.0)),
+                Session("b", 0.05, [Round(1000, 40)], slo=SLO(5.0, 10.0))]
+    link = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
+    crypto = dict(link, crypto_s_per_byte=2e-8)                          # 20 ms of CPU per 1 MB of KV
+    finish = {}
+    for name, cores, kv in (("plain", 1, link), ("crypto", 1, crypto), ("nocpu", 0, link), ("nocpu-crypto", 0, crypto)):
+        recs, _, _ = _host_sim(_profile(tmp_path, runtime={"cores": cores}, kv_link=kv, name=f"{name}.json")[0], sessions)
+        assert recs["b"].rounds[0].prefill_where == "remote"
+        finish[name] = recs["a"].rounds[0].finish_s
+    assert finish["crypto"] > finish["plain"] + 5e-3          # 1000 tokens x 1000 bytes: 20 ms of CPU shared
+    assert finish["nocpu-crypto"] == pytest.approx(finish["nocpu"], abs=1e-12)
+
+
 def test_host_loop_interference_and_cpu_sharing_slow_overlapping_steps(tmp_path):
     stream = Session("a", 0.0, [Round(16, 200)], slo=SLO(5.0, 10.0))
     lone = [Session("b", 0.0, [Round(800, 1)], slo=SLO(5.0, 10.0))]

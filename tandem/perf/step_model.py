@@ -81,8 +81,9 @@ class RuntimeCosts:
     host_token_s / host_round_s (CPU seconds the serving processes besides the engines spend per token
     streamed and per round: coordinator, HTTP server, client) and cores (the host's cores they and the
     engines' steps share; 0: no CPU model).
-    From the profile's `kv_link` (`tandem profile`): the wire (latency_s, bandwidth_bytes_per_s) and the
-    export/import work on the source/destination worker, which holds that worker between two steps.
+    From the profile's `kv_link` (`tandem profile`): the wire (latency_s, bandwidth_bytes_per_s), the
+    export/import work on the source/destination worker, which holds that worker between two steps, and the
+    wire's encryption (crypto_s_per_byte: CPU on the two ends' I/O threads, shared with the steps).
     From the profile's `interference` (`tandem profile`: two engine processes side by side), or the runtime
     block's `interference` when it has one (the live server, whose coordinator, HTTP server and client share
     the host's cores too): how much slower a prefill / decode step runs while another worker is in a step.
@@ -107,6 +108,10 @@ class RuntimeCosts:
     def import_s(self, nbytes: float) -> float:
         """Seconds the destination worker spends receiving and placing `nbytes` of KV."""
         return _side_seconds(self.kv_link, "import", nbytes)
+
+    def crypto_s(self, nbytes: float) -> float:
+        """CPU seconds the wire's encryption (CURVE, both ends) takes for `nbytes` of KV, beside the workers' steps."""
+        return float(self.kv_link.get("crypto_s_per_byte", 0.0) or 0.0) * nbytes
 
     @classmethod
     def from_profile_fields(cls, runtime: Mapping | None, kv_link: Mapping, interference: Mapping | None) -> "RuntimeCosts":

@@ -41,8 +41,9 @@ class HostLoop(EventLoop):
       to the overlapping part only);
     - with `cores` > 0, the host's cores are shared (processor sharing) by the workers' steps (one thread
       each) and the serving processes' own work: `host_token_s` CPU seconds per token streamed to a client
-      and `host_round_s` per round (coordinator, HTTP, client), queued as one more runnable thread; while more
-      threads run than there are cores, each progresses at cores / threads.
+      and `host_round_s` per round (coordinator, HTTP, client), and the KV wire's encryption (the profile's
+      `kv_link.crypto_s_per_byte` per byte sent), queued as one more runnable thread; while more threads run
+      than there are cores, each progresses at cores / threads.
     """
 
     def __init__(self, coordinator: Coordinator, workers: list[WorkerCore],
@@ -117,6 +118,8 @@ class HostLoop(EventLoop):
             self._effect(wid, kind, item[1])
             if kind == M_KV_ARRIVED:
                 self._host_work(self.costs.host_token_s)
+            elif kind == M_SEND_KV:              # its encryption takes CPU on both ends while the bytes move
+                self._host_work(self.costs.crypto_s(item[1].tokens * self.kv_bytes))
         if w.events:
             self._forward(w)
 

@@ -62,6 +62,50 @@ def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return float(max(icpt, 0.0)), float(max(slope, 1e-15))
 
 
+def _curve_pair(pull, push) -> None:
+    """Make PULL a CURVE server and PUSH its client (fresh keys), as the runtime's KV inboxes and outboxes."""
+    import zmq
+    server_pub, server_sec = zmq.curve_keypair()
+    client_pub, client_sec = zmq.curve_keypair()
+    pull.setsockopt(zmq.CURVE_SERVER, 1)
+    pull.setsockopt(zmq.CURVE_PUBLICKEY, server_pub)
+    pull.setsockopt(zmq.CURVE_SECRETKEY, server_sec)
+    push.setsockopt(zmq.CURVE_SERVERKEY, server_pub)
+    push.setsockopt(zmq.CURVE_PUBLICKEY, client_pub)
+    push.setsockopt(zmq.CURVE_SECRETKEY, client_sec)
+
+
+def _bare_wire_s_per_byte(secure: bool, sizes: list[int], repeats: int) -> float:
+    """Seconds per byte of a bare PUSH/PULL pair on loopback (payloads of `sizes` bytes, median of `repeats`,
+    fitted slope), with or without CURVE."""
+    import zmq
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        if secure:
+            _curve_pair(pull, push)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(b"warm")
+        pull.recv()
+        xs, ys = [], []
+        for n in sizes:
+            buf = bytes(n)
+            ts = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                push.send(buf, copy=False)
+                pull.recv(copy=False)
+                ts.append(time.perf_counter() - t)
+            xs.append(float(n))
+            ys.append(statistics.median(ts))
+        return _linear_fit(xs, ys)[1]
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
 def measure_kv_path(runner: ModelRunner, rng: random.Random, repeats: int = 7, max_tokens: int = 2048,
                     secure: bool | None = None) -> dict:
     """The KV path between two engines on this host, as the runtime takes it (docs/profiler.md):
@@ -86,14 +130,7 @@ def measure_kv_path(runner: ModelRunner, rng: random.Random, repeats: int = 7, m
     pull = ctx.socket(zmq.PULL)
     push = ctx.socket(zmq.PUSH)
     if secure:               # encryption costs about 3 ns a byte on each side: the wire's largest term on CPU hosts
-        server_pub, server_sec = zmq.curve_keypair()
-        client_pub, client_sec = zmq.curve_keypair()
-        pull.setsockopt(zmq.CURVE_SERVER, 1)
-        pull.setsockopt(zmq.CURVE_PUBLICKEY, server_pub)
-        pull.setsockopt(zmq.CURVE_SECRETKEY, server_sec)
-        push.setsockopt(zmq.CURVE_SERVERKEY, server_pub)
-        push.setsockopt(zmq.CURVE_PUBLICKEY, client_pub)
-        push.setsockopt(zmq.CURVE_SECRETKEY, client_sec)
+        _curve_pair(pull, push)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push.connect(f"tcp://127.0.0.1:{port}")
     got: list = []
@@ -147,9 +184,13 @@ def measure_kv_path(runner: ModelRunner, rng: random.Random, repeats: int = 7, m
         xs = sorted(by)
         fits[side] = _linear_fit(xs, [statistics.median(by[x]) for x in xs])
     wire_lat, wire_slope = fits["wire"]
+    crypto = 0.0
+    if secure:               # the CPU the encryption takes on the two ends' I/O threads, beside the workers' steps
+        probe = sorted({int(b) for b, _ in rows["wire"]})[-3:]           # the largest payloads measured above
+        crypto = max(0.0, _bare_wire_s_per_byte(True, probe, 3) - _bare_wire_s_per_byte(False, probe, 3))
     return {"bandwidth_bytes_per_s": 1.0 / wire_slope, "latency_s": wire_lat,
             "export_s": fits["export"][0], "export_bytes_per_s": 1.0 / fits["export"][1],
             "import_s": fits["import"][0], "import_bytes_per_s": 1.0 / fits["import"][1],
-            "sizes_tokens": sizes, "secure": secure,
+            "sizes_tokens": sizes, "secure": secure, "crypto_s_per_byte": crypto,
             "source": "measured: engine export_kv -> ZeroMQ PUSH/PULL over TCP loopback"
                       f"{' (CURVE, as the runtime)' if secure else ''} -> import_kv"}
