@@ -94,3 +94,22 @@ def test_a_client_counting_chunks_sees_every_token(client):
         token_chunks = [e for e in events if e["choices"] and (key == "text" or "content" in e["choices"][0][key])
                         and not (key == "delta" and e["choices"][0]["delta"].get("role"))]
         assert len(token_chunks) == n, [e["choices"] for e in events][:5]
+
+
+def test_a_reader_behind_the_engine_still_gets_every_output(client):
+    """Protects one chunk per token when the HTTP side lags: outputs queued while the reader was busy are each
+    yielded (not coalesced into the latest) as long as it is fewer than COALESCE_BACKLOG behind."""
+    from tandem.engine.sampling_params import SamplingParams
+
+    async def main():
+        gen = client.generate(list(range(5, 15)), SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0),
+                              "lagging")
+        first = await gen.__anext__()
+        while client.engine.has_unfinished_requests():          # the reader is busy: every other output queues
+            await asyncio.sleep(0.01)
+        rest = [o async for o in gen]
+        return [first, *rest]
+
+    outs = asyncio.run(main())
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 21))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])

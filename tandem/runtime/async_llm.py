@@ -28,6 +28,7 @@ from tandem.runtime.client import BackendStats, RequestError
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5          # the idle engine thread wakes this often even without commands
+COALESCE_BACKLOG = 64       # outputs a stream may fall behind before it skips to the latest (a stalled reader)
 
 
 @dataclass
@@ -84,7 +85,8 @@ class AsyncLLM:
     # ------------------------------------------------------------------ EngineClient
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        session_id: str | None = None, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs (the latest when several queued up) until the finished one."""
+        """Stream cumulative outputs, one per engine step that touched the request (so a streamed chunk per
+        token), until the finished one; a consumer COALESCE_BACKLOG outputs behind jumps to the latest."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         added: concurrent.futures.Future[None] = concurrent.futures.Future()
         arrival = self.engine.clock()
@@ -95,8 +97,9 @@ class AsyncLLM:
             await asyncio.wrap_future(added)
             while True:
                 out = await stream.queue.get()
-                while not out.finished and not stream.queue.empty():
-                    out = stream.queue.get_nowait()
+                if stream.queue.qsize() >= COALESCE_BACKLOG:    # far behind: jump to the latest output
+                    while not out.finished and not stream.queue.empty():
+                        out = stream.queue.get_nowait()
                 finished = out.finished
                 yield out
                 if finished:
