@@ -213,6 +213,19 @@ def test_host_loop_kv_export_and_import_hold_the_workers(tmp_path):
     assert slow["s"].rounds[0].ttft_s == pytest.approx(base["s"].rounds[0].ttft_s + extra, rel=0.02)
 
 
+def _step_ends(worker) -> list[float]:
+    """The times at which `worker`'s steps end, recorded as the loop runs (wraps its on_step_done)."""
+    ends: list[float] = []
+    done = worker.on_step_done
+
+    def record(plan, result, now):
+        ends.append(now)
+        return done(plan, result, now)
+
+    worker.on_step_done = record
+    return ends
+
+
 def test_host_loop_messages_wait_for_the_workers_step(tmp_path):
     """A remote prefill's KV lands on the decode worker between two of its steps: the first token of a round
     that arrives while another session streams comes at the end of one of the decode worker's steps."""
@@ -221,14 +234,7 @@ def test_host_loop_messages_wait_for_the_workers_step(tmp_path):
                 Session("b", 0.5, [Round(200, 2)], slo=SLO(5.0, 10.0))]
     coord, workers, loop = build(SimConfig("x", "x", 2, "P:tp1x1,D:tp1x1", "ampd",
                                            perf=str(_profile(tmp_path, runtime=rt)[0])))
-    ends = []
-    done = workers[1].on_step_done
-
-    def record(plan, result, now):
-        ends.append(now)
-        return done(plan, result, now)
-
-    workers[1].on_step_done = record
+    ends = _step_ends(workers[1])
     loop.run(sessions)
     recs = {r.session_id: r.rounds[0] for r in coord.records}
     a, b = recs["a"], recs["b"]
@@ -245,14 +251,7 @@ def test_host_loop_begin_round_and_submit_run_beside_the_step(tmp_path):
                 Session("b", 0.05, [Round(16, 1, tool_s=0.3), Round(16, 1)], slo=SLO(5.0, 10.0))]
     coord, workers, loop = build(SimConfig("x", "x", 1, "C:tp1x1", "vllm",
                                            perf=str(_profile(tmp_path, runtime=rt)[0])))
-    ends = []
-    done = workers[0].on_step_done
-
-    def record(plan, result, now):
-        ends.append(now)
-        return done(plan, result, now)
-
-    workers[0].on_step_done = record
+    ends = _step_ends(workers[0])
     loop.run(sessions)
     r1 = {r.session_id: r for r in coord.records}["b"].rounds[1]
     after = [t for t in ends if t > r1.arrival_s]
