@@ -35,11 +35,7 @@ def _build(src: str, out: Path):
     c = out.with_suffix(".c")
     c.write_text(src)
     subprocess.run([cc, *native.FLAGS, "-o", str(out), str(c), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tandem_paged_decode.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                        ctypes.c_float, ptr, ctypes.c_int]
-    return lib.tandem_paged_decode
+    return native.bind(ctypes.CDLL(str(out))).tandem_paged_decode
 
 
 def _shape(text: str) -> tuple[int, int]:

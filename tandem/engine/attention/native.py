@@ -77,7 +77,11 @@ def _build() -> ctypes.CDLL:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(path))
+    return bind(ctypes.CDLL(str(path)))
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the compiled kernel's C signatures on a loaded library (also used by benchmarks on other builds)."""
     f = lib.tandem_paged_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
