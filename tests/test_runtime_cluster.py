@@ -121,8 +121,8 @@ def test_an_idle_session_expires_and_its_kv_is_freed(tiny):
 def test_a_worker_busy_in_a_long_step_still_takes_new_requests(tiny):
     """Protects against refusing work while a worker is busy: its steps take 2.6 s (a loaded machine's long prefill
     chunk), longer than the routing view's 2 s liveness limit. A request arriving mid-step used to fail at once with
-    "no decode worker left" (the worker published its state only between steps); now the worker re-publishes its
-    last state every 0.5 s during a step, and both requests complete."""
+    "no decode worker left" (the worker published its state only between steps); now the worker publishes every
+    20 ms from its event loop, during a step too, and both requests complete."""
     async def main():
         c = await ServingCluster.start(ClusterConfig(tiny, 0, 0, 1, "vllm", engine_args=ENGINE,
                                                      worker_kwargs={0: {"step_sleep_s": 2.6}}))

@@ -5,6 +5,7 @@ worker's KV inbox; `tandem.runtime.worker_main` wires them to ZeroMQ.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -42,6 +43,42 @@ class WorkerShell:
         # (execute_step), so that early control messages (EARLY_CONTROL) are carried out during the model's run
         # rather than after it: a new round's BeginRound and AddRequest then cost no extra step.
         self.lock = threading.Lock()
+        self._wake = threading.Condition(self.lock)          # the step thread waits on it for work or messages
+        self._pending: collections.deque = collections.deque()   # (message, frames) waiting for the step's end
+        self._in_step = False                                # the model runs a step (between prepare and finish)
+        self._stopping = False
+
+    # ------------------------------------------------------------------ messages from the I/O thread
+    def post(self, msg, frames: list | None = None) -> bool:
+        """A coordinator message (`frames` None) or a peer's KV (m.KVData with its frames), from the I/O thread:
+        carried out at once when the running step allows it (no step runs, or it is an EARLY_CONTROL message and
+        nothing waits before it), else queued for the step thread, which carries it out at the step's end.
+        True when carried out now (its replies are then queued for sending)."""
+        with self.lock:
+            now = not self._pending and (not self._in_step or (frames is None and isinstance(msg, m.EARLY_CONTROL)))
+            if now:
+                self._apply(msg, frames)
+            else:
+                self._pending.append((msg, frames))
+            self._wake.notify()                               # a new request is work; a queued message too
+            return now
+
+    def _apply(self, msg, frames: list | None) -> None:
+        if frames is None:
+            self._control(msg)
+            return
+        try:
+            self._kv(msg, frames)
+        except Exception:  # noqa: BLE001 - a peer's bad payload must not stop this worker
+            log.exception("worker %d: dropped a KV message it could not apply (%s)", self.id,
+                          getattr(msg, "request_id", "?"))
+
+    def _drain(self) -> bool:
+        """Carry out the queued messages in arrival order (lock held); True if there were any."""
+        ran = bool(self._pending)
+        while self._pending:
+            self._apply(*self._pending.popleft())
+        return ran
 
     # ------------------------------------------------------------------ control plane
     def on_control(self, msg) -> None:
@@ -140,14 +177,54 @@ class WorkerShell:
 
     def step(self) -> None:
         """Run one engine step and report its outputs and core events; the lock is free while the model runs."""
-        eng = self.engine
         with self.lock:
-            prep = eng.prepare_step()
+            prep = self.engine.prepare_step()
+        self._finish(prep, self._execute(prep))
+
+    def _execute(self, prep):
         if self.step_sleep_s > 0 and prep.batch is not None:
             time.sleep(self.step_sleep_s)                      # a slow model run (fault injection)
-        out = eng.execute_step(prep)
+        return self.engine.execute_step(prep)
+
+    def _finish(self, prep, out) -> None:
         with self.lock:
-            self._emit(eng.finish_step(prep, out))
+            self._in_step = False
+            self._emit(self.engine.finish_step(prep, out))
+
+    def run(self, notify: Callable[[], None], idle_s: float = 0.05) -> None:
+        """The step thread's body: steps back to back while there is work, the messages queued during a step
+        carried out at its end, until stop(). `notify()` (thread-safe) follows every step and every batch of
+        messages, so the I/O thread sends what they produced. With work that cannot be scheduled (KV on its
+        way), it waits for the next message, at most `idle_s`. An exception ends the thread (the caller reports
+        it and ends the worker)."""
+        eng = self.engine
+        while True:
+            with self.lock:
+                if self._drain():
+                    notify()
+                while not (self._stopping or self._pending or self.has_work()):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                if self._drain():
+                    notify()
+                    if not self.has_work():
+                        continue
+                prep = eng.prepare_step()
+                self._in_step = prep.batch is not None
+            out = self._execute(prep) if prep.batch is not None else None
+            self._finish(prep, out)
+            notify()
+            if prep.plan is None:
+                with self.lock:
+                    if not (self._stopping or self._pending):
+                        self._wake.wait(idle_s)
+
+    def stop(self) -> None:
+        """Make run() return after the step it runs (thread-safe)."""
+        with self.lock:
+            self._stopping = True
+            self._wake.notify_all()
 
     def _emit(self, outs: list[RequestOutput]) -> None:
         deltas = [d for d in (self._delta(o) for o in outs) if d is not None]
