@@ -217,7 +217,8 @@ def cmd_serve(args) -> int:
     api_key = api_key_of(args)
     options = server_options(args)
 
-    from tandem.server.process import event_loop_factory, freeze_startup_objects, tune_for_serving, warm_up
+    from tandem.runtime.event_loop import event_loop_factory
+    from tandem.server.process import freeze_startup_objects, tune_for_serving, warm_up
     tune_for_serving()
     stopped_by: list[int] = []
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.runtime import event_loop
 from tandem.runtime.transport import HEARTBEAT_S, Codec, Hub, Link, PeerInbox, PeerOutbox, Shutdown, WorkerAuth, \
     WorkerDead, WorkerDied, WorkerUnreachable
 
@@ -106,7 +107,7 @@ def _child_main(target: str, kwargs: dict[str, Any], env: WorkerEnv, extra_env: 
     try:
         result = resolve_target(target)(env, **kwargs)
         if inspect.iscoroutine(result):
-            asyncio.run(result)
+            event_loop.run(result)
     except SystemExit:
         raise
     except BaseException as e:

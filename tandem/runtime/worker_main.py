@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ from tandem.runtime.transport import Codec
 from tandem.runtime.worker_shell import WorkerShell
 
 CODEC = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV], frames={m.KVData: 1})   # a KV header without its bytes is dropped
+KEEP_FRESH_S = 0.5         # an unchanged state (a long step) is re-published this often
 STOP_WAIT_S = 5.0          # at shutdown, how long to wait for the running step to end
 log = logging.getLogger("tandem.worker")
 
@@ -61,6 +63,10 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                        t_pre=lambda h, n: cost[0].t_pre(h, n, 1), forward_events=True)
     # the queue estimates (AMPD Eq. 1-2, Alg. 2) use the cost model the coordinator routes with
     cost.append(serving_cost_model(engine.config.model, _kv_bytes_per_token(engine), engine.max_model_len, perf))
+    # the model's modules and startup objects out of the cyclic GC (as the serving process and vLLM's engine core
+    # do): a full collection otherwise walks them all, in the middle of some step
+    gc.collect()
+    gc.freeze()
     store = open_store(state, cluster=cluster) if state != "embedded" else None
     inbox, outbox = env.inbox(CODEC, accept=tuple(m.KV)), env.outbox(CODEC)   # CURVE, the cluster's KV keys
     up: collections.deque = collections.deque()        # to the coordinator, appended by both threads
@@ -117,13 +123,14 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         counted: dict[int, int] = {}                 # iteration tokens already reported
         rejected = [0, 0]                            # dropped frames, refused handshakes already reported
 
-        async def publish(force: bool = False) -> None:
-            """The worker's state, read under the shell's lock: between steps or while the model runs (a long
-            step is a busy worker, not a lost one), every `publish_s` at most."""
+        async def publish(changed: bool = True) -> bool:
+            """The worker's state, read under the shell's lock (between steps or while the model runs): after a
+            step or a message (`changed`), every `publish_s` at most; unchanged, re-stamped every KEEP_FRESH_S (a
+            long step is a busy worker, not a lost one)."""
             nonlocal last_pub
             now = time.time()
-            if not force and now - last_pub < publish_s:
-                return
+            if now - last_pub < (publish_s if changed else KEEP_FRESH_S):
+                return False
             last_pub = now
             with shell.lock:
                 st = WorkerState.from_core(engine.core, engine.clock(), kv_addr=inbox.address, published_s=now)
@@ -139,6 +146,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 counted.update(tokens)
                 await link.send(m.StepCounts(new, frames - rejected[0], handshakes - rejected[1]))
                 rejected[:] = [frames, handshakes]
+            return True
 
         def reader_died(t: asyncio.Task) -> None:       # a reader that dies must end the worker, not go quiet
             if not t.cancelled() and t.exception() is not None:
@@ -152,24 +160,27 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         for t in tasks:
             t.add_done_callback(reader_died)
         mc = engine.model_config
-        await publish(force=True)
+        await publish()
         await link.ready({"kv_address": inbox.address, "pid": os.getpid(), "role": role,
                           "capacity_tokens": engine.core.capacity_tokens, "max_model_len": engine.max_model_len,
                           "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
                           "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": _cache_config(engine)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
         stepper.start()
+        dirty = False                                   # a step ran or a message came since the last publish
         try:
             while not link.stopping:
                 try:
                     await asyncio.wait_for(kick.wait(), timeout=publish_s)
+                    dirty = True
                 except asyncio.TimeoutError:
                     pass
                 kick.clear()
                 if died:
                     raise RuntimeError("this worker's step thread or a message reader died") from died[0]
                 await flush()
-                await publish()
+                if await publish(dirty):
+                    dirty = False
         finally:
             shell.stop()
             for t in tasks:

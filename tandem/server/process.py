@@ -15,13 +15,11 @@
   form. On the event loop, on a first burst of requests, these imports took 50-100 ms (py-spy)."""
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import ctypes.util
 import gc
 import logging
 import sys
-from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("tandem.server")
@@ -43,15 +41,6 @@ def return_large_frees_to_the_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     if not ok:
         log.warning("mallopt(M_MMAP_THRESHOLD, %d) failed: freed request memory may stay in the heap", threshold)
     return ok
-
-
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when installed (as uvicorn's and vLLM's servers use), else asyncio's default (None)."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def tune_for_serving() -> None:
