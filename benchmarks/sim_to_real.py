@@ -366,6 +366,7 @@ def probe_sessions(slo):
 
 PROBE_FIRST = (64, 128, 256, 384, 512, 640)
 PROBE_NEXT = 48
+IDLE_CPU_WINDOW_S = 5.0     # the serving processes' idle CPU is measured over this long before the probe
 
 
 def _ttfts(records, prefix: str) -> dict[tuple[str, int], float]:
@@ -389,11 +390,17 @@ def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: Sp
     factor = {"prefill": s_now["prefill"], "decode": s_now["decode"]}
     with live_server(model, profile, args, work / "serve-calibration.log", lay) as (url, pid):
         replay(url, model, warmup_sessions(probe, slo), args.seed)
+        cpu0, t = _cpu_s(pid) + _own_cpu_s(), time.perf_counter()
+        time.sleep(IDLE_CPU_WINDOW_S)                  # the serving processes' CPU with no request: heartbeats,
+        idle_rate = (_cpu_s(pid) + _own_cpu_s() - cpu0) / (time.perf_counter() - t)   # workers' states relayed
         cpu0 = _cpu_s(pid) + _own_cpu_s()
         t = time.perf_counter()
         res = replay(url, model, probe, args.seed)
-        cpu_host = _cpu_s(pid) + _own_cpu_s() - cpu0
-        log(f"calibration probe: {len(probe)} sessions in {time.perf_counter() - t:.1f} s")
+        probe_wall = time.perf_counter() - t
+        cpu_total = _cpu_s(pid) + _own_cpu_s() - cpu0
+        cpu_host = max(0.0, cpu_total - idle_rate * probe_wall)
+        log(f"calibration probe: {len(probe)} sessions in {probe_wall:.1f} s; serving CPU {cpu_total:.2f} s, of "
+            f"which {idle_rate * probe_wall:.2f} s the idle rate ({idle_rate * 100:.1f}% of a core)")
     bad = check_replayed(probe, res)
     if bad:
         raise RuntimeError(f"the calibration probe did not replay cleanly: {bad[0]}")
@@ -410,7 +417,8 @@ def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: Sp
     step_gap = max(0.0, statistics.median(gaps))
 
     # 2. the serving processes' own CPU (coordinator + HTTP server, and this client) per token streamed: it shares
-    #    the host's cores with the engines' steps
+    #    the host's cores with the engines' steps. What they spend idle (a few % of a core, spread evenly over
+    #    time) is taken out first: counted per token, it would crowd into the busy stretches the tokens come in.
     tokens = sum(m.output_tokens for m in res.rounds if m.ok)
     rt = {"hop_s": hop["hop_s"], "step_gap_s": step_gap, "request_s": 0.0, "output_s": 0.0, "msg_s": 0.0,
           "cores": int(os.cpu_count() or 0), "host_token_s": cpu_host / max(tokens, 1), "host_round_s": 0.0,
@@ -466,7 +474,8 @@ def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: Sp
         "speed": s_now,
         "idle_residual_s": {f"{k[0]} r{k[1]}": resid[k] for k in idle_keys},
         "idle_itl_gap_s": {"median": statistics.median(gaps), "min": min(gaps), "max": max(gaps), "n": len(gaps)},
-        "host_cpu_s": cpu_host, "probe_tokens": tokens,
+        "host_cpu_s": cpu_host, "host_cpu_total_s": cpu_total, "host_idle_cpu_rate": idle_rate,
+        "probe_wall_s": probe_wall, "probe_tokens": tokens,
         "beside_ttft_real_mean_s": target, "beside_ttft_sim_mean_s_before_fit": before + target,
         "stream_gaps_beside_prefill_s": {"n": len(inside), "median": statistics.median(inside) if inside else None},
         "stream_gaps_otherwise_s": {"n": len(outside), "median": statistics.median(outside) if outside else None},
@@ -479,7 +488,7 @@ def calibrate(model: Path, profile: Path, args, work: Path, hop: dict, speed: Sp
                     "transport; step_factor = the profile's steps timed again just before (machine speed); on an "
                     "idle-server probe: step_gap_s = median over rounds of the single-stream mean ITL minus the "
                     "profiled decode step, host_token_s = CPU seconds of the coordinator/HTTP process and the client "
-                    "per output token (cores = the host's), request_s = median idle TTFT minus the simulated "
+                    "per output token beyond their idle rate (cores = the host's), request_s = median idle TTFT minus the simulated "
                     "remote-prefill path (request and response latency together; output_s 0), interference.prefill "
                     "fitted so simulated prefills beside a decode stream take as long as measured, "
                     "interference.decode = that stream's median inter-token gap while those prefills run over its "

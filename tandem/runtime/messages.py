@@ -192,9 +192,11 @@ class WorkerFailure(msgspec.Struct, tag=True):
 CONTROL = [BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered, RunLocal, Release,
            Abort]
 # Control messages a worker carries out while its model runs a step, in arrival order, as long as no message
-# before them waits for the step's end: they only queue work or pin KV that the running step does not touch.
-# The others (KV moves, releases, aborts) change what the running step reads, so they wait for its end.
-EARLY_CONTROL = (BeginRound, AddRequest, AddPrefill)
+# before them waits for the step's end. They queue work, pin KV, or move the KV of requests the running step
+# does not include (a finished prefill's new KV, an idle session's history, a waiting task's): the step reads
+# and writes only its own batch's blocks, and new blocks are handed out only when the next step is planned.
+# RunLocal, Release and Abort may concern a request of the running batch, so they wait for the step's end.
+EARLY_CONTROL = (BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered)
 
 class StepCounts(msgspec.Struct, tag=True):
     """Worker -> coordinator, with its state: engine steps by tokens per step since the last StepCounts (the
@@ -207,6 +209,7 @@ class StepCounts(msgspec.Struct, tag=True):
 
 UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure, StepCounts]
 KV = [KVData]
+EARLY = (*EARLY_CONTROL, KVData)      # a peer's KV is kept for its request at once too (placed later)
 
 
 class Stats(msgspec.Struct, tag=True):

@@ -51,11 +51,11 @@ class WorkerShell:
     # ------------------------------------------------------------------ messages from the I/O thread
     def post(self, msg, frames: list | None = None) -> bool:
         """A coordinator message (`frames` None) or a peer's KV (m.KVData with its frames), from the I/O thread:
-        carried out at once when the running step allows it (no step runs, or it is an EARLY_CONTROL message and
-        nothing waits before it), else queued for the step thread, which carries it out at the step's end.
+        carried out at once when the running step allows it (no step runs, or it is one of m.EARLY and nothing
+        waits before it), else queued for the step thread, which carries it out at the step's end.
         True when carried out now (its replies are then queued for sending)."""
         with self.lock:
-            now = not self._pending and (not self._in_step or (frames is None and isinstance(msg, m.EARLY_CONTROL)))
+            now = not self._pending and (not self._in_step or isinstance(msg, m.EARLY))
             if now:
                 self._apply(msg, frames)
             else:
@@ -194,8 +194,8 @@ class WorkerShell:
     def run(self, notify: Callable[[], None], idle_s: float = 0.05) -> None:
         """The step thread's body: steps back to back while there is work, the messages queued during a step
         carried out at its end, until stop(). `notify()` (thread-safe) follows every step and every batch of
-        messages, so the I/O thread sends what they produced. With work that cannot be scheduled (KV on its
-        way), it waits for the next message, at most `idle_s`. An exception ends the thread (the caller reports
+        messages, so the I/O thread sends what they produced. Idle, or with work that cannot be scheduled (KV on
+        its way), it waits for the next message, at most `idle_s` at a time. An exception ends the thread (the caller reports
         it and ends the worker)."""
         eng = self.engine
         while True:
@@ -203,7 +203,7 @@ class WorkerShell:
                 if self._drain():
                     notify()
                 while not (self._stopping or self._pending or self.has_work()):
-                    self._wake.wait()
+                    self._wake.wait(idle_s)                   # work that time alone makes ready is seen too
                 if self._stopping:
                     return
                 if self._drain():

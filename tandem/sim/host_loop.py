@@ -10,13 +10,14 @@ from tandem.core.types import BatchShape, PREFILL, StepPlan
 from tandem.core.worker import WorkerCore
 from tandem.sim.faults import Fate
 from tandem.sim.loop import (
-    M_BEGIN, M_KV_ARRIVED, M_KV_IN, M_SEND_KV, M_SUBMIT, STEP, TOOL, EventLoop,
+    M_BEGIN, M_DELIVERED, M_HISTORY_READY, M_KV_ARRIVED, M_KV_IN, M_SEND_KV, M_SUBMIT, STEP, TOOL, EventLoop,
 )
 from tandem.sim.network import Network
 from tandem.workload.session import Session
 
 REQ, TOOLREQ, BEGUN, CTL, CTLDONE, EVT, HOST = range(7, 14)
-EARLY = (M_BEGIN, M_SUBMIT)     # carried out while the worker steps (tandem.runtime.messages.EARLY_CONTROL)
+# carried out while the worker steps (tandem.runtime.messages.EARLY: EARLY_CONTROL and a peer's KV)
+EARLY = (M_BEGIN, M_SUBMIT, M_SEND_KV, M_HISTORY_READY, M_KV_ARRIVED, M_DELIVERED, M_KV_IN)
 
 
 class HostLoop(EventLoop):
@@ -30,11 +31,13 @@ class HostLoop(EventLoop):
       gap runs from there);
     - every coordinator action is a message that reaches its worker `hop_s` later, and every worker event
       reaches the coordinator `hop_s` later;
-    - a worker handles its messages between two steps, one after the other (`msg_s` each), except that a
-      BeginRound or a Submit reaching a worker in a step with nothing waiting before it is carried out at once,
-      beside the model's run (the runtime's `messages.EARLY_CONTROL`); a KV send first gathers the KV on the
-      source worker (export), the bytes then cross the link, and the destination worker places them between
-      its own steps (import): both hold their worker like a message does;
+    - a worker handles its messages one after the other (`msg_s` each); between two steps all of them, during
+      a step those of `EARLY` (the runtime's `messages.EARLY`: BeginRound, Submit and the KV moves of requests
+      outside the running batch) as long as nothing waits before them; the others wait for the step's end, and
+      so does everything after them. A KV send first gathers the KV on the source worker (export), the bytes
+      then cross the link, and the destination worker places them (import): each holds its worker's message
+      handling like a message does, and a step that ends meanwhile waits for it before the next one starts
+      (the runtime's I/O thread holds the shell's lock);
     - every step takes `step_factor[kind]` times the step model plus `step_gap_s` (the worker loop between
       steps);
     - a step runs `interference[kind]` times slower while another worker is in a step (the slow-down applies
@@ -78,32 +81,32 @@ class HostLoop(EventLoop):
     def _deliver(self, wid: int, item: tuple) -> None:
         if self.dead[wid]:
             return
-        if item[0] in EARLY and self.workers[wid].busy and not self._inbox[wid] and not self._handling[wid]:
-            self._carry_out(wid, item)                 # beside the running step, as the runtime does
-            return
         self._inbox[wid].append(item)
-        if not self.workers[wid].busy and not self._handling[wid]:
+        if not self._handling[wid]:
             self._handle(wid)
 
-    def _handle(self, wid: int) -> None:
-        """Work through the worker's inbox (it is between steps); then let it step."""
-        box = self._inbox[wid]
+    def _cost(self, item: tuple) -> float:
         c = self.costs
-        while box:
-            item = box[0]
-            cost = c.msg_s
-            if item[0] == M_SEND_KV:
-                cost += c.export_s(item[1].tokens * self.kv_bytes)
-            elif item[0] == M_KV_IN:
-                cost += c.import_s(item[1].tokens * self.kv_bytes)
+        if item[0] == M_SEND_KV:
+            return c.msg_s + c.export_s(item[1].tokens * self.kv_bytes)
+        if item[0] == M_KV_IN:
+            return c.msg_s + c.import_s(item[1].tokens * self.kv_bytes)
+        return c.msg_s
+
+    def _handle(self, wid: int) -> None:
+        """Work through the worker's inbox: all of it between steps (then let it step), during a step only the
+        EARLY messages at its head."""
+        box = self._inbox[wid]
+        while box and (not self.workers[wid].busy or box[0][0] in EARLY):
+            cost = self._cost(box[0])
             if cost > 0:
                 self._handling[wid] = True
                 self._push(self.now + cost, CTLDONE, wid)
                 return
-            box.pop(0)
-            self._carry_out(wid, item)
+            self._carry_out(wid, box.pop(0))
         self._handling[wid] = False
-        self._kick(wid)
+        if not self.workers[wid].busy:
+            self._kick(wid)
 
     def _carry_out(self, wid: int, item: tuple) -> None:
         """A message handled between two steps: its effect on the worker, then the events it caused."""
@@ -199,10 +202,8 @@ class HostLoop(EventLoop):
             toks = len(plan.decode) + sum(1 for tk, n in plan.prefill if tk.done >= tk.l_incr and not tk.recompute)
             self._host_work(toks * self.costs.host_token_s)
         self._forward(w)
-        if self._inbox[a]:
+        if not self._handling[a]:                          # else the message being handled continues, then steps
             self._handle(a)
-        else:
-            self._kick(a)
 
     def _on_kill(self, wid: int, b) -> None:
         if not self.dead[wid] and self._step[wid] is not None:
