@@ -78,7 +78,7 @@ async def _drain(gen) -> list:
 
 # ---------------------------------------------------------------------------- 1. ampd: Alg. 2 live == simulated
 BLOCKER, LONG, SHORT = 2000, 1000, 48      # prompt tokens of the blocker B, the long round L, the short S1, S2
-CHUNK = 16                                 # max_num_batched_tokens: S takes 3 steps, B 125, L 63
+CHUNK = 8                                  # max_num_batched_tokens: S takes 6 steps, B 250, L 125 (B ~1 s here)
 AMPD_ENGINE = dict(max_model_len=2048, num_kv_blocks=512, max_num_batched_tokens=CHUNK)
 P, D = 0, 1                                # worker ids of the 1P+1D cluster
 
@@ -113,7 +113,8 @@ LOCAL = Scenario("local", 10.0, PiecewiseLinear(1, [], [[0.0, 0.02, 0.0, 0.0]]),
 # Remote: the prefill worker must have slack for every round whatever its published queue (Alg. 1 lines 1-3:
 # est + T_kv + queue <= 0.9 x 4 s, at most 3.541 s), so the blocker's estimate is tiny (T_pre piecewise in l_incr);
 # L (3.5 s) meets the 4 s SLO only if it starts within 0.5 s, S1 and S2 (10 ms) meet theirs ahead of it: after the
-# blocker's ~1 s, Alg. 2 puts them first (any wait in (0.48 s, 3.98 s)).
+# blocker's ~1 s (250 chunks of 8 tokens: 0.55 s with 16-token chunks came too close to 0.48 s on a fast machine),
+# Alg. 2 puts them first (any wait in (0.48 s, 3.98 s)).
 REMOTE = Scenario("remote", 4.0, PiecewiseLinear(1, [500.0, 1500.0], [[0.0, 0.01 / SHORT, 0.0, 0.0],
                                                                       [0.0, 3.5 / LONG, 0.0, 0.0],
                                                                       [0.0, 0.02 / BLOCKER, 0.0, 0.0]]), 1e-3,
