@@ -1,0 +1,182 @@
+"""LAPS Alg. 2: the lightweight instance-pressure controller moving prefill instances between the pools.
+
+Sans-I/O: the shell calls step(now, signals) once per control period Δt with each instance's latest
+signal; step returns the one Move to carry out (or None) and has already updated the membership.
+
+Pressure of instance k: ψ_k = α·q_k + β·e_k − γ·u_k (queue backlog, SLA deviation, utilisation).
+Both pools are scored with the same weights on the same signals, so their pressures share one scale
+(the shell must report q and e in the same units for both pools, e.g. normalised backlog and TTFT
+over SLO minus 1). A pool's pressure is a robust quantile (P90 by default) of its instances' ψ.
+
+Hysteresis with signed pressures. Alg. 2 compares P_s > (1+τ)·P_l, which inverts when P_l < 0 (an
+idle, utilised pool): (1+τ)·P_l is then *below* P_l and the hysteresis would help the move instead
+of resisting it. This controller uses one rule for every sign: a pressure a exceeds b when
+a − b > τ·|b|. For b >= 0 that is exactly a > (1+τ)·b; for b < 0 it is a > (1−τ)·b, i.e. a must
+still beat b by the fraction τ of b's magnitude. For b = 0 any a > 0 exceeds it (as in Alg. 2).
+
+Reversal guard (an addition to Alg. 2, on by default, `guard_reversal=False` for the paper's rule):
+a move is made only if, re-scored on the same signals after the move, the opposite pool would not
+exceed the other — P90 over small pools jumps when a member leaves, and without the guard a constant
+load can make the controller move the same instance back and forth every cool-down. With the guard,
+under constant signals every move goes the same way, so the pools reach a fixed point.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.policy.laps.classify import PrefillClass
+
+__all__ = ["InstanceSignal", "Move", "PoolController", "PressureConfig", "exceeds"]
+
+
+def _check_nonneg(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def exceeds(a: float, b: float, tau: float) -> bool:
+    """Hysteresis test for signed pressures: a − b > τ·|b| (a > (1+τ)·b when b >= 0)."""
+    return a - b > tau * abs(b)
+
+
+@dataclass(frozen=True, slots=True)
+class PressureConfig:
+    """Alg. 2 knobs: pressure weights (α, β, γ), hysteresis τ, cool-down, minimum pool size, aggregator."""
+
+    alpha: float = 1.0                 # weight of the queue backlog q
+    beta: float = 1.0                  # weight of the SLA deviation e
+    gamma: float = 1.0                 # weight of the utilisation u (subtracted)
+    tau: float = 0.2                   # hysteresis: the donor must be exceeded by a fraction τ
+    t_cool_s: float = 5.0              # no move within t_cool_s of the last one
+    n_min: int = 1                     # neither pool drops below n_min instances
+    aggregator_quantile: float = 0.9   # pool pressure = this quantile of instance pressures (P90)
+    guard_reversal: bool = True        # skip a move that would immediately qualify the opposite move
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma", "tau", "t_cool_s"):
+            _check_nonneg(name, getattr(self, name))
+        if isinstance(self.n_min, bool) or not isinstance(self.n_min, int) or self.n_min < 0:
+            raise ValueError(f"n_min must be an int >= 0, got {self.n_min!r}")
+        q = self.aggregator_quantile
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
+            raise ValueError(f"aggregator_quantile must be in [0, 1], got {q!r}")
+        if not isinstance(self.guard_reversal, bool):
+            raise ValueError(f"guard_reversal must be a bool, got {self.guard_reversal!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSignal:
+    """One instance's load in the last control period: queue backlog, SLA deviation, utilisation."""
+
+    instance: int
+    queue: float
+    sla_deviation: float
+    utilization: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.instance, bool) or not isinstance(self.instance, int):
+            raise ValueError(f"instance must be an int, got {self.instance!r}")
+        _check_nonneg("queue", self.queue)
+        _check_nonneg("utilization", self.utilization)
+        e = self.sla_deviation
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e):
+            raise ValueError(f"sla_deviation must be a finite number, got {e!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One instance migrated between the pools at at_s."""
+
+    instance: int
+    from_pool: PrefillClass
+    to_pool: PrefillClass
+    at_s: float
+
+
+class PoolController:
+    """Alg. 2: moves at most one instance per step toward the more pressured pool, with cool-down and hysteresis."""
+
+    def __init__(self, config: PressureConfig, short: Iterable[int], long: Iterable[int]) -> None:
+        if not isinstance(config, PressureConfig):
+            raise ValueError(f"config must be a PressureConfig, got {type(config).__name__}")
+        pools = {PrefillClass.SHORT: set(short), PrefillClass.LONG: set(long)}
+        for cls, members in pools.items():
+            for k in members:
+                if isinstance(k, bool) or not isinstance(k, int):
+                    raise ValueError(f"{cls} pool: instance ids must be ints, got {k!r}")
+            if len(members) < config.n_min:
+                raise ValueError(f"{cls} pool has {len(members)} instances, fewer than n_min={config.n_min}")
+        both = pools[PrefillClass.SHORT] & pools[PrefillClass.LONG]
+        if both:
+            raise ValueError(f"instances {sorted(both)} are in both pools")
+        self.config = config
+        self._pools = pools
+        self._t_last = -math.inf
+        self.last_pool_pressures: dict[PrefillClass, float] | None = None
+
+    def pools(self) -> dict[PrefillClass, frozenset[int]]:
+        """Current membership of the SHORT and LONG pools."""
+        return {cls: frozenset(m) for cls, m in self._pools.items()}
+
+    def pressure(self, signal: InstanceSignal) -> float:
+        """ψ = α·q + β·e − γ·u."""
+        c = self.config
+        return c.alpha * signal.queue + c.beta * signal.sla_deviation - c.gamma * signal.utilization
+
+    def pool_pressure(self, signals: Iterable[InstanceSignal]) -> float:
+        """The configured quantile of the instances' pressures (linear interpolation, as numpy.percentile)."""
+        values = [self.pressure(s) for s in signals]
+        if not values:
+            raise ValueError("pool_pressure needs at least one signal")
+        return float(np.quantile(values, self.config.aggregator_quantile))
+
+    def step(self, now: float, signals: Mapping[int, InstanceSignal]) -> Move | None:
+        """One control period (Alg. 2 body): maybe move one instance; returns the Move carried out.
+
+        Signals of instances in neither pool are ignored; a pool with no signal makes no decision.
+        The donor's instance with the lowest pressure moves (ties: lowest id), among those with a signal.
+        """
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise ValueError(f"now must be a finite number, got {now!r}")
+        for k, s in signals.items():
+            if not isinstance(s, InstanceSignal) or s.instance != k:
+                raise ValueError(f"signals[{k!r}] must be the InstanceSignal of instance {k!r}, got {s!r}")
+        psi = {k: self.pressure(s) for k, s in signals.items()}
+        pressures = self._pool_pressures(self._pools, psi)
+        self.last_pool_pressures = pressures
+        if pressures is None or now - self._t_last < self.config.t_cool_s:
+            return None
+        c = self.config
+        p_s, p_l = pressures[PrefillClass.SHORT], pressures[PrefillClass.LONG]
+        if exceeds(p_s, p_l, c.tau) and len(self._pools[PrefillClass.LONG]) > c.n_min:
+            donor, receiver = PrefillClass.LONG, PrefillClass.SHORT
+        elif exceeds(p_l, p_s, c.tau) and len(self._pools[PrefillClass.SHORT]) > c.n_min:
+            donor, receiver = PrefillClass.SHORT, PrefillClass.LONG
+        else:
+            return None
+        candidates = [k for k in self._pools[donor] if k in psi]
+        if not candidates:
+            return None
+        k = min(candidates, key=lambda i: (psi[i], i))
+        after = {donor: self._pools[donor] - {k}, receiver: self._pools[receiver] | {k}}
+        if c.guard_reversal:
+            moved = self._pool_pressures(after, psi)
+            if moved is not None and exceeds(moved[donor], moved[receiver], c.tau):
+                return None
+        self._pools = after
+        self._t_last = now
+        return Move(k, donor, receiver, float(now))
+
+    def _pool_pressures(self, pools: Mapping[PrefillClass, set[int]],
+                        psi: Mapping[int, float]) -> dict[PrefillClass, float] | None:
+        out = {}
+        for cls, members in pools.items():
+            values = [psi[k] for k in members if k in psi]
+            if not values:
+                return None
+            out[cls] = float(np.quantile(values, self.config.aggregator_quantile))
+        return out
