@@ -30,7 +30,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "TTFT/ITL/TPOT/E2E, throughput and SLO attainment (docs/bench.md).")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--workload", required=True, metavar="NAME|FILE",
-                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long), public trace "
+                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long, chat-multiturn), public trace "
                         "(azure-conv, azure-code, mooncake, sharegpt) or a .jsonl session file")
     p.add_argument("--rate", type=positive_float, default=None,
                    help="session arrival rate per second (default: 1 for generators; a file keeps its "

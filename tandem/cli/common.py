@@ -140,7 +140,7 @@ def load_workload(args, model: str) -> tuple[list, float | None, str]:
         if args.override_arrivals:
             note("--override-arrivals only applies to traces; generated sessions always use --rate")
         rate = args.rate if args.rate is not None else DEFAULT_RATE
-        slo = slo_from_args(args, generators.PAPER_SLOS.get((model, args.workload)))
+        slo = slo_from_args(args, generators.default_slo(model, args.workload))
         sessions = generators.generate(args.workload, args.sessions or DEFAULT_SESSIONS, rate, args.seed, slo=slo,
                                        prefill_basis=basis)
         return sessions, rate, "generator"

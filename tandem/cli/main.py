@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Simulate one workload (a generator name, a public trace name or a "
                                    "JSONL session file) on one deployment and print its metrics.")
     s.add_argument("--workload", required=True, metavar="NAME|FILE",
-                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long), public trace "
+                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long, chat-multiturn), public trace "
                         "(azure-conv, azure-code, mooncake, sharegpt) or a .jsonl session file")
     s.add_argument("--model", default="llama-3.1-70b", help="model name (default: %(default)s)")
     s.add_argument("--gpu", default="h20", help="GPU name (default: %(default)s)")
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write sessions in tandem's JSONL format (docs/session-format.md), e.g. to "
                                    "edit them or to replay them with `tandem simulate --workload FILE.jsonl`.")
     g.add_argument("--workload", required=True, metavar="NAME",
-                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long) or public trace "
+                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long, chat-multiturn) or public trace "
                         "(azure-conv, azure-code, mooncake, sharegpt)")
     g.add_argument("--model", default="llama-3.1-70b", help="model whose AMPD SLOs are attached (default: %(default)s)")
     g.add_argument("--sessions", type=positive_int, default=None,

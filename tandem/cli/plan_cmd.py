@@ -30,7 +30,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "for the one whose worst P95 latency relative to the SLO (TTFT for prefill, "
                                    "ITL for decode) is lowest, by simulating them (AMPD §5, docs/planner.md).")
     p.add_argument("--workload", required=True, metavar="NAME|FILE",
-                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long), public trace or .jsonl file")
+                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long, chat-multiturn), "
+                        "public trace or .jsonl file")
     p.add_argument("--model", default="llama-3.1-70b", help="model name (default: %(default)s)")
     p.add_argument("--gpu", default="h20", help="GPU name (default: %(default)s)")
     p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="GPU budget")
@@ -106,9 +107,9 @@ def _sessions(args, model: str):
 
     is_gen = args.workload in generators.GENERATOR_NAMES
     args.override_arrivals = (not is_gen) and args.rate is not None
-    if is_gen and generators.PAPER_SLOS.get((model, args.workload)) is None and (
+    if is_gen and generators.default_slo(model, args.workload) is None and (
             args.slo_ttft is None or args.slo_itl is None):
-        raise CLIError(f"give --slo-ttft and --slo-itl: AMPD has no SLO for {model} on {args.workload}")
+        raise CLIError(f"give --slo-ttft and --slo-itl: no default SLO for {model} on {args.workload}")
     sessions, rate, kind = load_workload(args, model)
     if any(s.slo is None for s in sessions):
         raise CLIError("the planner needs an SLO for every session: give --slo-ttft and --slo-itl")

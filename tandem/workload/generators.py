@@ -1,8 +1,10 @@
-"""Synthetic multi-round workloads matching the AMPD paper's Table 1 (ToolBench, GAIA, HotpotQA, DuReader).
+"""Synthetic multi-round workloads matching the AMPD paper's Table 1 (ToolBench, GAIA, HotpotQA, DuReader),
+plus the `agentic-long` stress workload and LAPS's multi-turn chat mix (`chat-multiturn`).
 
 The paper publishes only the means of each trace (rounds, per-round prefill and decode lengths),
 so every distribution here is an explicit, documented choice (`WorkloadSpec`), calibrated
 analytically so that its *population* means equal the table; see docs/session-format.md.
+`chat-multiturn` (`ChatSpec`) is calibrated the same way to LAPS's fractions of short prompts.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from scipy import optimize, special, stats
 
 from tandem.workload.arrivals import check_rate, check_seed, poisson_arrivals
 from tandem.workload.session import SLO, Round, Session, WorkloadError
+from tandem.workload.traces import sharegpt_file, sharegpt_lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +148,76 @@ class AgenticLongSpec:
 
 AGENTIC_LONG = AgenticLongSpec()
 
+
+@dataclass(frozen=True, slots=True)
+class ChatSpec:
+    """Distributions of the `chat-multiturn` workload: LAPS's multi-turn chat length mix (LAPS §1, §2.3, Fig. 2).
+
+    Round 0 is the first user prompt (system prompt included), every later round the new user tokens
+    of the next turn, prefilled on top of the history (a re-prefill). The fractions of short prompts
+    (< `short_tokens`) are LAPS's LMSYS-Chat-1M figures and hold exactly in the population (see
+    `chat_calibration`); the long first prompts and every output are ShareGPT lengths.
+    """
+
+    name: str = "chat-multiturn"
+    short_tokens: int = 256               # "short" means fewer than this many tokens (LAPS Fig. 2)
+    first_short_fraction: float = 0.63    # P(round-0 prompt < short_tokens): LAPS Fig. 2, left
+    later_short_fraction: float = 0.81    # P(later round's new input < short_tokens): LAPS Fig. 2, right
+    # round 0: with probability first_short_fraction a draw from ShareGPT's num_prefill_tokens < short_tokens,
+    # else one from its num_prefill_tokens >= short_tokens (each uniform over the file's rows of that part)
+    # later rounds: rint(lognormal(mu, later_input_sigma)) clipped to [1, later_input_max], mu solved
+    later_input_sigma: float = 1.5
+    later_input_max: int = 8_192
+    # output_tokens of every round: uniform over the file's num_decode_tokens
+    # rounds = min(1 + N, max_rounds), N negative binomial of shape rounds_shape (1: geometric), capped mean
+    mean_rounds: float = 2.0
+    rounds_shape: float = 1.0
+    max_rounds: int = 16
+    # the user's think time between turns (tool_s of every round but the last): lognormal, clipped
+    think_median_s: float = 20.0
+    think_sigma: float = 1.0
+    think_min_s: float = 1.0
+    think_max_s: float = 600.0
+    lengths_file: str | None = None       # ShareGPT length statistics CSV; None: the shipped trace (traces_dir())
+    why: str = (
+        "Chat turns as LAPS measures them on LMSYS-Chat-1M: 63% of first prompts and 81% of later new "
+        "inputs are under 256 tokens, the later ones shorter because a re-prefill carries only the user's "
+        "new message. First prompts resample ShareGPT's real prompt lengths, reweighted to that 63%, so the "
+        "long ones are ShareGPT's long tail (LAPS evaluates on both datasets); later inputs are a wide "
+        "lognormal (median ~68: a few dozen tokens, a few pasted documents); outputs are ShareGPT's. "
+        "Conversations average 2 turns (LMSYS) with a geometric tail (the user goes on with probability "
+        "~1/2 after each turn), capped at 16; between turns the user reads and types for tens of seconds.")
+
+    def __post_init__(self) -> None:
+        bad = _chat_problem(self)
+        if bad:
+            raise WorkloadError(f"workload spec {self.name!r}: {bad}")
+
+
+def _chat_problem(s: ChatSpec) -> str:
+    if not (isinstance(s.short_tokens, int) and 2 <= s.short_tokens <= s.later_input_max):
+        return f"short_tokens must be an integer in [2, later_input_max={s.later_input_max}], got {s.short_tokens!r}"
+    for name in ("first_short_fraction", "later_short_fraction"):
+        if not (0.0 < getattr(s, name) < 1.0):
+            return f"{name} must lie in (0, 1), got {getattr(s, name)!r}"
+    if not (1 < s.mean_rounds < s.max_rounds and s.rounds_shape > 0):
+        return f"need 1 < mean_rounds < max_rounds={s.max_rounds} and rounds_shape > 0"
+    if min(s.later_input_sigma, s.think_sigma) <= 0:
+        return "sigmas must be > 0"
+    if not (0 <= s.think_min_s <= s.think_median_s <= s.think_max_s):
+        return "need 0 <= think_min_s <= think_median_s <= think_max_s"
+    return ""
+
+
+CHAT = ChatSpec()
+
+CHAT_SLO = SLO(0.4, 0.1)
+"""`chat-multiturn`'s SLO: LAPS Fig. 7's TTFT SLO (0.4 s); LAPS sets no ITL SLO (it measures prefill), so the
+ITL objective is DistServe's chatbot TPOT (0.1 s), loose enough that attainment is decided by TTFT as in Fig. 7."""
+
+WORKLOAD_SLOS: dict[str, SLO] = {"chat-multiturn": CHAT_SLO}
+"""Default SLOs of workloads whose paper gives one SLO for every model (AMPD's are per model: PAPER_SLOS)."""
+
 PAPER_SLOS: dict[tuple[str, str], SLO] = {
     ("qwen3-32b", "toolbench"): SLO(0.35, 0.040),
     ("qwen3-32b", "gaia"): SLO(1.0, 0.035),
@@ -164,7 +237,14 @@ PAPER_SLOS: dict[tuple[str, str], SLO] = {
 PAPER_GPUS: dict[str, int] = {"toolbench": 8, "hotpotqa": 8, "dureader": 16, "gaia": 32}
 """GPUs AMPD gives each workload (§7: one server for HotpotQA/ToolBench, two for DuReader, four for GAIA)."""
 
-GENERATOR_NAMES: tuple[str, ...] = (*WORKLOADS, "agentic-long")
+GENERATOR_NAMES: tuple[str, ...] = (*WORKLOADS, "agentic-long", "chat-multiturn")
+
+
+def default_slo(model: str, workload: str) -> SLO | None:
+    """The SLO a generated `workload` gets by default: AMPD's for (model, workload), else the workload's own
+    (WORKLOAD_SLOS, any model), else None."""
+    slo = PAPER_SLOS.get((model, workload))
+    return slo if slo is not None else WORKLOAD_SLOS.get(workload)
 
 
 def paper_slo(model: str, workload: str) -> SLO:
@@ -308,6 +388,8 @@ def generate(name: str | WorkloadSpec, num_sessions: int, rate: float, seed: int
     """
     if isinstance(name, str) and name == "agentic-long":
         return agentic_long(num_sessions, seed, rate=rate, slo=slo)
+    if isinstance(name, str) and name == "chat-multiturn":
+        return chat_multiturn(num_sessions, seed, rate=rate, slo=slo)
     spec = name if isinstance(name, WorkloadSpec) else workload_spec(name)
     if prefill_basis is not None and prefill_basis != spec.prefill_basis:
         spec = dataclasses.replace(spec, prefill_basis=prefill_basis)
@@ -387,4 +469,98 @@ def agentic_long(num_sessions: int, seed: int, rate: float = 0.1, slo: SLO | Non
         gaps[-1] = 0.0
         rs = [Round(x, y, g) for x, y, g in zip(inp_i, out_i, gaps)]
         sessions.append(Session(f"agentic-long-{i}", arrivals[i], rs, slo))
+    return sessions
+
+
+# --------------------------------------------------------------------------- chat-multiturn
+
+
+def short_fraction(mu: float, sigma: float, short_tokens: int) -> float:
+    """P(clip(rint(exp(mu + sigma Z)), 1, hi) < short_tokens) = P(exp(mu + sigma Z) < short_tokens - 0.5), hi >= it."""
+    return float(special.ndtr((math.log(short_tokens - 0.5) - mu) / sigma))
+
+
+def mu_for_short_fraction(fraction: float, sigma: float, short_tokens: int) -> float:
+    """The mu whose clipped, rounded lognormal (sigma) is below `short_tokens` with probability `fraction`."""
+    return math.log(short_tokens - 0.5) - sigma * float(special.ndtri(fraction))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCalibration:
+    """What `chat-multiturn` draws from: the solved parameters and the ShareGPT pools (sorted, read-only)."""
+
+    rounds_param: float       # mean of N in rounds = min(1 + N, max_rounds)
+    mu_later: float           # mu of the later rounds' lognormal
+    first_short: np.ndarray   # ShareGPT num_prefill_tokens < short_tokens
+    first_long: np.ndarray    # ShareGPT num_prefill_tokens >= short_tokens
+    outputs: np.ndarray       # ShareGPT num_decode_tokens
+    lengths_file: str
+
+
+def chat_calibration(spec: ChatSpec = CHAT) -> ChatCalibration:
+    """Solve `spec`'s parameters and read its ShareGPT pools (WorkloadError if the file lacks a part).
+
+    P(round 0 < short) = first_short_fraction exactly (the weight of the short pool); P(later input < short)
+    = later_short_fraction exactly (mu = log(short - 0.5) - sigma * Phi^-1(fraction)); E[rounds] = mean_rounds
+    exactly (the capped negative binomial, as for the AMPD workloads)."""
+    path = sharegpt_file(spec.lengths_file)
+    prefill, decode = sharegpt_lengths(path)
+    return _chat_pools(spec, str(path), prefill, decode)
+
+
+def _chat_pools(spec: ChatSpec, path: str, prefill: np.ndarray, decode: np.ndarray) -> ChatCalibration:
+    short = np.sort(prefill[prefill < spec.short_tokens])
+    long_ = np.sort(prefill[prefill >= spec.short_tokens])
+    for part, what in ((short, "below"), (long_, "at or above")):
+        if part.size == 0:
+            raise WorkloadError(f"{path}: no num_prefill_tokens {what} {spec.short_tokens}; chat-multiturn "
+                                "resamples first prompts from both sides")
+    pools = []
+    for a in (short, long_, np.sort(decode)):
+        a.setflags(write=False)
+        pools.append(a)
+    return ChatCalibration(
+        rounds_param_for_mean("negbin", spec.mean_rounds, spec.rounds_shape, spec.max_rounds),
+        mu_for_short_fraction(spec.later_short_fraction, spec.later_input_sigma, spec.short_tokens),
+        *pools, path)
+
+
+def _pick(pool: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """pool[floor(u * len(pool))]: a uniform draw over the pool's entries (inverse CDF of the sorted pool)."""
+    return pool[np.minimum((u * pool.size).astype(np.int64), pool.size - 1)]
+
+
+def chat_multiturn(num_sessions: int, seed: int, rate: float = 1.0, slo: SLO | None = None,
+                   spec: ChatSpec = CHAT) -> list[Session]:
+    """Multi-turn chat sessions with LAPS's length mix (63% / 81% short first / later prompts, ShareGPT's long
+    prompts and outputs), Poisson arrivals at `rate`/s; deterministic per seed (and ShareGPT file)."""
+    n = _check_count(num_sessions)
+    rate = check_rate(rate)
+    if slo is not None and not isinstance(slo, SLO):
+        raise WorkloadError(f"slo must be an SLO or None, got {slo!r}")
+    cal = chat_calibration(spec)
+    r_arr, r_rounds, r_first, r_in, r_out, r_think = _streams(spec.name, seed, 6)
+
+    arrivals = poisson_arrivals(n, rate, r_arr).tolist()
+    k = spec.rounds_shape
+    rounds = np.minimum(1 + r_rounds.negative_binomial(k, k / (k + cal.rounds_param), n), spec.max_rounds)
+    total = int(rounds.sum())
+    starts = np.concatenate(([0], np.cumsum(rounds)[:-1]))
+    last = starts + rounds - 1
+
+    u = r_first.random((n, 2))                # per session: which part, then where in it
+    first = np.where(u[:, 0] < spec.first_short_fraction, _pick(cal.first_short, u[:, 1]),
+                     _pick(cal.first_long, u[:, 1]))
+    inputs = _lognormal_ints(r_in, cal.mu_later, spec.later_input_sigma, spec.later_input_max, total)
+    inputs[starts] = first                    # the draws at round 0 positions are not used
+    outputs = _pick(cal.outputs, r_out.random(total))
+    think = np.exp(math.log(spec.think_median_s) + spec.think_sigma * r_think.standard_normal(total))
+    think = np.round(np.clip(think, spec.think_min_s, spec.think_max_s), 3)
+    think[last] = 0.0
+
+    ins, outs, gaps = inputs.tolist(), outputs.tolist(), think.tolist()
+    sessions = []
+    for i, (t, a, nr) in enumerate(zip(arrivals, starts.tolist(), rounds.tolist())):
+        rs = [Round(ins[j], outs[j], gaps[j]) for j in range(a, a + nr)]
+        sessions.append(Session(f"{spec.name}-{i}", t, rs, slo))
     return sessions

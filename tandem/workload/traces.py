@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ TRACE_FILES: dict[str, str] = {
     "sharegpt": "sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
 }
 MOONCAKE_BLOCK_SIZE = 512
+SHAREGPT_HEADER = ["num_prefill_tokens", "num_decode_tokens"]  # leading columns of the ShareGPT CSV
 
 
 def traces_dir() -> Path:
@@ -171,11 +173,49 @@ def load_sharegpt(limit: int | None = None, rate: float = 1.0, seed: int = 0) ->
     """ShareGPT 8k conversation lengths (Llama-2 tokenizer) with Poisson arrivals at `rate`/s."""
     path = trace_path("sharegpt")
     rate, seed = check_rate(rate), check_seed(seed)
-    rows = _read_csv(path, ["num_prefill_tokens", "num_decode_tokens"], _check_limit(limit))
+    rows = _read_csv(path, SHAREGPT_HEADER, _check_limit(limit))
     inputs = _int_column(path, rows, 0, "num_prefill_tokens", 1)
     outputs = _int_column(path, rows, 1, "num_decode_tokens", 1)
     arrivals = poisson_arrivals(len(rows), rate, np.random.default_rng(seed)).tolist()
     return _one_round_sessions("sharegpt", arrivals, inputs, outputs)
+
+
+def sharegpt_file(path: str | os.PathLike | None = None) -> Path:
+    """The ShareGPT length statistics CSV: `path` if given (checked to be a file), else the shipped trace."""
+    if path is None:
+        return trace_path("sharegpt")
+    p = Path(path)
+    if p.is_dir():
+        raise WorkloadError(f"{p}: is a directory, not a ShareGPT length statistics CSV")
+    if not p.is_file():
+        raise WorkloadError(f"{p}: no such file (expected a ShareGPT length statistics CSV with columns "
+                            "num_prefill_tokens,num_decode_tokens)")
+    return p
+
+
+def sharegpt_lengths(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Columns num_prefill_tokens and num_decode_tokens (both >= 1) of the ShareGPT length statistics CSV
+    (`path`, default the shipped trace), read once per file version; read-only arrays in file order.
+
+    A missing or malformed file is a WorkloadError with a one-line message naming the file (and line)."""
+    p = sharegpt_file(path)
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise WorkloadError(f"{p}: cannot read ({e.strerror})") from None
+    return _sharegpt_columns(str(p), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=4)
+def _sharegpt_columns(path: str, mtime_ns: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two columns of one version (mtime, size) of the file: an edited file is read again."""
+    p = Path(path)
+    rows = _read_csv(p, SHAREGPT_HEADER, None)
+    prefill = _int_column(p, rows, 0, "num_prefill_tokens", 1)
+    decode = _int_column(p, rows, 1, "num_decode_tokens", 1)
+    prefill.setflags(write=False)
+    decode.setflags(write=False)
+    return prefill, decode
 
 
 _LOADERS = {

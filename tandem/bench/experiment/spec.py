@@ -74,11 +74,12 @@ def workload_gpus(spec: ExperimentSpec, workload: str) -> int:
 
 
 def workload_slo(spec: ExperimentSpec, workload: str) -> SLO | None:
-    """A workload's SLO: the spec's override, else AMPD's for (model, workload), else None."""
+    """A workload's SLO: the spec's override, else AMPD's for (model, workload), else the workload's own
+    (chat-multiturn: LAPS's), else None."""
     if workload in spec.slos:
         return spec.slos[workload]
-    _, paper_slos, _ = _paper_tables()
-    return paper_slos.get((canonical_model(spec.model), workload))
+    from tandem.workload.generators import default_slo
+    return default_slo(canonical_model(spec.model), workload)
 
 
 def reference_rate(spec: ExperimentSpec) -> float:
