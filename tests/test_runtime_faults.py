@@ -167,7 +167,9 @@ async def _with_client(server: LiveServer, fn):
 
 
 # ---------------------------------------------------------------------------- (a) the prefill worker dies
-LONG_PROMPT, LONG_TOKENS = list(range(20, 60)), 300
+# 1500 tokens: the round must still be decoding 0.4 s after the freeze (300 tokens took under 0.5 s on CI's machine
+# once the worker stepped back to back, and the test saw it finished)
+LONG_PROMPT, LONG_TOKENS = list(range(20, 60)), 1500
 
 
 def test_killed_prefill_worker_reroutes_in_flight_rounds_and_serving_goes_on(server, offline):
