@@ -8,12 +8,17 @@ from typing import Callable
 
 from tandem.core.config import SchedulerConfig
 from tandem.core.coordinator import Coordinator, CoordinatorView
+from tandem.core.laps_sched import LapsScheduler, laps_options
 from tandem.core.types import COLOCATED, Role
 from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.policy.binding import LeastKVBinder, PrefixAffinityBinder
-from tandem.policy.presets import BinderKind, PickerKind, PolicySpec, RouterKind, get_policy
+from tandem.policy.laps.classify import DEFAULT_THRESHOLD, LengthClassifier
+from tandem.policy.laps.pools import PooledRouter
+from tandem.policy.presets import BinderKind, PickerKind, PolicySpec, PrefillSchedKind, RouterKind, get_policy
 from tandem.policy.reorder import FCFS, Picker, SessionFirst, TTFTAwareReorder
-from tandem.policy.routing import AdaptiveRouter, LeastCostRemoteRouter, LocalRouter, Router
+from tandem.policy.routing import (
+    AdaptiveRouter, LeastCostRemoteRouter, LeastLoadRouter, LocalRouter, RoundRobinRouter, Router,
+)
 
 __all__ = ["build_worker", "build_coordinator", "make_router", "make_picker", "resolve_policy"]
 
@@ -25,7 +30,15 @@ def resolve_policy(policy: str | PolicySpec, **options) -> PolicySpec:
 
 
 def make_router(spec: PolicySpec, rng: random.Random) -> Router:
-    """The routing object of a policy (AMPD Alg. 1 and the baselines' fixed rules)."""
+    """The routing object of a policy (AMPD Alg. 1 and the baselines' fixed rules), within LAPS's class pools
+    when the policy has them."""
+    router = _base_router(spec, rng)
+    if spec.laps_pools:
+        return PooledRouter(router, LengthClassifier(spec.laps_length_threshold or DEFAULT_THRESHOLD))
+    return router
+
+
+def _base_router(spec: PolicySpec, rng: random.Random) -> Router:
     kind = spec.router
     if kind is RouterKind.ADAPTIVE:
         return AdaptiveRouter(rng, spec.alpha, spec.beta)
@@ -37,6 +50,10 @@ def make_router(spec: PolicySpec, rng: random.Random) -> Router:
         return LeastCostRemoteRouter()
     if kind is RouterKind.LOCAL:
         return LocalRouter()
+    if kind is RouterKind.ROUND_ROBIN:
+        return RoundRobinRouter()
+    if kind is RouterKind.LEAST_LOAD:
+        return LeastLoadRouter()
     raise ValueError(f"no router for {kind!r}")
 
 
@@ -66,7 +83,12 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         max_num_seqs=sched.max_num_seqs, mix_decode_with_prefill=role == COLOCATED,
         retain_s=spec.retain_idle_kv_s, watermark=sched.watermark, window_s=sched.window_s,
         decode_query_tokens=sched.decode_query_tokens)
-    return WorkerCore(wid, cfg, make_picker(spec), t_pre)
+    laps = None
+    if spec.prefill_sched is PrefillSchedKind.LAPS and role == Role.PREFILL:
+        opts = laps_options(spec.laps_length_threshold, spec.laps_split, spec.laps_graphs, spec.laps_long_chunk,
+                            cfg.max_num_batched_tokens)
+        laps = LapsScheduler(opts, t_pre or (lambda h, n: 0.0))
+    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps)
 
 
 def build_coordinator(view: CoordinatorView, policy: str | PolicySpec, sched: SchedulerConfig | None = None,

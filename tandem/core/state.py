@@ -37,6 +37,9 @@ class InProcessState:
     def queued_prefill_s(self, worker: int) -> float:
         return self.workers[worker].pending_prefill_s()
 
+    def utilization(self, worker: int, now: float) -> float:
+        return self.workers[worker].utilization(now)
+
     def t_pre(self, worker: int, l_hist: int, l_incr: int) -> float:
         return self.cost.t_pre(l_hist, l_incr, self.workers[worker].cfg.tp)
 

@@ -37,6 +37,11 @@ class WindowedMean:
         self._expire(now)
         return self._sum / self._count if self._count else 0.0
 
+    def total(self, now: float) -> float:
+        """The sum of the samples within the window at `now`."""
+        self._expire(now)
+        return self._sum
+
     def count(self, now: float) -> int:
         self._expire(now)
         return self._count

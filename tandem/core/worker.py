@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tandem.core.block_manager import BlockManager
+from tandem.core.laps_sched import LapsScheduler
 from tandem.core.config import (
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_WATERMARK, DEFAULT_WINDOW_S,
 )
@@ -44,7 +45,7 @@ class WorkerCore:
     """One prefill, decode or co-located worker. Shells call events in, `schedule`, `on_step_done`, `drain`."""
 
     def __init__(self, wid: int, cfg: WorkerConfig, picker: Picker | None = None,
-                 t_pre: Callable[[int, int], float] | None = None) -> None:
+                 t_pre: Callable[[int, int], float] | None = None, laps: LapsScheduler | None = None) -> None:
         self.id = wid
         self.cfg = cfg
         self.role = cfg.role
@@ -69,6 +70,8 @@ class WorkerCore:
         self.watermark_blocks = int(cfg.watermark * cfg.num_blocks)
         self.steps = 0
         self.busy_s = 0.0
+        self.busy_window = WindowedMean(cfg.window_s)   # step time within the window: utilisation
+        self.laps = laps if cfg.role == PREFILL else None   # LAPS temporal disaggregation (prefill workers)
 
     # ---------------------------------------------------------------- events in
     def attach(self, sid: str) -> Seq:
@@ -104,6 +107,8 @@ class WorkerCore:
         else:
             self.queue.append(task)
         self.queued_est_s += task.est_s
+        if self.laps is not None:
+            self.laps.add(task, now)
 
     def run_local(self, task: PrefillTask, now: float) -> None:
         """A remote round's KV transfer failed or timed out: prefill it here (decode role) on top of the resident
@@ -146,6 +151,10 @@ class WorkerCore:
             self._ctx -= seq.num_tokens
         seq.state = RELEASED                         # a step in flight must not commit into it
         kept = [t for t in self.queue if t.session_id != sid]
+        if self.laps is not None:
+            for t in [*self.queue, *self.active]:
+                if t.session_id == sid:
+                    self.laps.discard(t)
         if len(kept) != len(self.queue):
             self.queue = kept
             self.queued_est_s = sum(t.est_s for t in kept)
@@ -160,6 +169,8 @@ class WorkerCore:
             self.queued_est_s -= task.est_s
         if task in self.active:
             self.active.remove(task)
+        if self.laps is not None:
+            self.laps.discard(task)
         if self.role == PREFILL:
             self.blocks.free(task)
 
@@ -168,6 +179,11 @@ class WorkerCore:
         """Form the next step: admit prefills (picker order), then prefill chunks and/or decodes."""
         if self.pending_kv:
             self._retry_pending(now)
+        laps = self.laps
+        if laps is not None and laps.opts.split:
+            plan = laps.schedule(self, now)
+            self.wake_s = laps.wake_at_s if plan is None else math.inf
+            return plan
         self._admit(now)
         budget = self.cfg.max_num_batched_tokens
         plan = StepPlan(self.id)
@@ -215,7 +231,24 @@ class WorkerCore:
                     and self.wake_s == math.inf and self._unstick(now):
                 return self.schedule(now)            # the freed histories let the queue in now
             return None
+        if laps is not None:
+            laps.pad_if_short(plan)
         return plan
+
+    def admit_task(self, t: PrefillTask, now: float) -> bool:
+        """Admit one queued task of a prefill worker (LAPS picks which): hold memory for its history and new
+        tokens, start reading its history; False when memory is short (it stays queued)."""
+        if not self._reserve(t, t.l_hist + t.l_incr, now, preempt=False):
+            self._never_fits(t.l_hist + t.l_incr, t, now)
+            return False
+        self.queue.remove(t)
+        self.queued_est_s -= t.est_s
+        t.start_s = now
+        self.active.append(t)
+        if t.l_hist > 0:
+            t.kv_ready = False
+            self.events.append(FetchHistory(t, t.l_hist))
+        return True
 
     def _admit(self, now: float) -> None:
         budget = self.cfg.max_num_batched_tokens
@@ -442,6 +475,7 @@ class WorkerCore:
         query tokens; all of them when the result does not say)."""
         self.steps += 1
         self.busy_s += result.elapsed_s
+        self.busy_window.add(now, result.elapsed_s)
         stopped = result.finished
         active = self.active
         for t, n in plan.prefill:
@@ -582,6 +616,10 @@ class WorkerCore:
         for t in self.active:
             left += t.est_s * (t.l_incr - t.done) / t.l_incr
         return left
+
+    def utilization(self, now: float) -> float:
+        """Busy share of the last window (LAPS Alg. 2's u): step time ended within it over its length."""
+        return min(1.0, self.busy_window.total(now) / self.cfg.window_s)
 
     @property
     def kv_usage(self) -> float:

@@ -45,6 +45,12 @@ ETH_LATENCY_S = 20e-6  # RoCE/Ethernet NICs typical of PCIe-card servers
 # output processing; kernel launches hidden by CUDA graphs for decode). vLLM v1 / SGLang
 # spend ~1-3 ms per step outside the GPU kernels; one value for all devices (host-side cost).
 STEP_OVERHEAD_S = 2e-3
+# Host time to launch one transformer layer's kernels in an eager (not graph-captured) forward: about ten
+# kernels a layer (fused add+norm twice, QKV GEMM, rotary, KV store, attention, O GEMM, gate/up GEMM, SiLU-mul,
+# down GEMM) at ~6 us of PyTorch dispatch + cudaLaunchKernel each. Launches run ahead of the GPU, so an eager
+# step takes max(GPU time, layers x this); a captured CUDA graph launches the whole forward at once. Decode steps
+# are assumed captured (vLLM/SGLang default); prefill steps are eager unless they replay a bucket graph (LAPS).
+EAGER_LAUNCH_S_PER_LAYER = 60e-6
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class GPU:
     nvlink_latency_s: float = NVLINK_HOP_LATENCY_S   # one all-reduce hop inside a node
     net_latency_s: float = IB_LATENCY_S              # one inter-node transfer (alpha of alpha-beta)
     step_overhead_s: float = STEP_OVERHEAD_S         # per-iteration engine overhead
+    eager_launch_s_per_layer: float = EAGER_LAUNCH_S_PER_LAYER   # kernel launches of one layer, eager forward
     link_eff: float = LINK_EFF                       # achievable fraction of link bandwidth
     has_nvlink: bool = True
 

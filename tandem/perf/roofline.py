@@ -8,7 +8,11 @@ tensor parallelism `tp` inside one node. Per GPU:
     memory  = (streamed weights / tp + KV read and written on this GPU + activation traffic)
               / (hbm_bw x mbu)
     comm    = 2 all-reduces per layer of (query tokens x hidden x dtype) bytes + a logits gather
-    time    = max(compute, memory) + comm + step_overhead
+    time    = max(compute, memory[, launches]) + comm + step_overhead
+
+`launches` (layers x the GPU's eager launch time per layer) bounds steps that carry prefill tokens and do not
+replay a CUDA graph (`BatchShape.graph`): an eager forward cannot finish before its kernels are launched.
+Decode-only steps are taken as captured graphs, as vLLM and SGLang run them.
 
 `max` is the roofline assumption that compute and memory traffic overlap perfectly within a
 step; communication is added because tensor-parallel engines (vLLM, SGLang) run the all-reduces
@@ -45,6 +49,7 @@ class BatchShape:
     num_prefill: int = 0              # prefill chunks (each samples/logits one row)
     num_decode: int = 0               # decode sequences, one query token each
     decode_ctx_tokens: int = 0        # sum of their context lengths (KV entries each attends to)
+    graph: bool = False               # the step replays a captured CUDA graph (LAPS's short-prefill buckets)
 
     def add_prefill(self, l_hist: int, l_new: int) -> None:
         """Add one prefill chunk of l_new tokens on top of l_hist tokens of resident KV."""
@@ -105,7 +110,7 @@ class Roofline:
 
     __slots__ = ("model", "gpu", "tp", "_c_tok", "_c_row", "_c_pair", "_m_w", "_m_kv", "_m_act",
                  "_moe", "_n_exp", "_p_miss", "_m_expert", "_ar_fixed", "_ar_tok", "_g_fixed",
-                 "_g_row", "_overhead")
+                 "_g_row", "_overhead", "_launch")
 
     def __init__(self, model: ModelSpec | str, gpu: GPU | str, tp: int = 1):
         model, gpu = get_model(model), get_gpu(gpu)
@@ -157,10 +162,11 @@ class Roofline:
         else:
             self._ar_fixed = self._ar_tok = self._g_fixed = self._g_row = 0.0
         self._overhead = gpu.step_overhead_s
+        self._launch = L * gpu.eager_launch_s_per_layer
 
     # ------------------------------------------------------------------------------------
     def step_time_args(self, prefill_tokens: float, prefill_attn_pairs: float, prefill_kv_read_tokens: float,
-                       num_prefill: float, num_decode: float, decode_ctx_tokens: float) -> float:
+                       num_prefill: float, num_decode: float, decode_ctx_tokens: float, graph: bool = False) -> float:
         """`step_time` without building a BatchShape (same fields, same order)."""
         tokens = prefill_tokens + num_decode
         if tokens <= 0:
@@ -174,12 +180,15 @@ class Roofline:
         if self._moe:
             memory += self._m_expert * self._n_exp * (1.0 - self._p_miss ** tokens)
         comm = self._ar_fixed + self._ar_tok * tokens + self._g_fixed + self._g_row * rows  # all 0 at tp1
-        return (compute if compute > memory else memory) + comm + self._overhead
+        busy = compute if compute > memory else memory
+        if prefill_tokens > 0 and not graph and self._launch > busy:
+            busy = self._launch                     # an eager prefill step waits for its kernel launches
+        return busy + comm + self._overhead
 
     def step_time(self, shape: BatchShape) -> float:
         """Seconds of one iteration over `shape` (0 for an empty batch)."""
         return self.step_time_args(shape.prefill_tokens, shape.prefill_attn_pairs, shape.prefill_kv_read_tokens,
-                                   shape.num_prefill, shape.num_decode, shape.decode_ctx_tokens)
+                                   shape.num_prefill, shape.num_decode, shape.decode_ctx_tokens, shape.graph)
 
     def prefill_time(self, l_hist: int, l_incr: int, chunk_tokens: int | None = None) -> float:
         """Prefill of l_incr new tokens after l_hist resident tokens, alone on the worker; in
@@ -220,8 +229,12 @@ class Roofline:
         if self._moe:
             memory += self._m_expert * self._n_exp * (1.0 - self._p_miss ** tokens)
         comm = self._ar_fixed + self._ar_tok * tokens + self._g_fixed + self._g_row * rows
-        return {"compute": compute, "memory": memory, "comm": comm, "overhead": self._overhead,
-                "total": self.step_time(s), "bound": "compute" if compute > memory else "memory"}
+        launch = self._launch if s.prefill_tokens > 0 and not s.graph else 0.0
+        bound = "compute" if compute > memory else "memory"
+        if launch > max(compute, memory):
+            bound = "launch"
+        return {"compute": compute, "memory": memory, "launch": launch, "comm": comm, "overhead": self._overhead,
+                "total": self.step_time(s), "bound": bound}
 
     def __repr__(self) -> str:
         return f"Roofline({self.model.name}, {self.gpu.name}, tp{self.tp})"

@@ -15,6 +15,8 @@ class RouterKind(StrEnum):
     ADAPTIVE_REMOTE = "adaptive-remote"      # Alg. 1 lines 1-3 then the cheapest prefill worker, never local
     LEAST_COST_REMOTE = "least-cost-remote"  # Dynamo-like: always the cheapest prefill worker
     LOCAL = "local"                          # co-located: on the session's own worker
+    ROUND_ROBIN = "round-robin"              # SGLang's vanilla data parallelism: prefill workers in turn
+    LEAST_LOAD = "least-load"                # SGLang's router, load balancing: the least queued prefill work
 
 
 class PickerKind(StrEnum):
@@ -23,6 +25,13 @@ class PickerKind(StrEnum):
     FCFS = "fcfs"
     TTFT_AWARE = "ttft-aware"                # AMPD Alg. 2
     SESSION_FIRST = "session-first"          # Continuum: continuations first
+
+
+class PrefillSchedKind(StrEnum):
+    """How a prefill worker forms its steps (tandem/core/worker.py, tandem/core/laps_sched.py)."""
+
+    CHUNKED = "chunked"                      # FCFS admission, steps filled up to the token budget (SGLang/vLLM)
+    LAPS = "laps"                            # LAPS temporal disaggregation: short batches by AWD, long by chunks
 
 
 class BinderKind(StrEnum):
@@ -53,12 +62,28 @@ class PolicySpec:
     retain_idle_kv_s: float = 0.0  # Continuum: pin a session's idle KV this long across its tool call (0: evictable)
     alpha: float = 0.9           # AMPD Alg. 1: a prefill worker has TTFT slack below alpha * SLO
     beta: float = 0.85           # AMPD Alg. 1: the decode worker has ITL slack below beta * SLO
+    prefill_sched: PrefillSchedKind = PrefillSchedKind.CHUNKED
+    laps_pools: bool = False     # LAPS spatial mode: remote prefills go to the short or long pool of their class
+    laps_split: bool = True      # LAPS: short and long prefills in separate queues (False: one chunked FCFS queue)
+    laps_graphs: bool = True     # LAPS: short batches padded to a captured (length, batch) bucket, run as a graph
+    laps_length_threshold: int | None = None   # LAPS: SHORT below this many new tokens (None: 256, LAPS's default)
+    laps_long_chunk: int | None = None         # LAPS C_l: tokens per long-prefill step (None: the token budget)
     description: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "router", _enum(RouterKind, self.router, "router"))
         object.__setattr__(self, "picker", _enum(PickerKind, self.picker, "picker"))
         object.__setattr__(self, "binder", _enum(BinderKind, self.binder, "binder"))
+        object.__setattr__(self, "prefill_sched", _enum(PrefillSchedKind, self.prefill_sched, "prefill scheduler"))
+        for knob in ("laps_pools", "laps_split", "laps_graphs"):
+            if not isinstance(getattr(self, knob), bool):
+                raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
+        for knob in ("laps_length_threshold", "laps_long_chunk"):
+            v = getattr(self, knob)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{knob} must be None or an integer >= 1, got {v!r}")
+        if self.laps_pools and not self.disaggregated:
+            raise ValueError("laps_pools needs a disaggregated policy (pools of prefill workers)")
         if isinstance(self.reorder_window, bool) or not isinstance(self.reorder_window, int) or self.reorder_window < 1:
             raise ValueError(f"reorder_window must be an integer >= 1, got {self.reorder_window!r}")
         if not (isinstance(self.retain_idle_kv_s, (int, float)) and 0 <= self.retain_idle_kv_s < math.inf):
@@ -90,6 +115,28 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
                description="AMPD without adaptive routing and reordering: always remote (Alg. 1 lines 1-3, then cheapest prefill worker), FCFS"),
     PolicySpec("dynamo", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS,
                description="Dynamo-like: every prefill on a prefill worker (KV-aware cheapest), FCFS"),
+    PolicySpec("laps", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS, prefill_sched=PrefillSchedKind.LAPS,
+               laps_pools=True,
+               description="LAPS: every prefill on a prefill worker of its length class's pool (Alg. 2 controller); "
+                           "short prefills batched by AWD into graph buckets, long ones in chunks (Alg. 1)"),
+    PolicySpec("laps-no-graph", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS,
+               prefill_sched=PrefillSchedKind.LAPS, laps_pools=True, laps_graphs=False,
+               description="LAPS with disaggregation only: short/long queues and pools, short batches run unpadded "
+                           "and eagerly"),
+    PolicySpec("laps-no-split", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS,
+               prefill_sched=PrefillSchedKind.LAPS, laps_split=False,
+               description="LAPS with CUDA graphs only: one chunked FCFS queue; a step of short prefills that fits a "
+                           "bucket runs padded as a graph"),
+    PolicySpec("ampd+laps", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE, prefill_sched=PrefillSchedKind.LAPS,
+               laps_pools=True,
+               description="AMPD's routing (Alg. 1) decides local or remote; a remote prefill goes to its class's "
+                           "LAPS pool, where short ones are batched by AWD and long ones chunked"),
+    PolicySpec("sglang-pd", True, RouterKind.ROUND_ROBIN, PickerKind.FCFS,
+               description="SGLang-like PD, vanilla data parallelism: prefill workers in turn, FCFS, steps filled up "
+                           "to the token budget"),
+    PolicySpec("sglang-pd-router", True, RouterKind.LEAST_LOAD, PickerKind.FCFS,
+               description="SGLang-like PD behind its SLO-unaware router (load balancing): the prefill worker with the "
+                           "least queued work, FCFS, steps filled up to the token budget"),
     PolicySpec("vllm", False, RouterKind.LOCAL, PickerKind.FCFS,
                description="vLLM-like co-located: continuous batching with chunked prefill, prefix-cached KV evictable"),
     PolicySpec("continuum", False, RouterKind.LOCAL, PickerKind.SESSION_FIRST, retain_idle_kv_s=30.0,

@@ -103,3 +103,29 @@ class LocalRouter:
 
     def route(self, task: PrefillTask, view: ClusterView, now: float) -> int:
         return task.decode_worker
+
+
+class RoundRobinRouter:
+    """SGLang's vanilla data parallelism: every prefill remote, the eligible prefill workers taken in turn."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, task: PrefillTask, view: ClusterView, now: float) -> int:
+        workers = sorted(_eligible(task, view))
+        if not workers:
+            return task.decode_worker
+        w = workers[self._next % len(workers)]
+        self._next += 1
+        return w
+
+
+class LeastLoadRouter:
+    """SGLang's router in load-balancing mode: the prefill worker with the least queued prefill work (ties: the
+    lowest id). Unaware of SLOs, transfers and the task's own cost."""
+
+    def route(self, task: PrefillTask, view: ClusterView, now: float) -> int:
+        workers = _eligible(task, view)
+        if not workers:
+            return task.decode_worker
+        return min(workers, key=lambda w: (view.queued_prefill_s(w), w))

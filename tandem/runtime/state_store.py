@@ -44,6 +44,7 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     itl_mean_s: float = 0.0        # WindowedMean of ITL at publish time
     window_s: float = 10.0         # the window of those means: older than this, they say nothing
     queued_prefill_s: float = 0.0  # WorkerCore.pending_prefill_s(): AMPD Eq. 1-2 queue term
+    utilization: float = 0.0       # WorkerCore.utilization(): busy share of the window (LAPS Alg. 2)
     capacity_tokens: int = 0
     free_tokens: int = 0
     kv_usage: float = 0.0
@@ -60,7 +61,8 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
             worker_id=core.id, role=str(core.role), tp=core.cfg.tp, node=node,
             control_addr=control_addr, kv_addr=kv_addr,
             ttft_mean_s=core.ttft.mean(now), itl_mean_s=core.itl.mean(now), window_s=core.cfg.window_s,
-            queued_prefill_s=core.pending_prefill_s(), capacity_tokens=core.capacity_tokens,
+            queued_prefill_s=core.pending_prefill_s(), utilization=core.utilization(now),
+            capacity_tokens=core.capacity_tokens,
             free_tokens=core.blocks.num_free * core.cfg.block_size, kv_usage=core.kv_usage,
             num_running=len(core.running) + len(core.active),
             num_waiting=len(core.queue) + len(core.pending_kv),

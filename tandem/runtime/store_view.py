@@ -134,6 +134,10 @@ class StoreView:
     def queued_prefill_s(self, worker: int) -> float:
         return self.state(worker).queued_prefill_s
 
+    def utilization(self, worker: int, now: float) -> float:
+        s = self.state(worker)
+        return self._windowed(s, s.utilization)
+
     def t_pre(self, worker: int, l_hist: int, l_incr: int) -> float:
         return self.cost.t_pre(l_hist, l_incr, self.state(worker).tp)
 
