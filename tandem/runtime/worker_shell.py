@@ -218,7 +218,13 @@ class WorkerShell:
             if prep.plan is None:
                 with self.lock:
                     if not (self._stopping or self._pending):
-                        self._wake.wait(idle_s)
+                        self._wake.wait(self._idle_wait(idle_s))
+
+    def _idle_wait(self, idle_s: float) -> float:
+        """How long to wait for a message when nothing can run: idle_s, or less when the core asked to be woken
+        sooner (LAPS's AWD batcher closes its window then)."""
+        left = self.engine.core.wake_s - self.engine.clock()
+        return left if 0.0 < left < idle_s else idle_s
 
     def stop(self) -> None:
         """Make run() return after the step it runs (thread-safe)."""

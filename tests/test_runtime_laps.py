@@ -1,0 +1,60 @@
+"""LAPS served for real: `tandem serve --policy laps` with 2 prefill workers and 1 decode worker runs the same
+factory-built cores as the simulator: the two prefill workers form a short and a long pool, every short round's
+prefill runs on the short pool's worker and every long one on the long pool's, through AWD batching, and every
+round's greedy output equals the offline engine's."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+from tandem.runtime.cluster import ClusterConfig  # noqa: E402
+from live_server import LiveServer, one_thread_llm  # noqa: E402
+
+MODEL = "tiny-laps"
+ENGINE = dict(max_model_len=1024, num_kv_blocks=256)
+SHORT, LONG = 0, 1                  # initial pools: the lower prefill id short, the other long (2 prefill workers)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-laps")
+    make_tiny_model(path, arch="qwen3", size="1m", seed=5)
+    return str(path)
+
+
+def test_laps_serves_short_and_long_rounds_on_their_pools_with_offline_outputs(ckpt):
+    """Protects LAPS in the live server: 6 short prompts (< 256 tokens) and 2 long ones (>= 256), sent at once;
+    every completion equals the offline engine's greedy output, the short pool's worker ran exactly the 6 short
+    prefills and the long pool's the 2 long ones (the coordinator's round records)."""
+    shorts = [list(range(10 + i, 60 + 3 * i)) for i in range(6)]
+    longs = [list(range(3, 300)), list(range(7, 400))]
+    srv = LiveServer(ClusterConfig(ckpt, 2, 1, 0, "laps", served_model_name=MODEL, engine_args=ENGINE))
+    try:
+        async def one(c, prompt):
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5,
+                                                      "temperature": 0, "ignore_eos": True,
+                                                      "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                return await asyncio.gather(*(one(c, p) for p in shorts + longs))
+
+        got = asyncio.run_coroutine_threadsafe(main(), srv.loop).result(120)
+        where = srv.call(lambda: [(r.rounds[0].prefill_where, r.rounds[0].prefill_worker)
+                                  for r in srv.cluster.shell.coord.records])
+    finally:
+        srv.stop()
+    with one_thread_llm(ckpt, **ENGINE) as llm:
+        want = [o.token_ids for o in llm.generate(shorts + longs, SamplingParams(temperature=0.0, max_tokens=5,
+                                                                                  ignore_eos=True))]
+    assert got == want
+    assert sorted(where) == [("remote", SHORT)] * 6 + [("remote", LONG)] * 2
