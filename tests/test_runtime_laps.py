@@ -1,7 +1,7 @@
 """LAPS served for real: `tandem serve --policy laps` with 2 prefill workers and 1 decode worker runs the same
 factory-built cores as the simulator: the two prefill workers form a short and a long pool, every short round's
 prefill runs on the short pool's worker and every long one on the long pool's, through AWD batching, and every
-round's greedy output equals the offline engine's."""
+round's greedy output equals the offline engine's; /metrics shows the pools, the batches and the queues."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +19,9 @@ from live_server import LiveServer, one_thread_llm  # noqa: E402
 
 MODEL = "tiny-laps"
 ENGINE = dict(max_model_len=1024, num_kv_blocks=256)
+LAPS_METRICS = ("tandem:laps_pool_short_workers", "tandem:laps_pool_long_workers", "tandem:laps_pool_moves_total",
+                "tandem:laps_short_steps_total", "tandem:laps_graph_steps_total", "tandem:laps_short_waiting",
+                "tandem:laps_long_waiting", "tandem:laps_awd_depth")
 SHORT, LONG = 0, 1                  # initial pools: the lower prefill id short, the other long (2 prefill workers)
 
 
@@ -51,6 +54,9 @@ def test_laps_serves_short_and_long_rounds_on_their_pools_with_offline_outputs(c
         got = asyncio.run_coroutine_threadsafe(main(), srv.loop).result(120)
         where = srv.call(lambda: [(r.rounds[0].prefill_where, r.rounds[0].prefill_worker)
                                   for r in srv.cluster.shell.coord.records])
+        srv.wait_for("the prefill workers' states to show the short steps",
+                     lambda: srv.metrics(LAPS_METRICS)["tandem:laps_short_steps_total"] >= 1)
+        m = srv.metrics(LAPS_METRICS)
     finally:
         srv.stop()
     with one_thread_llm(ckpt, **ENGINE) as llm:
@@ -58,3 +64,8 @@ def test_laps_serves_short_and_long_rounds_on_their_pools_with_offline_outputs(c
                                                                                   ignore_eos=True))]
     assert got == want
     assert sorted(where) == [("remote", SHORT)] * 6 + [("remote", LONG)] * 2
+    assert (m["tandem:laps_pool_short_workers"], m["tandem:laps_pool_long_workers"]) == (1, 1)
+    assert m["tandem:laps_pool_moves_total"] == 0
+    assert m["tandem:laps_graph_steps_total"] == m["tandem:laps_short_steps_total"]   # <= 6 x < 256 tokens: a bucket
+    assert (m["tandem:laps_short_waiting"], m["tandem:laps_long_waiting"]) == (0, 0)
+    assert m["tandem:laps_awd_depth"] >= 1

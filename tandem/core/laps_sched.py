@@ -81,6 +81,14 @@ class LapsScheduler:
         self.last_now = -math.inf
         self.stats = LapsStats()
 
+    def gauges(self, now: float) -> tuple[int, int, float, int]:
+        """What the worker publishes: short and long prefills waiting, AWD's window W(now) and target depth D."""
+        try:
+            window = self.awd.window(max(now, self.last_now))
+        except ValueError:                           # a service estimate the batcher refuses: report the learned W
+            window = self.awd.learned_window_s
+        return len(self.awd), len(self.long), window, self.awd.depth_target
+
     def _service(self, lengths) -> float:
         """Ŝ: one step over the batch's tokens (the weights are read once for the whole batch)."""
         return self.t_pre(0, int(sum(lengths)))

@@ -43,6 +43,15 @@ class BackendStats:
     cache_config: dict[str, str] = field(default_factory=dict)       # vllm:cache_config_info labels
     rejected_frames: int = 0                       # tandem: messages dropped as malformed (hub and workers)
     rejected_handshakes: int = 0                   # tandem: connections refused at the CURVE handshake (likewise)
+    laps_pool_short: int = 0                       # LAPS spatial mode: prefill workers in the short / long pool
+    laps_pool_long: int = 0
+    laps_pool_moves: int = 0                       # workers moved between the pools so far
+    laps_short_waiting: int = 0                    # short / long prefills waiting on LAPS prefill workers
+    laps_long_waiting: int = 0
+    laps_window_s: float = 0.0                     # AWD window W and target depth D, mean over LAPS prefill workers
+    laps_depth: float = 0.0
+    laps_short_steps: int = 0                      # short-batch steps, and those run in a captured bucket (hits)
+    laps_graph_steps: int = 0
 
 
 class EngineClient(Protocol):

@@ -18,6 +18,7 @@ from tandem.core.factory import build_coordinator
 from tandem.core.types import COLOCATED, DECODE, PREFILL
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
+from tandem.policy.laps.classify import PrefillClass
 from tandem.policy.presets import get_policy
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
@@ -355,10 +356,27 @@ class ServingCluster:
         out.kv_cache_usage_perc = sum(st.kv_usage for st in homes) / len(homes) if homes else 0.0
         out.workers_total = len(self.roles)
         out.workers_alive = len(self.roles) - len(self._lost)
+        _laps_stats(out, states, self.shell.coord.router)
         return out
 
     def is_healthy(self) -> bool:
         return any(r != PREFILL and w not in self._lost for w, r in self.roles.items())
+
+
+def _laps_stats(out: BackendStats, states, router) -> None:
+    """LAPS's gauges: the pools (the coordinator's router) and the prefill workers' AWD state and step counts."""
+    pools = router.pools() if hasattr(router, "pools") else None
+    if pools is not None:
+        out.laps_pool_short, out.laps_pool_long = len(pools[PrefillClass.SHORT]), len(pools[PrefillClass.LONG])
+        out.laps_pool_moves = len(router.moves)
+    laps = [st for st in states if st.role == PREFILL and (st.laps_depth > 0 or st.laps_short_steps > 0)]
+    if laps:
+        out.laps_short_waiting = sum(st.laps_short_waiting for st in laps)
+        out.laps_long_waiting = sum(st.laps_long_waiting for st in laps)
+        out.laps_window_s = sum(st.laps_window_s for st in laps) / len(laps)
+        out.laps_depth = sum(st.laps_depth for st in laps) / len(laps)
+        out.laps_short_steps = sum(st.laps_short_steps for st in laps)
+        out.laps_graph_steps = sum(st.laps_graph_steps for st in laps)
 
     async def shutdown(self) -> None:
         self._closing = True

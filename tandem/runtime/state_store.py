@@ -45,6 +45,12 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     window_s: float = 10.0         # the window of those means: older than this, they say nothing
     queued_prefill_s: float = 0.0  # WorkerCore.pending_prefill_s(): AMPD Eq. 1-2 queue term
     utilization: float = 0.0       # WorkerCore.utilization(): busy share of the window (LAPS Alg. 2)
+    laps_short_waiting: int = 0    # LAPS prefill worker: short prefills in its AWD batcher
+    laps_long_waiting: int = 0     # LAPS prefill worker: long prefills queued
+    laps_window_s: float = 0.0     # AWD's window W and target depth D now
+    laps_depth: int = 0
+    laps_short_steps: int = 0      # short-batch steps so far, and those run in a captured bucket
+    laps_graph_steps: int = 0
     capacity_tokens: int = 0
     free_tokens: int = 0
     kv_usage: float = 0.0
@@ -57,6 +63,12 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     def from_core(cls, core: WorkerCore, now: float, *, node: int = 0, control_addr: str = "",
                   kv_addr: str = "", published_s: float | None = None, alive: bool = True) -> WorkerState:
         """Snapshot `core` at core time `now` (its means) and wall time `published_s` (default: time.time())."""
+        laps = {}
+        if core.laps is not None:
+            short, long, window, depth = core.laps.gauges(now)
+            st = core.laps.stats
+            laps = dict(laps_short_waiting=short, laps_long_waiting=long, laps_window_s=window, laps_depth=depth,
+                        laps_short_steps=st.short_steps, laps_graph_steps=st.graph_steps)
         return cls(
             worker_id=core.id, role=str(core.role), tp=core.cfg.tp, node=node,
             control_addr=control_addr, kv_addr=kv_addr,
@@ -66,7 +78,7 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
             free_tokens=core.blocks.num_free * core.cfg.block_size, kv_usage=core.kv_usage,
             num_running=len(core.running) + len(core.active),
             num_waiting=len(core.queue) + len(core.pending_kv),
-            published_s=time.time() if published_s is None else published_s, alive=alive)
+            published_s=time.time() if published_s is None else published_s, alive=alive, **laps)
 
 
 class SessionInfo(msgspec.Struct, frozen=True, kw_only=True):

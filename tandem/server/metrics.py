@@ -53,7 +53,15 @@ class _BackendCollector:
         gauges = [("vllm:num_requests_running", "Requests prefilling or decoding.", s.num_requests_running),
                   ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_requests_waiting),
                   ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", s.kv_cache_usage_perc),
-                  ("tandem:workers_alive", "Live decode/co-located/prefill workers.", s.workers_alive)]
+                  ("tandem:workers_alive", "Live decode/co-located/prefill workers.", s.workers_alive),
+                  ("tandem:laps_pool_short_workers", "LAPS: prefill workers in the short pool.", s.laps_pool_short),
+                  ("tandem:laps_pool_long_workers", "LAPS: prefill workers in the long pool.", s.laps_pool_long),
+                  ("tandem:laps_short_waiting", "LAPS: short prefills waiting in AWD batchers.",
+                   s.laps_short_waiting),
+                  ("tandem:laps_long_waiting", "LAPS: long prefills queued.", s.laps_long_waiting),
+                  ("tandem:laps_awd_window_seconds", "LAPS: AWD window W, mean over prefill workers.",
+                   s.laps_window_s),
+                  ("tandem:laps_awd_depth", "LAPS: AWD target depth D, mean over prefill workers.", s.laps_depth)]
         counters = [("vllm:prefix_cache_queries", "Prompt tokens looked up in the cache.", s.prefix_cache_queries),
                     ("vllm:prefix_cache_hits", "Prompt tokens found cached (history or prefix).", s.prefix_cache_hits),
                     ("tandem:local_prefills", "Prefills run on the session's decode worker.", s.local_prefills),
@@ -63,7 +71,11 @@ class _BackendCollector:
                     ("tandem:transport_rejected_frames", "Messages dropped as malformed or from an unknown peer "
                      "(coordinator and workers).", s.rejected_frames),
                     ("tandem:transport_rejected_handshakes", "Connections refused at the CURVE handshake "
-                     "(coordinator and workers' KV inboxes).", s.rejected_handshakes)]
+                     "(coordinator and workers' KV inboxes).", s.rejected_handshakes),
+                    ("tandem:laps_pool_moves", "LAPS: prefill workers moved between the pools.", s.laps_pool_moves),
+                    ("tandem:laps_short_steps", "LAPS: short-prefill batch steps.", s.laps_short_steps),
+                    ("tandem:laps_graph_steps", "LAPS: short-prefill steps run in a captured bucket (bucket hits).",
+                     s.laps_graph_steps)]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(label, float(value))
