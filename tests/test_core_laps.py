@@ -10,12 +10,15 @@ import random
 import pytest
 
 from tandem.core.factory import build_worker, make_router, resolve_policy
-from tandem.core.types import PREFILL, FetchHistory, PrefillDone, PrefillTask, StepResult
+from tandem.core.types import DECODE, PREFILL, FetchHistory, PrefillDone, PrefillTask, StepResult
+from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.perf.roofline import BatchShape, Roofline
 from tandem.policy.laps.classify import LengthClassifier, PrefillClass
 from tandem.policy.laps.pools import PooledRouter
 from tandem.policy.laps.pressure import PressureConfig
-from tandem.policy.routing import LeastCostRemoteRouter, LeastLoadRouter, RoundRobinRouter
+from tandem.policy.routing import (
+    LeastCostRemoteRouter, LeastLoadRouter, RoundRobinRouter, itl_chunk_tokens, local_cost,
+)
 
 INF = math.inf
 
@@ -298,3 +301,62 @@ def test_an_eager_prefill_step_waits_for_its_kernel_launches_and_a_graph_step_do
     assert gb["launch"] == 0.0 and gb["total"] < b["total"]
     assert b["total"] - gb["total"] == pytest.approx(64 * 60e-6 - max(gb["compute"], gb["memory"]))
     assert r32.breakdown(BatchShape(num_decode=1, decode_ctx_tokens=100))["launch"] == 0.0
+
+
+# ---------------------------------------------------------------------------- AMPD+LAPS: chunked local prefill
+def linear_t_pre(h: int, n: int) -> float:
+    """10 ms a step plus 1 ms a token."""
+    return 0.01 + 0.001 * n
+
+
+def test_the_itl_chunk_is_the_largest_whose_estimate_fits_the_budget():
+    """Protects the chunk sizing: 10 ms + 1 ms/token within 50 ms is 40 tokens; what is left when it fits; never
+    below 16 tokens, whatever the budget."""
+    assert itl_chunk_tokens(linear_t_pre, 0, 1000, 0.05) == 40
+    assert itl_chunk_tokens(linear_t_pre, 0, 35, 0.05) == 35
+    assert itl_chunk_tokens(linear_t_pre, 0, 1000, 0.001) == 16
+    assert itl_chunk_tokens(linear_t_pre, 0, 10, 0.001) == 10
+
+
+def test_a_decode_worker_with_itl_chunks_keeps_decoding_beside_its_local_prefill():
+    """Protects the Sarathi-style local path: with beta 0.5 and a 100 ms ITL SLO, a 100-token local prefill runs as
+    40 + 40 + 20 tokens, each beside the running decode; prefill-first (no beta) runs it alone in one step."""
+    chunked = WorkerCore(0, WorkerConfig(role=DECODE, tp=1, num_blocks=64, block_size=16, itl_chunk_beta=0.5),
+                         t_pre=linear_t_pre)
+    first = WorkerCore(0, WorkerConfig(role=DECODE, tp=1, num_blocks=64, block_size=16), t_pre=linear_t_pre)
+    for core in (chunked, first):
+        core.begin_round("a")
+        core.submit(PrefillTask("a", 0, 0, 4, 0.0, output_tokens=50, itl_slo_s=0.1), 0.0)
+        run(core, 0.0)
+        core.begin_round("b")
+        core.submit(PrefillTask("b", 0, 0, 100, 1.0, output_tokens=5, itl_slo_s=0.1), 1.0)
+    got = []
+    for k in range(3):
+        plan, _ = run(chunked, 1.0 + k)
+        got.append(([(t.session_id, n) for t, n in plan.prefill], [s.session_id for s in plan.decode]))
+    assert got == [([("b", 40)], ["a"]), ([("b", 40)], ["a"]), ([("b", 20)], ["a"])]
+    plan, _ = run(first, 1.0)
+    assert ([(t.session_id, n) for t, n in plan.prefill], plan.decode) == ([("b", 100)], [])
+
+
+def test_the_router_prices_the_chunked_local_path_by_its_chunks():
+    """Protects Eq. 1 for the chunked local path: 100 tokens in 40 + 40 + 20 cost 50 + 50 + 30 ms (plus the queue),
+    against 110 ms prefill-first."""
+    class V(View):
+        def t_pre(self, w, h, n):
+            return linear_t_pre(h, n)
+    view = V([0], queued={9: 0.5})
+    t = task("b", 100)
+    assert local_cost(t, view) == pytest.approx(0.11 + 0.5)
+    assert local_cost(t, view, 0.05) == pytest.approx(0.13 + 0.5)
+
+
+def test_ampd_laps_chunked_is_built_with_the_chunked_local_path_on_decode_workers_only():
+    """Protects the factory: the decode worker gets beta as its ITL-chunk factor, the prefill worker none, and the
+    router prices local prefills by chunks."""
+    spec = resolve_policy("ampd+laps-chunked")
+    assert build_worker(1, DECODE, 1, 100, spec).cfg.itl_chunk_beta == spec.beta == 0.85
+    assert build_worker(0, PREFILL, 1, 100, spec).cfg.itl_chunk_beta is None
+    assert build_worker(1, DECODE, 1, 100, "ampd+laps").cfg.itl_chunk_beta is None
+    router = make_router(spec, random.Random(0))
+    assert router.inner.local_chunked and not make_router(resolve_policy("ampd"), random.Random(0)).local_chunked

@@ -41,7 +41,7 @@ def make_router(spec: PolicySpec, rng: random.Random) -> Router:
 def _base_router(spec: PolicySpec, rng: random.Random) -> Router:
     kind = spec.router
     if kind is RouterKind.ADAPTIVE:
-        return AdaptiveRouter(rng, spec.alpha, spec.beta)
+        return AdaptiveRouter(rng, spec.alpha, spec.beta, local_chunked=spec.local_chunked)
     if kind is RouterKind.ADAPTIVE_WINDOW:
         return AdaptiveRouter(rng, spec.alpha, spec.beta, slack="window")
     if kind is RouterKind.ADAPTIVE_REMOTE:
@@ -82,7 +82,8 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         max_num_batched_tokens=max_num_batched_tokens or sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs, mix_decode_with_prefill=role == COLOCATED,
         retain_s=spec.retain_idle_kv_s, watermark=sched.watermark, window_s=sched.window_s,
-        decode_query_tokens=sched.decode_query_tokens)
+        decode_query_tokens=sched.decode_query_tokens,
+        itl_chunk_beta=spec.beta if spec.local_chunked and role == Role.DECODE else None)
     laps = None
     if spec.prefill_sched is PrefillSchedKind.LAPS and role == Role.PREFILL:
         opts = laps_options(spec.laps_length_threshold, spec.laps_split, spec.laps_graphs, spec.laps_long_chunk,

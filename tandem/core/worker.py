@@ -16,6 +16,7 @@ from tandem.core.types import (
     RoundDone, Seq, SeqState, SessionFailed, StepPlan, StepResult,
 )
 from tandem.policy.reorder import FCFS, Picker
+from tandem.policy.routing import itl_chunk_tokens
 
 NEW, PREFILLING, RUNNING, IDLE, EVICTED, FAILED, RELEASED = (
     SeqState.NEW, SeqState.PREFILL, SeqState.RUNNING, SeqState.IDLE, SeqState.EVICTED, SeqState.FAILED,
@@ -39,6 +40,8 @@ class WorkerConfig:
                                             # grow (vLLM's watermark); waived for a context that needs the rest
     window_s: float = DEFAULT_WINDOW_S      # windowed TTFT/ITL statistics
     decode_query_tokens: int = 1            # query tokens per decode step (1: AR; >1: multi-token steps)
+    itl_chunk_beta: float | None = None     # decode worker: local prefills ride along the decodes in chunks whose
+                                            # estimate fits itl_chunk_beta * the round's ITL SLO (None: prefill-first)
 
 
 class WorkerCore:
@@ -188,9 +191,13 @@ class WorkerCore:
         budget = self.cfg.max_num_batched_tokens
         plan = StepPlan(self.id)
         shape = plan.shape
+        mix = self.cfg.mix_decode_with_prefill
+        chunk_beta = self.cfg.itl_chunk_beta
         if self.role != PREFILL and self.running:
             ready = any(t.kv_ready for t in self.active)
-            if self.cfg.mix_decode_with_prefill or not ready:
+            if chunk_beta is not None and ready:
+                mix = True                           # Sarathi-style: the decodes go on beside the local prefill
+            if mix or not ready:
                 self._grow_running(now)
                 if not self.running and not self.active:
                     self._admit(now)                 # growth preempted everything: the freed pool goes to the queue
@@ -209,7 +216,7 @@ class WorkerCore:
                         shape.num_decode = n
                         shape.decode_ctx_tokens = ctx
                     budget -= n
-                    if not self.cfg.mix_decode_with_prefill:
+                    if not mix:
                         return plan
         for t in self.active:
             if budget <= 0:
@@ -220,6 +227,11 @@ class WorkerCore:
             if n > budget:
                 n = budget
             before = t.l_hist + t.done
+            if chunk_beta is not None and plan.decode:
+                if plan.prefill:
+                    break                            # one ITL-budget chunk a step
+                if math.isfinite(t.itl_slo_s):
+                    n = itl_chunk_tokens(self.t_pre, before, n, chunk_beta * t.itl_slo_s)
             plan.prefill.append((t, n))
             budget -= n
             shape.prefill_tokens += n

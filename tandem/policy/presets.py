@@ -68,6 +68,8 @@ class PolicySpec:
     laps_graphs: bool = True     # LAPS: short batches padded to a captured (length, batch) bucket, run as a graph
     laps_length_threshold: int | None = None   # LAPS: SHORT below this many new tokens (None: 256, LAPS's default)
     laps_long_chunk: int | None = None         # LAPS C_l: tokens per long-prefill step (None: the token budget)
+    local_chunked: bool = False  # a decode worker's local prefill runs in chunks mixed with its decodes, each step
+                                 # within beta * the round's ITL SLO (Sarathi-style), not prefill-first
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -75,7 +77,7 @@ class PolicySpec:
         object.__setattr__(self, "picker", _enum(PickerKind, self.picker, "picker"))
         object.__setattr__(self, "binder", _enum(BinderKind, self.binder, "binder"))
         object.__setattr__(self, "prefill_sched", _enum(PrefillSchedKind, self.prefill_sched, "prefill scheduler"))
-        for knob in ("laps_pools", "laps_split", "laps_graphs"):
+        for knob in ("laps_pools", "laps_split", "laps_graphs", "local_chunked"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         for knob in ("laps_length_threshold", "laps_long_chunk"):
@@ -131,6 +133,10 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
                laps_pools=True,
                description="AMPD's routing (Alg. 1) decides local or remote; a remote prefill goes to its class's "
                            "LAPS pool, where short ones are batched by AWD and long ones chunked"),
+    PolicySpec("ampd+laps-chunked", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE,
+               prefill_sched=PrefillSchedKind.LAPS, laps_pools=True, local_chunked=True,
+               description="AMPD+LAPS whose local prefills run in chunks mixed with the decode worker's decodes, "
+                           "each step within beta * the ITL SLO (Sarathi-style), instead of pausing them"),
     PolicySpec("sglang-pd", True, RouterKind.ROUND_ROBIN, PickerKind.FCFS,
                description="SGLang-like PD, vanilla data parallelism: prefill workers in turn, FCFS, steps filled up "
                            "to the token budget"),

@@ -1,6 +1,7 @@
 """Where a prefill task runs: AMPD adaptive routing (Alg. 1) and the baselines' fixed rules."""
 from __future__ import annotations
 
+import math
 import random
 from typing import Protocol, Sequence
 
@@ -27,10 +28,38 @@ def remote_cost(task: PrefillTask, worker: int, view: ClusterView) -> float:
             + view.queued_prefill_s(worker))
 
 
-def local_cost(task: PrefillTask, view: ClusterView) -> float:
-    """AMPD Eq. 1: prefill compute on the decode worker plus its queued prefill work."""
+def local_cost(task: PrefillTask, view: ClusterView, chunk_budget_s: float | None = None) -> float:
+    """AMPD Eq. 1: prefill compute on the decode worker plus its queued prefill work. With `chunk_budget_s` the
+    local prefill runs in chunks mixed with the worker's decodes, each step within that budget (Sarathi-style):
+    its compute is then the steps of itl_chunk_tokens chunks."""
     d = task.decode_worker
-    return view.t_pre(d, task.l_hist, task.l_incr) + view.queued_prefill_s(d)
+    if chunk_budget_s is None:
+        return view.t_pre(d, task.l_hist, task.l_incr) + view.queued_prefill_s(d)
+    n = itl_chunk_tokens(lambda h, k: view.t_pre(d, h, k), task.l_hist, task.l_incr, chunk_budget_s)
+    total, done = 0.0, 0
+    while done < task.l_incr:
+        k = min(n, task.l_incr - done)
+        total += view.t_pre(d, task.l_hist + done, k)
+        done += k
+    return total + view.queued_prefill_s(d)
+
+
+MIN_CHUNK_TOKENS = 16      # a chunked local prefill advances at least this much a step, whatever the budget
+
+
+def itl_chunk_tokens(t_pre, l_hist: int, remaining: int, budget_s: float) -> int:
+    """The largest chunk n <= remaining whose prefill estimate t_pre(l_hist, n) fits budget_s (at least
+    MIN_CHUNK_TOKENS, or what remains): the chunk a decode worker mixes with its decodes under an ITL budget."""
+    if remaining <= MIN_CHUNK_TOKENS or t_pre(l_hist, remaining) <= budget_s:
+        return remaining
+    lo, hi = MIN_CHUNK_TOKENS, remaining           # t_pre(lo) may exceed the budget: lo is the floor anyway
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if t_pre(l_hist, mid) <= budget_s:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _eligible(task: PrefillTask, view: ClusterView) -> list[int]:
@@ -57,10 +86,16 @@ class AdaptiveRouter:
     """
 
     def __init__(self, rng: random.Random, alpha: float = 0.9, beta: float = 0.85, allow_local: bool = True,
-                 slack: str = "predicted") -> None:
+                 slack: str = "predicted", local_chunked: bool = False) -> None:
         if slack not in ("predicted", "window"):
             raise ValueError(f"slack must be 'predicted' or 'window', got {slack!r}")
         self.rng, self.alpha, self.beta, self.allow_local, self.slack = rng, alpha, beta, allow_local, slack
+        self.local_chunked = local_chunked    # local prefills run in ITL-budget chunks mixed with decodes
+
+    def _local(self, task: PrefillTask, view: ClusterView) -> float:
+        """Eq. 1 for the local path that runs: prefill-first, or chunks within beta * ITL SLO per step."""
+        budget = self.beta * task.itl_slo_s if self.local_chunked and math.isfinite(task.itl_slo_s) else None
+        return local_cost(task, view, budget)
 
     def route(self, task: PrefillTask, view: ClusterView, now: float) -> int:
         d = task.decode_worker
@@ -74,11 +109,11 @@ class AdaptiveRouter:
             if ttft <= ttft_thres:
                 return w
         if self.allow_local and view.windowed_itl(d, now) <= self.beta * task.itl_slo_s:
-            if not predicted or waited + local_cost(task, view) <= task.ttft_slo_s:
+            if not predicted or waited + self._local(task, view) <= task.ttft_slo_s:
                 return d                                    # lines 4-5
         best, best_t = -1, float("inf")
         if self.allow_local:
-            best, best_t = d, local_cost(task, view)        # line 6
+            best, best_t = d, self._local(task, view)       # line 6
         for w in prefill:                                   # lines 7-9
             t = remote_cost(task, w, view)
             if t < best_t:
