@@ -360,3 +360,26 @@ def test_ampd_laps_chunked_is_built_with_the_chunked_local_path_on_decode_worker
     assert build_worker(1, DECODE, 1, 100, "ampd+laps").cfg.itl_chunk_beta is None
     router = make_router(spec, random.Random(0))
     assert router.inner.local_chunked and not make_router(resolve_policy("ampd"), random.Random(0)).local_chunked
+
+
+def test_the_class_threshold_is_the_policys_else_the_cost_models_boundary_else_256():
+    """Protects deliverable 1's default: a set laps_length_threshold wins; without it the boundary the shell's cost
+    model gives (here 200) classifies in the workers and the router alike; without either, LAPS's 256."""
+    spec = resolve_policy("laps")
+    assert build_worker(0, PREFILL, 1, 100, spec, boundary=200).laps.opts.threshold == 200
+    assert make_router(spec, random.Random(0), 200).classifier.threshold == 200
+    assert build_worker(0, PREFILL, 1, 100, spec).laps.opts.threshold == 256
+    fixed = resolve_policy("laps", laps_length_threshold=128)
+    assert build_worker(0, PREFILL, 1, 100, fixed, boundary=200).laps.opts.threshold == 128
+    assert make_router(fixed, random.Random(0), 200).classifier.threshold == 128
+
+
+def test_the_roofline_boundary_is_where_a_prefill_step_turns_compute_bound():
+    """Protects L_m on the roofline: Qwen2.5-32B on one H200 is memory-bound (weights streamed) at 202 new tokens
+    and compute-bound from 203; history makes re-prefills compute-bound sooner (L_m(10000) < L_m(0))."""
+    r = Roofline("qwen2.5-32b", "h200", 1)
+    lm = r.prefill_boundary()
+    below, at = r.breakdown(BatchShape(lm - 1, (lm - 1) * lm / 2, 0, 1)), r.breakdown(BatchShape(lm, lm * (lm + 1) / 2, 0, 1))
+    assert below["compute"] < below["memory"] and at["compute"] >= at["memory"]
+    assert lm == 203
+    assert r.prefill_boundary(10_000) < lm

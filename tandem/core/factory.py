@@ -20,7 +20,7 @@ from tandem.policy.routing import (
     AdaptiveRouter, LeastCostRemoteRouter, LeastLoadRouter, LocalRouter, RoundRobinRouter, Router,
 )
 
-__all__ = ["build_worker", "build_coordinator", "make_router", "make_picker", "resolve_policy"]
+__all__ = ["build_worker", "build_coordinator", "laps_threshold", "make_router", "make_picker", "resolve_policy"]
 
 
 def resolve_policy(policy: str | PolicySpec, **options) -> PolicySpec:
@@ -29,12 +29,18 @@ def resolve_policy(policy: str | PolicySpec, **options) -> PolicySpec:
     return spec.with_options(**options) if options else spec
 
 
-def make_router(spec: PolicySpec, rng: random.Random) -> Router:
+def laps_threshold(spec: PolicySpec, boundary: int | None = None) -> int:
+    """LAPS's class threshold: the policy's laps_length_threshold if set, else the cost model's boundary L_m
+    (a roofline's or a fit's, given by the shell with its cost model), else LAPS's own default, 256."""
+    return spec.laps_length_threshold or boundary or DEFAULT_THRESHOLD
+
+
+def make_router(spec: PolicySpec, rng: random.Random, boundary: int | None = None) -> Router:
     """The routing object of a policy (AMPD Alg. 1 and the baselines' fixed rules), within LAPS's class pools
     when the policy has them."""
     router = _base_router(spec, rng)
     if spec.laps_pools:
-        return PooledRouter(router, LengthClassifier(spec.laps_length_threshold or DEFAULT_THRESHOLD))
+        return PooledRouter(router, LengthClassifier(laps_threshold(spec, boundary)))
     return router
 
 
@@ -71,9 +77,10 @@ def make_picker(spec: PolicySpec) -> Picker:
 
 def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: str | PolicySpec,
                  sched: SchedulerConfig | None = None, t_pre: Callable[[int, int], float] | None = None,
-                 max_num_batched_tokens: int | None = None) -> WorkerCore:
+                 max_num_batched_tokens: int | None = None, boundary: int | None = None) -> WorkerCore:
     """One worker core of `role` with the policy's picker and idle-KV retention and the scheduler's knobs.
-    `max_num_batched_tokens` overrides the scheduler's budget for this worker (the simulator's co-located one)."""
+    `max_num_batched_tokens` overrides the scheduler's budget for this worker (the simulator's co-located one);
+    `boundary` is the cost model's LAPS boundary L_m, the class threshold unless the policy sets one."""
     spec = get_policy(policy)
     sched = sched or SchedulerConfig()
     role = Role(role)
@@ -86,19 +93,21 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         itl_chunk_beta=spec.beta if spec.local_chunked and role == Role.DECODE else None)
     laps = None
     if spec.prefill_sched is PrefillSchedKind.LAPS and role == Role.PREFILL:
-        opts = laps_options(spec.laps_length_threshold, spec.laps_split, spec.laps_graphs, spec.laps_long_chunk,
+        opts = laps_options(laps_threshold(spec, boundary), spec.laps_split, spec.laps_graphs, spec.laps_long_chunk,
                             cfg.max_num_batched_tokens)
         laps = LapsScheduler(opts, t_pre or (lambda h, n: 0.0))
     return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps)
 
 
 def build_coordinator(view: CoordinatorView, policy: str | PolicySpec, sched: SchedulerConfig | None = None,
-                      seed: int | random.Random = 0, max_context: int | None = None) -> Coordinator:
-    """The coordinator core with the policy's router and binder and the scheduler's timeouts."""
+                      seed: int | random.Random = 0, max_context: int | None = None,
+                      boundary: int | None = None) -> Coordinator:
+    """The coordinator core with the policy's router and binder and the scheduler's timeouts (`boundary`: as
+    build_worker's, so that the router and the workers classify alike)."""
     spec = get_policy(policy)
     sched = sched or SchedulerConfig()
     rng = seed if isinstance(seed, random.Random) else random.Random(seed)
     binder = PrefixAffinityBinder() if spec.binder is BinderKind.PREFIX_AFFINITY else LeastKVBinder()
-    return Coordinator(view, make_router(spec, rng), binder, max_context=max_context,
+    return Coordinator(view, make_router(spec, rng, boundary), binder, max_context=max_context,
                        kv_timeout_s=sched.kv_timeout_s, session_ttl_s=sched.session_ttl_s,
                        block_size=sched.block_size)

@@ -210,6 +210,27 @@ class Roofline:
         return self.step_time_args(0, 0.0, 0, 0, batch, ctx_tokens_total)
 
     # ------------------------------------------------------------------------------------
+    def prefill_boundary(self, l_hist: int = 0, max_tokens: int = 1 << 20) -> int:
+        """LAPS's L_m on this roofline: the fewest new tokens from which one (re-)prefill step over `l_hist`
+        history tokens is compute-bound (compute >= memory traffic); shorter ones are memory-bound. Unlike LAPS's
+        T(L, H), memory here includes the weights streamed every step, which is what puts L_m in the hundreds of
+        tokens (LAPS measures 150-512). max_tokens when no length up to it is compute-bound."""
+        def compute_bound(n: int) -> bool:
+            b = self.breakdown(BatchShape(n, n * (l_hist + (n + 1) / 2), l_hist, 1))
+            return b["compute"] >= b["memory"]
+        if compute_bound(1):
+            return 1
+        if not compute_bound(max_tokens):
+            return max_tokens
+        lo, hi = 1, max_tokens                      # memory-bound at lo, compute-bound at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if compute_bound(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
     def allreduce_time(self, nbytes: float) -> float:
         """One all-reduce of nbytes over this worker's tp GPUs (0 at tp1)."""
         if self.tp == 1:
