@@ -35,6 +35,8 @@ class ModelInput:
     prompt_tokens: list[list[int]] = field(default_factory=list)     # per sampled row (repetition penalty)
     grammars: list[RequestGrammar | None] = field(default_factory=list)  # per sampled row (structured output)
     prompt_logprobs: list[PromptLogprobsSpec] = field(default_factory=list)  # sequences computing prompt logprobs
+    pad_to: int = 0           # run the token-wise layers over this many rows (a LAPS bucket: length x batch), the
+                              # real tokens first, padding rows after them; attention and sampling see only the real
 
     def add(self, token_ids: list[int], start: int, block_table: list[int]) -> None:
         """Append a sequence whose tokens `token_ids` occupy positions start, start+1, ..."""

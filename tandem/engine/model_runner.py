@@ -52,9 +52,10 @@ class ModelRunner:
         hidden = self.graphs.execute(batch) if self.graphs is not None else None   # a decode step's graph replay
         if hidden is None:
             meta = AttnMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, dev)
-            ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
-            pos = torch.tensor(batch.positions, dtype=torch.long, device=dev)
-            hidden = self.model(ids, pos, self.kv_caches, meta)
+            pad = batch.pad_to - len(batch.token_ids) if batch.pad_to > len(batch.token_ids) else 0
+            ids = torch.tensor(batch.token_ids + [0] * pad, dtype=torch.long, device=dev)
+            pos = torch.tensor(batch.positions + [0] * pad, dtype=torch.long, device=dev)
+            hidden = self.model(ids, pos, self.kv_caches, meta)      # [real + pad, H]: padding rows come last
         prompt_lps = self._prompt_logprobs(hidden, batch) if batch.prompt_logprobs else None
         if not batch.sample_rows:
             return SampleOutput([], prompt_logprobs=prompt_lps) if prompt_lps is not None else None

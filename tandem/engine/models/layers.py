@@ -195,7 +195,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = (self.backend if meta.backend is None else meta.backend).forward(q, k, v, kv, meta, self.scale)
+        backend = self.backend if meta.backend is None else meta.backend
+        n = meta.num_tokens
+        if n < T:                     # a padded (bucket) step: attention over the real tokens, zeros for padding
+            o = q.new_zeros(T, self.num_heads, self.head_dim)
+            o[:n] = backend.forward(q[:n], k[:n], v[:n], kv, meta, self.scale)
+        else:
+            o = backend.forward(q, k, v, kv, meta, self.scale)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
