@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sessions to generate (default: {DEFAULT_SESSIONS}); for traces, the first K")
     s.add_argument("--override-arrivals", action="store_true",
                    help="re-time a trace's sessions as a Poisson process at --rate")
+    s.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
+                   help="closed loop: N clients, each running one session at a time (the first N start at 0 s, "
+                        "each next one when a client's session ends); arrival times are not used, so not with "
+                        "--rate or --override-arrivals")
     s.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
                    help="what AMPD Table 1's prefill length is read as for generators: new tokens per round "
                         "(input, default) or each round's whole prompt (prompt); docs/session-format.md")
@@ -190,7 +194,8 @@ def _print_sim_table(out: dict) -> None:
         text = "-" if v is None else (pct(v) if "attainment" in key or "fraction" in key
                                       else f"{v:.4g}" if isinstance(v, float) else str(v))
         rows.append({"metric": label, "value": text})
-    rate = "trace arrivals" if out["rate"] is None else f"{out['rate']:g}/s"
+    rate = ("trace arrivals" if out["rate"] is None else f"{out['rate']:g}/s") if out.get("concurrency") is None \
+        else f"closed loop, {out['concurrency']} clients"
     print(f"{out['workload']} · {out['model']} on {out['gpus']} x {out['gpu']} · {out['deploy']} · "
           f"{out['policy']} · {rate} · seed {out['seed']}")
     print(format_table(rows, [Column("metric", "metric"), Column("value", "value")]), end="")
@@ -215,9 +220,13 @@ def cmd_simulate(args) -> int:
         model, gpu = canonical_model(args.model), canonical_gpu(args.gpu)
     if args.policy not in cluster.POLICIES:
         raise CLIError(f"unknown policy {args.policy!r} (valid: {', '.join(cluster.POLICIES)})")
+    _check_concurrency(args)
     deploy, gpus = _deployment(args, model, gpu, args.policy, profiled)
     sessions, rate, _ = load_workload(args, model)
     cfg = _sim_config(cluster, args, model, gpu, gpus, deploy, args.policy)
+    if args.concurrency is not None:
+        cfg = dataclasses.replace(cfg, concurrency=args.concurrency)
+        rate = None
     faults = _faults(args)
     if args.kv_timeout is not None:
         cfg = dataclasses.replace(cfg, kv_timeout_s=args.kv_timeout)
@@ -235,7 +244,7 @@ def cmd_simulate(args) -> int:
     out = summarize(res.records, res.sim_time_s)
     out.update({"wall_s": res.wall_s, "sim_time_s": res.sim_time_s, "events": res.events,
                 "deploy": res.deployment, "policy": res.policy, "model": model, "gpu": gpu, "gpus": gpus,
-                "workload": args.workload, "rate": rate, "seed": args.seed})
+                "workload": args.workload, "rate": rate, "concurrency": args.concurrency, "seed": args.seed})
     if base is not None:
         out["faults"] = _fault_cost(str(faults), base, out)
     if args.json:
@@ -246,6 +255,18 @@ def cmd_simulate(args) -> int:
         if base is not None:
             _print_fault_cost(out["faults"])
     return 0
+
+
+def _check_concurrency(args) -> None:
+    """--concurrency replaces arrival times: it cannot be combined with the flags that set them."""
+    if args.concurrency is None:
+        return
+    if args.rate is not None:
+        raise CLIError("--concurrency runs a closed loop (a session starts when a client's previous one ends); "
+                       "it cannot be combined with --rate")
+    if args.override_arrivals:
+        raise CLIError("--concurrency runs a closed loop and ignores arrival times; it cannot be combined with "
+                       "--override-arrivals")
 
 
 FAULT_METRICS = ("sessions_completed", "sessions_failed", "slo_attainment", "round_slo_attainment",

@@ -1,6 +1,7 @@
 """Build a simulated cluster from a deployment and a policy, run sessions through it, return records."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -63,6 +64,8 @@ class SimConfig:
     faults: FaultSpec | None = None             # injected KV-transfer failures and worker deaths
     perf: str | None = None                     # `tandem profile` JSON (step timer, routing costs, KV pool), or
                                                 # an AMPDCostModel JSON (routing costs only); roofline if None
+    concurrency: int | None = None              # closed loop: this many clients, one session each at a time
+                                                # (sessions' own arrival times ignored); None: open loop
 
     def policy_spec(self) -> PolicySpec:
         """The run's policy with this config's knobs (validated; ConfigError names the bad one)."""
@@ -94,7 +97,8 @@ class SimResult:
     events: int
     deployment: str
     policy: str
-    workers: list[dict] = field(default_factory=list)
+    workers: list[dict] = field(default_factory=list)   # per worker: id, role, tp, steps, busy_s, KV (+ "laps" counters)
+    pool_moves: list[dict] = field(default_factory=list)  # LAPS pools: prefill workers moved (instance, from, to, at_s)
 
 
 def place(dep: Deployment, gpus_per_node: int, gpus: int) -> list[int]:
@@ -118,6 +122,9 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     spec = cfg.policy_spec()
     if cfg.gpus < 1:
         raise ConfigError(f"--gpus must be at least 1, got {cfg.gpus}")
+    c = cfg.concurrency
+    if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+        raise ConfigError(f"concurrency must be None or an integer >= 1, got {c!r}")
     dep = parse_deploy(cfg.deploy, cfg.gpus)
     if spec.disaggregated != dep.disaggregated:
         kind = "a disaggregated deployment (P:...,D:...)" if spec.disaggregated else "a co-located deployment (C:...)"
@@ -197,10 +204,19 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
 
 
 def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResult:
-    """Run `sessions` through the deployment and policy of `cfg`; every session ends completed or failed."""
+    """Run `sessions` through the deployment and policy of `cfg`; every session ends completed or failed. With
+    `cfg.concurrency` N, N closed-loop clients run them one at a time each, in arrival order (EventLoop.run)."""
     coord, workers, loop = build(cfg)
     loop.progress = progress
-    wall = loop.run(sessions)
-    stats = [{"id": w.id, "role": w.role, "tp": w.cfg.tp, "steps": w.steps, "busy_s": w.busy_s,
-              "kv_capacity_tokens": w.capacity_tokens} for w in workers]
-    return SimResult(coord.records, loop.now, wall, loop.events, cfg.deploy, cfg.policy, stats)
+    wall = loop.run(sessions, concurrency=cfg.concurrency)
+    stats = []
+    for w in workers:
+        st = {"id": w.id, "role": w.role, "tp": w.cfg.tp, "steps": w.steps, "busy_s": w.busy_s,
+              "kv_capacity_tokens": w.capacity_tokens}
+        laps = getattr(w, "laps", None)
+        if laps is not None:
+            st["laps"] = dataclasses.asdict(laps.stats)
+        stats.append(st)
+    moves = [{"instance": m.instance, "from": str(m.from_pool), "to": str(m.to_pool), "at_s": m.at_s}
+             for m in getattr(coord.router, "moves", ())]
+    return SimResult(coord.records, loop.now, wall, loop.events, cfg.deploy, cfg.policy, stats, moves)

@@ -13,6 +13,7 @@ from tandem.sim.loop import (
     M_BEGIN, M_DELIVERED, M_HISTORY_READY, M_KV_ARRIVED, M_KV_IN, M_SEND_KV, M_SUBMIT, STEP, TOOL, EventLoop,
 )
 from tandem.sim.network import Network
+from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
 REQ, TOOLREQ, BEGUN, CTL, CTLDONE, EVT, HOST = range(7, 14)
@@ -262,6 +263,12 @@ class HostLoop(EventLoop):
         self._stamp(sid, sent)
 
     # ------------------------------------------------------------------ records
+    def _client_end_s(self, rec: SessionRecord) -> float:
+        """A closed-loop client sees its session end when the last token reaches it (output_s after its worker
+        produced it; a failure, output_s after the coordinator's)."""
+        last = rec.rounds[-1].finish_s if rec.completed and rec.rounds else None
+        return max(self.now, (last if last is not None else self.now) + self.costs.output_s)
+
     def _stamp(self, sid: str, sent: float) -> None:
         """The round just started counts from the client's send (its TTFT includes request_s and the RTT)."""
         st = self.coord.live.get(sid)

@@ -6,8 +6,10 @@ into a message the runtime would send, with its latencies and the host's CPU sha
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
+from collections import deque
 from typing import Callable
 
 from tandem.core.actions import (
@@ -18,6 +20,7 @@ from tandem.core.types import BatchShape, StepPlan, StepResult
 from tandem.core.worker import WorkerCore
 from tandem.sim.faults import Fate, FaultInjector, FaultSpec
 from tandem.sim.network import Flow, Network
+from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
 # event kinds (the heap holds (time, seq, kind, a, b)); HostLoop adds its own after these
@@ -62,6 +65,11 @@ class EventLoop:
         self.faults: FaultInjector | None = None
         self._state = None                              # the coordinator's view (drops a killed worker)
         self.commit: Callable[[StepPlan], dict[str, int] | None] | None = None   # multi-token commits
+        self._done_sessions = 0                         # sessions ended (completed or failed) so far
+        self._waiting: deque[Session] | None = None     # closed loop: sessions no client has started yet
+        self._clients: list[str] = []                   # closed loop: the session each busy client runs
+        self._recorded: dict[str, SessionRecord] = {}   # closed loop: client sessions' records, until they end
+        self._records_read = 0                          # closed loop: coordinator records read into _recorded
         self.handlers: dict[int, Callable] = {ARRIVAL: self._on_arrival, TOOL: self._on_tool, STEP: self._on_step,
                                               XFER: self._on_xfer, WAKE: self._on_wake, TICK: self._on_tick,
                                               KILL: self._on_kill}
@@ -226,30 +234,94 @@ class EventLoop:
         self._apply(self.coord.on_worker_lost(wid, self.now))
 
     # ------------------------------------------------------------------ run
-    def run(self, sessions: list[Session]) -> float:
-        """Simulate until every session has finished or failed; returns wall-clock seconds."""
+    def run(self, sessions: list[Session], concurrency: int | None = None) -> float:
+        """Simulate until every session has finished or failed; returns wall-clock seconds.
+
+        With `concurrency` N (closed loop), N clients each run one session at a time: the first N sessions (in
+        arrival order) start at t=0, and when a session ends (completed or failed) the next one not yet started
+        starts when its client sees that end (`_client_end_s`), its `arrival_s` overwritten with that time (the
+        records show it). Without it every session arrives at its own `arrival_s` (open loop)."""
         t0 = time.perf_counter()
-        for s in sorted(sessions, key=lambda s: s.arrival_s):
-            self._push(s.arrival_s, ARRIVAL, s)
+        order = sorted(sessions, key=lambda s: s.arrival_s)
+        if concurrency is None:
+            for s in order:
+                self._push(s.arrival_s, ARRIVAL, s)
+            self._waiting = None
+        else:
+            if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+                raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+            self._waiting = deque(order)
+            for _ in range(min(concurrency, len(order))):
+                self._start_next(0.0)
+        while True:
+            self._run_events()
+            self._fail_stalled(self.coord.in_flight(), "no event left")
+            self._session_ends()
+            if not self.heap:
+                break                                   # nothing left, nobody waiting to start
+        self._finish_run()
+        return time.perf_counter() - t0
+
+    def _run_events(self) -> None:
+        """Pop and handle events until the heap is empty."""
         heap, pop = self.heap, heapq.heappop
         handlers = self.handlers
         coord = self.coord
-        done_sessions = 0
+        records, live = coord.records, coord.live
         while heap:
             t, _, kind, a, b = pop(heap)
-            if kind == TICK and (t != coord.timer_s or not coord.live):
+            if kind == TICK and (t != coord.timer_s or not live):
                 continue                                # superseded timer, or nothing left to time out
             self.now = t
             self.events += 1
             if not self.events & 4095:
                 self._check_progress()
             handlers[kind](a, b)
-            if self.progress is not None and len(coord.records) - len(coord.live) != done_sessions:
-                done_sessions = len(coord.records) - len(coord.live)
-                self.progress(done_sessions)
-        self._fail_stalled(self.coord.in_flight(), "no event left")
-        self._finish_run()
-        return time.perf_counter() - t0
+            if len(records) - len(live) != self._done_sessions:
+                self._session_ends()
+
+    def _session_ends(self) -> None:
+        """Sessions ended since the last call: report progress; in a closed loop their clients start the next."""
+        done = len(self.coord.records) - len(self.coord.live)
+        if done == self._done_sessions:
+            return
+        self._done_sessions = done
+        if self._waiting is not None:
+            self._free_clients()
+        if self.progress is not None:
+            self.progress(done)
+
+    def _free_clients(self) -> None:
+        """Closed loop: each client whose session ended starts the next waiting session when it sees the end."""
+        records, live = self.coord.records, self.coord.live
+        seen = self._recorded
+        for rec in records[self._records_read:]:
+            seen[rec.session_id] = rec
+        self._records_read = len(records)
+        ended: list[SessionRecord] = []
+        busy: list[str] = []
+        for sid in self._clients:
+            rec = seen.get(sid)
+            if rec is None or sid in live:              # not at the coordinator yet (HostLoop), or under way
+                busy.append(sid)
+            else:
+                ended.append(seen.pop(sid))
+        self._clients = busy
+        for rec in ended:
+            if self._waiting:
+                self._start_next(self._client_end_s(rec))
+
+    def _start_next(self, at: float) -> None:
+        """A client sends the next waiting session at `at` (its arrival time in the records)."""
+        s = self._waiting.popleft()
+        if s.arrival_s != at:
+            s = dataclasses.replace(s, arrival_s=at)
+        self._clients.append(s.session_id)
+        self._push(at, ARRIVAL, s)
+
+    def _client_end_s(self, rec: SessionRecord) -> float:
+        """When the client of a session that just ended sees the end (here: at once)."""
+        return self.now
 
     def _finish_run(self) -> None:
         """Post-processing of the records a shell needs (none here)."""
