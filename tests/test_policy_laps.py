@@ -498,3 +498,30 @@ def test_controller_validation():
     with pytest.raises(ValueError, match="signals"):
         c.step(0.0, {0: sig(1), 1: sig(1)})
     assert c.step(0.0, {0: sig(0)}) is None   # no signal from the long pool: no decision
+
+
+def test_reversal_backoff_damps_the_limit_cycle_of_a_closed_loop():
+    """Protects the controller against a load that answers its moves: each pool's backlog is its class's load over
+    its size (1.5 short, 6.5 long on 8 instances), so the balance lies between 1 and 2 short instances. Without the
+    back-off the pools flip every cool-down (80 moves in 400 s); with it each reversal waits twice as long as the
+    last: moves at 0, 5, 10 (one way, plain cool-down), then 20, 40, 80, 160, 320 s."""
+    from tandem.policy.laps.classify import PrefillClass as C
+
+    def moves(backoff: float) -> list[tuple[float, str]]:
+        c = PoolController(PressureConfig(t_cool_s=5.0, reversal_backoff=backoff), short=[0, 1, 2, 3],
+                           long=[4, 5, 6, 7])
+        out = []
+        for t in range(400):
+            pools = c.pools()
+            ns, nl = len(pools[C.SHORT]), len(pools[C.LONG])
+            sig = {k: InstanceSignal(k, 1.5 / ns if k in pools[C.SHORT] else 6.5 / nl, 0.0, 0.0) for k in range(8)}
+            m = c.step(float(t), sig)
+            if m is not None:
+                out.append((m.at_s, m.to_pool.value))
+        return out
+
+    assert len(moves(1.0)) == 80
+    assert moves(2.0) == [(0.0, "long"), (5.0, "long"), (10.0, "long"), (20.0, "short"), (40.0, "long"),
+                          (80.0, "short"), (160.0, "long"), (320.0, "short")]
+    with pytest.raises(ValueError, match="reversal_backoff"):
+        PressureConfig(reversal_backoff=0.5)

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sessions to generate (default: {DEFAULT_SESSIONS}); for traces, the first K")
     s.add_argument("--override-arrivals", action="store_true",
                    help="re-time a trace's sessions as a Poisson process at --rate")
+    s.add_argument("--laps-length-threshold", type=positive_int, default=None, metavar="N",
+                   help="LAPS policies: a prefill of fewer new tokens is short (default: the roofline's boundary "
+                        "L_m for the prefill workers, where a prefill step turns compute-bound)")
     s.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
                    help="closed loop: N clients, each running one session at a time (the first N start at 0 s, "
                         "each next one when a client's session ends); arrival times are not used, so not with "
@@ -227,6 +230,8 @@ def cmd_simulate(args) -> int:
     if args.concurrency is not None:
         cfg = dataclasses.replace(cfg, concurrency=args.concurrency)
         rate = None
+    if args.laps_length_threshold is not None:
+        cfg = dataclasses.replace(cfg, laps_length_threshold=args.laps_length_threshold)
     faults = _faults(args)
     if args.kv_timeout is not None:
         cfg = dataclasses.replace(cfg, kv_timeout_s=args.kv_timeout)

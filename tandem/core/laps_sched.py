@@ -90,8 +90,14 @@ class LapsScheduler:
         return len(self.awd), len(self.long), window, self.awd.depth_target
 
     def _service(self, lengths) -> float:
-        """Ŝ: one step over the batch's tokens (the weights are read once for the whole batch)."""
-        return self.t_pre(0, int(sum(lengths)))
+        """Ŝ: one step over the batch's tokens (the weights are read once for the whole batch), padded to its
+        bucket when it runs in one."""
+        tokens = int(sum(lengths))
+        if self.opts.graphs:
+            bucket = self.opts.grid.nearest(list(lengths), self.opts.batch_budget_tokens)
+            if bucket is not None:
+                tokens = bucket.padded_tokens
+        return self.t_pre(0, tokens)
 
     # ---------------------------------------------------------------- queue
     def classify(self, task: PrefillTask) -> PrefillClass:

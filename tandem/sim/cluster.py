@@ -13,7 +13,7 @@ from tandem.core.coordinator import Coordinator
 from tandem.core.deploy import Deployment, DeploymentError, parse_deploy
 from tandem.core.factory import build_coordinator, build_worker, resolve_policy
 from tandem.core.state import InProcessState
-from tandem.core.types import COLOCATED
+from tandem.core.types import COLOCATED, PREFILL
 from tandem.core.worker import WorkerCore
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.hardware import get_gpu
@@ -64,6 +64,7 @@ class SimConfig:
     faults: FaultSpec | None = None             # injected KV-transfer failures and worker deaths
     perf: str | None = None                     # `tandem profile` JSON (step timer, routing costs, KV pool), or
                                                 # an AMPDCostModel JSON (routing costs only); roofline if None
+    laps_length_threshold: int | None = None    # LAPS class threshold (None: the roofline's boundary L_m)
     concurrency: int | None = None              # closed loop: this many clients, one session each at a time
                                                 # (sessions' own arrival times ignored); None: open loop
 
@@ -73,7 +74,8 @@ class SimConfig:
             spec = resolve_policy(self.policy)
             return spec.with_options(
                 reorder_window=self.reorder_window, alpha=self.alpha, beta=self.beta,
-                retain_idle_kv_s=self.continuum_ttl_s if spec.retain_idle_kv else 0.0)
+                retain_idle_kv_s=self.continuum_ttl_s if spec.retain_idle_kv else 0.0,
+                laps_length_threshold=self.laps_length_threshold or spec.laps_length_threshold)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -141,16 +143,20 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     cost = perf if perf is not None else AMPDCostModel.from_roofline(model.name, gpu.name, tps)
     sched = cfg.scheduler()
     workers, timers = [], []
+    prefill_tps = [tp for role, tp in dep.workers() if role == PREFILL]
+    boundary = Roofline(model, gpu, min(prefill_tps)).prefill_boundary() if prefill_tps else None   # LAPS's L_m
     for wid, (role, tp) in enumerate(dep.workers()):
         cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
         def t_pre(h: int, n: int, _tp: int = tp) -> float:
             return cost.t_pre(h, n, _tp)
         workers.append(build_worker(
             wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
-            max_num_batched_tokens=cfg.colocated_max_num_batched_tokens if role == COLOCATED else None))
+            max_num_batched_tokens=cfg.colocated_max_num_batched_tokens if role == COLOCATED else None,
+            boundary=boundary))
         timers.append(Roofline(model, gpu, tp).step_time)
     state = InProcessState(workers, cost, nodes)
-    coord = build_coordinator(state, spec, sched, random.Random(cfg.seed), max_context=model.max_context)
+    coord = build_coordinator(state, spec, sched, random.Random(cfg.seed), max_context=model.max_context,
+                              boundary=boundary)
     net = Network(nodes, [w.cfg.tp for w in workers],
                   nvlink_bps=gpu.nvlink_gbs * 1e9 * gpu.link_eff, net_bps=gpu.net_gbs * 1e9 * gpu.link_eff,
                   nvlink_latency_s=gpu.nvlink_latency_s, net_latency_s=gpu.net_latency_s, schedule=None)

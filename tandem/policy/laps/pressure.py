@@ -19,6 +19,13 @@ a move is made only if, re-scored on the same signals after the move, the opposi
 exceed the other — P90 over small pools jumps when a member leaves, and without the guard a constant
 load can make the controller move the same instance back and forth every cool-down. With the guard,
 under constant signals every move goes the same way, so the pools reach a fixed point.
+
+Reversal back-off (an addition too, `reversal_backoff=2.0` by default, 1.0 for the paper's rule): signals are not
+constant in a closed loop — moving an instance changes the loads it is scored on — and when the balanced split
+lies between two integer splits, the pools flip between them every cool-down. A move that undoes the previous one
+therefore waits t_cool times backoff^k since the last move, k the reversals in a row including it (capped at
+backoff^6); a move in the same direction as the previous one resets k. A limit cycle is damped geometrically, a
+lasting shift of the mix (moves going one way) is followed at the plain cool-down.
 """
 from __future__ import annotations
 
@@ -31,6 +38,8 @@ import numpy as np
 from tandem.policy.laps.classify import PrefillClass
 
 __all__ = ["InstanceSignal", "Move", "PoolController", "PressureConfig", "exceeds"]
+
+MAX_BACKOFF_EXP = 6          # the longest wait before a reversal: t_cool * backoff^6
 
 
 def _check_nonneg(name: str, value: float) -> None:
@@ -55,6 +64,7 @@ class PressureConfig:
     n_min: int = 1                     # neither pool drops below n_min instances
     aggregator_quantile: float = 0.9   # pool pressure = this quantile of instance pressures (P90)
     guard_reversal: bool = True        # skip a move that would immediately qualify the opposite move
+    reversal_backoff: float = 2.0      # a move undoing the previous one waits t_cool * backoff^k (1: no back-off)
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma", "tau", "t_cool_s"):
@@ -66,6 +76,9 @@ class PressureConfig:
             raise ValueError(f"aggregator_quantile must be in [0, 1], got {q!r}")
         if not isinstance(self.guard_reversal, bool):
             raise ValueError(f"guard_reversal must be a bool, got {self.guard_reversal!r}")
+        b = self.reversal_backoff
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 1:
+            raise ValueError(f"reversal_backoff must be a finite number >= 1, got {b!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +129,8 @@ class PoolController:
         self.config = config
         self._pools = pools
         self._t_last = -math.inf
+        self._last_to: PrefillClass | None = None     # the pool the previous move went to
+        self._reversals = 0                           # moves in a row that undid the previous one
         self.last_pool_pressures: dict[PrefillClass, float] | None = None
 
     def pools(self) -> dict[PrefillClass, frozenset[int]]:
@@ -158,6 +173,11 @@ class PoolController:
             donor, receiver = PrefillClass.SHORT, PrefillClass.LONG
         else:
             return None
+        reversal = self._last_to is donor
+        if reversal:
+            wait = c.t_cool_s * c.reversal_backoff ** min(self._reversals + 1, MAX_BACKOFF_EXP)
+            if now - self._t_last < wait:
+                return None
         candidates = [k for k in self._pools[donor] if k in psi]
         if not candidates:
             return None
@@ -169,6 +189,8 @@ class PoolController:
                 return None
         self._pools = after
         self._t_last = now
+        self._reversals = self._reversals + 1 if reversal else 0
+        self._last_to = receiver
         return Move(k, donor, receiver, float(now))
 
     def _pool_pressures(self, pools: Mapping[PrefillClass, set[int]],
