@@ -85,6 +85,25 @@ def test_static_padded_decode_equals_the_normal_path(prefilled, idx, gather_byte
         torch.testing.assert_close(a[:, :NUM_BLOCKS], r[:, :NUM_BLOCKS], atol=2e-5, rtol=1e-5)
 
 
+def test_eager_decode_takes_a_strided_attention_output(prefilled, monkeypatch):
+    """On an H100, CUDA's SDPA returned the decode groups' [n, Hkv, G, D] output laid out as [n, G, Hkv, D], and the
+    sdpa backend's `.view` to [n, Hq, D] raised: the eager decode path must accept any layout (here made on CPU)."""
+    from tandem.engine.attention import sdpa
+    model, kv0, tables, nxt = prefilled
+    monkeypatch.setattr(sdpa.native, "supports", lambda q, kv: False)      # the gather + SDPA path on CPU too
+    b = _decode_batch([0, 3, 5, 6], tables, nxt)
+    ref = _eager(model, [t.clone() for t in kv0], b)
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def strided(q, k, v, **kw):
+        o = real(q, k, v, **kw)
+        return o.transpose(1, 2).contiguous().transpose(1, 2)             # same values, [n, G, Hkv, D] in memory
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strided)
+    assert not strided(*(torch.zeros(2, 2, 2, 4),) * 3).is_contiguous()
+    torch.testing.assert_close(_eager(model, [t.clone() for t in kv0], b), ref, atol=0, rtol=0)
+
+
 def test_padding_never_writes_a_real_block(prefilled):
     model, kv0, tables, nxt = prefilled
     idx = [0, 3, 5]

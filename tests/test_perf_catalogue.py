@@ -16,7 +16,7 @@ def test_llama_70b_kv_bytes_per_token_is_2_layers_kvheads_headdim_bf16():
 
 @pytest.mark.parametrize("name, params", [
     ("qwen3-32b", 32.8e9), ("qwen2.5-7b", 7.61e9), ("qwen2.5-14b", 14.7e9), ("qwen2.5-32b", 32.5e9),
-    ("mixtral-8x7b", 46.7e9),
+    ("mixtral-8x7b", 46.7e9), ("qwen3-8b", 8.19e9),
 ])
 def test_model_param_counts_match_model_cards_within_1_percent(name, params):
     assert get_model(name).params == pytest.approx(params, rel=0.01)
@@ -41,6 +41,9 @@ def test_model_shapes_are_the_hf_configs():
     x = get_model("mixtral-8x7b")
     assert (x.experts, x.experts_per_token, x.max_context) == (8, 2, 32768)
     assert get_model("qwen3-32b").max_context == 131072
+    q8 = get_model("Qwen/Qwen3-8B")
+    assert (q8.layers, q8.hidden, q8.heads, q8.kv_heads, q8.head_dim, q8.intermediate, q8.vocab) == (36, 4096, 32, 8, 128, 12288, 151936)
+    assert not q8.tied_embeddings and q8.params == 8_190_726_144
 
 
 @pytest.mark.parametrize("alias", ["Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct", "LLAMA-3.1-70B", "Llama3.1-70B"])

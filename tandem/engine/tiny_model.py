@@ -2,6 +2,10 @@
 
 A directory from `make_tiny_model` loads both here (`load_model`, `Tokenizer.from_pretrained`) and in transformers
 (`AutoModelForCausalLM`, `AutoTokenizer`), so the engine can be checked against transformers without downloads.
+
+Besides the tiny sizes (1m, 30m), `REAL_SIZES` are random models with the dimensions of real checkpoints (Qwen3-0.6B
+and Qwen3-8B: their config.json, vocabulary of 151936 ids, 40960 positions) for timing the engine on a GPU. Only the
+first few hundred ids are covered by the byte-level tokenizer here, which timing does not care about.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from typing import Any
 import torch
 
 ARCHS = ("qwen3", "llama")
-SIZES = ("1m", "30m")
+REAL_SIZES = ("0.6b", "8b")          # qwen3 only: the real models' shapes
+SIZES = ("1m", "30m", *REAL_SIZES)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TRANSFORMERS_VERSION = "4.51.0"
 
@@ -27,7 +32,16 @@ _SHAPES: dict[tuple[str, str], dict[str, int]] = {
                            head_dim=64, intermediate_size=1920),
     ("llama", "30m"): dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                            head_dim=64, intermediate_size=1920),
+    # Qwen/Qwen3-0.6B config.json: 28 layers, hidden 1024, 16 heads (8 KV) of 128, MLP 3072, tied embeddings.
+    ("qwen3", "0.6b"): dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                            head_dim=128, intermediate_size=3072),
+    # Qwen/Qwen3-8B config.json: 36 layers, hidden 4096, 32 heads (8 KV) of 128, MLP 12288, untied embeddings.
+    ("qwen3", "8b"): dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, intermediate_size=12288),
 }
+# What the real checkpoints' config.json say besides the shape (both Qwen3 sizes alike, but the tying).
+_REAL = {("qwen3", "0.6b"): dict(vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True),
+         ("qwen3", "8b"): dict(vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False)}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|end_of_text|>",
                   "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
@@ -199,9 +213,39 @@ def build_tokenizer(bos_token: str | None = None):
     return tok
 
 
+def _check(arch: str, size: str) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r} (valid: {', '.join(ARCHS)})")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} (valid: {', '.join(SIZES)})")
+    if (arch, size) not in _SHAPES:
+        raise ValueError(f"size {size!r} is a real model's shape, only for qwen3 (llama: {', '.join(s for s in SIZES if (arch, s) in _SHAPES)})")
+
+
+def _vocab_size(arch: str, size: str, tok) -> int:
+    """The real model's vocabulary for REAL_SIZES, else the tokenizer's ids padded to a multiple of 64."""
+    real = _REAL.get((arch, size))
+    return real["vocab_size"] if real else -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+
+
+def _default_tie(arch: str, size: str) -> bool:
+    real = _REAL.get((arch, size))
+    return real["tie_word_embeddings"] if real else arch == "qwen3"
+
+
+def model_config(arch: str = "qwen3", size: str = "1m", dtype: str = "float32",
+                 tie_word_embeddings: bool | None = None) -> dict[str, Any]:
+    """The config.json that `make_tiny_model` writes for `arch` and `size` (no weights)."""
+    _check(arch, size)
+    tok = build_tokenizer("<|begin_of_text|>" if arch == "llama" else None)
+    tie = _default_tie(arch, size) if tie_word_embeddings is None else bool(tie_word_embeddings)
+    return _model_config(arch, size, _vocab_size(arch, size, tok), tok, tie, dtype)
+
+
 def _model_config(arch: str, size: str, vocab_size: int, tok, tie: bool, dtype: str) -> dict[str, Any]:
     shape = _SHAPES[(arch, size)]
-    common = dict(vocab_size=vocab_size, **shape, hidden_act="silu", max_position_embeddings=4096,
+    max_pos = _REAL[(arch, size)]["max_position_embeddings"] if (arch, size) in _REAL else 4096
+    common = dict(vocab_size=vocab_size, **shape, hidden_act="silu", max_position_embeddings=max_pos,
                   rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0, initializer_range=0.02,
                   tie_word_embeddings=tie, use_cache=True, torch_dtype=dtype,
                   transformers_version=_TRANSFORMERS_VERSION)
@@ -218,31 +262,37 @@ def _model_config(arch: str, size: str, vocab_size: int, tok, tie: bool, dtype: 
                 eos_token_id=[tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")])
 
 
-def _init_weights(model: torch.nn.Module, seed: int, tied: bool) -> dict[str, torch.Tensor]:
+def _init_weights(model: torch.nn.Module, seed: int, tied: bool, dtype: torch.dtype = torch.float32,
+                  device: str = "cpu") -> dict[str, torch.Tensor]:
     """Seeded random weights, scaled so that greedy decoding of the random model wanders instead of repeating.
 
     Input projections N(0, 1/fan_in), output projections (o_proj, down_proj) three times wider so the layers
     dominate the residual stream, embeddings N(0, 0.05) when tied to the output head (else 0.5, head 0.1), and
     norm weights drawn around 1 so that a norm loaded into the wrong place shows in the logits.
+
+    Each tensor is drawn in float32 on `device` (its own generator: the values depend on the seed and the device
+    type), converted to `dtype` and moved to the CPU before the next is drawn, so a large model never exists in
+    float32 as a whole.
     """
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     from tandem.engine.loader import checkpoint_layout
 
     # Hugging Face names and shapes (merged q/k/v and gate/up parameters split back into their checkpoint parts)
     for name, (_param, _off, shape) in checkpoint_layout(model).items():
         if name.endswith("norm.weight"):
-            t = 1.0 + 0.2 * (torch.rand(shape, generator=g) - 0.5)
+            t = 1.0 + 0.2 * (torch.rand(shape, generator=g, device=device) - 0.5)
         elif name.endswith("bias"):
-            t = torch.zeros(shape)
+            t = torch.zeros(shape, device=device)
         elif "embed_tokens" in name:
-            t = torch.randn(shape, generator=g) * (0.05 if tied else 0.5)
+            t = torch.randn(shape, generator=g, device=device) * (0.05 if tied else 0.5)
         elif name == "lm_head.weight":
-            t = torch.randn(shape, generator=g) * 0.1
+            t = torch.randn(shape, generator=g, device=device) * 0.1
         else:
             std = (3.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0) / shape[1] ** 0.5
-            t = torch.randn(shape, generator=g) * std
-        out[name] = t
+            t = torch.randn(shape, generator=g, device=device) * std
+        out[name] = t.to(dtype).contiguous().cpu()
+        del t
     return out
 
 
@@ -276,32 +326,33 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3", size: str = "1m", seed: int = 0,
-                    dtype: str = "float32", shards: int = 1, tie_word_embeddings: bool | None = None) -> Path:
-    """Write a random `arch` model of about `size` parameters, its tokenizer and chat template into out_dir."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r} (valid: {', '.join(ARCHS)})")
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r} (valid: {', '.join(SIZES)})")
+                    dtype: str = "float32", shards: int = 1, tie_word_embeddings: bool | None = None,
+                    init_device: str = "cpu") -> Path:
+    """Write a random `arch` model of about `size` parameters, its tokenizer and chat template into out_dir.
+
+    init_device: where the random weights are drawn ("cuda" draws an 8B model in seconds; the values then differ
+    from a CPU draw of the same seed, but are the same on every run)."""
+    _check(arch, size)
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (valid: {', '.join(_DTYPES)})")
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
-    tie = (arch == "qwen3") if tie_word_embeddings is None else bool(tie_word_embeddings)
+    tie = _default_tie(arch, size) if tie_word_embeddings is None else bool(tie_word_embeddings)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)      # a rewrite must not leave another layout's shards behind
 
     tok = build_tokenizer("<|begin_of_text|>" if arch == "llama" else None)
-    vocab_size = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
-    config = _model_config(arch, size, vocab_size, tok, tie, dtype)
+    config = _model_config(arch, size, _vocab_size(arch, size, tok), tok, tie, dtype)
 
     from tandem.engine.models import ModelConfig, get_model_class
     mc = ModelConfig.from_dict(config)
     with torch.device("meta"):
         skeleton = get_model_class(mc.architecture)(mc)
-    tensors = {n: t.to(_DTYPES[dtype]).contiguous() for n, t in _init_weights(skeleton, seed, tie).items()}
+    tensors = _init_weights(skeleton, seed, tie, _DTYPES[dtype], init_device)
     _save_weights(tensors, out, shards)
+    del tensors
 
     _write_json(out / "config.json", config)
     eos = config["eos_token_id"]
@@ -317,7 +368,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3", size: str =
         template = LLAMA_CHAT_TEMPLATE
     _write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", **special, "unk_token": None,
-        "clean_up_tokenization_spaces": False, "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],
         "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in special.values()],
         "chat_template": template})
     _write_json(out / "special_tokens_map.json", {
@@ -327,12 +378,9 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3", size: str =
 
 
 def parameter_count(arch: str = "qwen3", size: str = "1m", tie_word_embeddings: bool | None = None) -> int:
-    """Number of distinct parameters of a tiny model (tied embeddings counted once)."""
-    tok = build_tokenizer()
-    vocab_size = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
-    tie = (arch == "qwen3") if tie_word_embeddings is None else bool(tie_word_embeddings)
+    """Number of distinct parameters of a tiny model (tied embeddings counted once), built on the meta device."""
     from tandem.engine.models import ModelConfig, get_model_class
-    mc = ModelConfig.from_dict(_model_config(arch, size, vocab_size, tok, tie, "float32"))
+    mc = ModelConfig.from_dict(model_config(arch, size, "float32", tie_word_embeddings))
     with torch.device("meta"):
         model = get_model_class(mc.architecture)(mc)
     return sum(p.numel() for p in model.parameters())

@@ -120,6 +120,10 @@ MODELS: dict[str, ModelSpec] = {
     # Qwen/Qwen3-32B config.json; max_position_embeddings 40960, 131072 with YaRN (as served
     # for long agent contexts). ~32.8B params, untied embeddings.
     "qwen3-32b": _m("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936, max_context=131072),
+    # Qwen/Qwen3-8B config.json: 36 layers, hidden 4096, 32 heads (8 KV) of 128, MLP 12288, vocab 151936, untied
+    # embeddings; max_position_embeddings 40960, 131072 with YaRN as for the 32B. ~8.19B params. The model of
+    # benchmarks/gpu_roofline.py (a random checkpoint of this shape measured on an H100).
+    "qwen3-8b": _m("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, max_context=131072),
     # meta-llama/Llama-3.1-70B config.json: ~70.6B params.
     "llama-3.1-70b": _m("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, max_context=131072),
     # mistralai/Mixtral-8x7B-v0.1 config.json: 8 experts, top-2; ~46.7B total, ~12.9B active.

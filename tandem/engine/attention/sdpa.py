@@ -141,10 +141,11 @@ class SdpaBackend:
             kb = kb.view(2, g.n, g.nblk * kv.shape[2], hkv, d).transpose(2, 3)        # [2, n, Hkv, L, D]
             o = F.scaled_dot_product_attention(qs.view(g.n, hkv, hq // hkv, d), kb[0], kb[1],
                                                attn_mask=g.mask, scale=scale)        # [n, Hkv, G, D]
+            # reshape, not view: CUDA's SDPA kernels may return [n, Hkv, G, D] laid out as [n, G, Hkv, D]
             if g.rows is None:
-                out[g.start:g.start + g.n] = o.view(g.n, hq, d)
+                out[g.start:g.start + g.n] = o.reshape(g.n, hq, d)
             else:
-                out.index_copy_(0, g.rows, o.view(g.n, hq, d))
+                out.index_copy_(0, g.rows, o.reshape(g.n, hq, d))
         for p in plan.prefills:
             qs = q[p.start:p.start + p.qlen].transpose(0, 1).unsqueeze(0)      # [1, Hq, n, D]
             if p.slots is None:

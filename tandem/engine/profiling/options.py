@@ -15,6 +15,8 @@ class ProfileOptions:
     repeats: int | None = None          # timed runs per step (rounds), median taken (default 3)
     device: str = "auto"
     threads: int | None = None          # torch CPU threads (default: torch's own choice)
+    max_model_len: int | None = None    # the engine's max_model_len (default: the model's max_position_embeddings);
+                                        # on CUDA also the width every CUDA-graphed decode row attends over
     max_num_batched_tokens: int = 2048  # the engine's chunk budget: the largest step measured
     max_num_seqs: int = 256             # the engine's largest decode batch
     block_size: int = 16

@@ -44,7 +44,8 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
     t_start = time.perf_counter()
     load_before = _load_avg()
     cfg = EngineConfig(model=model, dtype=opt.dtype, device=opt.device, block_size=opt.block_size,
-                       max_num_batched_tokens=opt.max_num_batched_tokens, max_num_seqs=opt.max_num_seqs,
+                       max_model_len=opt.max_model_len, max_num_batched_tokens=opt.max_num_batched_tokens,
+                       max_num_seqs=opt.max_num_seqs,
                        kv_cache_memory_bytes=opt.kv_cache_memory_bytes, num_kv_blocks=opt.num_kv_blocks,
                        attention_backend=opt.attention_backend, seed=opt.seed, enforce_eager=opt.enforce_eager,
                        cuda_graph_sizes=opt.cuda_graph_sizes)
