@@ -45,19 +45,16 @@ import datetime
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
-from tandem.bench.ports import free_port
+from tandem.bench.serve_process import TANDEM, serve_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-TANDEM = [sys.executable, "-m", "tandem.cli"]
 CALIBRATION_POLICY = "ampd"       # the runtime block is measured on the ampd 1P+1D probe, whatever is compared
 METRICS = [("ttft_initial", "TTFT initial"), ("ttft_incremental", "TTFT incremental"),
            ("ttft_all", "TTFT all rounds"), ("itl", "ITL (round mean)")]
@@ -158,44 +155,12 @@ def make_workload(args, path: Path, max_len: int):
 
 @contextlib.contextmanager
 def live_server(model: Path, profile: Path, args, logfile: Path, lay: Layout):
-    """`tandem serve` (the layout's workers and policy) in a subprocess; yields its URL once /health answers;
-    stops it (and its workers)."""
-    port = free_port()
-    cmd = [*TANDEM, "serve", "--model", str(model), *lay.serve_args,
-           "--policy", lay.policy, "--perf", str(profile), "--slo-ttft", str(args.slo_ttft), "--slo-itl", str(args.slo_itl),
-           "--threads", "1", "--port", str(port)]
-    log("starting: tandem " + " ".join(str(c).replace(str(ROOT) + "/", "") for c in cmd[3:]))
-    f = open(logfile, "w")
-    # its own process group (stopped as one) but this session, so it shares the raised autogroup priority
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, process_group=0)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {proc.returncode}; see {logfile}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() - t0 > 180:
-                raise RuntimeError("tandem serve did not become healthy in 180 s")
-            time.sleep(0.2)
-        log(f"server healthy after {time.time() - t0:.1f} s")
-        yield url, proc.pid
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)                  # serve shuts its workers down itself
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)              # a worker left behind, if any
-        f.close()
+    """`tandem serve` (the layout's workers and policy) in a subprocess; yields its URL and pid once /health
+    answers; stops it (and its workers)."""
+    serve_args = ["--model", str(model), *lay.serve_args, "--policy", lay.policy, "--perf", str(profile),
+                  "--slo-ttft", str(args.slo_ttft), "--slo-itl", str(args.slo_itl), "--threads", "1"]
+    with serve_subprocess(serve_args, logfile, cwd=ROOT, log=log) as served:
+        yield served
 
 
 def bench_config(url: str, model: Path, seed: int):

@@ -525,3 +525,19 @@ def test_reversal_backoff_damps_the_limit_cycle_of_a_closed_loop():
                           (80.0, "short"), (160.0, "long"), (320.0, "short")]
     with pytest.raises(ValueError, match="reversal_backoff"):
         PressureConfig(reversal_backoff=0.5)
+
+
+def test_an_empty_pool_wins_an_instance_back_from_its_class_backlog():
+    """Protects n_min 0 with per-class signals: the short pool is empty and both instances serve short prefills in
+    the long pool; scored on its class's backlog over every instance (2 s queued each against 0.1 s of long work)
+    the empty short pool exceeds the long pool and takes its least pressed instance; without per-class signals an
+    empty pool could never be scored above the pool that serves it."""
+    from tandem.policy.laps.classify import PrefillClass as C
+    c = PoolController(PressureConfig(n_min=0, t_cool_s=5.0), short=[], long=[0, 1])
+    total = {k: InstanceSignal(k, 2.1, 0.0, 1.0) for k in (0, 1)}
+    by_class = {C.SHORT: {0: InstanceSignal(0, 2.0, 0.0, 1.0), 1: InstanceSignal(1, 2.0, 0.0, 1.0)},
+                C.LONG: {0: InstanceSignal(0, 0.1, 0.0, 1.0), 1: InstanceSignal(1, 0.05, 0.0, 1.0)}}
+    assert c.step(0.0, total) is None
+    m = c.step(1.0, total, by_class)
+    assert (m.instance, m.from_pool, m.to_pool) == (1, C.LONG, C.SHORT)
+    assert c.pools() == {C.SHORT: frozenset({1}), C.LONG: frozenset({0})}

@@ -13,6 +13,8 @@ from tandem.cli.bench_table import print_table
 from tandem.cli.common import CLIError, csv_list, positive_int
 from tandem.bench.ports import free_port
 
+LAPS_POLICIES = ("laps", "laps-no-graph", "laps-no-split", "ampd+laps", "ampd+laps-chunked")
+
 DEMO_SLO = (0.05, 0.02)         # TTFT, ITL seconds: a 1M-parameter model's steps take a few milliseconds
 API_KEY_ENV = "TANDEM_API_KEY"
 # Slow clients (slowloris): uvicorn closes an idle keep-alive connection after TIMEOUT_KEEP_ALIVE_S and refuses
@@ -30,7 +32,14 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--decode-workers", type=int, default=1, metavar="D", help="decode worker processes (default: 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="N",
                    help="co-located worker processes instead of P/D (policies vllm, continuum)")
-    p.add_argument("--policy", default="ampd", help="ampd | ampd-no-pr | ampd-no-ar-pr | dynamo | vllm | continuum")
+    p.add_argument("--policy", default="ampd", help="ampd | ampd-no-pr | ampd-no-ar-pr | dynamo | vllm | continuum | "
+                                                    "laps | laps-no-graph | laps-no-split | ampd+laps | "
+                                                    "ampd+laps-chunked | sglang-pd | sglang-pd-router")
+    p.add_argument("--laps-length-threshold", type=positive_int, default=None, metavar="N",
+                   help="LAPS policies: a prefill of fewer new tokens is short (default: 256)")
+    p.add_argument("--laps-min-pool", type=int, default=None, metavar="N",
+                   help="LAPS policies: the fewest prefill workers each pool keeps (default: 1; 0 lets one class "
+                        "lose its pool, as 2 prefill workers need for the controller to move one)")
     p.add_argument("--state", default="embedded", help="state store: embedded or redis://HOST:PORT[/DB]")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-model-len", type=positive_int, default=None)
@@ -118,10 +127,19 @@ def _cluster_config(args):
             raise CLIError(f"--{name.replace('_', '-')} must be > 0, got {v}")
     if args.perf is not None and not Path(args.perf).is_file():
         raise CLIError(f"--perf {args.perf}: no such file")
+    opts = {}
+    if args.laps_length_threshold is not None:
+        opts["laps_length_threshold"] = args.laps_length_threshold
+    if args.laps_min_pool is not None:
+        if args.laps_min_pool < 0:
+            raise CLIError(f"--laps-min-pool must be >= 0, got {args.laps_min_pool}")
+        opts["laps_min_pool"] = args.laps_min_pool
+    if opts and args.policy not in LAPS_POLICIES:
+        raise CLIError(f"--laps-* options apply to the LAPS policies ({', '.join(LAPS_POLICIES)}), not {args.policy!r}")
     return ClusterConfig(args.model, p, d, args.colocated, args.policy, args.state, args.served_model_name, eng,
                          args.perf, args.threads, args.kv_timeout, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
                          session_ttl_s=args.session_ttl, worker_timeout_s=args.worker_timeout,
-                         max_restarts=_restarts(args.max_worker_restarts))
+                         max_restarts=_restarts(args.max_worker_restarts), policy_options=opts)
 
 
 def _restarts(n: int) -> int:
@@ -186,6 +204,8 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
     from tandem.server.app import build_app
     try:
         get_policy(cfg.policy)
+        if cfg.policy_options:
+            get_policy(cfg.policy).with_options(**cfg.policy_options)
         cluster = await ServingCluster.start(cfg)
     except (ValueError, WorkerStartupError, StateStoreError) as e:
         raise CLIError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None

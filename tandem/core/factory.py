@@ -14,6 +14,7 @@ from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.policy.binding import LeastKVBinder, PrefixAffinityBinder
 from tandem.policy.laps.classify import DEFAULT_THRESHOLD, LengthClassifier
 from tandem.policy.laps.pools import PooledRouter
+from tandem.policy.laps.pressure import PressureConfig
 from tandem.policy.presets import BinderKind, PickerKind, PolicySpec, PrefillSchedKind, RouterKind, get_policy
 from tandem.policy.reorder import FCFS, Picker, SessionFirst, TTFTAwareReorder
 from tandem.policy.routing import (
@@ -40,7 +41,8 @@ def make_router(spec: PolicySpec, rng: random.Random, boundary: int | None = Non
     when the policy has them."""
     router = _base_router(spec, rng)
     if spec.laps_pools:
-        return PooledRouter(router, LengthClassifier(laps_threshold(spec, boundary)))
+        return PooledRouter(router, LengthClassifier(laps_threshold(spec, boundary)),
+                            PressureConfig(n_min=spec.laps_min_pool))
     return router
 
 

@@ -89,6 +89,14 @@ class LapsScheduler:
             window = self.awd.learned_window_s
         return len(self.awd), len(self.long), window, self.awd.depth_target
 
+    def queued_s(self) -> tuple[float, float]:
+        """Estimated prefill seconds of the short and long work not yet computed here (Alg. 2's per-class q)."""
+        def left(t: PrefillTask) -> float:
+            return t.est_s * (t.l_incr - t.done) / t.l_incr if t.l_incr else 0.0
+        short = sum(t.est_s for t in self._tasks.values()) + sum(left(t) for t in self.batch)
+        long = sum(t.est_s for t in self.long) + (left(self.long_active) if self.long_active is not None else 0.0)
+        return short, long
+
     def _service(self, lengths) -> float:
         """Ŝ: one step over the batch's tokens (the weights are read once for the whole batch), padded to its
         bucket when it runs in one."""

@@ -37,6 +37,9 @@ class InProcessState:
     def queued_prefill_s(self, worker: int) -> float:
         return self.workers[worker].pending_prefill_s()
 
+    def queued_prefill_by_class(self, worker: int) -> tuple[float, float]:
+        return self.workers[worker].pending_prefill_by_class()
+
     def utilization(self, worker: int, now: float) -> float:
         return self.workers[worker].utilization(now)
 

@@ -629,6 +629,13 @@ class WorkerCore:
             left += t.est_s * (t.l_incr - t.done) / t.l_incr
         return left
 
+    def pending_prefill_by_class(self) -> tuple[float, float]:
+        """pending_prefill_s() split into LAPS's short and long classes (a worker without LAPS: the total twice)."""
+        if self.laps is not None and self.laps.opts.split:
+            return self.laps.queued_s()
+        total = self.pending_prefill_s()
+        return total, total
+
     def utilization(self, now: float) -> float:
         """Busy share of the last window (LAPS Alg. 2's u): step time ended within it over its length."""
         return min(1.0, self.busy_window.total(now) / self.cfg.window_s)

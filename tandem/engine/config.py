@@ -1,13 +1,14 @@
 """Engine configuration (vLLM's names) and the sizing of the paged KV pool from a memory budget."""
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.core.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
-from tandem.policy.presets import get_policy
+from tandem.policy.presets import PolicySpec, get_policy
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_CACHE_BYTES = 1 << 30        # vLLM's CPU backend takes its KV space from an env var; 1 GiB by default here
@@ -30,6 +31,8 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     policy: str = "vllm"                      # the scheduling policy of the worker core (tandem.policy.presets):
                                               # its prefill picker and idle-KV retention
+    policy_options: dict = field(default_factory=dict)   # knobs of the policy (PolicySpec fields), e.g.
+                                              # {"laps_length_threshold": 200}
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # KV pool budget; default: 1 GiB on CPU, 90% of free memory on CUDA
     gpu_memory_utilization: float = 0.9
@@ -39,14 +42,21 @@ class EngineConfig:
     enforce_eager: bool = False               # CUDA: never capture decode steps as CUDA graphs (always eager)
     cuda_graph_sizes: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, 8, 16, ... 512
 
+    def policy_spec(self) -> PolicySpec:
+        """The worker core's policy with this config's knobs (ValueError/TypeError name a bad one)."""
+        spec = get_policy(self.policy)
+        return dataclasses.replace(spec, **self.policy_options) if self.policy_options else spec
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
             raise EngineError("model must be a path to a Hugging Face checkpoint directory")
         self.model = str(self.model)
+        if not isinstance(self.policy_options, dict):
+            raise EngineError(f"policy_options must be a dict of policy knobs, got {self.policy_options!r}")
         try:
-            get_policy(self.policy)
-        except ValueError as e:
-            raise EngineError(str(e)) from None
+            self.policy_spec()
+        except (ValueError, TypeError) as e:
+            raise EngineError(f"policy {self.policy!r}: {e}") from None
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise EngineError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

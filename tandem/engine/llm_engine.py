@@ -109,7 +109,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes/num_kv_blocks or lower max_model_len")
         sched = SchedulerConfig(block_size=bs, max_num_batched_tokens=config.max_num_batched_tokens,
                                 max_num_seqs=config.max_num_seqs)
-        self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy, sched, t_pre)
+        self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre)
         self.forward_events = role != COLOCATED if forward_events is None else forward_events
         self.core_events: list = []                          # every core event, for a coordinator to drain
         self._task_req: dict[PrefillTask, _Request] = {}     # prefill role: its tasks' requests

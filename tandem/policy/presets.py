@@ -68,6 +68,8 @@ class PolicySpec:
     laps_graphs: bool = True     # LAPS: short batches padded to a captured (length, batch) bucket, run as a graph
     laps_length_threshold: int | None = None   # LAPS: SHORT below this many new tokens (None: 256, LAPS's default)
     laps_long_chunk: int | None = None         # LAPS C_l: tokens per long-prefill step (None: the token budget)
+    laps_min_pool: int = 1       # LAPS Alg. 2: neither pool drops below this many prefill workers (0: a class may
+                                 # lose its pool; its prefills then go to any prefill worker, served temporally)
     local_chunked: bool = False  # a decode worker's local prefill runs in chunks mixed with its decodes, each step
                                  # within beta * the round's ITL SLO (Sarathi-style), not prefill-first
     description: str = ""
@@ -80,6 +82,8 @@ class PolicySpec:
         for knob in ("laps_pools", "laps_split", "laps_graphs", "local_chunked"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
+        if isinstance(self.laps_min_pool, bool) or not isinstance(self.laps_min_pool, int) or self.laps_min_pool < 0:
+            raise ValueError(f"laps_min_pool must be an integer >= 0, got {self.laps_min_pool!r}")
         for knob in ("laps_length_threshold", "laps_long_chunk"):
             v = getattr(self, knob)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

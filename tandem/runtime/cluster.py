@@ -7,6 +7,7 @@ store's view, and pumps messages between them (tandem/runtime/coordinator_shell.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -19,7 +20,7 @@ from tandem.core.types import COLOCATED, DECODE, PREFILL
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.policy.laps.classify import PrefillClass
-from tandem.policy.presets import get_policy
+from tandem.policy.presets import PolicySpec, get_policy
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
 from tandem.runtime.coordinator_shell import CoordinatorShell
@@ -66,6 +67,7 @@ class ClusterConfig:
     worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S
     # a dead worker is replaced (same id and role) at most this many times per RESTART_WINDOW_S; 0: never
     max_restarts: int = DEFAULT_MAX_RESTARTS
+    policy_options: dict = field(default_factory=dict)   # PolicySpec knobs for every core (e.g. laps_min_pool)
 
 
 async def _refused(err: RequestError):
@@ -100,9 +102,17 @@ class ServingCluster:
         await self._start()
         return self
 
+    def policy_spec(self) -> PolicySpec:
+        """The cluster's policy with its knobs (ValueError names a bad one)."""
+        spec = get_policy(self.cfg.policy)
+        try:
+            return dataclasses.replace(spec, **self.cfg.policy_options) if self.cfg.policy_options else spec
+        except TypeError as e:
+            raise ValueError(f"policy {spec.name}: {e}") from None
+
     def _specs(self) -> list[WorkerSpec]:
         cfg = self.cfg
-        spec = get_policy(cfg.policy)
+        spec = self.policy_spec()
         if spec.disaggregated:
             if cfg.colocated or cfg.prefill_workers < 1 or cfg.decode_workers < 1:
                 raise ValueError(f"policy {spec.name} needs --prefill-workers >= 1 and --decode-workers >= 1 "
@@ -112,7 +122,7 @@ class ServingCluster:
             if cfg.colocated < 1:
                 raise ValueError(f"policy {spec.name} serves co-located workers: give --colocated N (N >= 1)")
             roles = [COLOCATED] * cfg.colocated
-        args = dict(cfg.engine_args, model=cfg.model, policy=spec.name)
+        args = dict(cfg.engine_args, model=cfg.model, policy=spec.name, policy_options=dict(cfg.policy_options))
         self.roles = dict(enumerate(roles))
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
                            dict(role=r, engine_args=args, state=cfg.state, perf=cfg.perf, threads=cfg.threads,
@@ -146,7 +156,7 @@ class ServingCluster:
         view.refresh()
         sched = SchedulerConfig(block_size=int(first["block_size"]), kv_timeout_s=cfg.kv_timeout_s,
                                 session_ttl_s=cfg.session_ttl_s)
-        coord = build_coordinator(view, get_policy(cfg.policy), sched, random.Random(cfg.seed),
+        coord = build_coordinator(view, self.policy_spec(), sched, random.Random(cfg.seed),
                                   max_context=self.max_model_len)
         kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
         self._cache_config = next((dict(info.get("cache_config") or {}) for wid, info in sorted(infos.items())

@@ -45,6 +45,8 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     window_s: float = 10.0         # the window of those means: older than this, they say nothing
     queued_prefill_s: float = 0.0  # WorkerCore.pending_prefill_s(): AMPD Eq. 1-2 queue term
     utilization: float = 0.0       # WorkerCore.utilization(): busy share of the window (LAPS Alg. 2)
+    queued_short_s: float = 0.0    # queued_prefill_s split into LAPS's classes (a worker without LAPS: the total)
+    queued_long_s: float = 0.0
     laps_short_waiting: int = 0    # LAPS prefill worker: short prefills in its AWD batcher
     laps_long_waiting: int = 0     # LAPS prefill worker: long prefills queued
     laps_window_s: float = 0.0     # AWD's window W and target depth D now
@@ -63,11 +65,12 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     def from_core(cls, core: WorkerCore, now: float, *, node: int = 0, control_addr: str = "",
                   kv_addr: str = "", published_s: float | None = None, alive: bool = True) -> WorkerState:
         """Snapshot `core` at core time `now` (its means) and wall time `published_s` (default: time.time())."""
-        laps = {}
+        short_s, long_s = core.pending_prefill_by_class()
+        laps = {"queued_short_s": short_s, "queued_long_s": long_s}
         if core.laps is not None:
             short, long, window, depth = core.laps.gauges(now)
             st = core.laps.stats
-            laps = dict(laps_short_waiting=short, laps_long_waiting=long, laps_window_s=window, laps_depth=depth,
+            laps.update(laps_short_waiting=short, laps_long_waiting=long, laps_window_s=window, laps_depth=depth,
                         laps_short_steps=st.short_steps, laps_graph_steps=st.graph_steps)
         return cls(
             worker_id=core.id, role=str(core.role), tp=core.cfg.tp, node=node,

@@ -134,6 +134,10 @@ class StoreView:
     def queued_prefill_s(self, worker: int) -> float:
         return self.state(worker).queued_prefill_s
 
+    def queued_prefill_by_class(self, worker: int) -> tuple[float, float]:
+        s = self.state(worker)
+        return s.queued_short_s, s.queued_long_s
+
     def utilization(self, worker: int, now: float) -> float:
         s = self.state(worker)
         return self._windowed(s, s.utilization)

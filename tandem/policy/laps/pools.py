@@ -6,7 +6,8 @@ choice. The pools come from a PoolController (Alg. 2), stepped at most once per 
 routed — the pools only matter at routing time, so no timer is needed. A moved worker keeps what it has queued and
 drains it (each worker schedules both classes, one per step); new tasks of its new class are routed to it.
 
-Signals per prefill worker, all in units the two pools share: backlog q = queued prefill seconds / TTFT SLO, SLA
+Signals per prefill worker, all in units the two pools share: backlog q = queued prefill seconds of the pool's
+class / TTFT SLO (the view's queued_prefill_by_class; the whole queue when it has no split), SLA
 deviation e = windowed mean TTFT / TTFT SLO − 1 (−1 when nothing finished in the window), utilisation u = the
 busy share of the last window. With one prefill worker (or none) there are no pools: LAPS is then temporal only.
 """
@@ -27,9 +28,12 @@ DEFAULT_SLO_S = 1.0          # normalises backlog and TTFT of tasks without a TT
 
 
 class PoolView(ClusterView, Protocol):
-    """Routing's view plus each worker's busy share of the last window (the controller's u)."""
+    """Routing's view plus each worker's busy share of the last window (the controller's u) and its queued prefill
+    seconds split by class (each pool is scored on its class's backlog; an empty pool on its class's backlog
+    wherever it waits)."""
 
     def utilization(self, worker: int, now: float) -> float: ...
+    def queued_prefill_by_class(self, worker: int) -> tuple[float, float]: ...
 
 
 def initial_pools(workers: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -80,11 +84,20 @@ class PooledRouter:
         if now - self._last_step >= self.period_s and hasattr(view, "utilization"):
             self._last_step = now
             slo = task.ttft_slo_s if math.isfinite(task.ttft_slo_s) and task.ttft_slo_s > 0 else DEFAULT_SLO_S
-            move = self.controller.step(now, {w: self._signal(w, view, now, slo) for w in live})
+            signals = {w: self._signal(w, view, now, slo) for w in live}
+            by_class = None
+            if hasattr(view, "queued_prefill_by_class"):
+                split = {w: view.queued_prefill_by_class(w) for w in live}
+                by_class = {cls: {w: replace(signals[w], queue=max(0.0, split[w][i]) / slo) for w in live}
+                            for i, cls in enumerate((PrefillClass.SHORT, PrefillClass.LONG))}
+            move = self.controller.step(now, signals, by_class)
             if move is not None:
                 self.moves.append(move)
         cls = self.classifier.classify(task.l_incr, task.l_hist)
-        return self.inner.route(task, _PoolFilter(view, self.controller.pools()[cls]), now)
+        members = self.controller.pools()[cls]
+        if not members.intersection(live):               # the class has no pool (n_min 0): any prefill worker
+            return self.inner.route(task, view, now)
+        return self.inner.route(task, _PoolFilter(view, members), now)
 
     def _sync(self, live: tuple[int, ...]) -> None:
         """Follow the prefill workers the view lists: pools are (re)made when the set changes (a worker lost or
@@ -104,11 +117,12 @@ class PooledRouter:
             new = [w for w in live if w not in short and w not in long]
             for w in new:                                 # a returning worker joins the smaller pool
                 (short if len(short) <= len(long) else long).append(w)
-            if not short:
+            if not short and self.config.n_min > 0:
                 short.append(long.pop(0))
-            if not long:
+            if not long and self.config.n_min > 0:
                 long.append(short.pop())
-        cfg = self.config if self.config.n_min <= min(len(short), len(long)) else replace(self.config, n_min=1)
+        n_min = min(self.config.n_min, len(short), len(long))
+        cfg = self.config if n_min == self.config.n_min else replace(self.config, n_min=n_min)
         self.controller = PoolController(cfg, short, long)
 
     @staticmethod

@@ -149,18 +149,24 @@ class PoolController:
             raise ValueError("pool_pressure needs at least one signal")
         return float(np.quantile(values, self.config.aggregator_quantile))
 
-    def step(self, now: float, signals: Mapping[int, InstanceSignal]) -> Move | None:
+    def step(self, now: float, signals: Mapping[int, InstanceSignal],
+             by_class: Mapping[PrefillClass, Mapping[int, InstanceSignal]] | None = None) -> Move | None:
         """One control period (Alg. 2 body): maybe move one instance; returns the Move carried out.
 
         Signals of instances in neither pool are ignored; a pool with no signal makes no decision.
         The donor's instance with the lowest pressure moves (ties: lowest id), among those with a signal.
+        `by_class` (optional): per class, each instance's signal counting only that class's queued work; a pool
+        is then scored on its class's signals, and an empty pool (n_min 0) on its class's signals over every
+        instance (they all serve it), so the class can win an instance back.
         """
         if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
             raise ValueError(f"now must be a finite number, got {now!r}")
-        for k, s in signals.items():
-            if not isinstance(s, InstanceSignal) or s.instance != k:
-                raise ValueError(f"signals[{k!r}] must be the InstanceSignal of instance {k!r}, got {s!r}")
-        psi = {k: self.pressure(s) for k, s in signals.items()}
+        for group in (signals, *(by_class or {}).values()):
+            for k, s in group.items():
+                if not isinstance(s, InstanceSignal) or s.instance != k:
+                    raise ValueError(f"signals[{k!r}] must be the InstanceSignal of instance {k!r}, got {s!r}")
+        psi = {cls: {k: self.pressure(s) for k, s in (by_class[cls] if by_class else signals).items()}
+               for cls in PrefillClass}
         pressures = self._pool_pressures(self._pools, psi)
         self.last_pool_pressures = pressures
         if pressures is None or now - self._t_last < self.config.t_cool_s:
@@ -178,10 +184,10 @@ class PoolController:
             wait = c.t_cool_s * c.reversal_backoff ** min(self._reversals + 1, MAX_BACKOFF_EXP)
             if now - self._t_last < wait:
                 return None
-        candidates = [k for k in self._pools[donor] if k in psi]
+        candidates = [k for k in self._pools[donor] if k in psi[donor]]
         if not candidates:
             return None
-        k = min(candidates, key=lambda i: (psi[i], i))
+        k = min(candidates, key=lambda i: (psi[donor][i], i))
         after = {donor: self._pools[donor] - {k}, receiver: self._pools[receiver] | {k}}
         if c.guard_reversal:
             moved = self._pool_pressures(after, psi)
@@ -194,10 +200,10 @@ class PoolController:
         return Move(k, donor, receiver, float(now))
 
     def _pool_pressures(self, pools: Mapping[PrefillClass, set[int]],
-                        psi: Mapping[int, float]) -> dict[PrefillClass, float] | None:
+                        psi: Mapping[PrefillClass, Mapping[int, float]]) -> dict[PrefillClass, float] | None:
         out = {}
         for cls, members in pools.items():
-            values = [psi[k] for k in members if k in psi]
+            values = [psi[cls][k] for k in members if k in psi[cls]] if members else list(psi[cls].values())
             if not values:
                 return None
             out[cls] = float(np.quantile(values, self.config.aggregator_quantile))
