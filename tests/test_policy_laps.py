@@ -541,3 +541,32 @@ def test_an_empty_pool_wins_an_instance_back_from_its_class_backlog():
     m = c.step(1.0, total, by_class)
     assert (m.instance, m.from_pool, m.to_pool) == (1, C.LONG, C.SHORT)
     assert c.pools() == {C.SHORT: frozenset({1}), C.LONG: frozenset({0})}
+
+
+def _profile_rows(model: PrefillCostModel, shapes) -> list[dict]:
+    """`tandem profile` measurement rows of single-chunk prefill steps timed by `model`, plus rows the fit skips."""
+    rows = [{"kind": "prefill", "num_prefill": 1, "num_decode": 0, "prefill_tokens": L, "prefill_kv_read_tokens": H,
+             "seconds": model.latency(L, H)} for L, H in shapes]
+    rows.append({"kind": "prefill", "num_prefill": 2, "num_decode": 0, "prefill_tokens": 64,
+                 "prefill_kv_read_tokens": 0, "seconds": 99.0})
+    rows.append({"kind": "mixed", "num_prefill": 1, "num_decode": 4, "prefill_tokens": 64,
+                 "prefill_kv_read_tokens": 0, "seconds": 99.0})
+    return rows
+
+
+def test_the_boundary_is_fitted_to_a_profiles_prefill_steps():
+    """Protects deliverable 1's fit: single-chunk prefill steps timed by a known T(L, H) (alpha 1e-8, beta 1e-6,
+    gamma_w = 4096 B / 1e9 B/s, gamma_r 2e-6) give back its coefficients and its boundary (gamma_w − beta)/alpha =
+    309.6 tokens; multi-chunk and mixed steps are left out; a profile without bandwidth, or with flat times (an
+    engine bound by its kernel launches), says why it cannot be fitted."""
+    truth = PrefillCostModel(alpha=1e-8, beta=1e-6, gamma_w=4096 / 1e9, gamma_r=2e-6)
+    shapes = [(L, H) for L in (16, 64, 256, 1024) for H in (0, 512, 2048)]
+    m = PrefillCostModel.from_profile(_profile_rows(truth, shapes), 4096, 1e9)
+    assert m.alpha == pytest.approx(1e-8, rel=1e-6) and m.gamma_r == pytest.approx(2e-6, rel=1e-6)
+    assert m.beta == pytest.approx(1e-6, rel=1e-6) and m.gamma_w == 4096 / 1e9
+    assert m.prefill_boundary() == pytest.approx(309.6, rel=1e-6)
+    with pytest.raises(ValueError, match="bandwidth"):
+        PrefillCostModel.from_profile(_profile_rows(truth, shapes), 4096, 0.0)
+    flat = [{**r, "seconds": 0.05} for r in _profile_rows(truth, shapes)]
+    with pytest.raises(ValueError, match="alpha is 0"):
+        PrefillCostModel.from_profile(flat, 4096, 1e9)

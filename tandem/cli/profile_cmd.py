@@ -117,8 +117,23 @@ def summary_rows(prof) -> list[tuple[str, str]]:
               f"{1e3 * st.prefill_time(0, min(1024, prof.max_num_batched_tokens)):.1f} ms"),
              ("KV link", f"{prof.kv_link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
                          f"{1e6 * prof.kv_link['latency_s']:.0f} us ({prof.kv_link.get('source', '?')})"),
+             laps_boundary_row(prof),
              ("wall time", f"{prof.wall_s:.1f} s")]
     return rows
+
+
+def laps_boundary_row(prof) -> tuple[str, str]:
+    """LAPS's T(L, H) fitted to the profile's prefill steps and its boundaries, or why it could not be fitted."""
+    from tandem.policy.laps.cost import PrefillCostModel
+
+    bw = prof.device.get("memory_bandwidth_bytes_per_s") or 0.0
+    try:
+        m = PrefillCostModel.from_profile(prof.measurements, prof.kv_bytes_per_token, float(bw))
+    except ValueError as e:
+        return "LAPS boundary", f"not fitted: {e}"
+    return "LAPS boundary", (f"L_m prefill {m.prefill_boundary():.0f} tokens, re-prefill (H=1024) "
+                             f"{m.reprefill_boundary(1024):.0f}; T = aL(L+2H)+bL+g_w L+g_r H with a {m.alpha:.3g}, "
+                             f"b {m.beta:.3g}, g_w {m.gamma_w:.3g}, g_r {m.gamma_r:.3g} s (memory {bw / 1e9:.1f} GB/s)")
 
 
 def cmd_profile(args) -> int:

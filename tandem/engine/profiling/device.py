@@ -34,3 +34,24 @@ def _load_avg() -> float | None:
         return os.getloadavg()[0]
     except (OSError, AttributeError):
         return None
+
+
+def memory_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s the device's memory moves in a large copy (read + write counted), median of `repeats`: the γ of
+    LAPS's KV terms (KV bytes per token over this) when its boundary is fitted to the profile."""
+    import statistics
+    import time
+
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n * 4 / statistics.median(times[1:])

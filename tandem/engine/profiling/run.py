@@ -12,7 +12,7 @@ import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.profiling.device import _load_avg, device_info
+from tandem.engine.profiling.device import _load_avg, device_info, memory_bandwidth
 from tandem.engine.profiling.grids import Point, heldout_grid, train_grid
 from tandem.engine.profiling.interference import measure_interference
 from tandem.engine.profiling.kv_path import measure_kv_link, measure_kv_path
@@ -140,7 +140,9 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
     opts.update(repeats=opt.n_repeats, heldout=len(held), train_points=len(train), profiled_max_len=max_len,
                 load_avg_before=load_before, load_avg_after=_load_avg())
     return Profile(
-        model=str(model), device=device_info(runner.device), torch_version=torch.__version__,
+        model=str(model), device={**device_info(runner.device),
+                                  "memory_bandwidth_bytes_per_s": memory_bandwidth(runner.device)},
+        torch_version=torch.__version__,
         engine=dataclasses.asdict(cfg), model_config=model_cfg, step_model=step, ampd=ampd,
         num_blocks=runner.num_blocks, block_size=runner.block_size, kv_bytes_per_token=kv_bytes,
         max_model_len=engine_max_len, max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -165,6 +165,20 @@ class PrefillCostModel:
         return cls(float(alpha), max(0.0, float(lin) - gamma_w), float(gamma_w), float(gamma_r))
 
     @classmethod
+    def from_profile(cls, measurements: Iterable[dict], kv_bytes_per_token: float,
+                     memory_bandwidth_bytes_per_s: float) -> PrefillCostModel:
+        """LAPS §2.1 fitted to a `tandem profile`: its single-chunk prefill steps as (L, H, seconds) samples, with
+        γ_w = KV bytes per token / the device's measured memory bandwidth (fit_total). ValueError when the profile
+        has too few or too uniform prefill steps, or no bandwidth."""
+        rows = [m for m in measurements
+                if m.get("kind") == "prefill" and m.get("num_prefill") == 1 and m.get("num_decode", 0) == 0]
+        samples = [(float(m["prefill_tokens"]), float(m["prefill_kv_read_tokens"]), float(m["seconds"])) for m in rows]
+        _finite_nonneg("memory_bandwidth_bytes_per_s", memory_bandwidth_bytes_per_s)
+        if memory_bandwidth_bytes_per_s <= 0:
+            raise ValueError("the profile has no measured memory bandwidth (profile again with this version)")
+        return cls.fit_total(samples, kv_bytes_per_token / memory_bandwidth_bytes_per_s)
+
+    @classmethod
     def from_roofline(cls, flops_per_token: float, attn_flops_per_token_pair: float, kv_bytes_per_token: float,
                       peak_flops: float, mem_bw: float) -> PrefillCostModel:
         """Coefficients from a roofline: each term runs at peak compute or at full memory bandwidth.
