@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.cli.common import csv_list, positive_int, seed_arg
 from tandem.sim.cluster import SimConfig, SimResult, simulate
 from tandem.workload.generators import default_slo, generate
 from tandem.workload.session import Round, Session
@@ -468,29 +469,9 @@ def write_report(rows: list[dict], grid: Grid, out: Path, meta: dict, plots: boo
 
 
 def _csv(kind: Callable[[str], object]) -> Callable[[str], tuple]:
-    def parse(text: str) -> tuple:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-        return tuple(kind(t) for t in items)
-    return parse
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return v
-
-
-def _seed(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return v
+    """csv_list of `kind`, as a tuple (the Grid's fields are tuples)."""
+    parse = csv_list(kind)
+    return lambda text: tuple(parse(text))
 
 
 def build_grid(args: argparse.Namespace) -> Grid:
@@ -527,15 +508,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a ~1 min smoke run: Qwen2.5-32B, concurrency 4 and 64, "
                                                           "fewer sessions")
     ap.add_argument("--models", type=_csv(str), default=None, metavar="A,B")
-    ap.add_argument("--instances", type=_csv(_positive), default=None, metavar="1,8", help="prefill instances")
-    ap.add_argument("--concurrency", type=_csv(_positive), default=None, metavar="1,4,...", help="clients")
+    ap.add_argument("--instances", type=_csv(positive_int), default=None, metavar="1,8", help="prefill instances")
+    ap.add_argument("--concurrency", type=_csv(positive_int), default=None, metavar="1,4,...", help="clients")
     ap.add_argument("--policies", type=_csv(str), default=None, metavar="A,B")
     ap.add_argument("--clients", type=_csv(Client), default=None, metavar="chat,prefill")
-    ap.add_argument("--seeds", type=_csv(_seed), default=None, metavar="0,1")
-    ap.add_argument("--decode-workers", type=_positive, default=None, help="tp1 decode workers (default: 8)")
-    ap.add_argument("--sessions-per-client", type=_positive, default=None, metavar="K",
+    ap.add_argument("--seeds", type=_csv(seed_arg), default=None, metavar="0,1")
+    ap.add_argument("--decode-workers", type=positive_int, default=None, help="tp1 decode workers (default: 8)")
+    ap.add_argument("--sessions-per-client", type=positive_int, default=None, metavar="K",
                     help="conversations per client in every cell (default: 16 chat, 40 prefill, with a floor)")
-    ap.add_argument("--jobs", type=_positive, default=min(2, os.cpu_count() or 1), help="processes (default: %(default)s)")
+    ap.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="processes (default: %(default)s)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     args = ap.parse_args(argv)
