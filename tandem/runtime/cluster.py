@@ -372,6 +372,15 @@ class ServingCluster:
     def is_healthy(self) -> bool:
         return any(r != PREFILL and w not in self._lost for w, r in self.roles.items())
 
+    async def shutdown(self) -> None:
+        self._closing = True
+        for t in [*self._tasks, *self._restarting]:
+            t.cancel()
+        if self.procs is not None:
+            await self.procs.stop()
+        if self.hub is not None:
+            await self.hub.close()
+
 
 def _laps_stats(out: BackendStats, states, router) -> None:
     """LAPS's gauges: the pools (the coordinator's router) and the prefill workers' AWD state and step counts."""
@@ -387,12 +396,3 @@ def _laps_stats(out: BackendStats, states, router) -> None:
         out.laps_depth = sum(st.laps_depth for st in laps) / len(laps)
         out.laps_short_steps = sum(st.laps_short_steps for st in laps)
         out.laps_graph_steps = sum(st.laps_graph_steps for st in laps)
-
-    async def shutdown(self) -> None:
-        self._closing = True
-        for t in [*self._tasks, *self._restarting]:
-            t.cancel()
-        if self.procs is not None:
-            await self.procs.stop()
-        if self.hub is not None:
-            await self.hub.close()
