@@ -78,7 +78,10 @@ async def _drain(gen) -> list:
 
 # ---------------------------------------------------------------------------- 1. ampd: Alg. 2 live == simulated
 BLOCKER, LONG, SHORT = 2000, 1000, 48      # prompt tokens of the blocker B, the long round L, the short S1, S2
-CHUNK = 8                                  # max_num_batched_tokens: S takes 6 steps, B 250, L 125 (B ~1 s here)
+CHUNK = 8                                  # max_num_batched_tokens: S takes 6 steps, B 250, L 125
+STEP_FLOOR_S = 0.003                       # every step of the queue's worker at least this much slower: B >= 0.75 s
+                                           # on any machine (at 2 ms a chunk unslowed, B took 0.50 s on a fast VM, at
+                                           # the 0.48 s where L can still meet its SLO: the order flipped)
 AMPD_ENGINE = dict(max_model_len=2048, num_kv_blocks=512, max_num_batched_tokens=CHUNK)
 P, D = 0, 1                                # worker ids of the 1P+1D cluster
 
@@ -113,7 +116,7 @@ LOCAL = Scenario("local", 10.0, PiecewiseLinear(1, [], [[0.0, 0.02, 0.0, 0.0]]),
 # Remote: the prefill worker must have slack for every round whatever its published queue (Alg. 1 lines 1-3:
 # est + T_kv + queue <= 0.9 x 4 s, at most 3.541 s), so the blocker's estimate is tiny (T_pre piecewise in l_incr);
 # L (3.5 s) meets the 4 s SLO only if it starts within 0.5 s, S1 and S2 (10 ms) meet theirs ahead of it: after the
-# blocker's ~1 s (250 chunks of 8 tokens: 0.55 s with 16-token chunks came too close to 0.48 s on a fast machine),
+# blocker's 250 chunks of 8 tokens, each at least STEP_FLOOR_S slower (>= 0.75 s whatever the machine's speed),
 # Alg. 2 puts them first (any wait in (0.48 s, 3.98 s)).
 REMOTE = Scenario("remote", 4.0, PiecewiseLinear(1, [500.0, 1500.0], [[0.0, 0.01 / SHORT, 0.0, 0.0],
                                                                       [0.0, 3.5 / LONG, 0.0, 0.0],
@@ -152,7 +155,8 @@ def _reorder_live_vs_sim(ckpt: str, tmp_path, sc: Scenario) -> None:
     """B occupies the scenario's worker; L, S1, S2 queue behind it in that order (a published snapshot shows all
     three waiting, so the worker picks among all of them); the live first-token order must be the simulator's."""
     perf = sc.write_profile(tmp_path / "profile.json")
-    cfg = ClusterConfig(ckpt, 1, 1, 0, "ampd", engine_args=AMPD_ENGINE, perf=perf, slo_ttft_s=sc.slo_ttft_s)
+    cfg = ClusterConfig(ckpt, 1, 1, 0, "ampd", engine_args=AMPD_ENGINE, perf=perf, slo_ttft_s=sc.slo_ttft_s,
+                        worker_kwargs={sc.worker: {"step_sleep_s": STEP_FLOOR_S}})
     lengths = {"B": BLOCKER, "L": LONG, "S1": SHORT, "S2": SHORT}
     prompts = {sid: _tokens(100 * i, n) for i, (sid, n) in enumerate(lengths.items())}
     kv_bytes = 2 * 4 * 2 * 48 * 4                              # K+V x layers x kv heads x head_dim x fp32

@@ -360,3 +360,22 @@ def test_coordinator_binds_and_routes_on_a_store_view(make_store, cost):
     (act,) = coord.on_session_arrival(session, T)
     assert isinstance(act, Submit) and act.task.decode_worker in (2, 3) and act.worker in (0, 1, 2, 3)
     assert store.get_session("new") == SessionInfo(decode_worker=act.task.decode_worker, updated_s=clock())
+
+
+def test_a_worker_missing_from_an_emptied_store_stays_routable_while_its_last_state_is_fresh(make_store, cost):
+    """Protects serving across a Redis restart: the store comes back empty before the workers publish again; a
+    worker whose last state is 0.5 s old stays in the routing sets (a new session found no home and got 503 on a
+    healthy cluster), and leaves once that state is liveness_s (2 s) old if it never publishes again."""
+    store, clock = make_store(), Clock()
+    store.publish(_state(0, role=PREFILL, published_s=clock()))
+    store.publish(_state(3, role=DECODE, published_s=clock()))
+    view = StoreView(store, cost, liveness_s=2.0, clock=clock)
+    assert (list(view.prefill_workers()), list(view.home_workers())) == ([0], [3])
+    store.remove(0)
+    store.remove(3)                                              # Redis restarted empty
+    clock.t += 0.5
+    view.refresh()
+    assert (list(view.prefill_workers()), list(view.home_workers())) == ([0], [3])
+    clock.t += 1.6                                               # 2.1 s without a publish
+    view.refresh()
+    assert (list(view.prefill_workers()), list(view.home_workers())) == ([], [])

@@ -4,7 +4,8 @@ Implements `CoordinatorView` (and so routing's `ClusterView`) over `StateStore.a
 cost model, making the same cost-model calls as `tandem.core.state.InProcessState`. Rules:
 
 - liveness: a worker counts (prefill_workers, home_workers) only while `alive` and its last publish
-  is at most `liveness_s` old on the injected wall clock;
+  is at most `liveness_s` old on the injected wall clock (its last state known to the view: a key missing from a
+  read, e.g. Redis restarted empty, does not end a worker's liveness before that);
 - staleness: its TTFT/ITL means count as 0 (an empty window) once its last publish is older than
   its `window_s`; the `now` argument of windowed_ttft/itl is the coordinator core's clock, which
   need not be wall time, so the view ages states with its own `clock` instead;
@@ -66,14 +67,15 @@ class StoreView:
             self._homes = [w for w in self._homes if w not in self.lost]
             return
         self.stale = False
-        alive = [s for s in states.values()
-                 if s.alive and now - s.published_s <= self.liveness_s and s.worker_id not in self.lost]
-        alive.sort(key=lambda s: s.worker_id)
         # a worker missing from this read (its key expired, or Redis restarted empty and it has not published
-        # again yet) stays readable (state(): costs of a task bound to it) from its last state; liveness is
-        # from this read only
+        # again yet) stays readable (state(): costs of a task bound to it) from its last state, and routable
+        # while that state is fresh: an emptied Redis says nothing about the workers, the transport's heartbeats
+        # do (drop); a worker that stopped publishing leaves once its last state is liveness_s old, as any
         self._states = {**{w: st for w, st in self._states.items() if w not in states and w not in self.lost},
                         **states}
+        alive = [s for s in self._states.values()
+                 if s.alive and now - s.published_s <= self.liveness_s and s.worker_id not in self.lost]
+        alive.sort(key=lambda s: s.worker_id)
         self._loaded_s = now
         self._prefill = [s.worker_id for s in alive if s.role == PREFILL]
         self._homes = [s.worker_id for s in alive if s.role != PREFILL]
