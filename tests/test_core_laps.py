@@ -383,3 +383,4 @@ def test_the_roofline_boundary_is_where_a_prefill_step_turns_compute_bound():
     assert below["compute"] < below["memory"] and at["compute"] >= at["memory"]
     assert lm == 203
     assert r.prefill_boundary(10_000) < lm
+

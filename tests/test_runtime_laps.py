@@ -69,3 +69,33 @@ def test_laps_serves_short_and_long_rounds_on_their_pools_with_offline_outputs(c
     assert m["tandem:laps_graph_steps_total"] == m["tandem:laps_short_steps_total"]   # <= 6 x < 256 tokens: a bucket
     assert (m["tandem:laps_short_waiting"], m["tandem:laps_long_waiting"]) == (0, 0)
     assert m["tandem:laps_awd_depth"] >= 1
+
+
+def test_a_laps_server_on_a_profile_takes_the_boundary_fitted_to_it(ckpt, tmp_path):
+    """Protects the live server's default threshold: `tandem serve --policy laps --perf PROFILE` classifies at the
+    profile's fitted L_m (here the 309.6-token boundary of a known T(L, H), rounded up to 310), workers and
+    coordinator alike; a set --laps-length-threshold wins; a profile without a fit leaves LAPS's 256."""
+    from tandem.policy.laps.cost import PrefillCostModel, boundary_from_profile
+    from tandem.runtime.cluster import ServingCluster
+
+    truth = PrefillCostModel(alpha=1e-8, beta=1e-6, gamma_w=4096 / 1e9, gamma_r=2e-6)
+    rows = [{"kind": "prefill", "num_prefill": 1, "num_decode": 0, "prefill_tokens": L, "prefill_kv_read_tokens": H,
+             "seconds": truth.latency(L, H)} for L in (16, 64, 256, 1024) for H in (0, 512, 2048)]
+
+    class Prof:
+        measurements, kv_bytes_per_token, device = rows, 4096, {"memory_bandwidth_bytes_per_s": 1e9}
+    assert boundary_from_profile(Prof) == 310
+    Prof.device = {}
+    assert boundary_from_profile(Prof) is None
+
+    import tandem.perf.profile_io as pio
+    real = pio.load_perf
+    pio.load_perf = lambda path: type("P", (Prof,), {"device": {"memory_bandwidth_bytes_per_s": 1e9}})
+    try:
+        spec = ServingCluster(ClusterConfig(ckpt, 2, 1, 0, "laps", perf=str(tmp_path / "p.json"))).policy_spec()
+        fixed = ServingCluster(ClusterConfig(ckpt, 2, 1, 0, "laps", perf="p.json",
+                                             policy_options={"laps_length_threshold": 128})).policy_spec()
+        plain = ServingCluster(ClusterConfig(ckpt, 2, 1, 0, "laps")).policy_spec()
+    finally:
+        pio.load_perf = real
+    assert (spec.laps_length_threshold, fixed.laps_length_threshold, plain.laps_length_threshold) == (310, 128, None)

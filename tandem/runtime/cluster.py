@@ -20,7 +20,8 @@ from tandem.core.types import COLOCATED, DECODE, PREFILL
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.policy.laps.classify import PrefillClass
-from tandem.policy.presets import PolicySpec, get_policy
+from tandem.policy.laps.cost import boundary_from_profile
+from tandem.policy.presets import PolicySpec, PrefillSchedKind, get_policy
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
 from tandem.runtime.coordinator_shell import CoordinatorShell
@@ -103,10 +104,18 @@ class ServingCluster:
         return self
 
     def policy_spec(self) -> PolicySpec:
-        """The cluster's policy with its knobs (ValueError names a bad one)."""
+        """The cluster's policy with its knobs (ValueError names a bad one); a LAPS policy without a threshold
+        takes the boundary L_m fitted to the workers' profile (--perf), as the simulator on that profile does."""
         spec = get_policy(self.cfg.policy)
+        opts = dict(self.cfg.policy_options)
+        if spec.prefill_sched is PrefillSchedKind.LAPS and "laps_length_threshold" not in opts and self.cfg.perf:
+            from tandem.perf.profile_io import load_perf
+            prof = load_perf(self.cfg.perf)
+            boundary = boundary_from_profile(prof) if hasattr(prof, "measurements") else None
+            if boundary is not None:
+                opts["laps_length_threshold"] = boundary
         try:
-            return dataclasses.replace(spec, **self.cfg.policy_options) if self.cfg.policy_options else spec
+            return dataclasses.replace(spec, **opts) if opts else spec
         except TypeError as e:
             raise ValueError(f"policy {spec.name}: {e}") from None
 
@@ -122,7 +131,8 @@ class ServingCluster:
             if cfg.colocated < 1:
                 raise ValueError(f"policy {spec.name} serves co-located workers: give --colocated N (N >= 1)")
             roles = [COLOCATED] * cfg.colocated
-        args = dict(cfg.engine_args, model=cfg.model, policy=spec.name, policy_options=dict(cfg.policy_options))
+        opts = {k: getattr(spec, k) for k in ("laps_length_threshold",) if getattr(spec, k) is not None}
+        args = dict(cfg.engine_args, model=cfg.model, policy=spec.name, policy_options={**cfg.policy_options, **opts})
         self.roles = dict(enumerate(roles))
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
                            dict(role=r, engine_args=args, state=cfg.state, perf=cfg.perf, threads=cfg.threads,

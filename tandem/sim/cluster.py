@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ from tandem.perf.profile_io import PerfFileError, load_perf
 from tandem.perf.step_model import Profile
 from tandem.policy.presets import POLICIES, PolicySpec
 from tandem.sim.commit import UniformCommit
-from tandem.policy.laps.cost import PrefillCostModel
+from tandem.policy.laps.cost import boundary_from_profile
 from tandem.sim.faults import FaultError, FaultSpec
 from tandem.sim.host_loop import HostLoop
 from tandem.sim.loop import EventLoop
@@ -195,7 +194,7 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     sched = cfg.scheduler(block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
                           max_num_seqs=prof.max_num_seqs)
     workers, timers = [], []
-    boundary = profile_boundary(prof)
+    boundary = boundary_from_profile(prof)
     for wid, (role, tp) in enumerate(dep.workers()):
         workers.append(build_worker(wid, role, 1, prof.num_blocks, spec, sched, lambda h, n: cost.t_pre(h, n, 1),
                                     boundary=boundary))
@@ -212,18 +211,6 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     loop = HostLoop(coord, workers, timers, net, prof.kv_bytes_per_token, prof.runtime_costs())
     _shell_options(loop, cfg, state)
     return coord, workers, loop
-
-
-def profile_boundary(prof: Profile) -> int | None:
-    """LAPS's L_m^prefill fitted to a profile's prefill steps (PrefillCostModel.from_profile), rounded up; None when
-    it cannot be fitted or is below one token (the class threshold then falls back to 256)."""
-    try:
-        m = PrefillCostModel.from_profile(prof.measurements, prof.kv_bytes_per_token,
-                                          float(prof.device.get("memory_bandwidth_bytes_per_s") or 0.0))
-    except ValueError:
-        return None
-    lm = math.ceil(m.prefill_boundary())
-    return lm if lm >= 1 else None
 
 
 def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResult:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-__all__ = ["PrefillCostModel"]
+__all__ = ["PrefillCostModel", "boundary_from_profile"]
 
 
 def _finite_nonneg(name: str, value: float) -> None:
@@ -209,3 +209,15 @@ class PrefillCostModel:
         kv = kv_bytes_per_token / mem_bw
         return cls(alpha=attn_flops_per_token_pair / (2 * peak_flops), beta=flops_per_token / peak_flops,
                    gamma_w=kv, gamma_r=kv)
+
+
+def boundary_from_profile(prof) -> int | None:
+    """LAPS's L_m^prefill fitted to a `tandem profile` (PrefillCostModel.from_profile), rounded up: the class
+    threshold a shell on that profile defaults to; None when it cannot be fitted or is below one token."""
+    try:
+        m = PrefillCostModel.from_profile(prof.measurements, prof.kv_bytes_per_token,
+                                          float(prof.device.get("memory_bandwidth_bytes_per_s") or 0.0))
+    except ValueError:
+        return None
+    lm = math.ceil(m.prefill_boundary())
+    return lm if lm >= 1 else None
