@@ -11,7 +11,7 @@ starves while deadlines are finite.
 With `split` off (the ablation "CUDA graphs only") the worker keeps its chunked FCFS scheduling; a step made only
 of whole short prefills that fits a bucket runs padded as a graph.
 
-Sans-I/O like the rest of the core: WorkerCore calls in with `now`; AWD's next poll time becomes the worker's wake_s.
+Sans-I/O like the rest of the core: PrefillHost calls in with `now`; AWD's next poll time becomes the worker's wake_s.
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from tandem.core.types import PrefillTask, StepPlan
+from tandem.core.types import BatchShape, PrefillTask, StepPlan
 from tandem.policy.laps.awd import AWDBatcher, AWDConfig, ShortRequest
 from tandem.policy.laps.buckets import Bucket, BucketGrid
 from tandem.policy.laps.classify import LengthClassifier, PrefillClass
 
 
-class WorkerCore(Protocol):
+class PrefillHost(Protocol):
     """What LAPS reads and calls of its prefill worker (tandem.core.worker.WorkerCore)."""
 
     id: int
@@ -117,11 +117,7 @@ class LapsScheduler:
         if not self.opts.split:
             return
         if self.classify(task) is PrefillClass.SHORT:
-            self._n += 1
-            key = f"t{self._n}"
-            self._tasks[key], self._keys[id(task)] = task, key
-            self.awd.on_arrival(ShortRequest(key, task.l_incr, task.enqueue_s,
-                                              task.enqueue_s + task.ttft_slo_s), now)
+            self._enqueue_short(task, now)
             self.stats.short_requests += 1
         else:
             self.long.append(task)
@@ -144,7 +140,7 @@ class LapsScheduler:
             self.last_now = now
 
     # ---------------------------------------------------------------- steps
-    def schedule(self, core: WorkerCore, now: float) -> StepPlan | None:
+    def schedule(self, core: PrefillHost, now: float) -> StepPlan | None:
         """The next step of a prefill worker in temporal mode (split on), or None (wake_at_s: when to ask again)."""
         self._tick(now)
         self.wake_at_s = math.inf
@@ -159,7 +155,7 @@ class LapsScheduler:
                 self.batch = [t for t in tasks if core.admit_task(t, now)]
                 for t in tasks:
                     if t not in self.batch and t in core.queue:    # no memory now: queued again, waits anew
-                        self._requeue(t, now)
+                        self._enqueue_short(t, now)
                 self.bucket = d.bucket if self.opts.graphs and len(self.batch) == len(tasks) else None
                 if self.batch and self.opts.graphs and self.bucket is None:
                     self.bucket = self.opts.grid.nearest([t.l_incr for t in self.batch], self.opts.batch_budget_tokens)
@@ -192,13 +188,14 @@ class LapsScheduler:
         self._keys.pop(id(t), None)
         return t
 
-    def _requeue(self, task: PrefillTask, now: float) -> None:
+    def _enqueue_short(self, task: PrefillTask, now: float) -> None:
+        """Into the AWD batcher under a fresh key, due at enqueue + TTFT SLO."""
         self._n += 1
         key = f"t{self._n}"
         self._tasks[key], self._keys[id(task)] = task, key
         self.awd.on_arrival(ShortRequest(key, task.l_incr, task.enqueue_s, task.enqueue_s + task.ttft_slo_s), now)
 
-    def _short_step(self, core: WorkerCore) -> StepPlan:
+    def _short_step(self, core: PrefillHost) -> StepPlan:
         plan = StepPlan(core.id)
         for t in self.batch:
             plan.prefill.append((t, t.l_incr - t.done))
@@ -211,7 +208,7 @@ class LapsScheduler:
             fill_shape(plan)
         return plan
 
-    def _long_step(self, core: WorkerCore) -> StepPlan:
+    def _long_step(self, core: PrefillHost) -> StepPlan:
         t = self.long_active
         plan = StepPlan(core.id)
         plan.prefill.append((t, min(self.opts.long_chunk, t.l_incr - t.done)))
@@ -231,7 +228,7 @@ class LapsScheduler:
         bucket = self.opts.grid.nearest(lengths, self.opts.batch_budget_tokens)
         if bucket is None:
             return
-        plan.shape = type(plan.shape)()
+        plan.shape = BatchShape()
         self.stats.short_steps += 1
         self.stats.graph_steps += 1
         self.stats.padded_tokens += pad_shape(plan, bucket)
@@ -239,13 +236,8 @@ class LapsScheduler:
 
 def fill_shape(plan: StepPlan) -> None:
     """The unpadded shape of a prefill-only plan."""
-    s = plan.shape
     for t, n in plan.prefill:
-        before = t.l_hist + t.done
-        s.prefill_tokens += n
-        s.prefill_attn_pairs += n * (before + (n + 1) / 2)
-        s.prefill_kv_read_tokens += before
-        s.num_prefill += 1
+        plan.shape.add_prefill(t.l_hist + t.done, n)
 
 
 def pad_shape(plan: StepPlan, bucket: Bucket) -> int:
