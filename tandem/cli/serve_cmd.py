@@ -204,8 +204,6 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
     from tandem.server.app import build_app
     try:
         get_policy(cfg.policy)
-        if cfg.policy_options:
-            get_policy(cfg.policy).with_options(**cfg.policy_options)
         cluster = await ServingCluster.start(cfg)
     except (ValueError, WorkerStartupError, StateStoreError) as e:
         raise CLIError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None

@@ -1,14 +1,14 @@
 """Engine configuration (vLLM's names) and the sizing of the paged KV pool from a memory budget."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
 import torch
 
 from tandem.core.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
-from tandem.policy.presets import PolicySpec, get_policy
+from tandem.core.factory import resolve_policy
+from tandem.policy.presets import PolicySpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_CACHE_BYTES = 1 << 30        # vLLM's CPU backend takes its KV space from an env var; 1 GiB by default here
@@ -44,8 +44,7 @@ class EngineConfig:
 
     def policy_spec(self) -> PolicySpec:
         """The worker core's policy with this config's knobs (ValueError/TypeError name a bad one)."""
-        spec = get_policy(self.policy)
-        return dataclasses.replace(spec, **self.policy_options) if self.policy_options else spec
+        return resolve_policy(self.policy, **self.policy_options)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):

@@ -7,7 +7,6 @@ store's view, and pumps messages between them (tandem/runtime/coordinator_shell.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.core.config import DEFAULT_KV_TIMEOUT_S, DEFAULT_SESSION_TTL_S, SchedulerConfig
-from tandem.core.factory import build_coordinator
+from tandem.core.factory import build_coordinator, resolve_policy
 from tandem.core.types import COLOCATED, DECODE, PREFILL
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
@@ -82,6 +81,7 @@ class ServingCluster:
 
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
+        self._policy: PolicySpec | None = None      # policy_spec(), made once (it may read the profile)
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.model_name = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = 0
@@ -106,18 +106,21 @@ class ServingCluster:
     def policy_spec(self) -> PolicySpec:
         """The cluster's policy with its knobs (ValueError names a bad one); a LAPS policy without a threshold
         takes the boundary L_m fitted to the workers' profile (--perf), as the simulator on that profile does."""
-        spec = get_policy(self.cfg.policy)
+        if self._policy is not None:
+            return self._policy
         opts = dict(self.cfg.policy_options)
-        if spec.prefill_sched is PrefillSchedKind.LAPS and "laps_length_threshold" not in opts and self.cfg.perf:
+        if get_policy(self.cfg.policy).prefill_sched is PrefillSchedKind.LAPS \
+                and "laps_length_threshold" not in opts and self.cfg.perf:
             from tandem.perf.profile_io import load_perf
             prof = load_perf(self.cfg.perf)
             boundary = boundary_from_profile(prof) if hasattr(prof, "measurements") else None
             if boundary is not None:
                 opts["laps_length_threshold"] = boundary
         try:
-            return dataclasses.replace(spec, **opts) if opts else spec
+            self._policy = resolve_policy(self.cfg.policy, **opts)
         except TypeError as e:
-            raise ValueError(f"policy {spec.name}: {e}") from None
+            raise ValueError(f"policy {self.cfg.policy}: {e}") from None
+        return self._policy
 
     def _specs(self) -> list[WorkerSpec]:
         cfg = self.cfg
