@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from tandem.bench.experiment import ExperimentSpec, format_cells, run_experiment
+from tandem.cli.common import csv_list, positive_float, positive_int, seed_arg
 from tandem.workload.session import SLO
 
 WORKLOAD = "agentic-long"
@@ -36,22 +37,15 @@ def spec(sessions: int, rates: list[float], seeds: list[int], max_candidates: in
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="docs/results/ampd_laps_agentic", help="report directory")
-    p.add_argument("--sessions", type=int, default=30, help="sessions per cell and seed (default: 30)")
-    p.add_argument("--rates", default="0.05,0.1", help="session arrival rates per second (default: 0.05,0.1)")
-    p.add_argument("--seeds", default="0", help="seeds (default: 0)")
-    p.add_argument("--candidates", type=int, default=6, help="deployments searched per policy (default: 6)")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (default: 1)")
+    p.add_argument("--sessions", type=positive_int, default=30, help="sessions per cell and seed (default: 30)")
+    p.add_argument("--rates", type=csv_list(positive_float), default=[0.05, 0.1],
+                   help="session arrival rates per second (default: 0.05,0.1)")
+    p.add_argument("--seeds", type=csv_list(seed_arg), default=[0], help="seeds (default: 0)")
+    p.add_argument("--candidates", type=positive_int, default=6, help="deployments searched per policy (default: 6)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default: 1)")
     p.add_argument("--quick", action="store_true", help="8 sessions, one rate, 2 candidates: a smoke run")
     a = p.parse_args(argv)
-    try:
-        rates = [float(x) for x in a.rates.split(",")]
-        seeds = [int(x) for x in a.seeds.split(",")]
-    except ValueError as e:
-        print(f"ampd_laps_agentic: bad --rates/--seeds: {e}", file=sys.stderr)
-        return 2
-    if a.sessions < 1 or a.candidates < 1 or a.jobs < 1 or not rates or min(rates) <= 0:
-        print("ampd_laps_agentic: --sessions, --candidates, --jobs and the rates must be positive", file=sys.stderr)
-        return 2
+    rates, seeds = a.rates, a.seeds
     if a.quick:
         a.sessions, rates, a.candidates = 8, rates[:1], 2
     t0 = time.perf_counter()

@@ -390,6 +390,17 @@ def table_md(agg: list[dict], grid: Grid, heads: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig, axes, title: str, path: Path) -> str:
+    """Legend on the first panel, the title, and the figure written to `path` (closed); returns its file name."""
+    import matplotlib.pyplot as plt
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path.name
+
+
 def plot(agg: list[dict], grid: Grid, out: Path) -> list[str]:
     """fig6_<client>.png (rounds/s, mean and P90 TTFT against concurrency) and fig7_<client>.png (SLO violations)."""
     import matplotlib
@@ -421,13 +432,8 @@ def plot(agg: list[dict], grid: Grid, out: Path) -> list[str]:
                 ax.set_title(f"{m}, {n} prefill inst.: {label}", fontsize=9)
                 if i == len(combos) - 1:
                     ax.set_xlabel("concurrency (clients)")
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"LAPS Fig. 6 in the simulator ({client} clients, H200)")
-        fig.tight_layout()
-        path = out / f"fig6_{client}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        files.append(path.name)
+        files.append(_save(fig, axes, f"LAPS Fig. 6 in the simulator ({client} clients, H200)",
+                           out / f"fig6_{client}.png"))
 
         fig, axes = plt.subplots(len(grid.instances), len(grid.models), figsize=(4.2 * len(grid.models),
                                  2.9 * len(grid.instances)), squeeze=False)
@@ -439,13 +445,8 @@ def plot(agg: list[dict], grid: Grid, out: Path) -> list[str]:
                 ax.set_ylabel("SLO violations (%)")
                 if i == len(grid.instances) - 1:
                     ax.set_xlabel("concurrency (clients)")
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"LAPS Fig. 7 in the simulator: TTFT > SLO ({client} clients)")
-        fig.tight_layout()
-        path = out / f"fig7_{client}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        files.append(path.name)
+        files.append(_save(fig, axes, f"LAPS Fig. 7 in the simulator: TTFT > SLO ({client} clients)",
+                           out / f"fig7_{client}.png"))
     return files
 
 

@@ -110,6 +110,16 @@ class PolicySpec:
         return dataclasses.replace(self, **options)
 
 
+_LAPS = PolicySpec("laps", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS, prefill_sched=PrefillSchedKind.LAPS,
+                   laps_pools=True,
+                   description="LAPS: every prefill on a prefill worker of its length class's pool (Alg. 2 "
+                               "controller); short prefills batched by AWD into graph buckets, long ones in chunks "
+                               "(Alg. 1)")
+_AMPD_LAPS = PolicySpec("ampd+laps", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE,
+                        prefill_sched=PrefillSchedKind.LAPS, laps_pools=True,
+                        description="AMPD's routing (Alg. 1) decides local or remote; a remote prefill goes to its "
+                                    "class's LAPS pool, where short ones are batched by AWD and long ones chunked")
+
 POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
     PolicySpec("ampd", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE,
                description="AMPD: adaptive local/remote routing (Alg. 1) + TTFT-aware prefill reordering (Alg. 2)"),
@@ -121,26 +131,18 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
                description="AMPD without adaptive routing and reordering: always remote (Alg. 1 lines 1-3, then cheapest prefill worker), FCFS"),
     PolicySpec("dynamo", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS,
                description="Dynamo-like: every prefill on a prefill worker (KV-aware cheapest), FCFS"),
-    PolicySpec("laps", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS, prefill_sched=PrefillSchedKind.LAPS,
-               laps_pools=True,
-               description="LAPS: every prefill on a prefill worker of its length class's pool (Alg. 2 controller); "
-                           "short prefills batched by AWD into graph buckets, long ones in chunks (Alg. 1)"),
-    PolicySpec("laps-no-graph", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS,
-               prefill_sched=PrefillSchedKind.LAPS, laps_pools=True, laps_graphs=False,
-               description="LAPS with disaggregation only: short/long queues and pools, short batches run unpadded "
-                           "and eagerly"),
-    PolicySpec("laps-no-split", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS,
-               prefill_sched=PrefillSchedKind.LAPS, laps_split=False,
-               description="LAPS with CUDA graphs only: one chunked FCFS queue; a step of short prefills that fits a "
-                           "bucket runs padded as a graph"),
-    PolicySpec("ampd+laps", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE, prefill_sched=PrefillSchedKind.LAPS,
-               laps_pools=True,
-               description="AMPD's routing (Alg. 1) decides local or remote; a remote prefill goes to its class's "
-                           "LAPS pool, where short ones are batched by AWD and long ones chunked"),
-    PolicySpec("ampd+laps-chunked", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE,
-               prefill_sched=PrefillSchedKind.LAPS, laps_pools=True, local_chunked=True,
-               description="AMPD+LAPS whose local prefills run in chunks mixed with the decode worker's decodes, "
-                           "each step within beta * the ITL SLO (Sarathi-style), instead of pausing them"),
+    _LAPS,
+    _LAPS.with_options(name="laps-no-graph", laps_graphs=False,
+                       description="LAPS with disaggregation only: short/long queues and pools, short batches run "
+                                   "unpadded and eagerly"),
+    _LAPS.with_options(name="laps-no-split", laps_split=False, laps_pools=False,
+                       description="LAPS with CUDA graphs only: one chunked FCFS queue; a step of short prefills that "
+                                   "fits a bucket runs padded as a graph"),
+    _AMPD_LAPS,
+    _AMPD_LAPS.with_options(name="ampd+laps-chunked", local_chunked=True,
+                            description="AMPD+LAPS whose local prefills run in chunks mixed with the decode worker's "
+                                        "decodes, each step within beta * the ITL SLO (Sarathi-style), instead of "
+                                        "pausing them"),
     PolicySpec("sglang-pd", True, RouterKind.ROUND_ROBIN, PickerKind.FCFS,
                description="SGLang-like PD, vanilla data parallelism: prefill workers in turn, FCFS, steps filled up "
                            "to the token budget"),
