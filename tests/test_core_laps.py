@@ -384,3 +384,106 @@ def test_the_roofline_boundary_is_where_a_prefill_step_turns_compute_bound():
     assert lm == 203
     assert r.prefill_boundary(10_000) < lm
 
+
+
+# ---------------------------------------------------------------------------- AMPD+LAPS: AWD on local prefills
+def local_worker(policy: str = "ampd+laps") -> WorkerCore:
+    """A decode worker of `policy` with session "a" decoding (50 tokens to go), 1 ms per token of prefill; a's
+    prefill is long (300 tokens), so AWD has seen no batch yet (its depth target is still the largest)."""
+    core = build_worker(1, DECODE, 1, 1000, policy, t_pre=lambda h, n: 0.001 * n)
+    core.begin_round("a")
+    core.submit(PrefillTask("a", 0, 0, 300, 0.0, output_tokens=50, decode_worker=1), 0.0)
+    run(core, 0.0)
+    return core
+
+
+def local_task(sid: str, l_incr: int, now: float, slo: float = INF) -> PrefillTask:
+    return PrefillTask(sid, 0, 0, l_incr, now, ttft_slo_s=slo, output_tokens=5, decode_worker=1)
+
+
+def test_a_decode_workers_short_local_prefills_wait_in_awd_and_then_pause_its_decodes_once():
+    """Protects AWD on the local path (ampd+laps): two short local prefills arriving at 1.0 s wait AWD's window
+    (W_max 20 ms, no deadline) while "a" keeps decoding, then run together in one prefill-first step padded to the
+    (32, 2) bucket; without local AWD they run at once, unpadded."""
+    w = local_worker()
+    for sid, n in (("b", 20), ("c", 30)):
+        w.begin_round(sid)
+        w.submit(local_task(sid, n, 1.0), 1.0)
+    plan, _ = run(w, 1.0)
+    assert (sids(plan), [s.session_id for s in plan.decode]) == ([], ["a"])
+    assert w.wake_s == pytest.approx(1.02)
+    plan, _ = run(w, 1.01)
+    assert (sids(plan), [s.session_id for s in plan.decode]) == ([], ["a"])
+    plan, events = run(w, 1.02)
+    assert (sorted(sids(plan)), plan.decode) == ([("b", 20), ("c", 30)], [])
+    s = plan.shape
+    assert (s.prefill_tokens, s.num_prefill, s.graph) == (64, 2, True)
+    assert w.local_laps.stats.graph_steps == 1 and w.local_laps.stats.padded_tokens == 14
+    assert sorted(e.session_id for e in events) == ["b", "c"]           # their first tokens
+    assert w.wake_s == INF and len(w.local_laps.short) == 0
+
+    plain = local_worker("ampd+laps-no-local-awd")
+    assert plain.local_laps is None
+    for sid, n in (("b", 20), ("c", 30)):
+        plain.begin_round(sid)
+        plain.submit(local_task(sid, n, 1.0), 1.0)
+    plan, _ = run(plain, 1.0)
+    assert (sids(plan), plan.decode, plan.shape.graph) == ([("b", 20), ("c", 30)], [], False)
+
+
+def test_a_short_local_prefill_without_slack_and_a_long_one_are_not_held():
+    """Protects the deadline bound and the class split on the local path: a 20-token prefill due 30 ms after its
+    arrival has no slack (30 ms < Ŝ 32 ms of its padded bucket + σ 5 ms), so it runs at once; a 300-token one is
+    long (threshold 256) and is never held."""
+    w = local_worker()
+    w.begin_round("b")
+    w.submit(local_task("b", 20, 1.0, slo=0.03), 1.0)
+    plan, _ = run(w, 1.0)
+    assert (sids(plan), plan.decode) == ([("b", 20)], [])
+    w.begin_round("c")
+    w.submit(local_task("c", 300, 2.0), 2.0)
+    plan, _ = run(w, 2.0)
+    assert sids(plan) == [("c", 300)]
+    assert w.local_laps.stats.long_requests == 2 and w.local_laps.stats.short_requests == 1
+
+
+def test_a_held_local_prefill_of_a_released_session_leaves_nothing_behind():
+    """Protects release on the local path: the session's held task leaves AWD and the queue, so the worker neither
+    waits for AWD any more nor runs it."""
+    w = local_worker()
+    w.begin_round("b")
+    w.submit(local_task("b", 20, 1.0), 1.0)
+    plan, _ = run(w, 1.0)
+    assert sids(plan) == [] and w.wake_s == pytest.approx(1.02)
+    w.release("b")
+    assert len(w.local_laps.short) == 0 and w.queue == []
+    plan, _ = run(w, 1.02)
+    assert (sids(plan), [s.session_id for s in plan.decode]) == ([], ["a"])
+    assert w.wake_s == INF
+
+
+def test_an_idle_decode_worker_holding_a_local_prefill_asks_to_be_woken_at_awds_decision():
+    """Protects the wake-up on the local path: with nothing decoding, schedule returns no step and wake_s is the end
+    of AWD's window (so the shells poll then), not a memory deadlock to unstick."""
+    w = build_worker(1, DECODE, 1, 1000, "ampd+laps", t_pre=lambda h, n: 0.001 * n)
+    w.begin_round("b")
+    w.submit(local_task("b", 20, 5.0), 5.0)
+    assert w.schedule(5.0) is None and w.wake_s == pytest.approx(5.02)
+    assert not [e for e in w.drain() if type(e).__name__ == "SessionFailed"]
+    plan, _ = run(w, 5.02)
+    assert sids(plan) == [("b", 20)] and plan.shape.graph
+
+
+def test_the_factory_gives_local_awd_to_decode_workers_of_ampd_laps_only():
+    """Protects the one construction path: ampd+laps's decode workers hold short local prefills in AWD; its prefill
+    workers, its ablation without local AWD, the chunked variant and other policies do not; the knob is refused where
+    it cannot apply."""
+    assert build_worker(1, DECODE, 1, 100, "ampd+laps").local_laps is not None
+    assert build_worker(0, PREFILL, 1, 100, "ampd+laps").local_laps is None
+    for name in ("ampd+laps-no-local-awd", "ampd+laps-chunked", "ampd", "laps"):
+        assert build_worker(1, DECODE, 1, 100, name).local_laps is None
+    w = build_worker(1, DECODE, 1, 100, resolve_policy("ampd+laps", laps_length_threshold=64))
+    assert w.local_laps.opts.threshold == 64
+    for name, over in (("ampd", {}), ("ampd+laps", {"local_chunked": True}), ("vllm", {})):
+        with pytest.raises(ValueError, match="laps_local_awd"):
+            resolve_policy(name, laps_local_awd=True, **over)

@@ -39,11 +39,12 @@ def run_until(engine, pred, limit=500):
     raise AssertionError("engine did not get there")
 
 
-def remote_round(p, d, rid, prompt, session="s"):
-    """Carry out what the coordinator's actions say for one remote round; returns the finished output."""
+def remote_round(p, d, rid, prompt, session="s", recompute=False):
+    """Carry out what the coordinator's actions say for one remote round; returns the finished output. With
+    `recompute` the prefill engine computes the history itself (vllm-pd) instead of reading it."""
     hist = d.begin_round(session)
     d.add_request(rid, prompt, GREEDY, session_id=session, remote=True)
-    p.add_prefill(rid, prompt, GREEDY, session, l_hist=hist)
+    p.add_prefill(rid, prompt, GREEDY, session, l_hist=hist, hist_compute=hist if recompute else 0)
     fetched = False
     while True:
         p.step()
@@ -60,7 +61,7 @@ def remote_round(p, d, rid, prompt, session="s"):
                 d.receive_kv(rid, payload)
                 outs = d.on_kv_arrived(rid, tok, lps)
                 p.on_delivered(rid)
-                assert fetched == (hist > 0)
+                assert fetched == (hist > 0 and not recompute)
                 done = run_until(d, lambda o: any(x.finished for x in o)) if not any(o.finished for o in outs) else outs
                 return [o for o in done if o.finished][0]
 
@@ -95,6 +96,28 @@ def test_remote_and_local_rounds_of_a_session_match_the_colocated_engine(tiny):
         if k < 2:
             conv = conv + o + new[k + 1]
     assert got == want
+
+
+def test_a_prefill_engine_that_recomputes_the_history_sends_the_same_kv_and_tokens(tiny):
+    """Protects vllm-pd in the engine: a prefill worker sent the whole prompt (hist_compute = l_hist) reads no history,
+    computes every position itself, sends back only the new tokens' KV, and the session's output equals the run that
+    read its history; a hist_compute outside [0, l_hist] is refused."""
+    outs = {}
+    for recompute in (False, True):
+        p, d = engines(tiny)
+        vocab = p.model_config.vocab_size
+        g = torch.Generator().manual_seed(1)
+        new = [torch.randint(3, vocab - 8, (k,), generator=g).tolist() for k in (30, 17)]
+        conv = list(new[0])
+        first = remote_round(p, d, "r0", conv, recompute=recompute)
+        conv = conv + first.token_ids + new[1]
+        second = remote_round(p, d, "r1", conv, recompute=recompute)
+        outs[recompute] = (first.token_ids, second.token_ids)
+        assert p.core.blocks.num_free == p.core.blocks.num_blocks
+    assert outs[True] == outs[False]
+    p, _ = engines(tiny)
+    with pytest.raises(EngineError, match="hist_compute"):
+        p.add_prefill("bad", list(range(3, 40)), GREEDY, "s", l_hist=10, hist_compute=11)
 
 
 def test_kv_payload_round_trips_through_bytes_between_caches(tiny):

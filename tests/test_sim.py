@@ -25,7 +25,7 @@ def toolbench(n=60, rate=1.0, seed=0):
 @pytest.mark.parametrize("policy,deploy", [
     ("ampd", "P:tp4x1,D:tp4x1"), ("ampd-window", "P:tp4x1,D:tp4x1"), ("ampd-no-pr", "P:tp2x2,D:tp4x1"),
     ("ampd-no-ar-pr", "P:tp4x1,D:tp2x2"), ("dynamo", "P:tp4x1,D:tp4x1"), ("vllm", "C:tp4x2"),
-    ("continuum", "C:tp2x4")])
+    ("continuum", "C:tp2x4"), ("vllm-pd", "P:tp2x2,D:tp4x1"), ("ampd+laps", "P:tp2x2,D:tp4x1")])
 def test_every_session_ends_and_every_kv_block_is_returned(policy, deploy):
     sessions = toolbench(80, rate=1.5)
     coord, workers, loop = run(sessions, policy, deploy)
@@ -338,3 +338,20 @@ def test_a_livelocked_worker_fails_its_rounds_after_the_stall_limit_of_simulated
         "simulation stalled: no round finished anywhere in 3600 s of simulated time while the session waited")
     assert 3600 < loop.now < 4200 and rec.finish_s == pytest.approx(loop.now, abs=600)
     assert all(w.blocks.num_free == w.blocks.num_blocks for w in workers)
+
+
+def test_vllm_pd_recomputes_each_remote_rounds_history_on_its_prefill_worker():
+    """Protects the vLLM-like PD baseline: every round is prefilled remotely (round robin), no history KV is ever read
+    from a decode worker, each later round recomputes its whole history there (counted as recomputed tokens), and the
+    prefill workers therefore compute more than sglang-pd's, which reads the history instead."""
+    sessions = toolbench(40, rate=0.5)
+    coord, workers, loop = run(sessions, "vllm-pd", "P:tp2x2,D:tp4x1")
+    rounds = [r for rec in coord.records for r in rec.rounds]
+    assert all(rec.completed for rec in coord.records)
+    assert {r.prefill_where for r in rounds} == {"remote"}
+    later = [r for r in rounds if r.index > 0]
+    assert later and all(r.recomputed_tokens == r.history_tokens > 0 for r in later)
+    base, base_workers, _ = run(toolbench(40, rate=0.5), "sglang-pd", "P:tp2x2,D:tp4x1")
+    assert all(r.recomputed_tokens == 0 for rec in base.records for r in rec.rounds)
+    busy = sum(w.busy_s for w in workers if w.role == "prefill")
+    assert busy > 1.2 * sum(w.busy_s for w in base_workers if w.role == "prefill")

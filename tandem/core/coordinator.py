@@ -53,8 +53,10 @@ class Coordinator:
 
     def __init__(self, view: CoordinatorView, router: Router,
                  binder: LeastKVBinder | PrefixAffinityBinder | None = None, max_context: int | None = None,
-                 kv_timeout_s: float = math.inf, session_ttl_s: float = math.inf, block_size: int = 16) -> None:
+                 kv_timeout_s: float = math.inf, session_ttl_s: float = math.inf, block_size: int = 16,
+                 recompute_history: bool = False) -> None:
         self.view = view
+        self.recompute_history = recompute_history   # a remote prefill computes its history (vLLM's PD) or reads it
         self.max_context = max_context
         self.router = router
         self.binder = binder or LeastKVBinder()
@@ -201,7 +203,7 @@ class Coordinator:
                 t = st.task
                 t.worker, t.done, t.kv_ready, t.start_s = -1, 0, True, None
                 target = self._route(t, now)
-                t.worker, t.local = target, target == st.worker
+                self._place(t, target)
                 rec = st.record.rounds[-1]
                 rec.prefill_where, rec.prefill_worker = ("local" if t.local else "remote"), target
                 out.append(Submit(target, t))
@@ -324,12 +326,19 @@ class Coordinator:
                            output_tokens=rnd.output_tokens, decode_worker=w,
                            block_hashes=st.hashes if k == 0 and not st.open else (), full_prefill=st.full_prefill)
         target = self._route(task, now)
-        task.worker = target
-        task.local = target == w
+        self._place(task, target)
         rec.prefill_where = "local" if task.local else "remote"
         rec.prefill_worker = target
+        rec.recomputed_tokens += task.hist_compute
         st.task = task
         return [Submit(target, task)]
+
+    def _place(self, task: PrefillTask, target: int) -> None:
+        """The task runs on `target`: local on its decode worker, else remote, where it reads its history or, with
+        recompute_history, computes it (the whole prompt, as vLLM's PD proxy sends it to a prefill instance)."""
+        task.worker = target
+        task.local = target == task.decode_worker
+        task.hist_compute = task.l_hist if self.recompute_history and not task.local else 0
 
     def _route(self, task: PrefillTask, now: float) -> int:
         """Where the task's prefill runs: the router's choice, except that a full prefill stays home."""

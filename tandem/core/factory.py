@@ -8,14 +8,16 @@ from typing import Callable
 
 from tandem.core.config import SchedulerConfig
 from tandem.core.coordinator import Coordinator, CoordinatorView
-from tandem.core.laps_sched import LapsScheduler, laps_options
+from tandem.core.laps_sched import LapsScheduler, LocalLaps, laps_options
 from tandem.core.types import COLOCATED, Role
 from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.policy.binding import LeastKVBinder, PrefixAffinityBinder
 from tandem.policy.laps.classify import DEFAULT_THRESHOLD, LengthClassifier
 from tandem.policy.laps.pools import PooledRouter
 from tandem.policy.laps.pressure import PressureConfig
-from tandem.policy.presets import BinderKind, PickerKind, PolicySpec, PrefillSchedKind, RouterKind, get_policy
+from tandem.policy.presets import (
+    BinderKind, HistorySource, PickerKind, PolicySpec, PrefillSchedKind, RouterKind, get_policy,
+)
 from tandem.policy.reorder import FCFS, Picker, SessionFirst, TTFTAwareReorder
 from tandem.policy.routing import (
     AdaptiveRouter, LeastCostRemoteRouter, LeastLoadRouter, LocalRouter, RoundRobinRouter, Router,
@@ -93,12 +95,15 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         retain_s=spec.retain_idle_kv_s, watermark=sched.watermark, window_s=sched.window_s,
         decode_query_tokens=sched.decode_query_tokens,
         itl_chunk_beta=spec.beta if spec.local_chunked and role == Role.DECODE else None)
-    laps = None
-    if spec.prefill_sched is PrefillSchedKind.LAPS and role == Role.PREFILL:
+    laps, local = None, None
+    if spec.prefill_sched is PrefillSchedKind.LAPS and role in (Role.PREFILL, Role.DECODE):
         opts = laps_options(laps_threshold(spec, boundary), spec.laps_split, spec.laps_graphs, spec.laps_long_chunk,
                             cfg.max_num_batched_tokens)
-        laps = LapsScheduler(opts, t_pre or (lambda h, n: 0.0))
-    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps)
+        if role == Role.PREFILL:
+            laps = LapsScheduler(opts, t_pre or (lambda h, n: 0.0))
+        elif spec.laps_local_awd:
+            local = LocalLaps(opts, t_pre or (lambda h, n: 0.0))
+    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local)
 
 
 def build_coordinator(view: CoordinatorView, policy: str | PolicySpec, sched: SchedulerConfig | None = None,
@@ -112,4 +117,4 @@ def build_coordinator(view: CoordinatorView, policy: str | PolicySpec, sched: Sc
     binder = PrefixAffinityBinder() if spec.binder is BinderKind.PREFIX_AFFINITY else LeastKVBinder()
     return Coordinator(view, make_router(spec, rng, boundary), binder, max_context=max_context,
                        kv_timeout_s=sched.kv_timeout_s, session_ttl_s=sched.session_ttl_s,
-                       block_size=sched.block_size)
+                       block_size=sched.block_size, recompute_history=spec.remote_history is HistorySource.RECOMPUTE)

@@ -62,40 +62,63 @@ class LapsStats:
     long_requests: int = 0
 
 
-class LapsScheduler:
-    """The LAPS state of one prefill worker: AWD over short tasks, FCFS long tasks, the batch being run."""
+class ShortBatcher:
+    """Short prefill tasks waiting in an AWD batcher (LAPS Alg. 1), dispatched as one batch with its bucket: the
+    short queue of a LAPS prefill worker and of a decode worker's local prefills alike."""
 
     def __init__(self, opts: LapsOptions, t_pre: Callable[[int, int], float]) -> None:
         self.opts = opts
-        self.classifier = LengthClassifier(opts.threshold)
         self.t_pre = t_pre
         self.awd = AWDBatcher(opts.awd, opts.grid, self._service, opts.batch_budget_tokens)
         self._tasks: dict[str, PrefillTask] = {}    # AWD key -> queued short task
         self._keys: dict[int, str] = {}             # id(task) -> AWD key
         self._n = 0
-        self.long: deque[PrefillTask] = deque()     # queued long tasks, FCFS
-        self.batch: list[PrefillTask] = []          # the dispatched short batch (admitted; runs when its KV is read)
-        self.bucket: Bucket | None = None
-        self.long_active: PrefillTask | None = None
-        self.wake_at_s = math.inf                   # AWD's next decision time while it waits
-        self.last_now = -math.inf
-        self.stats = LapsStats()
 
-    def gauges(self, now: float) -> tuple[int, int, float, int]:
-        """What the worker publishes: short and long prefills waiting, AWD's window W(now) and target depth D."""
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def holds(self, task: PrefillTask) -> bool:
+        """Whether `task` waits here (not yet dispatched)."""
+        return id(task) in self._keys
+
+    def add(self, task: PrefillTask, now: float) -> None:
+        """Into the AWD batcher under a fresh key, due at enqueue + TTFT SLO."""
+        self._n += 1
+        key = f"t{self._n}"
+        self._tasks[key], self._keys[id(task)] = task, key
+        self.awd.on_arrival(ShortRequest(key, task.work, task.enqueue_s, task.enqueue_s + task.ttft_slo_s), now)
+
+    def discard(self, task: PrefillTask, now: float) -> bool:
+        """Forget a waiting task (cancelled, released, or no longer short); True if it was waiting here."""
+        key = self._keys.pop(id(task), None)
+        if key is None or self._tasks.pop(key, None) is None:
+            return False
+        self.awd.cancel(key, now)
+        return True
+
+    def poll(self, now: float) -> tuple[list[PrefillTask], Bucket | None, float | None]:
+        """AWD's decision at `now`: the dispatched tasks (oldest first) and their bucket (None: no bucket holds
+        them, or graphs are off), or no tasks and when to poll again (None: nothing waits)."""
+        d = self.awd.poll(now)
+        if not d.dispatched:
+            return [], None, d.wake_at_s
+        tasks = []
+        for r in d.batch:
+            t = self._tasks.pop(r.key)
+            self._keys.pop(id(t), None)
+            tasks.append(t)
+        return tasks, d.bucket if self.opts.graphs else None, None
+
+    def waiting_s(self) -> float:
+        """Estimated prefill seconds of the waiting tasks."""
+        return sum(t.est_s for t in self._tasks.values())
+
+    def window(self, now: float) -> float:
+        """AWD's window W(now) (the learned W when the service estimate is refused)."""
         try:
-            window = self.awd.window(max(now, self.last_now))
-        except ValueError:                           # a service estimate the batcher refuses: report the learned W
-            window = self.awd.learned_window_s
-        return len(self.awd), len(self.long), window, self.awd.depth_target
-
-    def queued_s(self) -> tuple[float, float]:
-        """Estimated prefill seconds of the short and long work not yet computed here (Alg. 2's per-class q)."""
-        def left(t: PrefillTask) -> float:
-            return t.est_s * (t.l_incr - t.done) / t.l_incr if t.l_incr else 0.0
-        short = sum(t.est_s for t in self._tasks.values()) + sum(left(t) for t in self.batch)
-        long = sum(t.est_s for t in self.long) + (left(self.long_active) if self.long_active is not None else 0.0)
-        return short, long
+            return self.awd.window(now)
+        except ValueError:
+            return self.awd.learned_window_s
 
     def _service(self, lengths) -> float:
         """Ŝ: one step over the batch's tokens (the weights are read once for the whole batch), padded to its
@@ -107,9 +130,41 @@ class LapsScheduler:
                 tokens = bucket.padded_tokens
         return self.t_pre(0, tokens)
 
+
+class LapsScheduler:
+    """The LAPS state of one prefill worker: AWD over short tasks, FCFS long tasks, the batch being run."""
+
+    def __init__(self, opts: LapsOptions, t_pre: Callable[[int, int], float]) -> None:
+        self.opts = opts
+        self.classifier = LengthClassifier(opts.threshold)
+        self.short = ShortBatcher(opts, t_pre)
+        self.long: deque[PrefillTask] = deque()     # queued long tasks, FCFS
+        self.batch: list[PrefillTask] = []          # the dispatched short batch (admitted; runs when its KV is read)
+        self.bucket: Bucket | None = None
+        self.long_active: PrefillTask | None = None
+        self.wake_at_s = math.inf                   # AWD's next decision time while it waits
+        self.last_now = -math.inf
+        self.stats = LapsStats()
+
+    @property
+    def awd(self) -> AWDBatcher:
+        return self.short.awd
+
+    def gauges(self, now: float) -> tuple[int, int, float, int]:
+        """What the worker publishes: short and long prefills waiting, AWD's window W(now) and target depth D."""
+        return len(self.short), len(self.long), self.short.window(max(now, self.last_now)), self.awd.depth_target
+
+    def queued_s(self) -> tuple[float, float]:
+        """Estimated prefill seconds of the short and long work not yet computed here (Alg. 2's per-class q)."""
+        def left(t: PrefillTask) -> float:
+            return t.est_s * (t.work - t.done) / t.work if t.work else 0.0
+        short = self.short.waiting_s() + sum(left(t) for t in self.batch)
+        long = sum(t.est_s for t in self.long) + (left(self.long_active) if self.long_active is not None else 0.0)
+        return short, long
+
     # ---------------------------------------------------------------- queue
     def classify(self, task: PrefillTask) -> PrefillClass:
-        return self.classifier.classify(task.l_incr, task.l_hist)
+        return self.classifier.classify(task.work, task.first)
 
     def add(self, task: PrefillTask, now: float) -> None:
         """A task was submitted to the worker (it is also in the worker's queue, for its accounting)."""
@@ -117,7 +172,7 @@ class LapsScheduler:
         if not self.opts.split:
             return
         if self.classify(task) is PrefillClass.SHORT:
-            self._enqueue_short(task, now)
+            self.short.add(task, now)
             self.stats.short_requests += 1
         else:
             self.long.append(task)
@@ -125,9 +180,7 @@ class LapsScheduler:
 
     def discard(self, task: PrefillTask) -> None:
         """The task left the worker (cancelled, its session released): forget it wherever it is."""
-        key = self._keys.pop(id(task), None)
-        if key is not None and self._tasks.pop(key, None) is not None:
-            self.awd.cancel(key, self.last_now)
+        self.short.discard(task, self.last_now)
         if task in self.long:
             self.long.remove(task)
         if task in self.batch:
@@ -148,19 +201,17 @@ class LapsScheduler:
         self.batch = [t for t in self.batch if t in active]
         if self.long_active is not None and self.long_active not in active:
             self.long_active = None
-        if not self.batch and len(self.awd):
-            d = self.awd.poll(now)
-            if d.dispatched:
-                tasks = [self._take(r.key) for r in d.batch]
-                self.batch = [t for t in tasks if core.admit_task(t, now)]
-                for t in tasks:
-                    if t not in self.batch and t in core.queue:    # no memory now: queued again, waits anew
-                        self._enqueue_short(t, now)
-                self.bucket = d.bucket if self.opts.graphs and len(self.batch) == len(tasks) else None
-                if self.batch and self.opts.graphs and self.bucket is None:
-                    self.bucket = self.opts.grid.nearest([t.l_incr for t in self.batch], self.opts.batch_budget_tokens)
-            elif d.wake_at_s is not None:
-                self.wake_at_s = d.wake_at_s
+        if not self.batch and len(self.short):
+            tasks, bucket, wake = self.short.poll(now)
+            self.batch = [t for t in tasks if core.admit_task(t, now)]
+            for t in tasks:
+                if t not in self.batch and t in core.queue:    # no memory now: queued again, waits anew
+                    self.short.add(t, now)
+            self.bucket = bucket if len(self.batch) == len(tasks) else None
+            if self.batch and self.opts.graphs and self.bucket is None:
+                self.bucket = self.opts.grid.nearest([t.work for t in self.batch], self.opts.batch_budget_tokens)
+            if wake is not None:
+                self.wake_at_s = wake
         while self.long_active is None and self.long:
             t = self.long[0]
             if t not in core.queue:                  # gone meanwhile
@@ -183,22 +234,10 @@ class LapsScheduler:
             return self._long_step(core)
         return None
 
-    def _take(self, key: str) -> PrefillTask:
-        t = self._tasks.pop(key)
-        self._keys.pop(id(t), None)
-        return t
-
-    def _enqueue_short(self, task: PrefillTask, now: float) -> None:
-        """Into the AWD batcher under a fresh key, due at enqueue + TTFT SLO."""
-        self._n += 1
-        key = f"t{self._n}"
-        self._tasks[key], self._keys[id(task)] = task, key
-        self.awd.on_arrival(ShortRequest(key, task.l_incr, task.enqueue_s, task.enqueue_s + task.ttft_slo_s), now)
-
     def _short_step(self, core: PrefillHost) -> StepPlan:
         plan = StepPlan(core.id)
         for t in self.batch:
-            plan.prefill.append((t, t.l_incr - t.done))
+            plan.prefill.append((t, t.work - t.done))
         self.stats.short_steps += 1
         if self.bucket is not None:
             self.stats.graph_steps += 1
@@ -211,33 +250,94 @@ class LapsScheduler:
     def _long_step(self, core: PrefillHost) -> StepPlan:
         t = self.long_active
         plan = StepPlan(core.id)
-        plan.prefill.append((t, min(self.opts.long_chunk, t.l_incr - t.done)))
+        plan.prefill.append((t, min(self.opts.long_chunk, t.work - t.done)))
         fill_shape(plan)
         self.stats.long_steps += 1
         return plan
 
     def pad_if_short(self, plan: StepPlan) -> None:
         """Split off: a step of whole short prefills that a bucket holds runs padded as a graph."""
-        if not self.opts.graphs or not plan.prefill or plan.decode:
+        pad_whole_shorts(plan, self.classifier, self.opts, self.stats)
+
+
+class LocalLaps:
+    """AMPD+LAPS on a decode worker: its short local prefills wait in AWD and run as one batch (padded to a
+    bucket with graphs on), so a burst of local re-prefills pauses the worker's decodes once, not once each.
+
+    The worker keeps every task in its own queue; a task held here is not admitted until AWD dispatches it.
+    Long prefills and recomputes of preempted sequences are never held."""
+
+    def __init__(self, opts: LapsOptions, t_pre: Callable[[int, int], float]) -> None:
+        self.opts = opts
+        self.classifier = LengthClassifier(opts.threshold)
+        self.short = ShortBatcher(opts, t_pre)
+        self.wake_at_s = math.inf                   # AWD's next decision time while it holds tasks
+        self.last_now = -math.inf
+        self.stats = LapsStats()
+
+    def add(self, task: PrefillTask, now: float) -> None:
+        """A local task was submitted to the worker: hold it in AWD when short."""
+        self.last_now = max(self.last_now, now)
+        if task.recompute:
             return
-        lengths = []
-        for t, n in plan.prefill:
-            if t.done != 0 or n != t.l_incr or self.classify(t) is not PrefillClass.SHORT:
-                return
-            lengths.append(n)
-        bucket = self.opts.grid.nearest(lengths, self.opts.batch_budget_tokens)
-        if bucket is None:
+        if self.classifier.classify(task.work, task.first) is PrefillClass.SHORT:
+            self.short.add(task, now)
+            self.stats.short_requests += 1
+        else:
+            self.stats.long_requests += 1
+
+    def holds(self, task: PrefillTask) -> bool:
+        return self.short.holds(task)
+
+    def discard(self, task: PrefillTask) -> None:
+        """The task left the worker or stopped being short (its history was dropped): release it."""
+        self.short.discard(task, self.last_now)
+
+    def release(self, now: float) -> list[PrefillTask]:
+        """AWD's decision at `now`: the batch it dispatches (to be admitted), or none and wake_at_s set."""
+        self.last_now = max(self.last_now, now)
+        self.wake_at_s = math.inf
+        out: list[PrefillTask] = []
+        while len(self.short):                       # every batch due now, then when the next one is
+            tasks, _, wake = self.short.poll(now)
+            if not tasks:
+                self.wake_at_s = wake if wake is not None else math.inf
+                break
+            out += tasks
+        return out
+
+    def gauges(self, now: float) -> tuple[int, int, float, int]:
+        """As LapsScheduler.gauges: short prefills held, no long queue, AWD's window and target depth."""
+        return len(self.short), 0, self.short.window(max(now, self.last_now)), self.short.awd.depth_target
+
+    def pad_if_short(self, plan: StepPlan) -> None:
+        """A prefill-only step of whole short prefills that a bucket holds runs padded as a graph."""
+        pad_whole_shorts(plan, self.classifier, self.opts, self.stats)
+
+
+def pad_whole_shorts(plan: StepPlan, classifier: LengthClassifier, opts: LapsOptions, stats: LapsStats) -> None:
+    """With graphs on, pad a prefill-only step made of whole short prefills to the smallest bucket that holds it
+    (counted in `stats`); any other step is left as it is."""
+    if not opts.graphs or not plan.prefill or plan.decode:
+        return
+    lengths = []
+    for t, n in plan.prefill:
+        if t.done != 0 or n != t.work or classifier.classify(t.work, t.first) is not PrefillClass.SHORT:
             return
-        plan.shape = BatchShape()
-        self.stats.short_steps += 1
-        self.stats.graph_steps += 1
-        self.stats.padded_tokens += pad_shape(plan, bucket)
+        lengths.append(n)
+    bucket = opts.grid.nearest(lengths, opts.batch_budget_tokens)
+    if bucket is None:
+        return
+    plan.shape = BatchShape()
+    stats.short_steps += 1
+    stats.graph_steps += 1
+    stats.padded_tokens += pad_shape(plan, bucket)
 
 
 def fill_shape(plan: StepPlan) -> None:
     """The unpadded shape of a prefill-only plan."""
     for t, n in plan.prefill:
-        plan.shape.add_prefill(t.l_hist + t.done, n)
+        plan.shape.add_prefill(t.first + t.done, n)
 
 
 def pad_shape(plan: StepPlan, bucket: Bucket) -> int:
@@ -247,7 +347,7 @@ def pad_shape(plan: StepPlan, bucket: Bucket) -> int:
     T, B = bucket.tokens, bucket.batch
     real = 0
     for t, n in plan.prefill:
-        before = t.l_hist + t.done
+        before = t.first + t.done
         s.prefill_attn_pairs += T * (before + (T + 1) / 2)
         s.prefill_kv_read_tokens += before
         real += n
@@ -265,4 +365,5 @@ def laps_options(threshold: int | None, split: bool, graphs: bool, long_chunk: i
                        batch_budget_tokens=budget)
 
 
-__all__ = ["LapsOptions", "LapsScheduler", "LapsStats", "fill_shape", "laps_options", "pad_shape"]
+__all__ = ["LapsOptions", "LapsScheduler", "LapsStats", "LocalLaps", "ShortBatcher", "fill_shape", "laps_options",
+           "pad_shape", "pad_whole_shorts"]

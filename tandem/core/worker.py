@@ -6,13 +6,13 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tandem.core.block_manager import BlockManager
-from tandem.core.laps_sched import LapsScheduler
+from tandem.core.laps_sched import LapsScheduler, LocalLaps
 from tandem.core.config import (
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_WATERMARK, DEFAULT_WINDOW_S,
 )
 from tandem.core.stats import WindowedMean
 from tandem.core.types import (
-    PREFILL, FetchHistory, FirstToken, PrefillDone, PrefillTask,
+    DECODE, PREFILL, FetchHistory, FirstToken, PrefillDone, PrefillTask,
     RoundDone, Seq, SeqState, SessionFailed, StepPlan, StepResult,
 )
 from tandem.policy.reorder import FCFS, Picker
@@ -48,7 +48,8 @@ class WorkerCore:
     """One prefill, decode or co-located worker. Shells call events in, `schedule`, `on_step_done`, `drain`."""
 
     def __init__(self, wid: int, cfg: WorkerConfig, picker: Picker | None = None,
-                 t_pre: Callable[[int, int], float] | None = None, laps: LapsScheduler | None = None) -> None:
+                 t_pre: Callable[[int, int], float] | None = None, laps: LapsScheduler | None = None,
+                 local_laps: LocalLaps | None = None) -> None:
         self.id = wid
         self.cfg = cfg
         self.role = cfg.role
@@ -66,7 +67,7 @@ class WorkerCore:
         self.itl = WindowedMean(cfg.window_s)
         self.queued_est_s = 0.0                     # Σ estimated compute of queued tasks (AMPD Eq. 1-2)
         self.busy = False
-        self.wake_s = math.inf                      # when a pinned idle session becomes evictable
+        self._wake_s = math.inf                     # when a pinned idle session becomes evictable
         self.events: list = []
         self._order = 0
         self._ctx = 0                               # Σ num_tokens over running sequences
@@ -75,6 +76,20 @@ class WorkerCore:
         self.busy_s = 0.0
         self.busy_window = WindowedMean(cfg.window_s)   # step time within the window: utilisation
         self.laps = laps if cfg.role == PREFILL else None   # LAPS temporal disaggregation (prefill workers)
+        self.local_laps = local_laps if cfg.role == DECODE else None   # AMPD+LAPS: AWD over local short prefills
+
+    @property
+    def wake_s(self) -> float:
+        """When the shell should call schedule again although no event came: a pinned idle session becomes
+        evictable, or an AWD batcher (LAPS) reaches its next decision."""
+        w = self._wake_s
+        if self.local_laps is not None and self.local_laps.wake_at_s < w:
+            w = self.local_laps.wake_at_s
+        return w
+
+    @wake_s.setter
+    def wake_s(self, value: float) -> None:
+        self._wake_s = value
 
     # ---------------------------------------------------------------- events in
     def attach(self, sid: str) -> Seq:
@@ -104,7 +119,7 @@ class WorkerCore:
     def submit(self, task: PrefillTask, now: float) -> None:
         """Enqueue a prefill task routed to this worker."""
         task.worker = self.id
-        task.est_s = self.t_pre(task.l_hist, task.l_incr)
+        task.est_s = self.t_pre(task.first, task.work)
         if task.recompute:
             self.queue.insert(0, task)
         else:
@@ -112,6 +127,8 @@ class WorkerCore:
         self.queued_est_s += task.est_s
         if self.laps is not None:
             self.laps.add(task, now)
+        elif self.local_laps is not None:
+            self.local_laps.add(task, now)
 
     def run_local(self, task: PrefillTask, now: float) -> None:
         """A remote round's KV transfer failed or timed out: prefill it here (decode role) on top of the resident
@@ -120,7 +137,7 @@ class WorkerCore:
             return                                   # session ended meanwhile
         if task in self.pending_kv:
             self.pending_kv.remove(task)
-        task.local, task.done, task.kv_ready, task.start_s = True, 0, True, None
+        task.local, task.done, task.kv_ready, task.start_s, task.hist_compute = True, 0, True, None, 0
         self.submit(task, now)
 
     def on_history_fetched(self, task: PrefillTask, now: float) -> None:
@@ -158,6 +175,10 @@ class WorkerCore:
             for t in [*self.queue, *self.active]:
                 if t.session_id == sid:
                     self.laps.discard(t)
+        elif self.local_laps is not None:
+            for t in self.queue:
+                if t.session_id == sid:
+                    self.local_laps.discard(t)
         if len(kept) != len(self.queue):
             self.queue = kept
             self.queued_est_s = sum(t.est_s for t in kept)
@@ -174,6 +195,8 @@ class WorkerCore:
             self.active.remove(task)
         if self.laps is not None:
             self.laps.discard(task)
+        elif self.local_laps is not None:
+            self.local_laps.discard(task)
         if self.role == PREFILL:
             self.blocks.free(task)
 
@@ -187,6 +210,9 @@ class WorkerCore:
             plan = laps.schedule(self, now)
             self.wake_s = laps.wake_at_s if plan is None else math.inf
             return plan
+        local = self.local_laps
+        if local is not None:
+            local.release(now)                       # AWD lets a batch of held short local prefills in
         self._admit(now)
         budget = self.cfg.max_num_batched_tokens
         plan = StepPlan(self.id)
@@ -223,10 +249,10 @@ class WorkerCore:
                 break
             if not t.kv_ready:
                 continue
-            n = t.l_incr - t.done
+            n = t.work - t.done
             if n > budget:
                 n = budget
-            before = t.l_hist + t.done
+            before = t.first + t.done
             if chunk_beta is not None and plan.decode:
                 if plan.prefill:
                     break                            # one ITL-budget chunk a step
@@ -239,13 +265,22 @@ class WorkerCore:
             shape.prefill_kv_read_tokens += before
             shape.num_prefill += 1
         if not plan.prefill and not plan.decode:
-            if (self.pending_kv or self.queue) and self.role != PREFILL and not self.active and not self.running \
+            if (self.pending_kv or self._admissible()) and self.role != PREFILL and not self.active and not self.running \
                     and self.wake_s == math.inf and self._unstick(now):
                 return self.schedule(now)            # the freed histories let the queue in now
             return None
         if laps is not None:
             laps.pad_if_short(plan)
+        elif local is not None:
+            local.pad_if_short(plan)
         return plan
+
+    def _admissible(self) -> bool:
+        """Whether a queued task may be admitted now (not held by the local AWD batcher)."""
+        local = self.local_laps
+        if local is None or not len(local.short):
+            return bool(self.queue)
+        return any(not local.holds(t) for t in self.queue)
 
     def admit_task(self, t: PrefillTask, now: float) -> bool:
         """Admit one queued task of a prefill worker (LAPS picks which): hold memory for its history and new
@@ -257,18 +292,26 @@ class WorkerCore:
         self.queued_est_s -= t.est_s
         t.start_s = now
         self.active.append(t)
-        if t.l_hist > 0:
+        if t.first > 0:
             t.kv_ready = False
-            self.events.append(FetchHistory(t, t.l_hist))
+            self.events.append(FetchHistory(t, t.first))
         return True
 
     def _admit(self, now: float) -> None:
         budget = self.cfg.max_num_batched_tokens
-        pending = sum(t.l_incr - t.done for t in self.active)
+        pending = sum(t.work - t.done for t in self.active)
         cap = self.cfg.max_num_seqs - len(self.running)
+        local = self.local_laps
         while self.queue and pending < budget and len(self.active) < cap:
-            i = self.picker.pick(self.queue, now)
-            t = self.queue[i]
+            if local is not None and len(local.short):   # tasks AWD still holds are not candidates
+                cand = [t for t in self.queue if not local.holds(t)]
+                if not cand:
+                    break
+                t = cand[self.picker.pick(cand, now)]
+                i = self.queue.index(t)
+            else:
+                i = self.picker.pick(self.queue, now)
+                t = self.queue[i]
             if self.role == PREFILL:
                 owner, need = t, t.l_hist + t.l_incr
             else:
@@ -291,10 +334,10 @@ class WorkerCore:
             self.queued_est_s -= t.est_s
             t.start_s = now
             self.active.append(t)
-            pending += t.l_incr
-            if self.role == PREFILL and t.l_hist > 0:
+            pending += t.work
+            if self.role == PREFILL and t.first > 0:
                 t.kv_ready = False
-                self.events.append(FetchHistory(t, t.l_hist))
+                self.events.append(FetchHistory(t, t.first))
 
     def _reuse_prefix(self, seq: Seq, t: PrefillTask) -> None:
         """Take the cached blocks of the task's leading full blocks; at least one token is always computed."""
@@ -313,7 +356,7 @@ class WorkerCore:
 
     def _register_blocks(self, t: PrefillTask) -> None:
         """Publish the task's newly completed full blocks in the prefix cache."""
-        full = min((t.l_hist + t.done) // self.cfg.block_size, len(t.block_hashes))
+        full = min((t.first + t.done) // self.cfg.block_size, len(t.block_hashes))
         if full <= t.hashed:
             return
         owner = t if self.role == PREFILL else self.seqs.get(t.session_id)
@@ -461,6 +504,8 @@ class WorkerCore:
         for t in reversed(self.queue):
             seq = self.seqs.get(t.session_id)
             if t.l_hist > 0 and seq is not None and seq.num_tokens == t.l_hist and self.blocks.held(seq):
+                if self.local_laps is not None:
+                    self.local_laps.discard(t)           # a whole recompute now: no longer a short prefill
                 self.blocks.free(seq)
                 seq.num_tokens, seq.cap = 0, 0
                 self.queued_est_s -= t.est_s
@@ -496,7 +541,7 @@ class WorkerCore:
             t.done += n
             if t.block_hashes:
                 self._register_blocks(t)
-            if t.done >= t.l_incr:
+            if t.done >= t.work:
                 self.active.remove(t)
                 if self.role == PREFILL:
                     self.events.append(PrefillDone(t, self.id, now))
@@ -588,7 +633,7 @@ class WorkerCore:
     def _start_decoding(self, seq: Seq, task: PrefillTask, now: float) -> None:
         seq.num_tokens += task.l_incr
         if task.block_hashes and not task.local:      # KV computed remotely: cache its full blocks here too
-            task.done = task.l_incr
+            task.done = task.work
             self._register_blocks(task)
         if not task.recompute:
             self.events.append(FirstToken(seq.session_id, self.id, now, task.start_s if task.start_s is not None else now))
@@ -626,7 +671,7 @@ class WorkerCore:
         """Estimated compute left in this worker's prefill queue and admitted prefills (AMPD Eq. 1-2 queue term)."""
         left = self.queued_est_s
         for t in self.active:
-            left += t.est_s * (t.l_incr - t.done) / t.l_incr
+            left += t.est_s * (t.work - t.done) / t.work
         return left
 
     def pending_prefill_by_class(self) -> tuple[float, float]:

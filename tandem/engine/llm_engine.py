@@ -204,8 +204,10 @@ class LLMEngine:
 
     def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, session_id: str,
                     l_hist: int, round_idx: int = 0, arrival_time: float | None = None,
-                    ttft_slo_s: float = float("inf")) -> None:
-        """Prefill role: compute tokens [l_hist, len) of a session on top of its history KV, read lazily."""
+                    ttft_slo_s: float = float("inf"), hist_compute: int = 0) -> None:
+        """Prefill role: compute tokens [l_hist, len) of a session on top of its history KV, read lazily; with
+        `hist_compute` the last that many history tokens are computed here instead of read (vLLM-like PD sends the
+        whole prompt). The KV sent back is always [l_hist, len)."""
         if self.role != PREFILL:
             raise EngineError("add_prefill() runs on a prefill worker")
         _, ids = self._tokens(list(prompt_token_ids))
@@ -217,9 +219,11 @@ class LLMEngine:
             raise EngineError(f"history of {l_hist} tokens leaves nothing to prefill in a {len(ids)}-token prompt")
         if len(ids) > self.max_model_len:
             raise EngineError(f"prompt of {len(ids)} tokens exceeds max_model_len={self.max_model_len}")
+        if isinstance(hist_compute, bool) or not isinstance(hist_compute, int) or not 0 <= hist_compute <= l_hist:
+            raise EngineError(f"hist_compute must be an integer in [0, l_hist={l_hist}], got {hist_compute!r}")
         now = self.clock() if arrival_time is None else arrival_time
         task = PrefillTask(session_id, round_idx, l_hist, len(ids) - l_hist, now, decode_worker=-1,
-                           worker=self.core.id, local=False, ttft_slo_s=ttft_slo_s)
+                           worker=self.core.id, local=False, ttft_slo_s=ttft_slo_s, hist_compute=hist_compute)
         req = _Request(request_id, session_id, False, None, ids, params,
                        StopChecker(params, self.tokenizer.eos_token_ids, self._decoder(params), ids),
                        make_generator(params.seed, self.runner.device), RequestMetrics(now), task,
@@ -378,7 +382,7 @@ class LLMEngine:
         tables = core.blocks.tables
         prefill_role = self.role == PREFILL
         for t, n in plan.prefill:
-            start = t.l_hist + t.done
+            start = t.first + t.done
             if prefill_role:
                 req = self._task_req[t]
                 batch.add(req.prompt_token_ids[start:start + n], start, tables[t])
@@ -391,7 +395,7 @@ class LLMEngine:
             req.metrics.num_computed_tokens += n
             if req.prompt_logprobs is not None and not t.recompute and not prefill_role:
                 self._want_prompt_logprobs(batch, req, start, n, prompt_lp)
-            if t.done + n == t.l_incr and not t.recompute:
+            if t.done + n == t.work and not t.recompute:
                 self._sample_row(batch, req, len(batch.query_lens) - 1)
                 rows.append(req)
         self.stats.prefill_tokens += sum(n for _, n in plan.prefill)

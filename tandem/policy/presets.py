@@ -34,6 +34,14 @@ class PrefillSchedKind(StrEnum):
     LAPS = "laps"                            # LAPS temporal disaggregation: short batches by AWD, long by chunks
 
 
+class HistorySource(StrEnum):
+    """Where a remote prefill gets the KV of the session's history."""
+
+    READ = "read"                            # AMPD: read from the decode worker that holds it (incremental prefill)
+    RECOMPUTE = "recompute"                  # vLLM's PD proxy: the prefill instance is sent the whole prompt and
+                                             # computes it (the history's KV on the decode worker is not read)
+
+
 class BinderKind(StrEnum):
     """Which decode worker a new session is bound to (tandem/policy/binding.py)."""
 
@@ -72,6 +80,9 @@ class PolicySpec:
                                  # lose its pool; its prefills then go to any prefill worker, served temporally)
     local_chunked: bool = False  # a decode worker's local prefill runs in chunks mixed with its decodes, each step
                                  # within beta * the round's ITL SLO (Sarathi-style), not prefill-first
+    remote_history: HistorySource = HistorySource.READ   # a remote prefill reads or recomputes the history
+    laps_local_awd: bool = False  # AMPD+LAPS: a decode worker's short local prefills wait in AWD and run as one
+                                  # batch (padded to a bucket with laps_graphs), pausing its decodes once per batch
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -79,7 +90,8 @@ class PolicySpec:
         object.__setattr__(self, "picker", _enum(PickerKind, self.picker, "picker"))
         object.__setattr__(self, "binder", _enum(BinderKind, self.binder, "binder"))
         object.__setattr__(self, "prefill_sched", _enum(PrefillSchedKind, self.prefill_sched, "prefill scheduler"))
-        for knob in ("laps_pools", "laps_split", "laps_graphs", "local_chunked"):
+        object.__setattr__(self, "remote_history", _enum(HistorySource, self.remote_history, "remote history"))
+        for knob in ("laps_pools", "laps_split", "laps_graphs", "local_chunked", "laps_local_awd"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         if isinstance(self.laps_min_pool, bool) or not isinstance(self.laps_min_pool, int) or self.laps_min_pool < 0:
@@ -88,6 +100,10 @@ class PolicySpec:
             v = getattr(self, knob)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{knob} must be None or an integer >= 1, got {v!r}")
+        if self.laps_local_awd and (self.prefill_sched is not PrefillSchedKind.LAPS or not self.disaggregated
+                                    or self.local_chunked):
+            raise ValueError("laps_local_awd needs a disaggregated LAPS policy whose local prefills run prefill-first "
+                             "(not local_chunked)")
         if self.laps_pools and not self.disaggregated:
             raise ValueError("laps_pools needs a disaggregated policy (pools of prefill workers)")
         if isinstance(self.reorder_window, bool) or not isinstance(self.reorder_window, int) or self.reorder_window < 1:
@@ -116,9 +132,10 @@ _LAPS = PolicySpec("laps", True, RouterKind.LEAST_COST_REMOTE, PickerKind.FCFS, 
                                "controller); short prefills batched by AWD into graph buckets, long ones in chunks "
                                "(Alg. 1)")
 _AMPD_LAPS = PolicySpec("ampd+laps", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE,
-                        prefill_sched=PrefillSchedKind.LAPS, laps_pools=True,
+                        prefill_sched=PrefillSchedKind.LAPS, laps_pools=True, laps_local_awd=True,
                         description="AMPD's routing (Alg. 1) decides local or remote; a remote prefill goes to its "
-                                    "class's LAPS pool, where short ones are batched by AWD and long ones chunked")
+                                    "class's LAPS pool, where short ones are batched by AWD and long ones chunked; a "
+                                    "decode worker's short local prefills are batched by AWD too")
 
 POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
     PolicySpec("ampd", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE,
@@ -139,7 +156,10 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
                        description="LAPS with CUDA graphs only: one chunked FCFS queue; a step of short prefills that "
                                    "fits a bucket runs padded as a graph"),
     _AMPD_LAPS,
-    _AMPD_LAPS.with_options(name="ampd+laps-chunked", local_chunked=True,
+    _AMPD_LAPS.with_options(name="ampd+laps-no-local-awd", laps_local_awd=False,
+                            description="AMPD+LAPS whose decode workers run each local prefill as it comes "
+                                        "(prefill-first), without AWD batching"),
+    _AMPD_LAPS.with_options(name="ampd+laps-chunked", local_chunked=True, laps_local_awd=False,
                             description="AMPD+LAPS whose local prefills run in chunks mixed with the decode worker's "
                                         "decodes, each step within beta * the ITL SLO (Sarathi-style), instead of "
                                         "pausing them"),
@@ -149,6 +169,11 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
     PolicySpec("sglang-pd-router", True, RouterKind.LEAST_LOAD, PickerKind.FCFS,
                description="SGLang-like PD behind its SLO-unaware router (load balancing): the prefill worker with the "
                            "least queued work, FCFS, steps filled up to the token budget"),
+    PolicySpec("vllm-pd", True, RouterKind.ROUND_ROBIN, PickerKind.FCFS, binder=BinderKind.LEAST_KV,
+               remote_history=HistorySource.RECOMPUTE,
+               description="vLLM-like PD (its disaggregated-serving proxy): every prefill on a prefill instance taken "
+                           "in turn, which is sent the whole prompt and computes it (history included), FCFS, steps "
+                           "filled up to the token budget; sessions bound to the decode worker with the least KV"),
     PolicySpec("vllm", False, RouterKind.LOCAL, PickerKind.FCFS,
                description="vLLM-like co-located: continuous batching with chunked prefill, prefix-cached KV evictable"),
     PolicySpec("continuum", False, RouterKind.LOCAL, PickerKind.SESSION_FIRST, retain_idle_kv_s=30.0,

@@ -43,7 +43,19 @@ class PrefillTask:
     hashed: int = 0             # leading blocks registered in the prefix cache so far
     full_prefill: bool = False  # every prompt token computed on decode_worker (prompt logprobs need each position):
                                 # never routed remote, takes no prefix-cache blocks
+    hist_compute: int = 0       # history tokens a remote task computes itself instead of reading them (vLLM's PD:
+                                # the prefill instance gets the whole prompt); its KV still goes out from l_hist
+
+    @property
+    def work(self) -> int:
+        """Tokens this task computes: the recomputed history, then the new tokens."""
+        return self.hist_compute + self.l_incr
+
+    @property
+    def first(self) -> int:
+        """Position of the first token this task computes (the KV before it is read or resident)."""
+        return self.l_hist - self.hist_compute
 
     @property
     def remaining(self) -> int:
-        return self.l_incr - self.done
+        return self.hist_compute + self.l_incr - self.done

@@ -401,7 +401,7 @@ def _laps_stats(out: BackendStats, states, router) -> None:
     if pools is not None:
         out.laps_pool_short, out.laps_pool_long = len(pools[PrefillClass.SHORT]), len(pools[PrefillClass.LONG])
         out.laps_pool_moves = len(router.moves)
-    laps = [st for st in states if st.role == PREFILL and (st.laps_depth > 0 or st.laps_short_steps > 0)]
+    laps = [st for st in states if st.laps_depth > 0 or st.laps_short_steps > 0]   # prefill and AMPD+LAPS decode
     if laps:
         out.laps_short_waiting = sum(st.laps_short_waiting for st in laps)
         out.laps_long_waiting = sum(st.laps_long_waiting for st in laps)

@@ -245,9 +245,9 @@ class CoordinatorShell:
             self.stats.remote_prefills += 1
             req.prefill_worker = a.worker
             self.send(a.worker, m.AddPrefill(req.request_id, req.session_id, req.prompt, params, t.l_hist, t.round_idx,
-                                             t.ttft_slo_s))
+                                             t.ttft_slo_s, t.hist_compute))
         self.stats.prefix_cache_queries += len(req.prompt)
-        self.stats.prefix_cache_hits += t.l_hist
+        self.stats.prefix_cache_hits += t.l_hist - t.hist_compute
 
     def _release(self, a: act.Release) -> None:
         sid = a.session_id

@@ -47,6 +47,7 @@ class AddPrefill(msgspec.Struct, tag=True):
     l_hist: int
     round_idx: int = 0
     ttft_slo_s: float = float("inf")          # the round's TTFT target: the worker's picker (Alg. 2) orders by it
+    hist_compute: int = 0                     # history tokens computed here, not read (vLLM-like PD); <= l_hist
 
 
 class SendKV(msgspec.Struct, tag=True):

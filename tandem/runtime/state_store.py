@@ -47,7 +47,7 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     utilization: float = 0.0       # WorkerCore.utilization(): busy share of the window (LAPS Alg. 2)
     queued_short_s: float = 0.0    # queued_prefill_s split into LAPS's classes (a worker without LAPS: the total)
     queued_long_s: float = 0.0
-    laps_short_waiting: int = 0    # LAPS prefill worker: short prefills in its AWD batcher
+    laps_short_waiting: int = 0    # LAPS prefill worker (or AMPD+LAPS decode worker): short prefills in its AWD batcher
     laps_long_waiting: int = 0     # LAPS prefill worker: long prefills queued
     laps_window_s: float = 0.0     # AWD's window W and target depth D now
     laps_depth: int = 0
@@ -67,9 +67,10 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
         """Snapshot `core` at core time `now` (its means) and wall time `published_s` (default: time.time())."""
         short_s, long_s = core.pending_prefill_by_class()
         laps = {"queued_short_s": short_s, "queued_long_s": long_s}
-        if core.laps is not None:
-            short, long, window, depth = core.laps.gauges(now)
-            st = core.laps.stats
+        lp = core.laps if core.laps is not None else core.local_laps
+        if lp is not None:
+            short, long, window, depth = lp.gauges(now)
+            st = lp.stats
             laps.update(laps_short_waiting=short, laps_long_waiting=long, laps_window_s=window, laps_depth=depth,
                         laps_short_steps=st.short_steps, laps_graph_steps=st.graph_steps)
         return cls(

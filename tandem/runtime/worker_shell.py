@@ -98,7 +98,7 @@ class WorkerShell:
                                 slo=(msg.ttft_slo_s, msg.itl_slo_s), keep_session=msg.keep_session)
             elif isinstance(msg, m.AddPrefill):
                 eng.add_prefill(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params), msg.session_id,
-                                msg.l_hist, msg.round_idx, ttft_slo_s=msg.ttft_slo_s)
+                                msg.l_hist, msg.round_idx, ttft_slo_s=msg.ttft_slo_s, hist_compute=msg.hist_compute)
             elif isinstance(msg, m.SendKV):
                 self._send_kv(msg)
             elif isinstance(msg, m.HistoryReady):

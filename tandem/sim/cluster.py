@@ -223,7 +223,7 @@ def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResul
     for w in workers:
         st = {"id": w.id, "role": w.role, "tp": w.cfg.tp, "steps": w.steps, "busy_s": w.busy_s,
               "kv_capacity_tokens": w.capacity_tokens}
-        laps = getattr(w, "laps", None)
+        laps = w.laps if w.laps is not None else w.local_laps
         if laps is not None:
             st["laps"] = dataclasses.asdict(laps.stats)
         stats.append(st)

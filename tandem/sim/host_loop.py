@@ -200,7 +200,7 @@ class HostLoop(EventLoop):
         plan = self._end_step(a)
         w = self.workers[a]
         if w.role != PREFILL:                              # tokens this step streams to clients
-            toks = len(plan.decode) + sum(1 for tk, n in plan.prefill if tk.done >= tk.l_incr and not tk.recompute)
+            toks = len(plan.decode) + sum(1 for tk, n in plan.prefill if tk.done >= tk.work and not tk.recompute)
             self._host_work(toks * self.costs.host_token_s)
         self._forward(w)
         if not self._handling[a]:                          # else the message being handled continues, then steps

@@ -16,7 +16,7 @@ class RoundRecord:
     arrival_s: float                 # the round's input became available (session arrival or tool result)
     input_tokens: int                # tokens of new input (l_incr as given by the workload)
     history_tokens: int = 0          # resident KV reused when the round's prefill ran (l_hist)
-    recomputed_tokens: int = 0       # history that had to be prefilled again (evicted or preempted KV)
+    recomputed_tokens: int = 0       # history prefilled again (evicted or preempted KV; vllm-pd: recomputed remotely)
     prefill_where: str = ""          # "local" (on the bound decode/co-located worker) or "remote"
     prefill_worker: int = -1
     prefill_start_s: float | None = None
