@@ -52,7 +52,7 @@ WORKLOAD = "chat-multiturn"
 GPU = "h200"
 SHORT_TOKENS = 256          # LAPS's class boundary (its code's default): the short/long split of the report
 PAPER = {"violations_vs_pd": -0.28, "violations_vs_router": -0.12, "prefill_latency": -0.30, "throughput": 0.35}
-LAPS_POLICY, PD_POLICY, ROUTER_POLICY = "laps", "sglang-pd", "sglang-pd-router"
+LAPS_POLICY, PD_POLICY, ROUTER_POLICY, VLLM_PD_POLICY = "laps", "sglang-pd", "sglang-pd-router", "vllm-pd"
 
 
 class Client(StrEnum):
@@ -69,7 +69,7 @@ class Grid:
     models: tuple[str, ...] = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")
     instances: tuple[int, ...] = (1, 8)
     concurrency: tuple[int, ...] = (1, 4, 16, 32, 64)
-    policies: tuple[str, ...] = ("sglang-pd", "sglang-pd-router", "laps", "laps-no-graph", "laps-no-split",
+    policies: tuple[str, ...] = ("sglang-pd", "sglang-pd-router", "vllm-pd", "laps", "laps-no-graph", "laps-no-split",
                                  "ampd+laps")
     clients: tuple[Client, ...] = (Client.CHAT, Client.PREFILL)
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -275,7 +275,7 @@ def _rel(new: float | None, old: float | None) -> float | None:
 
 def headline(agg: list[dict], grid: Grid) -> list[dict]:
     """Acceptance 2: at the largest model, instance count and concurrency of the grid (Qwen2.5-32B, 8 prefill
-    instances, 64 clients by default), LAPS against SGLang-PD and its router, per client kind."""
+    instances, 64 clients by default), LAPS against SGLang-PD, its router and vLLM-PD, per client kind."""
     model = "qwen2.5-32b" if "qwen2.5-32b" in grid.models else grid.models[-1]
     inst, conc = max(grid.instances), max(grid.concurrency)
     out = []
@@ -285,7 +285,7 @@ def headline(agg: list[dict], grid: Grid) -> list[dict]:
         if laps is None:
             continue
         h = {**at, "laps": _pick(laps)}
-        for name, pol in (("vs_pd", PD_POLICY), ("vs_router", ROUTER_POLICY)):
+        for name, pol in (("vs_pd", PD_POLICY), ("vs_router", ROUTER_POLICY), ("vs_vllm_pd", VLLM_PD_POLICY)):
             base = _find(agg, policy=pol, **at)
             if base is None:
                 continue
@@ -331,7 +331,7 @@ def headline_md(heads: list[dict]) -> str:
                   f"`{h['client']}` clients**", "",
                   "| policy | SLO violations | TTFT mean (ms) | TTFT P90 (ms) | rounds/s | short / long TTFT mean (ms) "
                   "| prefill busy | pool moves |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for pol in (LAPS_POLICY, PD_POLICY, ROUTER_POLICY):
+        for pol in (LAPS_POLICY, PD_POLICY, ROUTER_POLICY, VLLM_PD_POLICY):
             v = h.get(pol) if pol != LAPS_POLICY else h["laps"]
             if v is None:
                 continue
@@ -340,7 +340,8 @@ def headline_md(heads: list[dict]) -> str:
                          f"{_ms(v['ttft_long_mean_s'])} | {_pct(v['prefill_busy'], 0)} | {v['pool_moves']:.0f} |")
         lines += ["", "| LAPS against | violations (points) | violations (relative) | TTFT mean | TTFT P90 | rounds/s |",
                   "|---|---:|---:|---:|---:|---:|"]
-        for name, label in (("vs_pd", "SGLang PD (round robin)"), ("vs_router", "SGLang PD + router (least load)")):
+        for name, label in (("vs_pd", "SGLang PD (round robin)"), ("vs_router", "SGLang PD + router (least load)"),
+                            ("vs_vllm_pd", "vLLM PD (round robin, history recomputed)")):
             d = h.get(name)
             if d is not None:
                 lines.append(f"| {label} | {100 * d['slo_violation_points']:+.1f} | {_signed(d['slo_violation_rel'])} | "

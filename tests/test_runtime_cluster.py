@@ -42,8 +42,11 @@ def _conversation(run_round, new_tokens):
     return outs
 
 
-@pytest.mark.parametrize("policy,p,d,colo", [("dynamo", 1, 1, 0), ("vllm", 0, 0, 1)])
+@pytest.mark.parametrize("policy,p,d,colo", [("dynamo", 1, 1, 0), ("vllm", 0, 0, 1), ("vllm-pd", 1, 1, 0)])
 def test_multi_round_session_matches_the_offline_engine(tiny, policy, p, d, colo):
+    """Protects each shape of serving a multi-round session live (remote with the history read, co-located, remote
+    with the history recomputed on the prefill worker as vLLM's PD does): the same tokens as the offline engine, and
+    the cached / transferred KV each path implies."""
     new = [list(range(10, 90)), list(range(200, 230)), list(range(300, 320)), []]
 
     async def main():
@@ -64,6 +67,12 @@ def test_multi_round_session_matches_the_offline_engine(tiny, policy, p, d, colo
     ref = _conversation(lambda conv, k: llm.generate([conv], GREEDY)[0], new)
     assert [o.outputs[0].token_ids for o in outs] == [o.token_ids for o in ref]
     assert all(o.error is None and o.finished for o in outs)
+    if policy == "vllm-pd":                                  # the history was recomputed, not reused
+        assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+        assert stats.remote_prefills == 3 and stats.local_prefills == 0
+        assert len(stats.kv_transfer_seconds) == 3           # 3 incremental write-backs, no history read
+        assert stats.prefix_cache_hits == 0
+        return
     assert [o.num_cached_tokens for o in outs] == [0, 80 + 6 - 1, 80 + 6 + 30 + 6 - 1]
     if policy == "dynamo":
         assert stats.remote_prefills == 3 and stats.local_prefills == 0

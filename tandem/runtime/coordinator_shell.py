@@ -350,7 +350,10 @@ class CoordinatorShell:
             comp.cumulative_logprob = d.cumulative_logprob
         if d.prompt_logprobs is not None:
             out.prompt_logprobs = d.prompt_logprobs
-        out.num_cached_tokens = out.metrics.num_cached_tokens = d.num_cached_tokens
+        cached = d.num_cached_tokens                          # the decode worker's history; what a remote prefill
+        if req.task is not None and req.task.hist_compute:    # recomputed (vllm-pd) was not reused
+            cached = max(0, cached - req.task.hist_compute)
+        out.num_cached_tokens = out.metrics.num_cached_tokens = cached
         if d.finished:
             comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
             out.error = d.error
