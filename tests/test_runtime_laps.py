@@ -99,3 +99,47 @@ def test_a_laps_server_on_a_profile_takes_the_boundary_fitted_to_it(ckpt, tmp_pa
     finally:
         pio.load_perf = real
     assert (spec.laps_length_threshold, fixed.laps_length_threshold, plain.laps_length_threshold) == (310, 128, None)
+
+
+def test_ampd_laps_batches_a_decode_workers_short_local_prefills_live(ckpt, tmp_path):
+    """Protects AWD on the local path in the live server: on a cost model whose KV transfers take 1000 s, AMPD's
+    router keeps every round of `ampd+laps` on its decode worker (TTFT SLO 10 s); 6 short prompts sent at once are
+    held by that worker's AWD and run in bucketed short steps (fewer steps than prompts), /metrics shows them, and
+    every completion equals the offline engine's."""
+    from tandem.perf.ampd_cost import AMPDCostModel
+    from tandem.perf.fit import PiecewiseLinear
+
+    perf = tmp_path / "profile.json"
+    kv = PiecewiseLinear(1, [], [[1000.0, 0.0]])
+    AMPDCostModel({1: PiecewiseLinear(1, [], [[0.0, 1e-4, 0.0, 0.0]])}, {1: PiecewiseLinear(1, [], [[1e-3, 0.0, 0.0]])},
+                  {"1-1-node": kv, "1-1-net": kv}, meta={"source": "tests/test_runtime_laps.py"}).to_json(perf)
+    shorts = [list(range(10 + i, 60 + 3 * i)) for i in range(6)]
+    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd+laps", served_model_name=MODEL, engine_args=ENGINE,
+                                   perf=str(perf), slo_ttft_s=10.0))
+    try:
+        async def one(c, prompt):
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5,
+                                                      "temperature": 0, "ignore_eos": True,
+                                                      "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                return await asyncio.gather(*(one(c, p) for p in shorts))
+
+        got = asyncio.run_coroutine_threadsafe(main(), srv.loop).result(120)
+        where = srv.call(lambda: [r.rounds[0].prefill_where for r in srv.cluster.shell.coord.records])
+        srv.wait_for("the decode worker's state to show its short steps",
+                     lambda: srv.metrics(LAPS_METRICS)["tandem:laps_short_steps_total"] >= 1)
+        m = srv.metrics(LAPS_METRICS)
+    finally:
+        srv.stop()
+    with one_thread_llm(ckpt, **ENGINE) as llm:
+        want = [o.token_ids for o in llm.generate(shorts, SamplingParams(temperature=0.0, max_tokens=5,
+                                                                          ignore_eos=True))]
+    assert got == want
+    assert where == ["local"] * 6
+    assert 1 <= m["tandem:laps_short_steps_total"] < 6
+    assert m["tandem:laps_graph_steps_total"] == m["tandem:laps_short_steps_total"]
+    assert m["tandem:laps_short_waiting"] == 0
