@@ -41,6 +41,11 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False               # CUDA: never capture decode steps as CUDA graphs (always eager)
     cuda_graph_sizes: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, 8, 16, ... 512
+    laps_graph_buckets: tuple[tuple[int, int], ...] | None = None   # CUDA, LAPS prefill workers: the (length,
+                                              # batch) buckets captured as prefill graphs; None: every bucket of LAPS's
+                                              # grid within max_num_batched_tokens and max_num_seqs; (): none
+    laps_graph_max_len: int | None = None     # longest sequence (history + new tokens) a prefill graph attends over;
+                                              # longer steps run eagerly. None: min(max_model_len, 4096)
 
     def policy_spec(self) -> PolicySpec:
         """The worker core's policy with this config's knobs (ValueError/TypeError name a bad one)."""
@@ -74,6 +79,11 @@ class EngineConfig:
             raise EngineError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.cuda_graph_sizes is not None:
             self.cuda_graph_sizes = _graph_sizes(self.cuda_graph_sizes)
+        if self.laps_graph_buckets is not None:
+            self.laps_graph_buckets = _graph_buckets(self.laps_graph_buckets)
+        m = self.laps_graph_max_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise EngineError(f"laps_graph_max_len must be an integer >= 1, got {m!r}")
 
     def torch_device(self) -> torch.device:
         """The device to run on: `device`, or CUDA when present for auto."""
@@ -100,6 +110,17 @@ def _graph_sizes(sizes: object) -> tuple[int, ...]:
     if not ok:
         raise EngineError(f"cuda_graph_sizes must be a non-empty list of integers >= 1, got {sizes!r}")
     return tuple(sorted(set(sizes)))
+
+
+def _graph_buckets(buckets: object) -> tuple[tuple[int, int], ...]:
+    """laps_graph_buckets checked (a list of (length, batch) pairs of integers >= 1) and sorted without repeats."""
+    def pair(b: object) -> bool:
+        return isinstance(b, (list, tuple)) and len(b) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in b)
+    if not isinstance(buckets, (list, tuple)) or not all(pair(b) for b in buckets):
+        raise EngineError(f"laps_graph_buckets must be a list of (length, batch) pairs of integers >= 1, "
+                          f"got {buckets!r}")
+    return tuple(sorted({(int(t), int(b)) for t, b in buckets}))
 
 
 def kv_pool_blocks(cfg: EngineConfig, bytes_per_block: int, device: torch.device) -> int:

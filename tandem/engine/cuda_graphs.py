@@ -135,14 +135,15 @@ class DecodeGraphs:
         return self.hidden[:len(batch.query_lens)]
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first, into one memory pool, each after an eager warm-up on a side stream."""
+    def capture(self, pool: object = None) -> object:
+        """Capture every size, largest first, into one memory pool (`pool`, else a new one), each after an eager
+        warm-up on a side stream; returns the pool (the LAPS prefill graphs, captured first, lend theirs)."""
         dev = self.device
         with torch.cuda.device(dev):
             torch.cuda.synchronize()
             alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             t0 = time.perf_counter()
-            pool = torch.cuda.graph_pool_handle()
+            pool = torch.cuda.graph_pool_handle() if pool is None else pool
             for size in reversed(self.sizes):      # the largest first: smaller graphs reuse its pool blocks
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
@@ -161,3 +162,4 @@ class DecodeGraphs:
                  "%.1f MiB reserved, %.1f MiB allocated", len(self.graphs), self.sizes[0], self.sizes[-1],
                  "flash paged" if self.attention.paged else "gather + SDPA", self.capture_s, self.pool_bytes / 2**20,
                  self.allocated_bytes / 2**20)
+        return pool

@@ -96,7 +96,7 @@ class LLMEngine:
         self.clock = clock
         self.role = role
         self.tokenizer = Tokenizer.from_pretrained(config.model)
-        self.runner = ModelRunner(config, self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(config, self.tokenizer.eos_token_ids, role=role)   # role: which capture LAPS graphs
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.model_config.vocab_size)
         mc = self.runner.model_config
         self.model_config = mc
@@ -408,6 +408,7 @@ class LLMEngine:
         self.stats.decode_tokens += len(plan.decode)
         if plan.shape.graph and not plan.decode:         # a LAPS short batch the core placed in a bucket
             batch.pad_to = plan.shape.prefill_tokens
+            batch.bucket = (plan.shape.prefill_tokens // plan.shape.num_prefill, plan.shape.num_prefill)
         prep.t1 = self.clock()
         return prep
 

@@ -37,6 +37,8 @@ class ModelInput:
     prompt_logprobs: list[PromptLogprobsSpec] = field(default_factory=list)  # sequences computing prompt logprobs
     pad_to: int = 0           # run the token-wise layers over this many rows (a LAPS bucket: length x batch), the
                               # real tokens first, padding rows after them; attention and sampling see only the real
+    bucket: tuple[int, int] | None = None   # the LAPS bucket (length, batch) of a padded step (pad_to = length x
+                              # batch): on CUDA its prefill graph replays it (engine/prefill_graphs.py)
 
     def add(self, token_ids: list[int], start: int, block_table: list[int]) -> None:
         """Append a sequence whose tokens `token_ids` occupy positions start, start+1, ..."""
