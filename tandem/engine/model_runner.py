@@ -14,6 +14,7 @@ from tandem.engine.loader import load_model
 from tandem.engine.model_input import ModelInput
 from tandem.engine.prefill_graphs import PrefillGraphs, graph_buckets, graph_max_len, prefill_graphs_apply
 from tandem.engine.sampler import Sampler, SampleOutput
+from tandem.policy.task import COLOCATED, PREFILL
 
 PROMPT_LOGPROBS_ELEMS = 1 << 22     # logits computed at once for prompt logprobs (rows x vocab; 16 MiB of float32)
 
@@ -22,7 +23,7 @@ class ModelRunner:
     """Loads a checkpoint, sizes and allocates the KV pool, and executes ModelInputs."""
 
     def __init__(self, cfg: EngineConfig, eos_token_ids: list[int] | tuple[int, ...] = (),
-                 role: str = "colocated") -> None:
+                 role: str = COLOCATED) -> None:
         self.cfg = cfg
         self.device = cfg.torch_device()
         self.model, self.model_config = load_model(cfg.model, dtype_for=lambda ckpt: cfg.torch_dtype(ckpt, self.device),
@@ -33,7 +34,8 @@ class ModelRunner:
         per_block = kv_bytes_per_block(mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
                                        mc.head_dim, self.dtype)
         self.num_blocks = kv_pool_blocks(cfg, per_block, self.device)
-        graphs = graphs_apply(cfg, self.device)          # CUDA only; the graphs' padding rows get a scratch block
+        # CUDA only; the graphs' padding rows get a scratch block. A prefill worker never decodes: no decode graphs
+        graphs = graphs_apply(cfg, self.device) and role != PREFILL
         prefill_graphs = prefill_graphs_apply(cfg, self.device, role)      # LAPS buckets: CUDA, bucketing workers
         self.kv_caches = allocate_kv_cache(mc.num_hidden_layers,
                                            self.num_blocks + (1 if graphs or prefill_graphs else 0),
