@@ -17,7 +17,10 @@ from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, P
                                csv_list, flush_notes, gpus_arg, load_workload, note, positive_float, positive_int,
                                seed_arg)
 from tandem.core.deploy import DeploymentError, parse_deploy
+from tandem.perf.dllm import OPTIMUS_LENGTHS
 from tandem.workload.session import WorkloadError
+
+DLLM_DATASETS = tuple(OPTIMUS_LENGTHS)     # Optimus Table 2 rows (--dllm-dataset)
 
 
 # --------------------------------------------------------------------------- parser
@@ -60,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(input, default) or each round's whole prompt (prompt); docs/session-format.md")
     s.add_argument("--slo-ttft", type=positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
     s.add_argument("--slo-itl", type=positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
+    s.add_argument("--dllm-block-length", type=positive_int, default=None, metavar="B",
+                   help="decode as a block-diffusion model in blocks of B positions (the model must be one of "
+                        "Optimus's: sdar-8b, llada2.0-16b); default: autoregressive")
+    s.add_argument("--dllm-chunk", default="elastic", metavar="elastic|block|N",
+                   help="each diffusion step's window: elastic (Optimus: chosen per step from the load), block "
+                        "(plain block diffusion, the whole block every step) or a fixed N (default: %(default)s)")
+    s.add_argument("--dllm-dataset", default="sharegpt", choices=DLLM_DATASETS,
+                   help="the Optimus Table 2 row the simulated commits per step follow (default: %(default)s)")
     s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
     s.add_argument("--faults", default=None, metavar="SPEC",
                    help="inject faults and compare with the fault-free run: kv-fail=P (a KV transfer fails), "
@@ -160,6 +171,16 @@ def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, pol
     cfg = cluster.SimConfig(model=model, gpu=gpu, gpus=gpus, deploy=deploy, policy=policy, seed=args.seed)
     if args.perf is not None:
         cfg = dataclasses.replace(cfg, perf=args.perf)
+    if getattr(args, "dllm_block_length", None):
+        from tandem.policy.optimus.chunk import parse_chunk
+        try:
+            chunk = str(parse_chunk(args.dllm_chunk))
+        except ValueError as e:
+            raise CLIError(f"--dllm-chunk: {e}") from None
+        if args.dllm_block_length < 2:
+            raise CLIError("--dllm-block-length must be at least 2")
+        cfg = dataclasses.replace(cfg, dllm_block_length=args.dllm_block_length, dllm_chunk=chunk,
+                                  dllm_dataset=args.dllm_dataset)
     return cfg
 
 
@@ -184,6 +205,7 @@ SIM_TABLE_METRICS: list[tuple[str, str]] = [
     ("e2e_mean_s", "round E2E mean (s)"), ("queue_mean_s", "queue mean (s)"),
     ("kv_transfer_mean_s", "KV transfer mean (s)"), ("local_prefill_fraction", "local prefill share"),
     ("preemptions", "preemptions"), ("throughput_output_tokens_per_s", "output tokens/s"),
+    ("dllm_tokens_per_step", "diffusion tokens/step"), ("dllm_chunk_mean", "diffusion chunk mean"),
     ("sim_time_s", "simulated time (s)"), ("events", "events"), ("wall_s", "wall time (s)"),
 ]
 
@@ -247,6 +269,7 @@ def cmd_simulate(args) -> int:
         from tandem.workload.records import dump_records
         dump_records(res.records, args.records)
     out = summarize(res.records, res.sim_time_s)
+    out.update(cluster.dllm_summary(res.workers))
     out.update({"wall_s": res.wall_s, "sim_time_s": res.sim_time_s, "events": res.events,
                 "deploy": res.deployment, "policy": res.policy, "model": model, "gpu": gpu, "gpus": gpus,
                 "workload": args.workload, "rate": rate, "concurrency": args.concurrency, "seed": args.seed})

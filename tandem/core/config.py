@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.policy.optimus.chunk import parse_chunk
+
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048     # vLLM's chunked-prefill token budget per step
 DEFAULT_MAX_NUM_SEQS = 256                # vLLM's cap on sequences scheduled at once
@@ -37,6 +39,8 @@ class SchedulerConfig:
                                               # diffusion chunk or 1 + draft tokens for multi-token steps)
     kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    dllm_block_length: int = 0                # block-diffusion models: positions per block (0: autoregressive)
+    dllm_chunk: str = "elastic"               # diffusion steps' window: elastic (Optimus), block (BD-B), or N
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "decode_query_tokens"):
@@ -46,3 +50,6 @@ class SchedulerConfig:
         _seconds("window_s", self.window_s, allow_inf=False)
         _seconds("kv_timeout_s", self.kv_timeout_s)
         _seconds("session_ttl_s", self.session_ttl_s)
+        if self.dllm_block_length != 0:
+            _int("dllm_block_length", self.dllm_block_length, lo=2)
+        object.__setattr__(self, "dllm_chunk", str(parse_chunk(self.dllm_chunk)))

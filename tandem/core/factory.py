@@ -14,7 +14,10 @@ from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.policy.binding import LeastKVBinder, PrefixAffinityBinder
 from tandem.policy.laps.classify import DEFAULT_THRESHOLD, LengthClassifier
 from tandem.policy.laps.pools import PooledRouter
+from tandem.perf.roofline import BatchShape
 from tandem.policy.laps.pressure import PressureConfig
+from tandem.policy.optimus.chunk import ChunkSizer, parse_chunk
+from tandem.policy.optimus.latency import ChunkLatency
 from tandem.policy.presets import (
     BinderKind, HistorySource, PickerKind, PolicySpec, PrefillSchedKind, RouterKind, get_policy,
 )
@@ -81,10 +84,12 @@ def make_picker(spec: PolicySpec) -> Picker:
 
 def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: str | PolicySpec,
                  sched: SchedulerConfig | None = None, t_pre: Callable[[int, int], float] | None = None,
-                 max_num_batched_tokens: int | None = None, boundary: int | None = None) -> WorkerCore:
+                 max_num_batched_tokens: int | None = None, boundary: int | None = None,
+                 t_step: Callable[[BatchShape], float] | None = None) -> WorkerCore:
     """One worker core of `role` with the policy's picker and idle-KV retention and the scheduler's knobs.
     `max_num_batched_tokens` overrides the scheduler's budget for this worker (the simulator's co-located one);
-    `boundary` is the cost model's LAPS boundary L_m, the class threshold unless the policy sets one."""
+    `boundary` is the cost model's LAPS boundary L_m, the class threshold unless the policy sets one; `t_step`, the
+    shell's step timer, gives block-diffusion workers Optimus's T(c, b) (else it is sampled from t_pre)."""
     spec = get_policy(policy)
     sched = sched or SchedulerConfig()
     role = Role(role)
@@ -94,6 +99,7 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         max_num_seqs=sched.max_num_seqs, mix_decode_with_prefill=role == COLOCATED,
         retain_s=spec.retain_idle_kv_s, watermark=sched.watermark, window_s=sched.window_s,
         decode_query_tokens=sched.decode_query_tokens,
+        dllm_block=sched.dllm_block_length if role != Role.PREFILL else 0,
         itl_chunk_beta=spec.beta if spec.local_chunked and role == Role.DECODE else None)
     laps, local = None, None
     if spec.prefill_sched is PrefillSchedKind.LAPS and role in (Role.PREFILL, Role.DECODE):
@@ -103,7 +109,28 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
             laps = LapsScheduler(opts, t_pre or (lambda h, n: 0.0))
         elif spec.laps_local_awd:
             local = LocalLaps(opts, t_pre or (lambda h, n: 0.0))
-    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local)
+    chunker = None
+    if sched.dllm_block_length and role != Role.PREFILL:
+        chunker = ChunkSizer(parse_chunk(sched.dllm_chunk), sched.dllm_block_length, chunk_latency(t_step, t_pre))
+    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker)
+
+
+WINDOW = 32                 # diffusion windows in the shapes T(c, b) is sampled at: rows of 32 ...
+WINDOW_CONTEXT = 512        # ... over this many cached tokens each (ShareGPT's prompt + half an answer)
+
+
+def chunk_latency(t_step: Callable[[BatchShape], float] | None,
+                  t_pre: Callable[[int, int], float] | None) -> ChunkLatency:
+    """Optimus's T(c, b), piecewise affine in b·c: fitted to the shell's step timer over diffusion windows (the
+    roofline's or a profile's), else to its prefill estimate of b·c tokens."""
+    def step(x: int) -> float:
+        if t_step is None:
+            return t_pre(0, x) if t_pre is not None else 1e-3 * x
+        shape = BatchShape()
+        for start in range(0, x, WINDOW):
+            shape.add_window(WINDOW_CONTEXT, min(WINDOW, x - start))
+        return t_step(shape)
+    return ChunkLatency.sample(step)
 
 
 def build_coordinator(view: CoordinatorView, policy: str | PolicySpec, sched: SchedulerConfig | None = None,

@@ -43,6 +43,9 @@ class Seq:
     preemptions: int = 0
     query_tokens: int = 1       # query tokens its next decode step computes (1: AR; c: a diffusion chunk)
     writes_kv: bool = True      # whether that step writes KV (a diffusion denoise writes only at commit)
+    commit_cap: int = 1         # tokens that step may commit (its window within the active diffusion block)
+    first_due: tuple[float, float | None] | None = None   # diffusion: the round's first token is its first
+                                # commit; (prefill start, enqueue time of a local prefill) until then
 
 
 class StepKind(Enum):

@@ -15,6 +15,7 @@ from tandem.core.types import (
     DECODE, PREFILL, FetchHistory, FirstToken, PrefillDone, PrefillTask,
     RoundDone, Seq, SeqState, SessionFailed, StepPlan, StepResult,
 )
+from tandem.policy.optimus.chunk import ChunkSizer
 from tandem.policy.reorder import FCFS, Picker
 from tandem.policy.routing import itl_chunk_tokens
 
@@ -42,6 +43,7 @@ class WorkerConfig:
     decode_query_tokens: int = 1            # query tokens per decode step (1: AR; >1: multi-token steps)
     itl_chunk_beta: float | None = None     # decode worker: local prefills ride along the decodes in chunks whose
                                             # estimate fits itl_chunk_beta * the round's ITL SLO (None: prefill-first)
+    dllm_block: int = 0                     # block-diffusion decoding: positions per block (0: autoregressive)
 
 
 class WorkerCore:
@@ -49,7 +51,7 @@ class WorkerCore:
 
     def __init__(self, wid: int, cfg: WorkerConfig, picker: Picker | None = None,
                  t_pre: Callable[[int, int], float] | None = None, laps: LapsScheduler | None = None,
-                 local_laps: LocalLaps | None = None) -> None:
+                 local_laps: LocalLaps | None = None, chunker: ChunkSizer | None = None) -> None:
         self.id = wid
         self.cfg = cfg
         self.role = cfg.role
@@ -77,6 +79,9 @@ class WorkerCore:
         self.busy_window = WindowedMean(cfg.window_s)   # step time within the window: utilisation
         self.laps = laps if cfg.role == PREFILL else None   # LAPS temporal disaggregation (prefill workers)
         self.local_laps = local_laps if cfg.role == DECODE else None   # AMPD+LAPS: AWD over local short prefills
+        self.chunker = chunker if cfg.dllm_block else None  # Optimus: each diffusion step's window
+        if cfg.dllm_block and chunker is None:
+            raise ValueError("a block-diffusion worker needs a ChunkSizer (tandem.core.factory.build_worker)")
 
     @property
     def wake_s(self) -> float:
@@ -229,10 +234,17 @@ class WorkerCore:
                     self._admit(now)                 # growth preempted everything: the freed pool goes to the queue
                 if self.running:
                     plan.decode = list(self.running)
-                    if self.cfg.decode_query_tokens == 1:
+                    if self.cfg.decode_query_tokens == 1 and not self.cfg.dllm_block:
                         n = len(plan.decode)
                         shape.num_decode = n
                         shape.decode_ctx_tokens = self._ctx + n
+                    elif self.cfg.dllm_block:        # diffusion windows: bidirectional rows over the cached keys
+                        B = self.cfg.dllm_block
+                        for seq in plan.decode:
+                            q = seq.query_tokens     # plain block diffusion recomputes the block from its start
+                            start = seq.num_tokens if q == seq.commit_cap else seq.num_tokens - seq.num_tokens % B
+                            shape.add_window(start, q)
+                        n = shape.num_decode
                     else:                            # multi-token steps: every query position counts as a row
                         n, ctx = 0, 0
                         for seq in plan.decode:
@@ -369,24 +381,31 @@ class WorkerCore:
     def _grow_running(self, now: float) -> None:
         """Every running sequence may write KV for its query tokens this step (one for AR, up to
         decode_query_tokens, never past its round's end); preempt by recompute if short."""
-        q_max = self.cfg.decode_query_tokens
+        if self.cfg.dllm_block:
+            self._size_windows()
+            short = any(seq.num_tokens + seq.commit_cap > seq.cap for seq in self.running)
+            if not short:
+                return
+            q_max = 0
+        else:
+            q_max = self.cfg.decode_query_tokens
         if q_max == 1:                               # AR: one token each (the hot path of the simulator)
             for seq in self.running:
                 if seq.num_tokens + 1 > seq.cap:
                     break
             else:
                 return
-        else:
+        elif q_max > 1:
             short = False
             for seq in self.running:
                 q = seq.to_decode if seq.to_decode < q_max else q_max
-                seq.query_tokens = q = q if q > 0 else 1
+                seq.query_tokens = seq.commit_cap = q = q if q > 0 else 1
                 if seq.num_tokens + q > seq.cap:
                     short = True
             if not short:
                 return
         for seq in list(self.running):
-            grow = seq.num_tokens + seq.query_tokens
+            grow = seq.num_tokens + seq.commit_cap
             if seq.state is RUNNING and grow > seq.cap:
                 if grow > self.capacity_tokens:      # outgrew the whole pool: no preemption helps
                     self.running.remove(seq)
@@ -399,6 +418,18 @@ class WorkerCore:
                     continue
                 if not self._reserve(seq, grow, now, preempt=True):
                     self._preempt(seq, now)          # could not free enough: preempt itself
+
+    def _size_windows(self) -> None:
+        """Block diffusion: this step's window per sequence. The chunk sizer picks c for the batch; a window stays
+        within the active block (blocks are aligned to absolute positions), so it is min(c, positions left in the
+        block), and what it may commit is that window; plain block diffusion (c = B) computes the whole block."""
+        B = self.cfg.dllm_block
+        c = self.chunker.choose(len(self.running))
+        whole = self.chunker.recomputes_block
+        for seq in self.running:
+            left = B - seq.num_tokens % B
+            seq.commit_cap = c if c < left else left
+            seq.query_tokens = B if whole else seq.commit_cap
 
     def _reserve(self, owner, tokens: int, now: float, preempt: bool, headroom: int = 0) -> bool:
         """Ensure `owner` holds blocks for `tokens` with `headroom` blocks left free, evicting idle KV and,
@@ -552,7 +583,7 @@ class WorkerCore:
                             t.output_tokens = 1             # the first token already ended the round
                         self._start_decoding(seq, t, now)
         if plan.decode:
-            if result.committed is None and self.cfg.decode_query_tokens == 1:
+            if result.committed is None and self.cfg.decode_query_tokens == 1 and not self.cfg.dllm_block:
                 self._commit_one_each(plan, stopped, now)
             else:
                 self._commit(plan, result.committed, stopped, now)
@@ -595,22 +626,41 @@ class WorkerCore:
         self.running = keep
 
     def _commit(self, plan: StepPlan, committed: dict[str, int] | None, stopped, now: float) -> None:
-        """Multi-token (or executor-reported) commits: 0..query tokens per decoding sequence."""
+        """Multi-token (or executor-reported) commits: 0..commit_cap tokens per decoding sequence."""
         itl_sum, n_tok = 0.0, 0
         finished = False
+        chunker = self.chunker
+        seen: dict[int, list[int]] = {}              # window -> commits observed (Optimus's N_commit estimate)
+        first = 0                                    # first tokens of diffusion rounds (TTFT, not ITL)
         for seq in plan.decode:
             if seq.state is not RUNNING:
                 continue
             if committed is None:
-                c = seq.query_tokens
+                c = seq.commit_cap
             else:
                 c = committed.get(seq.session_id, 0)
-                if c < 0 or c > seq.query_tokens:
-                    raise ValueError(f"session {seq.session_id!r} committed {c} tokens in a step of "
-                                     f"{seq.query_tokens} query tokens")
+                if c < 0 or c > seq.commit_cap:
+                    raise ValueError(f"session {seq.session_id!r} committed {c} tokens in a step that may commit "
+                                     f"{seq.commit_cap}")
+            if chunker is not None:
+                chunker.count(c)
+                if seq.to_decode >= seq.commit_cap:  # not cut short by max_tokens: N_commit's evidence
+                    seen.setdefault(seq.commit_cap, []).append(c)
             if c > seq.to_decode:
                 c = seq.to_decode
-            if c > 0:                            # each commit ends one gap; tokens committed together share it
+            if c > 0 and seq.first_due is not None:   # a diffusion round's first commit: its TTFT, no gap
+                start, enqueued = seq.first_due
+                seq.first_due = None
+                self.events.append(FirstToken(seq.session_id, self.id, now, start))
+                if enqueued is not None:
+                    self.ttft.add(now, now - enqueued)
+                seq.num_tokens += c
+                seq.itl_count += c - 1           # committed with the first token: no gap of their own
+                n_tok += c - 1
+                first += 1
+                seq.last_token_s = now
+                seq.to_decode -= c
+            elif c > 0:                          # each commit ends one gap; tokens committed together share it
                 seq.num_tokens += c
                 gap = now - seq.last_token_s
                 seq.itl_sum += gap
@@ -625,8 +675,10 @@ class WorkerCore:
                 seq.to_decode = 0
             if seq.to_decode <= 0:
                 finished = True
-        self._ctx += n_tok
+        self._ctx += n_tok + first
         self.itl.add(now, itl_sum, n_tok)
+        for window, got in seen.items():
+            chunker.observe(window, got)
         if finished:
             self._retire(now)
 
@@ -636,10 +688,15 @@ class WorkerCore:
             task.done = task.work
             self._register_blocks(task)
         if not task.recompute:
-            self.events.append(FirstToken(seq.session_id, self.id, now, task.start_s if task.start_s is not None else now))
-            if task.local:
-                self.ttft.add(now, now - task.enqueue_s)
-            seq.to_decode = task.output_tokens - 1
+            start = task.start_s if task.start_s is not None else now
+            if self.cfg.dllm_block:                  # a diffusion prefill samples nothing: the first commit is
+                seq.to_decode = task.output_tokens   # the round's first token
+                seq.first_due = (start, task.enqueue_s if task.local else None)
+            else:
+                self.events.append(FirstToken(seq.session_id, self.id, now, start))
+                if task.local:
+                    self.ttft.add(now, now - task.enqueue_s)
+                seq.to_decode = task.output_tokens - 1
             seq.last_token_s = now
             seq.itl_sum, seq.itl_count, seq.itl_max = 0.0, 0, 0.0
         seq.cap = self.blocks.held(seq) * self.cfg.block_size
@@ -647,7 +704,7 @@ class WorkerCore:
             self._finish_round(seq, now)
             return
         seq.state = RUNNING
-        seq.query_tokens = 1
+        seq.query_tokens = seq.commit_cap = 1
         self._order += 1
         seq.order = self._order
         self.running.append(seq)

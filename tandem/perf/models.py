@@ -133,13 +133,25 @@ MODELS: dict[str, ModelSpec] = {
     "qwen2.5-7b": _m("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, max_context=131072),
     "qwen2.5-14b": _m("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 152064, max_context=131072),
     "qwen2.5-32b": _m("qwen2.5-32b", 64, 5120, 40, 8, 128, 27648, 152064, max_context=131072),
+    # JetLM/SDAR-8B-Chat: Qwen3-8B's shape (its base), decoded in blocks of 32 (Optimus's dense dLLM).
+    "sdar-8b": _m("sdar-8b", 36, 4096, 32, 8, 128, 12288, 151936, max_context=32768),
+    # inclusionAI/Ling-mini-2.0 and LLaDA2.0-mini (the diffusion model trained from it) config.json: 20 layers,
+    # hidden 2048, 16 heads (4 KV) of 128, 256 routed experts of width 512, top-8, one shared expert of the same
+    # width, the first layer dense (5120 wide), vocab 157184, untied, 32768 positions. Counted here as 257 experts
+    # with 9 active in every layer (the dense first layer, 5120 wide, is within 10% of 9 x 512): ~1.4B active
+    # parameters as the model cards say (16B total / 1.4B active; 17.0B total counted here).
+    "ling-2.0-16b": _m("ling-2.0-16b", 20, 2048, 16, 4, 128, 512, 157184, experts=257, experts_per_token=9,
+                       max_context=32768),
+    "llada2.0-16b": _m("llada2.0-16b", 20, 2048, 16, 4, 128, 512, 157184, experts=257, experts_per_token=9,
+                       max_context=32768),
 }
 
 _ALIASES: dict[str, str] = {
     "llama3.1-70b": "llama-3.1-70b", "meta-llama-3.1-70b": "llama-3.1-70b",
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "sdar-8b-chat": "sdar-8b", "ling-mini-2.0": "ling-2.0-16b", "llada2.0-mini": "llada2.0-16b",
 }
-_ORGS = ("meta-llama/", "qwen/", "mistralai/")
+_ORGS = ("meta-llama/", "qwen/", "mistralai/", "jetlm/", "inclusionai/")
 _SUFFIXES = ("-instruct", "-chat", "-base", "-v0.1", "-hf")
 
 

@@ -49,6 +49,8 @@ class BatchShape:
     num_prefill: int = 0              # prefill chunks (each samples/logits one row)
     num_decode: int = 0               # decode sequences, one query token each
     decode_ctx_tokens: int = 0        # sum of their context lengths (KV entries each attends to)
+    decode_kv_shared: int = 0         # of those, entries a row shares with another row of its sequence (a diffusion
+                                      # window's rows attend to the same keys, which a kernel reads once)
     graph: bool = False               # the step replays a captured CUDA graph (LAPS's short-prefill buckets)
 
     def add_prefill(self, l_hist: int, l_new: int) -> None:
@@ -62,6 +64,13 @@ class BatchShape:
         """Add one decode sequence attending to ctx KV entries."""
         self.num_decode += 1
         self.decode_ctx_tokens += ctx
+
+    def add_window(self, ctx: int, q: int) -> None:
+        """Add a diffusion window: q query rows of one sequence, each attending to the ctx cached keys and the q
+        window positions (bidirectional), with logits for every row; the keys are read once."""
+        self.num_decode += q
+        self.decode_ctx_tokens += q * (ctx + q)
+        self.decode_kv_shared += (q - 1) * (ctx + q)
 
 
 def check_tp(model: ModelSpec, gpu: GPU, tp: int) -> None:
@@ -166,7 +175,8 @@ class Roofline:
 
     # ------------------------------------------------------------------------------------
     def step_time_args(self, prefill_tokens: float, prefill_attn_pairs: float, prefill_kv_read_tokens: float,
-                       num_prefill: float, num_decode: float, decode_ctx_tokens: float, graph: bool = False) -> float:
+                       num_prefill: float, num_decode: float, decode_ctx_tokens: float, graph: bool = False,
+                       decode_kv_shared: float = 0) -> float:
         """`step_time` without building a BatchShape (same fields, same order)."""
         tokens = prefill_tokens + num_decode
         if tokens <= 0:
@@ -175,7 +185,8 @@ class Roofline:
         compute = (self._c_tok * tokens + self._c_row * rows
                    + self._c_pair * (prefill_attn_pairs + decode_ctx_tokens))
         memory = (self._m_w
-                  + self._m_kv * (prefill_kv_read_tokens + 2 * prefill_tokens + decode_ctx_tokens + num_decode)
+                  + self._m_kv * (prefill_kv_read_tokens + 2 * prefill_tokens + decode_ctx_tokens - decode_kv_shared
+                                  + num_decode)
                   + self._m_act * tokens)
         if self._moe:
             memory += self._m_expert * self._n_exp * (1.0 - self._p_miss ** tokens)
@@ -188,7 +199,8 @@ class Roofline:
     def step_time(self, shape: BatchShape) -> float:
         """Seconds of one iteration over `shape` (0 for an empty batch)."""
         return self.step_time_args(shape.prefill_tokens, shape.prefill_attn_pairs, shape.prefill_kv_read_tokens,
-                                   shape.num_prefill, shape.num_decode, shape.decode_ctx_tokens, shape.graph)
+                                   shape.num_prefill, shape.num_decode, shape.decode_ctx_tokens, shape.graph,
+                                   shape.decode_kv_shared)
 
     def prefill_time(self, l_hist: int, l_incr: int, chunk_tokens: int | None = None) -> float:
         """Prefill of l_incr new tokens after l_hist resident tokens, alone on the worker; in
@@ -245,7 +257,8 @@ class Roofline:
         tokens = s.prefill_tokens + s.num_decode
         rows = s.num_prefill + s.num_decode
         compute = self._c_tok * tokens + self._c_row * rows + self._c_pair * (s.prefill_attn_pairs + s.decode_ctx_tokens)
-        memory = (self._m_w + self._m_kv * (s.prefill_kv_read_tokens + 2 * s.prefill_tokens + s.decode_ctx_tokens + s.num_decode)
+        memory = (self._m_w + self._m_kv * (s.prefill_kv_read_tokens + 2 * s.prefill_tokens + s.decode_ctx_tokens
+                                            - s.decode_kv_shared + s.num_decode)
                   + self._m_act * tokens)
         if self._moe:
             memory += self._m_expert * self._n_exp * (1.0 - self._p_miss ** tokens)

@@ -16,13 +16,14 @@ from tandem.core.state import InProcessState
 from tandem.core.types import COLOCATED, PREFILL
 from tandem.core.worker import WorkerCore
 from tandem.perf.ampd_cost import AMPDCostModel
+from tandem.perf.dllm import commit_model
 from tandem.perf.hardware import get_gpu
 from tandem.perf.models import get_model
 from tandem.perf.roofline import Roofline, kv_capacity_tokens
 from tandem.perf.profile_io import PerfFileError, load_perf
 from tandem.perf.step_model import Profile
 from tandem.policy.presets import POLICIES, PolicySpec
-from tandem.sim.commit import UniformCommit
+from tandem.sim.commit import StretchCommit, UniformCommit
 from tandem.policy.laps.cost import boundary_from_profile
 from tandem.sim.faults import FaultError, FaultSpec
 from tandem.sim.host_loop import HostLoop
@@ -62,6 +63,9 @@ class SimConfig:
     session_ttl_s: float = DEFAULT_SESSION_TTL_S  # an idle session's KV is released after this
     decode_query_tokens: int = 1                # query tokens per decode step (multi-token steps when > 1)
     commit_tokens: tuple[int, int] | None = None  # multi-token steps: each commits U[lo, hi] tokens (None: all)
+    dllm_block_length: int = 0                  # block-diffusion decoding in blocks of this many positions (0: AR)
+    dllm_chunk: str = "elastic"                 # each diffusion step's window: elastic (Optimus), block, or N
+    dllm_dataset: str = "sharegpt"              # Optimus Table 2 row the diffusion commits follow (with the model)
     faults: FaultSpec | None = None             # injected KV-transfer failures and worker deaths
     perf: str | None = None                     # `tandem profile` JSON (step timer, routing costs, KV pool), or
                                                 # an AMPDCostModel JSON (routing costs only); roofline if None
@@ -84,7 +88,8 @@ class SimConfig:
         """The scheduler configuration every core of this run is built with."""
         kw = dict(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
                   max_num_seqs=self.max_num_seqs, window_s=self.window_s, kv_timeout_s=self.kv_timeout_s,
-                  session_ttl_s=self.session_ttl_s, decode_query_tokens=self.decode_query_tokens)
+                  session_ttl_s=self.session_ttl_s, decode_query_tokens=self.decode_query_tokens,
+                  dllm_block_length=self.dllm_block_length, dllm_chunk=self.dllm_chunk)
         kw.update(over)
         try:
             return SchedulerConfig(**kw)
@@ -102,6 +107,26 @@ class SimResult:
     policy: str
     workers: list[dict] = field(default_factory=list)   # per worker: id, role, tp, steps, busy_s, KV (+ "laps" counters)
     pool_moves: list[dict] = field(default_factory=list)  # LAPS pools: prefill workers moved (instance, from, to, at_s)
+
+
+def dllm_summary(workers: list[dict]) -> dict:
+    """Block-diffusion figures of a run over its workers: mean tokens committed per sequence-step, mean window
+    chosen per step, and both histograms ({} for an autoregressive run)."""
+    chunks: dict[int, int] = {}
+    commits: dict[int, int] = {}
+    for w in workers:
+        d = w.get("dllm")
+        if d:
+            for c, n in d["chunk_steps"].items():
+                chunks[c] = chunks.get(c, 0) + n
+            for k, n in d["commits"].items():
+                commits[k] = commits.get(k, 0) + n
+    if not chunks and not commits:
+        return {}
+    steps, seq_steps = sum(chunks.values()), sum(commits.values())
+    return {"dllm_tokens_per_step": sum(k * n for k, n in commits.items()) / seq_steps if seq_steps else None,
+            "dllm_chunk_mean": sum(c * n for c, n in chunks.items()) / steps if steps else None,
+            "dllm_chunk_steps": dict(sorted(chunks.items())), "dllm_commits": dict(sorted(commits.items()))}
 
 
 def place(dep: Deployment, gpus_per_node: int, gpus: int) -> list[int]:
@@ -150,11 +175,12 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
         cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
         def t_pre(h: int, n: int, _tp: int = tp) -> float:
             return cost.t_pre(h, n, _tp)
+        timer = Roofline(model, gpu, tp).step_time
         workers.append(build_worker(
             wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
             max_num_batched_tokens=cfg.colocated_max_num_batched_tokens if role == COLOCATED else None,
-            boundary=boundary))
-        timers.append(Roofline(model, gpu, tp).step_time)
+            boundary=boundary, t_step=timer))
+        timers.append(timer)
     state = InProcessState(workers, cost, nodes)
     coord = build_coordinator(state, spec, sched, random.Random(cfg.seed), max_context=model.max_context,
                               boundary=boundary)
@@ -173,12 +199,20 @@ def _shell_options(loop: EventLoop, cfg: SimConfig, state: InProcessState) -> No
         if bad:
             raise ConfigError(f"--faults kills worker {bad[0]} but the deployment has workers 0-{len(loop.workers) - 1}")
         loop.set_faults(cfg.faults, cfg.seed, state)
+    if cfg.commit_tokens is not None and cfg.dllm_block_length:
+        raise ConfigError("--commit-tokens and --dllm-block-length are exclusive (diffusion commits follow "
+                          "--dllm-dataset)")
     if cfg.commit_tokens is not None:
         lo, hi = cfg.commit_tokens
         try:
             loop.commit = UniformCommit(lo, hi, cfg.seed)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    elif cfg.dllm_block_length:
+        try:
+            loop.commit = StretchCommit(commit_model(get_model(cfg.model).name, cfg.dllm_dataset), cfg.seed)
+        except ValueError as e:
+            raise ConfigError(f"--dllm-block-length: {e}") from None
 
 
 def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
@@ -197,7 +231,7 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     boundary = boundary_from_profile(prof)
     for wid, (role, tp) in enumerate(dep.workers()):
         workers.append(build_worker(wid, role, 1, prof.num_blocks, spec, sched, lambda h, n: cost.t_pre(h, n, 1),
-                                    boundary=boundary))
+                                    boundary=boundary, t_step=step_time))
         timers.append(step_time)
     nodes = [0] * len(workers)                       # one host: every transfer takes the local link
     state = InProcessState(workers, cost, nodes)
@@ -226,6 +260,10 @@ def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResul
         laps = w.laps if w.laps is not None else w.local_laps
         if laps is not None:
             st["laps"] = dataclasses.asdict(laps.stats)
+        if w.chunker is not None:
+            st["dllm"] = {"chunk_steps": dict(sorted(w.chunker.steps_by_chunk.items())),
+                          "commits": dict(sorted(w.chunker.commit_counts.items())),
+                          "tokens_per_step": w.chunker.tokens_per_step()}
         stats.append(st)
     moves = [{"instance": m.instance, "from": str(m.from_pool), "to": str(m.to_pool), "at_s": m.at_s}
              for m in getattr(coord.router, "moves", ())]

@@ -2,9 +2,11 @@
 commit 0..query_tokens): a seeded draw, so the core's multi-token accounting runs at cluster scale."""
 from __future__ import annotations
 
+import math
 import random
 
 from tandem.core.types import StepPlan
+from tandem.perf.dllm import REQUEST_CONCENTRATION, StretchModel
 
 
 class UniformCommit:
@@ -20,4 +22,42 @@ class UniformCommit:
         if not plan.decode:
             return None
         r = self.rng.randint
-        return {s.session_id: min(s.query_tokens, r(self.lo, self.hi)) for s in plan.decode}
+        return {s.session_id: min(s.commit_cap, r(self.lo, self.hi)) for s in plan.decode}
+
+
+class StretchCommit:
+    """Block-diffusion commits drawn from a StretchModel (tandem.perf.dllm): each session draws how predictable it
+    is (π_r ~ Beta around the dataset's π), each step a stretch L, and a window commits min(L, its commit cap)."""
+
+    def __init__(self, model: StretchModel, seed: int = 0, concentration: float = REQUEST_CONCENTRATION) -> None:
+        self.model = model
+        self.kappa = concentration
+        self.rng = random.Random(seed ^ 0x57E7C4)
+        self._pi: dict[str, float] = {}
+        self._log_q = math.log(1.0 - model.p) if model.p < 1.0 else -math.inf
+
+    def session_pi(self, sid: str) -> float:
+        """The session's chance of a predictable stretch at a step (drawn once)."""
+        pi = self._pi.get(sid)
+        if pi is None:
+            m = self.model.pi
+            pi = self._pi[sid] = self.rng.betavariate(self.kappa * m, self.kappa * (1.0 - m)) if m < 1.0 else 1.0
+        return pi
+
+    def stretch(self, sid: str) -> int:
+        """Positions the session's next step could commit with an unbounded window."""
+        rng = self.rng
+        if rng.random() >= self.session_pi(sid):
+            return 1
+        if self._log_q == -math.inf:
+            return 1
+        return 1 + int(math.log(1.0 - rng.random()) / self._log_q)   # 1 + Geometric(p) failures
+
+    def __call__(self, plan: StepPlan) -> dict[str, int] | None:
+        if not plan.decode:
+            return None
+        out = {}
+        for s in plan.decode:
+            n = self.stretch(s.session_id)
+            out[s.session_id] = n if n < s.commit_cap else s.commit_cap
+        return out

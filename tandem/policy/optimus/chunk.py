@@ -1,0 +1,117 @@
+"""Optimus §5.4: the chunk size c of each block-diffusion step (elastic), or a fixed one, or the whole block.
+
+`elastic`: c* = argmax_c N_commit(c)·b / T(c, b) over the candidate sizes up to the block length, b the sequences
+decoding this step: the size that commits the most tokens per second at this load. Until the estimator has seen
+enough steps at the block size, the step runs at the block size (Optimus observes the largest chunk first).
+`N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
+diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded positions' KV within it).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from tandem.policy.optimus.commit import CommitEstimator
+
+CHUNK_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)   # window sizes the elastic policy chooses among (up to the block)
+WARMUP_OBSERVATIONS = 8                     # sequences observed at the block size before the elastic choice starts
+
+
+class ChunkMode(StrEnum):
+    """How a diffusion step's window is sized."""
+
+    ELASTIC = "elastic"                    # Optimus: c* from the load each step
+    FIXED = "fixed"                        # streaming chunked decoding with a fixed c
+    BLOCK = "block"                        # plain block diffusion: the whole block every step, no intra-block reuse
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpec:
+    """A validated chunk policy: its mode and, for FIXED, its size."""
+
+    mode: ChunkMode = ChunkMode.ELASTIC
+    size: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", ChunkMode(self.mode))
+        if self.mode is ChunkMode.FIXED and (isinstance(self.size, bool) or not isinstance(self.size, int)
+                                             or self.size < 1):
+            raise ValueError(f"a fixed chunk size must be an integer >= 1, got {self.size!r}")
+
+    def __str__(self) -> str:
+        return str(self.size) if self.mode is ChunkMode.FIXED else self.mode.value
+
+
+def parse_chunk(value: str | int | ChunkSpec) -> ChunkSpec:
+    """`elastic`, `block` or a positive integer (a fixed chunk) as a ChunkSpec; ValueError otherwise."""
+    if isinstance(value, ChunkSpec):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ChunkSpec(ChunkMode.FIXED, value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in (ChunkMode.ELASTIC.value, ChunkMode.BLOCK.value):
+            return ChunkSpec(ChunkMode(v))
+        if v.isdigit() and int(v) >= 1:
+            return ChunkSpec(ChunkMode.FIXED, int(v))
+    raise ValueError(f"a diffusion chunk is 'elastic', 'block' or a positive integer, got {value!r}")
+
+
+class ChunkSizer:
+    """Picks each diffusion step's window; learns N_commit from the commits it is told of."""
+
+    def __init__(self, spec: ChunkSpec, block: int, latency: Callable[[int, int], float],
+                 estimator: CommitEstimator | None = None, warmup: int = WARMUP_OBSERVATIONS) -> None:
+        if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+            raise ValueError(f"a diffusion block has at least 2 positions, got {block!r}")
+        self.spec = spec
+        self.block = block
+        self.latency = latency
+        self.estimator = estimator or CommitEstimator(block)
+        self.warmup = warmup
+        self.candidates = sorted({c for c in CHUNK_CANDIDATES if c < block} | {block})
+        self.last = block
+        self.steps_by_chunk: dict[int, int] = {}     # steps run at each chosen window (what /metrics shows)
+        self.commit_counts: dict[int, int] = {}      # sequence-steps that committed k tokens
+
+    @property
+    def recomputes_block(self) -> bool:
+        """Plain block diffusion: every step computes the whole block (no reuse of its decoded positions)."""
+        return self.spec.mode is ChunkMode.BLOCK
+
+    def choose(self, b: int) -> int:
+        """The window of a step decoding b sequences (at most the block length)."""
+        mode = self.spec.mode
+        if mode is ChunkMode.BLOCK or b <= 0:
+            c = self.block
+        elif mode is ChunkMode.FIXED:
+            c = min(self.spec.size, self.block)
+        elif self.estimator.observed(self.block) < self.warmup:
+            c = self.block
+        else:
+            best, c = -1.0, self.block
+            for cand in self.candidates:
+                rate = self.estimator(cand) * b / self.latency(cand, b)
+                if rate > best:
+                    best, c = rate, cand
+        self.last = c
+        if b > 0:
+            self.steps_by_chunk[c] = self.steps_by_chunk.get(c, 0) + 1
+        return c
+
+    def observe(self, c: int, committed: list[int]) -> None:
+        """The commits of the sequences a step at window c decoded (those not cut short by max_tokens)."""
+        self.estimator.observe(c, committed)
+
+    def count(self, committed: int) -> None:
+        """One sequence-step committed this many tokens (every step, for the histogram)."""
+        self.commit_counts[committed] = self.commit_counts.get(committed, 0) + 1
+
+    def tokens_per_step(self) -> float:
+        """Mean tokens committed per sequence per step so far (0 before any)."""
+        n = sum(self.commit_counts.values())
+        return sum(k * v for k, v in self.commit_counts.items()) / n if n else 0.0
+
+
+__all__ = ["CHUNK_CANDIDATES", "ChunkMode", "ChunkSizer", "ChunkSpec", "parse_chunk"]

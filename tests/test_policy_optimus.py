@@ -1,0 +1,197 @@
+"""Optimus's elastic chunk size (policy/optimus), the block-diffusion windows of the worker core, and the simulated
+commits (perf/dllm, sim/commit): the latency fit, the N_commit estimate, the argmax, block alignment, TTFT at the
+first commit, and Table 2's moments reproduced. Expected numbers are worked out in the comments."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from tandem.core.config import SchedulerConfig
+from tandem.core.factory import build_worker
+from tandem.core.types import COLOCATED, FirstToken, PrefillTask, RoundDone, StepResult
+from tandem.perf.dllm import OPTIMUS_TABLE2, StretchModel, commit_model
+from tandem.policy.optimus import ChunkLatency, ChunkMode, ChunkSizer, ChunkSpec, CommitEstimator, parse_chunk
+from tandem.sim.cluster import ConfigError, SimConfig, dllm_summary, simulate
+from tandem.sim.commit import StretchCommit
+from tandem.workload.session import SLO, Round, Session
+
+
+# ---------------------------------------------------------------------------- T(c, b)
+def three_regimes(x: float) -> float:
+    """10 ms flat to 256 query tokens, then +20 µs/token to 1024, then +50 µs/token."""
+    if x <= 256:
+        return 0.010
+    if x <= 1024:
+        return 0.010 + 20e-6 * (x - 256)
+    return 0.010 + 20e-6 * 768 + 50e-6 * (x - 1024)
+
+
+def test_the_latency_model_recovers_three_affine_regimes_in_b_times_c():
+    """Protects §5.2's estimator: fitted to samples of a three-regime function it predicts it within 1% at every
+    (c, b), and its regimes change near 256 and 1024 query tokens."""
+    lat = ChunkLatency.sample(three_regimes, max_tokens=8192)
+    for c in (1, 2, 4, 8, 16, 32):
+        for b in (1, 4, 16, 64, 256):
+            assert lat(c, b) == pytest.approx(three_regimes(c * b), rel=0.01)
+    lo, hi = lat.breakpoints
+    assert 192 <= lo <= 384 and 768 <= hi <= 1536
+    with pytest.raises(ValueError, match="two or more distinct"):
+        ChunkLatency.fit([8, 8], [0.1, 0.1])
+
+
+# ---------------------------------------------------------------------------- N_commit(c)
+def test_the_commit_estimate_starts_at_one_scales_from_the_block_and_learns_each_size():
+    """Protects §5.3's online estimate: 1 before any observation; after steps at the block size 32 committing 8 on
+    average, N(8) = 8 x (8/32)^0.5 = 4 and N(2) = max(1, 8 x 0.25) = 2 by the prior curve; once chunk 8 has its own
+    8 observations (3 each) its own mean wins; never above c."""
+    est = CommitEstimator(32)
+    assert est(32) == est(8) == 1.0
+    est.observe(32, [6, 10])
+    est.observe(32, [8, 8])
+    assert est(32) == pytest.approx(8.0, rel=1e-3)
+    assert est(8) == pytest.approx(4.0, rel=1e-3)
+    assert est(2) == pytest.approx(2.0, rel=1e-3)
+    est.observe(8, [3] * 8)
+    assert est(8) == pytest.approx(3.0)
+    assert est(1) == 1.0
+    with pytest.raises(ValueError, match="cannot commit"):
+        est.observe(4, [5])
+
+
+# ---------------------------------------------------------------------------- c*
+def sizer(mode="elastic", block=32, size=0):
+    return ChunkSizer(ChunkSpec(ChunkMode(mode), size), block, lambda c, b: three_regimes(c * b))
+
+
+def test_elastic_runs_the_block_until_it_has_seen_it_then_takes_the_argmax():
+    """Protects c* = argmax N(c) b / T(c, b): with N(32) = 8 observed and the prior N(c) = 8 (c/32)^0.5, one sequence
+    (T flat: 10 ms) takes the largest window, 32; 64 sequences take 4 (rates per ms: c=4 -> 2.83*64/10 = 18.1 beats
+    c=8 -> 4*64/(10+20e-3*256) = 16.9 and c=2 -> 2*64/10 = 12.8)."""
+    s = sizer()
+    assert s.choose(64) == 32                    # warm-up: the block size until 8 sequences were observed at it
+    s.observe(32, [8] * 8)
+    assert s.choose(1) == 32
+    assert s.choose(64) == 4
+    assert s.steps_by_chunk == {32: 2, 4: 1}
+
+
+def test_fixed_and_block_chunks_do_not_depend_on_the_load():
+    """Protects the baselines: a fixed chunk is min(N, B) whatever the batch; block diffusion is the block and marks
+    itself as recomputing it."""
+    assert sizer("fixed", size=8).choose(1) == sizer("fixed", size=8).choose(200) == 8
+    assert sizer("fixed", block=4, size=8).choose(3) == 4
+    assert sizer("block").choose(50) == 32 and sizer("block").recomputes_block
+    assert not sizer("fixed", size=32).recomputes_block
+
+
+def test_parse_chunk_takes_elastic_block_or_a_positive_integer():
+    """Protects the --dllm-chunk values: the three forms, and a one-line error otherwise."""
+    assert parse_chunk("elastic") == ChunkSpec() and parse_chunk("BLOCK").mode is ChunkMode.BLOCK
+    assert parse_chunk("16") == ChunkSpec(ChunkMode.FIXED, 16) and str(parse_chunk(16)) == "16"
+    for bad in ("0", "-3", "fast", "", 2.5, True):
+        with pytest.raises(ValueError):
+            parse_chunk(bad)
+    with pytest.raises(ValueError, match="dllm_block_length"):
+        SchedulerConfig(dllm_block_length=1)
+
+
+# ---------------------------------------------------------------------------- the worker core
+def diffusion_worker(chunk: str, block: int = 8):
+    return build_worker(0, COLOCATED, 1, 64, "vllm", SchedulerConfig(dllm_block_length=block, dllm_chunk=chunk),
+                        t_pre=lambda h, n: 0.01)
+
+
+def test_windows_stay_inside_blocks_aligned_to_absolute_positions_and_the_first_commit_is_the_first_token():
+    """Protects streaming windows in the core: a 6-token prompt leaves 2 positions of the first 8-block, so a fixed
+    chunk of 4 gives a window of 2; in the next block (8..16) windows of 4, 4 (5 left after 3 committed) and 1 (the
+    block's last position); the prefill emits no token: the first commit (2 tokens at 2 s) is the round's first
+    token, the 8 others come with ITL gaps; 10 tokens in 4 steps."""
+    w = diffusion_worker("4")
+    w.begin_round("s")
+    w.submit(PrefillTask("s", 0, 0, 6, 0.0, output_tokens=10, decode_worker=0, worker=0), 0.0)
+    w.on_step_done(w.schedule(0.0), StepResult(1.0), 1.0)
+    assert [type(e) for e in w.drain()] == []                 # no FirstToken at the prefill's end
+    windows = []
+    for k, commit in enumerate((2, 3, 4, 1)):
+        plan = w.schedule(1.0 + k)
+        (seq,) = plan.decode
+        windows.append((seq.query_tokens, seq.commit_cap))
+        w.on_step_done(plan, StepResult(1.0, {"s": commit}), 2.0 + k)
+        if k == 0:
+            ev = w.drain()
+            assert [type(e) for e in ev] == [FirstToken] and ev[0].time_s == 2.0
+    assert windows == [(2, 2), (4, 4), (4, 4), (1, 1)]
+    done = [e for e in w.drain() if isinstance(e, RoundDone)]
+    assert len(done) == 1 and done[0].output_tokens == 10 and done[0].itl_count == 1 + 3 + 4 + 1
+    assert done[0].itl_sum == pytest.approx(3.0)              # gaps of 1 s after the first commit, 3 of them
+    assert w.chunker.tokens_per_step() == pytest.approx(10 / 4)
+
+
+def test_block_diffusion_recomputes_the_whole_block_and_commits_within_it():
+    """Protects the BD-B baseline: every step has B = 8 query rows over the block's start, and may commit only the
+    positions left in the block (2 after a 6-token prompt)."""
+    w = diffusion_worker("block")
+    w.begin_round("s")
+    w.submit(PrefillTask("s", 0, 0, 6, 0.0, output_tokens=4, decode_worker=0, worker=0), 0.0)
+    w.on_step_done(w.schedule(0.0), StepResult(1.0), 1.0)
+    plan = w.schedule(1.0)
+    (seq,) = plan.decode
+    assert (seq.query_tokens, seq.commit_cap) == (8, 2)
+    assert plan.shape.num_decode == 8 and plan.shape.decode_ctx_tokens == 8 * (0 + 8)
+    with pytest.raises(ValueError, match="may commit 2"):
+        w.on_step_done(plan, StepResult(1.0, {"s": 3}), 2.0)
+
+
+# ---------------------------------------------------------------------------- simulated commits
+def test_the_stretch_model_reproduces_table_2_at_block_32_with_diminishing_returns():
+    """Protects the simulator's commit distribution: for every Table 2 cell, min(L, 32) has the reported mean and
+    standard deviation (to 1e-6), and the expected commits grow with c with diminishing returns: each added position
+    gains less than the one before, so token utilisation N(c)/c falls."""
+    for model, rows in OPTIMUS_TABLE2.items():
+        for dataset, (mean, std) in rows.items():
+            m = commit_model(model, dataset)
+            assert m.mean(32) == pytest.approx(mean, abs=1e-6) and m.std(32) == pytest.approx(std, abs=1e-6)
+            per_position = [(m.mean(2 * c) - m.mean(c)) / c for c in (1, 2, 4, 8, 16)]   # marginal gain
+            assert all(g > 0 for g in per_position) and all(a >= b for a, b in zip(per_position, per_position[1:]))
+            utilisation = [m.mean(c) / c for c in (1, 2, 4, 8, 16, 32)]
+            assert all(a > b for a, b in zip(utilisation, utilisation[1:]))
+    with pytest.raises(ValueError, match="valid names"):
+        commit_model("qwen3-8b", "sharegpt")
+    with pytest.raises(ValueError):
+        StretchModel.fit(0.5, 1.0)
+
+
+def test_sampled_commits_match_the_model_per_window():
+    """Protects StretchCommit: 40,000 draws (400 sessions x 100 steps) at a window of 32 average Table 2's SDAR-8B
+    ShareGPT 5.29 within 3%, and at a window of 4 the model's E[min(L, 4)]."""
+    model = commit_model("sdar-8b", "sharegpt")
+    draw = StretchCommit(model, seed=1)
+    for c in (32, 4):
+        got = [min(c, draw.stretch(f"s{i}")) for i in range(400) for _ in range(100)]
+        assert sum(got) / len(got) == pytest.approx(model.mean(c), rel=0.03)
+
+
+def test_a_diffusion_simulation_beats_plain_block_diffusion_under_load_and_reports_its_steps():
+    """Protects the simulator end to end: SDAR-8B on one A100 at 6 sessions/s of 300-token answers; every session
+    completes; elastic chunking's mean TPOT is below plain block diffusion's (which recomputes 32 rows per sequence
+    every step); the run reports tokens per step and the windows chosen."""
+    rng = random.Random(0)
+    t, sessions = 0.0, []
+    for i in range(150):
+        t += rng.expovariate(6.0)
+        sessions.append(Session(f"s{i}", t, [Round(200, 300)], SLO(10.0, 0.05)))
+    out = {}
+    for chunk in ("elastic", "block"):
+        cfg = SimConfig("sdar-8b", "a100-80g", 1, "C:tp1x1", "vllm", dllm_block_length=32, dllm_chunk=chunk)
+        res = simulate([Session(s.session_id, s.arrival_s, list(s.rounds), s.slo) for s in sessions], cfg)
+        assert all(r.completed for r in res.records)
+        tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1) for rec in res.records for r in rec.rounds]
+        out[chunk] = (sum(tpot) / len(tpot), dllm_summary(res.workers))
+    assert out["elastic"][0] < out["block"][0]
+    assert out["block"][1]["dllm_chunk_mean"] == 32
+    assert 1 < out["elastic"][1]["dllm_tokens_per_step"] < 32
+    with pytest.raises(ConfigError, match="valid names"):
+        simulate(sessions[:1], SimConfig("qwen3-8b", "a100-80g", 1, "C:tp1x1", "vllm", dllm_block_length=32))
+    assert math.isfinite(out["elastic"][0])
