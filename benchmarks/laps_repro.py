@@ -35,14 +35,14 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
 
+from tandem.bench.parallel import ParallelMap
 from tandem.cli.common import csv_list, positive_int, seed_arg
 from tandem.sim.cluster import SimConfig, SimResult, simulate
 from tandem.workload.generators import default_slo, generate
@@ -196,43 +196,12 @@ def run_cell(cell: Cell, grid: Grid) -> dict:
 # --------------------------------------------------------------------------- the grid
 
 
-def _ignore_sigint() -> None:
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def run_grid(grid: Grid, jobs: int, progress: bool) -> list[dict]:
     """Every cell of the grid (in a process pool when jobs > 1), with a rich progress bar when `progress`."""
     cells = grid.cells()
-    bar = task = None
-    if progress:
-        from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-        bar = Progress(TextColumn("{task.description:<52}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                       TimeRemainingColumn(), console=Console(stderr=True))
-        bar.start()
-        task = bar.add_task("simulating", total=len(cells))
-
-    def done(c: Cell) -> None:
-        if bar is not None:
-            bar.update(task, advance=1, description=f"{c.model} P{c.instances} {c.client} c={c.concurrency} {c.policy}")
-
-    rows: list[dict] = []
-    try:
-        if jobs <= 1:
-            for c in cells:
-                rows.append(run_cell(c, grid))
-                done(c)
-        else:
-            with ProcessPoolExecutor(max_workers=jobs, initializer=_ignore_sigint) as pool:
-                futures = {pool.submit(run_cell, c, grid): c for c in cells}
-                for fut in as_completed(futures):
-                    rows.append(fut.result())
-                    done(futures[fut])
-    finally:
-        if bar is not None:
-            bar.stop()
+    with ParallelMap(jobs, progress, len(cells), width=52) as runner:
+        rows = runner.map(partial(run_cell, grid=grid), cells,
+                          lambda c: f"{c.model} P{c.instances} {c.client} c={c.concurrency} {c.policy}")
     return sorted(rows, key=lambda r: (r["model"], r["instances"], r["client"], r["concurrency"],
                                        grid.policies.index(r["policy"]), r["seed"]))
 

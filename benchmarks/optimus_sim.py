@@ -1,0 +1,279 @@
+"""Optimus in the simulator (issue 16, deliverable 9b): block-diffusion decoding with an elastic chunk size against
+autoregressive decoding of the base model, plain block diffusion (BD32) and fixed chunks, on ShareGPT lengths.
+
+    python benchmarks/optimus_sim.py                  # SDAR-8B and LLaDA2.0-16B on A100-80G and H100 (~10 min)
+    python benchmarks/optimus_sim.py --quick --out /tmp/optimus   # SDAR-8B on an A100, a few points (~1 min)
+
+Two experiments per (model, GPU), one co-located tp1 worker (`C:tp1x1`, the `vllm` policy: continuous batching, the
+batch rebuilt every step):
+
+- **throughput against batch size** (Optimus Fig. 8/9): b closed-loop clients, each sending its next ShareGPT
+  request (trace lengths, ../shared/data/traces) when the previous one ends; output tokens/s over the run;
+- **P90 TPOT against request rate** (Fig. 10/13): Poisson arrivals; a request's TPOT is (finish − first token) /
+  (output tokens − 1); the serving capacity is the highest rate whose P90 TPOT stays within the 50 ms SLO (linear
+  interpolation between the rates measured on both sides).
+
+Systems: `ar` (the AR base model: Qwen3-8B for SDAR-8B, Ling-2.0-16B for LLaDA2.0-16B), `bd32` (the whole block
+every step), `c4`..`c32` (streaming chunked decoding with a fixed window) and `elastic` (Optimus's c* per step).
+Diffusion commits follow tandem.perf.dllm's distribution for the model's ShareGPT row of Optimus Table 2; step
+times are the roofline's. Writes table.md, results.json, fig8.png and fig10.png to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tandem.bench.parallel import ParallelMap
+from tandem.cli.common import csv_list, positive_int
+from tandem.sim.cluster import SimConfig, dllm_summary, simulate
+from tandem.workload.session import SLO, Session
+from tandem.workload.traces import load_sharegpt
+
+MODELS = {"sdar-8b": "qwen3-8b", "llada2.0-16b": "ling-2.0-16b"}   # diffusion model -> its AR base
+SYSTEMS = ("ar", "bd32", "c4", "c8", "c16", "c32", "elastic")
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+RATES = (0.25, 0.5, 1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+TPOT_SLO_S = 0.050
+BLOCK = 32
+PAPER = {"throughput_vs_ar": 2.07, "throughput_vs_bd32": 1.31, "capacity_vs_ar": 1.96, "capacity_vs_bd32": 1.95,
+         "elastic_vs_best_fixed": -0.095}
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One simulation: a system on (model, GPU) at a batch size (closed loop) or a rate (Poisson)."""
+
+    model: str
+    gpu: str
+    system: str
+    batch: int | None = None
+    rate: float | None = None
+    sessions: int = 300
+
+    def label(self) -> str:
+        at = f"b={self.batch}" if self.batch is not None else f"{self.rate:g}/s"
+        return f"{self.model} {self.gpu} {self.system} {at}"
+
+
+def sim_config(run: Run) -> SimConfig:
+    """The simulator's config of a run (the AR base model for `ar`)."""
+    if run.system == "ar":
+        return SimConfig(MODELS[run.model], run.gpu, 1, "C:tp1x1", "vllm", concurrency=run.batch)
+    chunk = {"bd32": "block", "elastic": "elastic"}.get(run.system, run.system.removeprefix("c"))
+    return SimConfig(run.model, run.gpu, 1, "C:tp1x1", "vllm", concurrency=run.batch, dllm_block_length=BLOCK,
+                     dllm_chunk=chunk, dllm_dataset="sharegpt")
+
+
+def simulate_run(run: Run) -> dict:
+    """Simulate one run; its throughput, TPOT percentiles and diffusion figures."""
+    sessions = load_sharegpt(limit=run.sessions, rate=run.rate or 1.0, seed=0)
+    sessions = [Session(s.session_id, s.arrival_s, s.rounds, SLO(math.inf, TPOT_SLO_S)) for s in sessions]
+    res = simulate(sessions, sim_config(run))
+    rounds = [r for rec in res.records for r in rec.rounds if r.first_token_s is not None and r.finish_s is not None]
+    out_tokens = sum(r.output_tokens for r in rounds)
+    tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1) for r in rounds if r.output_tokens > 1]
+    d = dllm_summary(res.workers)
+    return {"model": run.model, "gpu": run.gpu, "system": run.system, "batch": run.batch, "rate": run.rate,
+            "sessions": len(res.records), "failed": sum(1 for r in res.records if not r.completed),
+            "output_tokens_per_s": out_tokens / res.sim_time_s if res.sim_time_s > 0 else None,
+            "tpot_p50_s": float(np.percentile(tpot, 50)) if tpot else None,
+            "tpot_p90_s": float(np.percentile(tpot, 90)) if tpot else None,
+            "tokens_per_step": d.get("dllm_tokens_per_step"), "chunk_mean": d.get("dllm_chunk_mean"),
+            "wall_s": res.wall_s}
+
+
+def capacity(rows: list[dict]) -> float | None:
+    """The highest rate whose P90 TPOT is within the SLO, interpolated to where it crosses (None: never within)."""
+    pts = sorted((r["rate"], r["tpot_p90_s"]) for r in rows if r["tpot_p90_s"] is not None)
+    best = None
+    for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+        if t0 <= TPOT_SLO_S < t1:
+            best = r0 + (r1 - r0) * (TPOT_SLO_S - t0) / (t1 - t0)
+            break
+    else:
+        if pts and pts[-1][1] <= TPOT_SLO_S:
+            best = pts[-1][0]                    # within the SLO at every rate measured: a lower bound
+    return best
+
+
+def geomean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x and x > 0]
+    return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else None
+
+
+def summarize(rows: list[dict], models: list[str], gpus: list[str]) -> list[dict]:
+    """Per (model, GPU): throughput ratios of elastic over AR and BD32 (geometric mean over batch sizes), the
+    capacity of every system and elastic's ratios."""
+    out = []
+    for m in models:
+        for g in gpus:
+            at = [r for r in rows if r["model"] == m and r["gpu"] == g]
+            thr = {s: {r["batch"]: r["output_tokens_per_s"] for r in at if r["system"] == s and r["batch"]}
+                   for s in SYSTEMS}
+            ratio = {base: geomean([thr["elastic"].get(b, 0) / thr[base][b] for b in thr[base] if thr[base][b]])
+                     for base in ("ar", "bd32")}
+            cap = {s: capacity([r for r in at if r["system"] == s and r["rate"] is not None]) for s in SYSTEMS}
+            fixed = {s: c for s, c in cap.items() if s.startswith("c") and c}
+            best = max(fixed, key=fixed.get) if fixed else None
+            e = cap["elastic"]
+            out.append({"model": m, "gpu": g, "throughput_vs_ar": ratio["ar"], "throughput_vs_bd32": ratio["bd32"],
+                        "capacity": cap, "best_fixed": best,
+                        "capacity_vs_ar": e / cap["ar"] if e and cap["ar"] else None,
+                        "capacity_vs_bd32": e / cap["bd32"] if e and cap["bd32"] else None,
+                        "elastic_vs_best_fixed": e / fixed[best] - 1 if e and best else None})
+    return out
+
+
+def _x(v: float | None, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def table_md(rows: list[dict], heads: list[dict], meta: dict, batches, rates) -> str:
+    lines = ["# Optimus in the simulator", "",
+             f"`{meta['command']}` — {meta['machine']}, {meta['date']}, {meta['wall_s']:.0f} s, commit "
+             f"{meta['commit']}.", "",
+             "One tp1 co-located worker, ShareGPT trace lengths, diffusion commits per step from Optimus Table 2's "
+             f"ShareGPT row (tandem.perf.dllm), block {BLOCK}, TPOT SLO {TPOT_SLO_S * 1e3:.0f} ms, roofline step "
+             "times. `ar` is the base model decoded autoregressively.", "",
+             "## Headline", "",
+             "| model | GPU | throughput elastic/AR | elastic/BD32 | capacity (req/s) AR / BD32 / best fixed / elastic "
+             "| capacity elastic/AR | elastic/BD32 | elastic vs best fixed |", "|---|---|---:|---:|---|---:|---:|---:|"]
+    for h in heads:
+        c = h["capacity"]
+        best = h["best_fixed"]
+        vs_best = h["elastic_vs_best_fixed"]
+        vs_best = "-" if vs_best is None else f"{100 * vs_best:+.1f}%"
+        lines.append(f"| {h['model']} | {h['gpu']} | {_x(h['throughput_vs_ar'])}x | {_x(h['throughput_vs_bd32'])}x | "
+                     f"{_x(c['ar'])} / {_x(c['bd32'])} / {_x(c.get(best) if best else None)} ({best or '-'}) / "
+                     f"{_x(c['elastic'])} | {_x(h['capacity_vs_ar'])}x | {_x(h['capacity_vs_bd32'])}x | "
+                     f"{vs_best} |")
+    lines += [f"| paper (SDAR-8B, A100, ShareGPT) | | {PAPER['throughput_vs_ar']}x (geomean, all settings) | "
+              f"{PAPER['throughput_vs_bd32']}x | | {PAPER['capacity_vs_ar']}x | {PAPER['capacity_vs_bd32']}x | "
+              f"{100 * PAPER['elastic_vs_best_fixed']:+.1f}% (chunk 8) |", ""]
+    for h in heads:
+        m, g = h["model"], h["gpu"]
+        lines += [f"## {m} on {g}", "", "Output tokens/s against batch size (closed loop):", "",
+                  "| system | " + " | ".join(f"b={b}" for b in batches) + " |",
+                  "|---|" + "---:|" * len(batches)]
+        for s in SYSTEMS:
+            vals = {r["batch"]: r for r in rows if r["model"] == m and r["gpu"] == g and r["system"] == s
+                    and r["batch"]}
+            lines.append(f"| {s} | " + " | ".join(_x(vals[b]["output_tokens_per_s"], ".0f") if b in vals else "-"
+                                                 for b in batches) + " |")
+        lines += ["", "P90 TPOT (ms) against request rate (req/s):", "",
+                  "| system | " + " | ".join(f"{r:g}" for r in rates) + " | capacity |",
+                  "|---|" + "---:|" * (len(rates) + 1)]
+        for s in SYSTEMS:
+            vals = {r["rate"]: r for r in rows if r["model"] == m and r["gpu"] == g and r["system"] == s
+                    and r["rate"] is not None}
+            lines.append(f"| {s} | " + " | ".join(
+                _x(1e3 * vals[r]["tpot_p90_s"], ".0f") if r in vals and vals[r]["tpot_p90_s"] else "-"
+                for r in rates) + f" | {_x(h['capacity'][s])} |")
+        el = [r for r in rows if r["model"] == m and r["gpu"] == g and r["system"] == "elastic" and r["batch"]]
+        lines += ["", "Elastic's mean window and tokens committed per step against batch size: " + ", ".join(
+            f"b={r['batch']}: {_x(r['chunk_mean'], '.1f')} / {_x(r['tokens_per_step'])}"
+            for r in sorted(el, key=lambda r: r["batch"])), ""]
+    return "\n".join(lines)
+
+
+def plots(rows: list[dict], heads: list[dict], out: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    combos = [(h["model"], h["gpu"]) for h in heads]
+    files = []
+    for kind, key, xlabel, ylabel in (("fig8", "batch", "batch size (closed-loop clients)", "output tokens/s"),
+                                      ("fig10", "rate", "request rate (req/s)", "P90 TPOT (ms)")):
+        fig, axes = plt.subplots(1, len(combos), figsize=(4.6 * len(combos), 3.4), squeeze=False)
+        for ax, (m, g) in zip(axes[0], combos):
+            for s in SYSTEMS:
+                pts = sorted((r[key], r["output_tokens_per_s"] if kind == "fig8" else 1e3 * (r["tpot_p90_s"] or 0))
+                             for r in rows if r["model"] == m and r["gpu"] == g and r["system"] == s
+                             and r[key] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=s)
+            ax.set_xscale("log", base=2)
+            if kind == "fig10":
+                ax.axhline(1e3 * TPOT_SLO_S, color="k", lw=0.8, ls="--")
+                ax.set_yscale("log")
+            ax.set_title(f"{m} on {g}", fontsize=9)
+            ax.set_xlabel(xlabel, fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7)
+        title = "Throughput against batch size" if kind == "fig8" else "P90 TPOT against request rate"
+        fig.suptitle(f"{title} (Optimus Fig. {8 if kind == 'fig8' else 10}, simulated)", fontsize=10)
+        fig.tight_layout()
+        path = out / f"{kind}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        files.append(path.name)
+    return files
+
+
+def _commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=5)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="docs/results/optimus_sim", help="report folder (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="SDAR-8B on an A100, a few batch sizes and rates")
+    ap.add_argument("--models", type=csv_list(str), default=None, metavar="A,B")
+    ap.add_argument("--gpus", type=csv_list(str), default=None, metavar="A,B")
+    ap.add_argument("--sessions", type=positive_int, default=None, help="requests per rate point (default: 300)")
+    ap.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="processes")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    models = args.models or (["sdar-8b"] if args.quick else list(MODELS))
+    gpus = args.gpus or (["a100-80g"] if args.quick else ["a100-80g", "h100"])
+    bad = [m for m in models if m not in MODELS]
+    if bad:
+        ap.error(f"unknown diffusion model {bad[0]!r} (valid: {', '.join(MODELS)})")
+    batches = (1, 8, 64) if args.quick else BATCHES
+    rates = (1, 4, 8, 16) if args.quick else RATES
+    n = args.sessions or (100 if args.quick else 300)
+    runs = [Run(m, g, s, batch=b, sessions=max(4 * b, 32)) for m in models for g in gpus for s in SYSTEMS
+            for b in batches]
+    runs += [Run(m, g, s, rate=r, sessions=n) for m in models for g in gpus for s in SYSTEMS for r in rates]
+    runs.sort(key=lambda r: -(r.batch or 0))                 # the longest first
+    t0 = time.time()
+    try:
+        with ParallelMap(args.jobs, not args.no_progress, len(runs), width=40) as pool:
+            rows = pool.map(simulate_run, runs, Run.label)
+    except ValueError as e:
+        print(f"optimus_sim: {e}", file=sys.stderr)
+        return 2
+    heads = summarize(rows, models, gpus)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python benchmarks/optimus_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0, "commit": _commit()}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "headline": heads, "runs": rows}, indent=1))
+    (out / "table.md").write_text(table_md(rows, heads, meta, batches, rates))
+    files = plots(rows, heads, out)
+    print(f"report: {out}/ (table.md, results.json, {', '.join(files)}) — {len(runs)} simulations in "
+          f"{meta['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
