@@ -32,6 +32,21 @@ def ckpt(tmp_path_factory) -> str:
     return str(path)
 
 
+def complete_all(srv: LiveServer, prompts: list[list[int]]) -> list[list[int]]:
+    """Send every prompt at once through /v1/completions (greedy, 5 tokens); the token ids of each answer."""
+    async def one(c, prompt):
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                  "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    return asyncio.run_coroutine_threadsafe(main(), srv.loop).result(120)
+
+
 def test_laps_serves_short_and_long_rounds_on_their_pools_with_offline_outputs(ckpt):
     """Protects LAPS in the live server: 6 short prompts (< 256 tokens) and 2 long ones (>= 256), sent at once;
     every completion equals the offline engine's greedy output, the short pool's worker ran exactly the 6 short
@@ -40,18 +55,7 @@ def test_laps_serves_short_and_long_rounds_on_their_pools_with_offline_outputs(c
     longs = [list(range(3, 300)), list(range(7, 400))]
     srv = LiveServer(ClusterConfig(ckpt, 2, 1, 0, "laps", served_model_name=MODEL, engine_args=ENGINE))
     try:
-        async def one(c, prompt):
-            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5,
-                                                      "temperature": 0, "ignore_eos": True,
-                                                      "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["token_ids"]
-
-        async def main():
-            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
-                return await asyncio.gather(*(one(c, p) for p in shorts + longs))
-
-        got = asyncio.run_coroutine_threadsafe(main(), srv.loop).result(120)
+        got = complete_all(srv, shorts + longs)
         where = srv.call(lambda: [(r.rounds[0].prefill_where, r.rounds[0].prefill_worker)
                                   for r in srv.cluster.shell.coord.records])
         srv.wait_for("the prefill workers' states to show the short steps",
@@ -117,18 +121,7 @@ def test_ampd_laps_batches_a_decode_workers_short_local_prefills_live(ckpt, tmp_
     srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd+laps", served_model_name=MODEL, engine_args=ENGINE,
                                    perf=str(perf), slo_ttft_s=10.0))
     try:
-        async def one(c, prompt):
-            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5,
-                                                      "temperature": 0, "ignore_eos": True,
-                                                      "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["token_ids"]
-
-        async def main():
-            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
-                return await asyncio.gather(*(one(c, p) for p in shorts))
-
-        got = asyncio.run_coroutine_threadsafe(main(), srv.loop).result(120)
+        got = complete_all(srv, shorts)
         where = srv.call(lambda: [r.rounds[0].prefill_where for r in srv.cluster.shell.coord.records])
         srv.wait_for("the decode worker's state to show its short steps",
                      lambda: srv.metrics(LAPS_METRICS)["tandem:laps_short_steps_total"] >= 1)

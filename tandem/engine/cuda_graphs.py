@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +50,43 @@ def capture_sizes(cfg: EngineConfig) -> list[int]:
 def graphs_apply(cfg: EngineConfig, device: torch.device) -> bool:
     """Whether a runner captures decode graphs: on CUDA, unless enforce_eager (never on CPU)."""
     return device.type == "cuda" and not cfg.enforce_eager
+
+
+@dataclass(slots=True)
+class Captured:
+    """What capture_graphs made: a graph per key, the pool they share, the capture's seconds and CUDA bytes."""
+
+    graphs: dict
+    pool: object
+    seconds: float
+    pool_bytes: int
+    allocated_bytes: int
+
+
+def capture_graphs(device: torch.device, keys: Sequence, forward: Callable[[object], object],
+                   pool: object = None) -> Captured:
+    """One CUDA graph of forward(key) per key, in the order given (largest first, so the smaller ones reuse its pool
+    blocks), each after an eager warm-up on a side stream (lazy initialisation stays out of the graph), all in one
+    memory pool (`pool`, else a new one)."""
+    graphs: dict = {}
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        for key in keys:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                forward(key)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                forward(key)
+            graphs[key] = graph
+        torch.cuda.synchronize()
+        return Captured(graphs, pool, time.perf_counter() - t0, torch.cuda.memory_reserved() - res0,
+                        torch.cuda.memory_allocated() - alloc0)
 
 
 def padded_size(batch: ModelInput, sizes: Sequence[int]) -> int | None:
@@ -136,28 +174,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, pool: object = None) -> object:
-        """Capture every size, largest first, into one memory pool (`pool`, else a new one), each after an eager
-        warm-up on a side stream; returns the pool (the LAPS prefill graphs, captured first, lend theirs)."""
-        dev = self.device
-        with torch.cuda.device(dev):
-            torch.cuda.synchronize()
-            alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            t0 = time.perf_counter()
-            pool = torch.cuda.graph_pool_handle() if pool is None else pool
-            for size in reversed(self.sizes):      # the largest first: smaller graphs reuse its pool blocks
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self.forward_static(size)      # warm-up: lazy initialisation stays out of the graph
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.forward_static(size)
-                self.graphs[size] = graph
-            torch.cuda.synchronize()
-            self.capture_s = time.perf_counter() - t0
-            self.pool_bytes = torch.cuda.memory_reserved() - res0
-            self.allocated_bytes = torch.cuda.memory_allocated() - alloc0
+        """Capture every size, largest first, into one memory pool (`pool`, else a new one); returns the pool (the
+        LAPS prefill graphs, captured first, lend theirs)."""
+        cap = capture_graphs(self.device, list(reversed(self.sizes)), self.forward_static, pool)
+        self.graphs.update(cap.graphs)
+        self.capture_s, self.pool_bytes, self.allocated_bytes = cap.seconds, cap.pool_bytes, cap.allocated_bytes
+        pool = cap.pool
         log.info("captured %d decode CUDA graphs (batch sizes %s..%s, attention %s) in %.2f s; graph pool "
                  "%.1f MiB reserved, %.1f MiB allocated", len(self.graphs), self.sizes[0], self.sizes[-1],
                  "flash paged" if self.attention.paged else "gather + SDPA", self.capture_s, self.pool_bytes / 2**20,

@@ -23,7 +23,6 @@ GPU.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -32,6 +31,7 @@ from torch import nn
 
 from tandem.engine.attention.static_prefill import PREFILL_GATHER_BYTES, PrefillGraphMetadata, StaticPrefillBackend
 from tandem.engine.config import EngineConfig
+from tandem.engine.cuda_graphs import capture_graphs
 from tandem.engine.model_input import ModelInput
 from tandem.policy.laps.buckets import Bucket, BucketGrid
 from tandem.policy.presets import PolicySpec, PrefillSchedKind
@@ -184,28 +184,11 @@ class PrefillGraphs:
     def capture(self, pool: Any = None) -> Any:
         """Capture every bucket, largest first, into one memory pool (`pool`, else a new one), each after an eager
         warm-up on a side stream; returns the pool, which other graphs that never run alongside may share."""
-        dev = self.device
-        with torch.cuda.device(dev):
-            torch.cuda.synchronize()
-            alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            t0 = time.perf_counter()
-            pool = torch.cuda.graph_pool_handle() if pool is None else pool
-            for b in reversed(self.buckets):       # the largest first: smaller graphs reuse its pool blocks
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self.forward_static(b)         # warm-up: lazy initialisation stays out of the graph
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.forward_static(b)
-                self.graphs[b] = graph
-            torch.cuda.synchronize()
-            self.capture_s = time.perf_counter() - t0
-            self.pool_bytes = torch.cuda.memory_reserved() - res0
-            self.allocated_bytes = torch.cuda.memory_allocated() - alloc0
+        cap = capture_graphs(self.device, list(reversed(self.buckets)), self.forward_static, pool)
+        self.graphs.update(cap.graphs)
+        self.capture_s, self.pool_bytes, self.allocated_bytes = cap.seconds, cap.pool_bytes, cap.allocated_bytes
         log.info("captured %d LAPS prefill CUDA graphs (buckets %s, up to %d keys per row) in %.2f s; graph pool "
                  "%.1f MiB reserved, %.1f MiB allocated", len(self.graphs),
                  " ".join(f"{b.tokens}x{b.batch}" for b in self.buckets), self.max_len, self.capture_s,
                  self.pool_bytes / 2**20, self.allocated_bytes / 2**20)
-        return pool
+        return cap.pool

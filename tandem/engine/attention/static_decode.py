@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.base import online_softmax_attention, write_kv
 from tandem.engine.attention.metadata import AttnMetadata
 
 PAGED_BLOCK_MULTIPLE = 256          # flash-attn 2's page size requirement for block_table
@@ -81,21 +81,9 @@ class StaticDecodeBackend:
             kb = self._gather(kv, keys.blocks[0], B)
             o = F.scaled_dot_product_attention(qg, kb[0], kb[1], attn_mask=keys.masks[0], scale=scale)
             return o.reshape(B, hq, d)
-        qf = qg.float() * scale
-        run_max = den = acc = None          # running max, softmax denominator and weighted sum of V per query
-        for blocks, mask in zip(keys.blocks, keys.masks):      # chunk 0 holds key 0, valid in every row
-            kb = self._gather(kv, blocks, B).float()                            # [2, B, Hkv, Lc, D]
-            s = torch.matmul(qf, kb[0].transpose(-1, -2)).masked_fill_(~mask, float("-inf"))   # [B, Hkv, G, Lc]
-            new_max = s.amax(-1, keepdim=True) if run_max is None else torch.maximum(run_max, s.amax(-1, keepdim=True))
-            p = torch.exp(s - new_max)
-            if run_max is None:
-                den, acc = p.sum(-1, keepdim=True), torch.matmul(p, kb[1])
-            else:
-                alpha = torch.exp(run_max - new_max)
-                den = den * alpha + p.sum(-1, keepdim=True)
-                acc = acc * alpha + torch.matmul(p, kb[1])
-            run_max = new_max
-        return (acc / den).to(q.dtype).reshape(B, hq, d)
+        o = online_softmax_attention(qg.float() * scale, ((self._gather(kv, blocks, B).float(), mask)
+                                                           for blocks, mask in zip(keys.blocks, keys.masks)))
+        return o.to(q.dtype).reshape(B, hq, d)
 
     def _keys(self, meta: AttnMetadata, kv: torch.Tensor) -> _Keys:
         """The step's key chunks (block ids and masks), built at its first layer and kept in meta.scratch."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.base import online_softmax_attention, write_kv
 from tandem.engine.attention.metadata import AttnMetadata
 
 PREFILL_GATHER_BYTES = 256 << 20    # gathered K+V plus scores per key chunk (bytes), across the bucket
@@ -70,22 +70,8 @@ class StaticPrefillBackend:
 
     def _online(self, qg: torch.Tensor, kv: torch.Tensor, chunks: _Chunks, B: int, scale: float) -> torch.Tensor:
         """Attention over several key chunks merged by an online softmax (float32) -> [B, Hkv, G*T, D]."""
-        qf = qg.float() * scale
-        run_max = den = acc = None            # running max, softmax denominator and weighted sum of V per query
-        for blocks, mask in zip(chunks.blocks, chunks.masks):     # chunk 0 holds key 0, visible to every slot
-            kb = self._gather(kv, blocks, B).float()                              # [2, B, Hkv, Lc, D]
-            s = torch.matmul(qf, kb[0].transpose(-1, -2)).masked_fill_(~mask, float("-inf"))    # [B, Hkv, G*T, Lc]
-            m = s.amax(-1, keepdim=True)
-            new_max = m if run_max is None else torch.maximum(run_max, m)
-            p = torch.exp(s - new_max)
-            if run_max is None:
-                den, acc = p.sum(-1, keepdim=True), torch.matmul(p, kb[1])
-            else:
-                alpha = torch.exp(run_max - new_max)
-                den = den * alpha + p.sum(-1, keepdim=True)
-                acc = acc * alpha + torch.matmul(p, kb[1])
-            run_max = new_max
-        return acc / den
+        return online_softmax_attention(qg.float() * scale, ((self._gather(kv, blocks, B).float(), mask)
+                                                              for blocks, mask in zip(chunks.blocks, chunks.masks)))
 
     def _chunks(self, meta: AttnMetadata, kv: torch.Tensor, B: int, T: int, hq: int) -> _Chunks:
         """The step's key chunks (block ids and visibility masks), built at its first layer, kept in meta.scratch."""
