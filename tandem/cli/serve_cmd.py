@@ -46,6 +46,15 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks per worker")
+    p.add_argument("--max-num-logits", type=positive_int, default=None, metavar="N",
+                   help="logit decomposition: the LM head and the sampler run on at most N rows at a time "
+                        "(default: every row of a step at once)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="F",
+                   help="CUDA: fraction of the GPU's memory for weights, activations and KV; the KV pool gets "
+                        "what the profiled worst-case step leaves (default: 0.9)")
+    p.add_argument("--cpu-memory-budget", type=_byte_size, default=None, metavar="BYTES",
+                   help="CPU: bytes per worker for weights, activations and KV (e.g. 4G, 512M); the KV pool gets "
+                        "what the profiled worst-case step leaves (default: a 1 GiB KV pool)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
                    help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
@@ -105,6 +114,33 @@ def add_parser(sub) -> None:
     d.set_defaults(func=cmd_demo)
 
 
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """A byte count: an integer, optionally with a binary suffix K, M, G or T (KiB, MiB, ...; 4G = 4 GiB)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _BYTE_UNITS else ""
+    try:
+        n = int(t[:len(t) - len(unit)]) * _BYTE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 4G, 512M or 1048576, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
+    return n
+
+
+def _fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return x
+
+
 def _cluster_config(args):
     from tandem.runtime.cluster import ClusterConfig
     if not Path(args.model, "config.json").is_file():
@@ -114,6 +150,10 @@ def _cluster_config(args):
         eng["max_model_len"] = args.max_model_len
     if args.num_kv_blocks is not None:
         eng["num_kv_blocks"] = args.num_kv_blocks
+    for name, key in (("max_num_logits", "max_num_logits"), ("gpu_memory_utilization", "gpu_memory_utilization"),
+                      ("cpu_memory_budget", "cpu_memory_budget_bytes")):
+        if getattr(args, name, None) is not None:
+            eng[key] = getattr(args, name)
     if args.enforce_eager:
         eng["enforce_eager"] = True
     if args.cuda_graph_sizes is not None:

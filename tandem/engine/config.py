@@ -34,9 +34,18 @@ class EngineConfig:
     policy_options: dict = field(default_factory=dict)   # knobs of the policy (PolicySpec fields), e.g.
                                               # {"laps_length_threshold": 200}
     enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None  # KV pool budget; default: 1 GiB on CPU, 90% of free memory on CUDA
-    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # KV pool budget; default: 1 GiB on CPU (or what cpu_memory_budget_bytes
+                                              # leaves), on CUDA what gpu_memory_utilization leaves (memory_profile.py)
+    gpu_memory_utilization: float = 0.9       # CUDA: fraction of the device's memory for weights, activations and KV
     num_kv_blocks: int | None = None          # overrides the budget (vLLM: num_gpu_blocks_override)
+    max_num_logits: int | None = None         # logit decomposition (dLLM-Serve): the LM head and the sampler run on
+                                              # at most this many rows at a time; None: all rows at once
+    cpu_memory_budget_bytes: int | None = None   # CPU: bytes for weights, activations and KV together; the KV pool
+                                              # gets budget - weights - profiled activation peak (memory_profile.py)
+    memory_profile: bool | None = None        # the worst-case dummy step at start (memory_profile.py); None: when the
+                                              # pool is sized from a budget (CUDA without explicit sizes, CPU with
+                                              # cpu_memory_budget_bytes); True: always (reported even with explicit
+                                              # sizes); False: never (CUDA then sizes the pool as free x utilization)
     attention_backend: str | None = None      # None/auto: flash on CUDA when installed, else sdpa
     seed: int = 0
     enforce_eager: bool = False               # CUDA: never capture decode steps as CUDA graphs (always eager)
@@ -75,6 +84,15 @@ class EngineConfig:
             raise EngineError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("max_num_logits", "cpu_memory_budget_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise EngineError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.memory_profile is not None and not isinstance(self.memory_profile, bool):
+            raise EngineError(f"memory_profile must be true, false or None (auto), got {self.memory_profile!r}")
+        if self.cpu_memory_budget_bytes is not None and self.memory_profile is False:
+            raise EngineError("cpu_memory_budget_bytes sizes the KV pool from the memory profile: it needs "
+                              "memory_profile true or None, not false")
         if not isinstance(self.enforce_eager, bool):
             raise EngineError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.cuda_graph_sizes is not None:
@@ -123,11 +141,30 @@ def _graph_buckets(buckets: object) -> tuple[tuple[int, int], ...]:
     return tuple(sorted({(int(t), int(b)) for t, b in buckets}))
 
 
-def kv_pool_blocks(cfg: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
-    """Blocks in the KV pool: the override, else the memory budget divided by one block's bytes."""
+def explicit_kv_pool(cfg: EngineConfig) -> bool:
+    """True when the config fixes the KV pool itself (num_kv_blocks or kv_cache_memory_bytes): no budget applies."""
+    return cfg.num_kv_blocks is not None or cfg.kv_cache_memory_bytes is not None
+
+
+def wants_memory_profile(cfg: EngineConfig, device: torch.device) -> bool:
+    """Whether the engine runs the worst-case dummy step at start: as memory_profile says, else (None) when the KV
+    pool is sized from a budget: on CUDA unless the pool is explicit, on CPU when cpu_memory_budget_bytes is set."""
+    if cfg.memory_profile is not None:
+        return cfg.memory_profile
+    if explicit_kv_pool(cfg):
+        return False
+    return device.type == "cuda" or cfg.cpu_memory_budget_bytes is not None
+
+
+def kv_pool_blocks(cfg: EngineConfig, bytes_per_block: int, device: torch.device,
+                   profiled_kv_bytes: int | None = None) -> int:
+    """Blocks in the KV pool: the override, else kv_cache_memory_bytes, else what the memory profile left for KV
+    (profiled_kv_bytes), else the default budget, divided by one block's bytes."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     budget = cfg.kv_cache_memory_bytes
+    if budget is None:
+        budget = profiled_kv_bytes
     if budget is None:
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)

@@ -106,7 +106,9 @@ class LLMEngine:
         if capacity < self.max_model_len:
             raise EngineError(
                 f"the KV pool holds {capacity} tokens ({self.runner.num_blocks} blocks of {bs}), fewer than "
-                f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes/num_kv_blocks or lower max_model_len")
+                f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes/num_kv_blocks (or the memory budget: "
+                f"cpu_memory_budget_bytes, gpu_memory_utilization; max_num_logits shrinks the activation peak) or "
+                f"lower max_model_len")
         sched = SchedulerConfig(block_size=bs, max_num_batched_tokens=config.max_num_batched_tokens,
                                 max_num_seqs=config.max_num_seqs)
         self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre)

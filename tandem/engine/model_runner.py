@@ -1,6 +1,7 @@
 """The torch executor: owns the model weights and the paged KV tensors, runs one planned step, samples."""
 from __future__ import annotations
 
+import logging
 from itertools import accumulate
 
 import numpy as np
@@ -8,15 +9,19 @@ import torch
 
 from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block, native
 from tandem.engine.attention.metadata import AttnMetadata
-from tandem.engine.config import EngineConfig, kv_pool_blocks
+from tandem.engine.config import EngineConfig, EngineError, explicit_kv_pool, kv_pool_blocks, wants_memory_profile
 from tandem.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
 from tandem.engine.loader import load_model
+from tandem.engine.logits import target_logprobs
+from tandem.engine.memory_profile import MemoryProfile, kv_budget, run_profile, weight_bytes, worst_case_batch
 from tandem.engine.model_input import ModelInput
 from tandem.engine.prefill_graphs import PrefillGraphs, graph_buckets, graph_max_len, prefill_graphs_apply
 from tandem.engine.sampler import Sampler, SampleOutput
 from tandem.policy.task import COLOCATED, PREFILL
 
-PROMPT_LOGPROBS_ELEMS = 1 << 22     # logits computed at once for prompt logprobs (rows x vocab; 16 MiB of float32)
+log = logging.getLogger(__name__)
+PROMPT_LOGPROBS_ELEMS = 1 << 22     # without max_num_logits, the logits computed at once for prompt logprobs
+                                    # (rows x vocab; 16 MiB of float32)
 
 
 class ModelRunner:
@@ -33,7 +38,25 @@ class ModelRunner:
         self.block_size = cfg.block_size
         per_block = kv_bytes_per_block(mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
                                        mc.head_dim, self.dtype)
-        self.num_blocks = kv_pool_blocks(cfg, per_block, self.device)
+        self.max_num_logits: int | None = None         # logit rows at once when sampling (None: all of them)
+        self.prompt_logit_rows = 1                     # ... and for prompt logprobs
+        self._set_logit_cap(cfg.max_num_logits)
+        self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=cfg.seed)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            native.load()            # build the CPU decode kernel now (about 1 s, once per machine), not in a step
+        max_len = cfg.max_model_len or mc.max_position_embeddings
+        self.graphs: DecodeGraphs | None = None        # decode steps as CUDA graphs (cuda_graphs.py)
+        self.prefill_graphs: PrefillGraphs | None = None   # LAPS bucket steps as CUDA graphs (prefill_graphs.py)
+        self.memory: MemoryProfile | None = None       # the worst-case step's measure (memory_profile.py)
+        profiled_kv = None
+        if wants_memory_profile(cfg, self.device):
+            self.memory = self._profile_memory(max_len)
+            if not explicit_kv_pool(cfg):
+                profiled_kv = kv_budget(self.memory, self.device, cfg.gpu_memory_utilization,
+                                        cfg.cpu_memory_budget_bytes)
+                if profiled_kv is not None and profiled_kv < per_block:
+                    raise EngineError(_no_room(self.memory, per_block))
+        self.num_blocks = kv_pool_blocks(cfg, per_block, self.device, profiled_kv)
         # CUDA only; the graphs' padding rows get a scratch block. A prefill worker never decodes: no decode graphs
         graphs = graphs_apply(cfg, self.device) and role != PREFILL
         prefill_graphs = prefill_graphs_apply(cfg, self.device, role)      # LAPS buckets: CUDA, bucketing workers
@@ -41,17 +64,15 @@ class ModelRunner:
                                            self.num_blocks + (1 if graphs or prefill_graphs else 0),
                                            cfg.block_size, mc.num_key_value_heads, mc.head_dim, self.dtype,
                                            self.device)
-        self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=cfg.seed)
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            native.load()            # build the CPU decode kernel now (about 1 s, once per machine), not in a step
-        max_len = cfg.max_model_len or mc.max_position_embeddings
+        self.kv_pool_bytes = self.num_blocks * per_block      # the pool the block manager is told about
+        if self.memory is not None:
+            self.memory.kv_pool_bytes = self.kv_pool_bytes
+            log.info("%s", self.memory.summary())
         pool = None
-        self.prefill_graphs: PrefillGraphs | None = None   # LAPS bucket steps as CUDA graphs (prefill_graphs.py)
         if prefill_graphs:
             self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, cfg.block_size, graph_max_len(cfg, max_len),
                                                 graph_buckets(cfg), scratch_block=self.num_blocks)
             pool = self.prefill_graphs.capture()        # the larger graphs first; the decode graphs share the pool
-        self.graphs: DecodeGraphs | None = None        # decode steps as CUDA graphs (cuda_graphs.py)
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.block_size, max_len, capture_sizes(cfg),
                                        scratch_block=self.num_blocks)
@@ -60,6 +81,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> SampleOutput | None:
         """Run the model over the batch (writing its KV) and sample the requested rows."""
+        return self.compute_logits_phase(self.forward(batch), batch)
+
+    @torch.inference_mode()
+    def forward(self, batch: ModelInput) -> torch.Tensor:
+        """The model over the batch, writing its KV: hidden states, the real tokens' rows first (then padding)."""
         dev = self.device
         hidden = self.graphs.execute(batch) if self.graphs is not None else None   # a decode step's graph replay
         if hidden is None and self.prefill_graphs is not None:
@@ -70,38 +96,86 @@ class ModelRunner:
             ids = torch.tensor(batch.token_ids + [0] * pad, dtype=torch.long, device=dev)
             pos = torch.tensor(batch.positions + [0] * pad, dtype=torch.long, device=dev)
             hidden = self.model(ids, pos, self.kv_caches, meta)      # [real + pad, H]: padding rows come last
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits_phase(self, hidden: torch.Tensor, batch: ModelInput) -> SampleOutput | None:
+        """Everything a step does with the LM head: prompt logprobs, then sampling, at most max_num_logits rows of
+        logits at a time (logits.py)."""
         prompt_lps = self._prompt_logprobs(hidden, batch) if batch.prompt_logprobs else None
         if not batch.sample_rows:
             return SampleOutput([], prompt_logprobs=prompt_lps) if prompt_lps is not None else None
         # hidden holds the real tokens in batch order (padding rows after them): each sequence's last token's row
         last = np.cumsum(np.asarray(batch.query_lens, dtype=np.int64)) - 1
-        rows = torch.from_numpy(last[np.asarray(batch.sample_rows, dtype=np.int64)]).to(dev)
-        logits = self.model.compute_logits(hidden[rows])
+        rows = torch.from_numpy(last[np.asarray(batch.sample_rows, dtype=np.int64)]).to(self.device)
         grammars = batch.grammars if any(g is not None for g in batch.grammars) else None
-        out = self.sampler.sample(logits, batch.params, batch.generators, batch.output_tokens, batch.prompt_tokens,
-                                  grammars)
+        out = self.sampler.sample_hidden(hidden[rows], self.model.compute_logits, batch.params, batch.generators,
+                                         batch.output_tokens, batch.prompt_tokens, grammars,
+                                         max_rows=self.max_num_logits)
         out.prompt_logprobs = prompt_lps
         return out
 
+    def _set_logit_cap(self, max_rows: int | None) -> None:
+        """Run the LM head on at most max_rows rows at a time; without a cap, sampling takes every row at once and
+        prompt logprobs 16 MiB of logits at a time (PROMPT_LOGPROBS_ELEMS, as before max_num_logits)."""
+        self.max_num_logits = max_rows
+        self.prompt_logit_rows = max_rows or max(1, PROMPT_LOGPROBS_ELEMS // self.model_config.vocab_size)
+
+    def _profile_memory(self, max_len: int) -> MemoryProfile:
+        """The worst-case dummy step (memory_profile.py) on a one-block scratch KV cache, dropped afterwards."""
+        cfg, mc = self.cfg, self.model_config
+        self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, 1, cfg.block_size, mc.num_key_value_heads,
+                                           mc.head_dim, self.dtype, self.device)
+        batch = worst_case_batch(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len, mc.vocab_size,
+                                 cfg.block_size, self.sampler.eos_token_ids, self.device)
+
+        def logits_phase(hidden: torch.Tensor, b: ModelInput, max_rows: int | None) -> None:
+            self._set_logit_cap(max_rows)
+            try:
+                self.compute_logits_phase(hidden, b)
+            finally:
+                self._set_logit_cap(cfg.max_num_logits)
+        try:
+            prof = run_profile(self.forward, logits_phase, batch, self.device, cfg.max_num_logits,
+                               weight_bytes(self.model), cfg.max_num_batched_tokens)
+        finally:
+            self.kv_caches = []
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return prof
+
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: ModelInput) -> list[list[dict[int, float]]]:
-        """Per spec, each target's raw logprob (log-softmax of the full logits) and the top k, computed over
-        row chunks so a long prompt never holds prompt_len x vocab logits at once."""
+        """Per spec, each target's raw logprob (log-softmax of the full logits) and the top k: every spec's rows
+        together, the LM head on at most prompt_logit_rows of them at a time (logits.target_logprobs)."""
         starts = [0, *accumulate(batch.query_lens)]
-        step = max(1, PROMPT_LOGPROBS_ELEMS // self.model_config.vocab_size)
-        out: list[list[dict[int, float]]] = []
+        idx: list[int] = []
+        targets: list[int] = []
+        ks: list[int] = []
         for spec in batch.prompt_logprobs:
             first = starts[spec.seq]
-            entries: list[dict[int, float]] = []
-            for a in range(0, len(spec.targets), step):
-                targets = spec.targets[a:a + step]
-                lp = torch.log_softmax(self.model.compute_logits(hidden[first + a:first + a + len(targets)]), dim=-1)
-                tgt = torch.tensor(targets, dtype=torch.long, device=lp.device)
-                chosen = lp.gather(1, tgt[:, None]).squeeze(1).tolist()
-                if spec.k > 0:
-                    vals, idx = lp.topk(min(spec.k, lp.shape[1]), dim=-1)
-                    tops = [dict(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-                else:
-                    tops = [{} for _ in targets]
-                entries += [{t: c, **top} for t, c, top in zip(targets, chosen, tops)]
-            out.append(entries)
+            idx.extend(range(first, first + len(spec.targets)))
+            targets.extend(spec.targets)
+            ks.extend([spec.k] * len(spec.targets))
+        if not idx:
+            return [[] for _ in batch.prompt_logprobs]
+        if len(batch.prompt_logprobs) == 1:                  # one sequence: its rows are contiguous, no copy
+            rows_h = hidden[idx[0]:idx[0] + len(idx)]
+        else:
+            rows_h = hidden.index_select(0, torch.tensor(idx, dtype=torch.long, device=hidden.device))
+        flat = target_logprobs(self.model.compute_logits, rows_h, targets, ks, self.prompt_logit_rows)
+        out: list[list[dict[int, float]]] = []
+        a = 0
+        for spec in batch.prompt_logprobs:
+            out.append(flat[a:a + len(spec.targets)])
+            a += len(spec.targets)
         return out
+
+
+def _no_room(prof: MemoryProfile, per_block: int) -> str:
+    """The EngineError text when the budget leaves no KV block: the figures and the ways out."""
+    mib = 1 << 20
+    return (f"the memory budget of {prof.budget_bytes / mib:.1f} MiB leaves no room for one KV block "
+            f"({per_block} bytes): {prof.used_bytes / mib:.1f} MiB in use (weights, buffers) and an activation peak "
+            f"of {prof.peak_bytes / mib:.1f} MiB plus its guard band at max_num_batched_tokens="
+            f"{prof.tokens}: raise cpu_memory_budget_bytes/gpu_memory_utilization, lower max_num_batched_tokens or "
+            f"max_num_seqs, or set max_num_logits")

@@ -18,6 +18,14 @@ Per batch of logits [N, V] (float32 or castable):
    from the sampler's default generator otherwise.
 
 Everything but the per-seeded-row noise draw is vectorised over the rows that need it.
+
+Logit decomposition (`sample_hidden` with max_rows, logits.py): the batch's hidden rows are projected and sampled
+in chunks of at most max_rows rows, each chunk with its slice of the per-row state (params, generators, token
+histories, grammars); whether logprobs and how many top logprobs are returned is decided once for the batch. Every
+step above is row-wise, so the tokens and logprobs equal the monolithic call's. The one shared state is the default
+generator of unseeded random rows: each chunk draws its rows' noise from it in row order, and on the CPU a draw of
+[a, V] then [b, V] gives the same numbers as one draw of [a + b, V] (tests/test_engine_logits.py), so unseeded rows
+are identical too there; on CUDA (Philox offsets per call) only seeded rows are guaranteed identical.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tandem.engine.logits import LogitsFn, check_max_rows, reduce_logits
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import RequestGrammar, apply_grammar_bitmask
 
@@ -40,6 +49,11 @@ class SampleOutput:
     top_logprobs: list[dict[int, float]] | None = None  # every row ({} where not asked), when any asked k > 0
     # the model runner's prompt logprobs: per ModelInput.prompt_logprobs spec, one {token: logprob} per target
     prompt_logprobs: list[list[dict[int, float]]] | None = None
+
+
+def _rows(seq: Sequence | None, rows: slice) -> Sequence | None:
+    """A chunk's slice of a per-row sequence (None stays None)."""
+    return None if seq is None else seq[rows]
 
 
 def make_generator(seed: int | None, device: torch.device | str | None = None) -> torch.Generator | None:
@@ -82,16 +96,69 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits must be [N, V] with N = len(params) = {len(params)}, "
                              f"got shape {tuple(logits.shape)}")
-        n = len(params)
+        self._check_rows(len(params), generators, grammars)
+        if not params:
+            return SampleOutput([])
+        want_lp, kmax = self._logprob_plan(params)
+        return self._sample_rows(logits, params, generators, output_tokens, prompt_tokens, grammars, want_lp, kmax)
+
+    @torch.inference_mode()
+    def sample_hidden(self, hidden: Tensor, compute_logits: LogitsFn, params: Sequence[SamplingParams],
+                      generators: Sequence[torch.Generator | None] | None = None,
+                      output_tokens: Sequence[Sequence[int]] | None = None,
+                      prompt_tokens: Sequence[Sequence[int]] | None = None,
+                      grammars: Sequence[RequestGrammar | None] | None = None,
+                      max_rows: int | None = None) -> SampleOutput:
+        """sample(compute_logits(hidden), ...) with the LM head and the sampling run on chunks of at most max_rows
+        rows (logit decomposition): each chunk carries its slice of the per-row state and its [rows, V] tensors are
+        freed before the next chunk is projected. Same tokens and logprobs as the monolithic call (None)."""
+        check_max_rows(max_rows)
+        if hidden.dim() != 2 or hidden.shape[0] != len(params):
+            raise ValueError(f"hidden must be [N, H] with N = len(params) = {len(params)}, "
+                             f"got shape {tuple(hidden.shape)}")
+        self._check_rows(len(params), generators, grammars)
+        if not params:
+            return SampleOutput([])
+        want_lp, kmax = self._logprob_plan(params)      # batch-wide, so every chunk returns the same fields
+
+        def part(rows: slice, logits: Tensor) -> SampleOutput:
+            return self._sample_rows(logits, params[rows], _rows(generators, rows), _rows(output_tokens, rows),
+                                     _rows(prompt_tokens, rows), _rows(grammars, rows), want_lp, kmax)
+
+        parts = reduce_logits(compute_logits, hidden, max_rows, part)
+        if len(parts) == 1:
+            return parts[0]
+        out = SampleOutput([t for p in parts for t in p.token_ids])
+        if want_lp:
+            out.logprobs = [lp for p in parts for lp in p.logprobs]
+        if kmax > 0:
+            out.top_logprobs = [d for p in parts for d in p.top_logprobs]
+        return out
+
+    @staticmethod
+    def _check_rows(n: int, generators: Sequence[torch.Generator | None] | None,
+                    grammars: Sequence[RequestGrammar | None] | None) -> None:
+        """ValueError unless generators and grammars, when given, have one entry per row."""
         if generators is not None and len(generators) != n:
             raise ValueError(f"need one generator (or None) per row: {len(generators)} for {n} rows")
         if grammars is not None and len(grammars) != n:
             raise ValueError(f"need one grammar (or None) per row: {len(grammars)} for {n} rows")
-        if n == 0:
-            return SampleOutput([])
+
+    @staticmethod
+    def _logprob_plan(params: Sequence[SamplingParams]) -> tuple[bool, int]:
+        """(whether any row wants logprobs, the largest top-k asked): decided once per batch."""
+        return any(p.logprobs is not None for p in params), max(p.logprobs or 0 for p in params)
+
+    def _sample_rows(self, logits: Tensor, params: Sequence[SamplingParams],
+                     generators: Sequence[torch.Generator | None] | None,
+                     output_tokens: Sequence[Sequence[int]] | None,
+                     prompt_tokens: Sequence[Sequence[int]] | None,
+                     grammars: Sequence[RequestGrammar | None] | None,
+                     want_lp: bool, kmax: int) -> SampleOutput:
+        """Sample every row of logits [n, V] (a whole batch or one chunk of it); every operation is row-wise."""
+        n = len(params)
         device = logits.device
         logits = logits.float()
-        want_lp = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
 
         x = logits
@@ -128,7 +195,6 @@ class Sampler:
         out = SampleOutput(tokens.tolist())
         if raw_logprobs is not None:
             out.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-            kmax = max(p.logprobs or 0 for p in params)
             if kmax > 0:
                 vals, idx = raw_logprobs.topk(min(kmax, raw_logprobs.shape[1]), dim=-1)
                 vals, idx = vals.tolist(), idx.tolist()

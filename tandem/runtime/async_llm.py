@@ -20,10 +20,11 @@ from typing import Any
 
 from tandem.engine.config import EngineConfig, EngineError
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.memory_profile import memory_report
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
 from tandem.engine.tokenizer import TokenizerError
-from tandem.runtime.client import BackendStats, RequestError
+from tandem.runtime.client import BackendStats, RequestError, add_memory_reports
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class AsyncLLM:
         self._cache_config = {"block_size": str(cfg.block_size), "num_gpu_blocks": str(engine.runner.num_blocks),
                               "enable_prefix_caching": str(cfg.enable_prefix_caching),
                               "cache_dtype": str(engine.runner.kv_caches[0].dtype).removeprefix("torch.")}
+        self._memory = memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}          # only the engine thread mutates it
         self._prefilled: set[str] = set()
@@ -115,12 +117,14 @@ class AsyncLLM:
     def stats(self) -> BackendStats:
         """Gauges and counters of the engine (no KV transfers: everything is local)."""
         c = self._counters
-        return BackendStats(num_requests_running=c.running, num_requests_waiting=c.waiting,
-                            kv_cache_usage_perc=c.kv_usage, prefix_cache_queries=c.prefix_queries,
-                            prefix_cache_hits=c.prefix_hits, local_prefills=c.prefills, remote_prefills=0,
-                            workers_alive=int(self.is_healthy()), workers_total=1,
-                            iteration_tokens=dict(self.engine.stats.iteration_tokens),   # a C-level copy: atomic
-                            cache_config=self._cache_config)
+        out = BackendStats(num_requests_running=c.running, num_requests_waiting=c.waiting,
+                           kv_cache_usage_perc=c.kv_usage, prefix_cache_queries=c.prefix_queries,
+                           prefix_cache_hits=c.prefix_hits, local_prefills=c.prefills, remote_prefills=0,
+                           workers_alive=int(self.is_healthy()), workers_total=1,
+                           iteration_tokens=dict(self.engine.stats.iteration_tokens),   # a C-level copy: atomic
+                           cache_config=self._cache_config)
+        add_memory_reports(out, [self._memory])
+        return out
 
     def is_healthy(self) -> bool:
         """True while the engine thread runs and has not failed."""

@@ -52,6 +52,23 @@ class BackendStats:
     laps_depth: float = 0.0
     laps_short_steps: int = 0                      # short-batch steps, and those run in a captured bucket (hits)
     laps_graph_steps: int = 0
+    kv_cache_pool_bytes: int = 0                   # tandem: KV pool bytes, summed over the workers
+    activation_peak_bytes: dict[str, int] = field(default_factory=dict)   # logit mode (monolithic, decomposed) ->
+                                                   # profiled activation peak, the largest over the workers
+    activation_budget_bytes: int = 0               # bytes set aside for activations (peak + guard), largest worker
+
+
+def add_memory_reports(out: BackendStats, reports: list[dict[str, int]]) -> None:
+    """Fold the workers' memory figures (engine.memory_profile.memory_report) into the snapshot: pool bytes summed,
+    activation peaks and budgets the largest of any worker."""
+    out.kv_cache_pool_bytes = sum(r.get("kv_cache_pool_bytes", 0) for r in reports)
+    peaks: dict[str, int] = {}
+    for mode in ("monolithic", "decomposed"):
+        vals = [r[f"activation_peak_{mode}_bytes"] for r in reports if f"activation_peak_{mode}_bytes" in r]
+        if vals:
+            peaks[mode] = max(vals)
+    out.activation_peak_bytes = peaks
+    out.activation_budget_bytes = max((r.get("activation_budget_bytes", 0) for r in reports), default=0)
 
 
 class EngineClient(Protocol):

@@ -22,7 +22,7 @@ from tandem.policy.laps.classify import PrefillClass
 from tandem.policy.laps.cost import boundary_from_profile
 from tandem.policy.presets import PolicySpec, PrefillSchedKind, get_policy
 from tandem.runtime import messages as m
-from tandem.runtime.client import BackendStats, RequestError
+from tandem.runtime.client import BackendStats, RequestError, add_memory_reports
 from tandem.runtime.coordinator_shell import CoordinatorShell
 from tandem.runtime.costs import serving_cost_model
 from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError
@@ -96,6 +96,7 @@ class ServingCluster:
         self._restarting: set[asyncio.Task] = set()
         self._closing = False
         self._cache_config: dict[str, str] = {}
+        self._memory: dict[int, dict[str, int]] = {}       # worker -> its memory figures (Ready), for /metrics
 
     @classmethod
     async def start(cls, cfg: ClusterConfig) -> "ServingCluster":
@@ -174,6 +175,7 @@ class ServingCluster:
         kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
         self._cache_config = next((dict(info.get("cache_config") or {}) for wid, info in sorted(infos.items())
                                    if self.roles.get(wid) != PREFILL), {})
+        self._memory = {wid: _memory_info(info) for wid, info in infos.items()}
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
                                       block_size=int(first["block_size"]), slo=self._slo(),
                                       vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs)
@@ -346,6 +348,7 @@ class ServingCluster:
         if self._closing:
             return
         self._lost.discard(wid)
+        self._memory[wid] = _memory_info(wp.info)
         self.shell.coord.view.revive(wid)
         self.shell.on_worker_joined(wid, wp.info["kv_address"])
         log.warning("worker %d (%s) is back (pid %s)", wid, self.roles.get(wid), wp.pid)
@@ -380,6 +383,7 @@ class ServingCluster:
         out.workers_total = len(self.roles)
         out.workers_alive = len(self.roles) - len(self._lost)
         _laps_stats(out, states, self.shell.coord.router)
+        add_memory_reports(out, [r for wid, r in self._memory.items() if wid not in self._lost])
         return out
 
     def is_healthy(self) -> bool:
@@ -393,6 +397,15 @@ class ServingCluster:
             await self.procs.stop()
         if self.hub is not None:
             await self.hub.close()
+
+
+def _memory_info(info: dict) -> dict[str, int]:
+    """A worker's memory figures from its Ready info, validated (non-negative integers; anything else dropped)."""
+    mem = info.get("memory")
+    if not isinstance(mem, dict):
+        return {}
+    return {str(k): int(v) for k, v in mem.items()
+            if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0}
 
 
 def _laps_stats(out: BackendStats, states, router) -> None:

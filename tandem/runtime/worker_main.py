@@ -53,6 +53,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.memory_profile import memory_report
 
     if threads:
         torch.set_num_threads(threads)
@@ -164,7 +165,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         await link.ready({"kv_address": inbox.address, "pid": os.getpid(), "role": role,
                           "capacity_tokens": engine.core.capacity_tokens, "max_model_len": engine.max_model_len,
                           "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
-                          "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": _cache_config(engine)})
+                          "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": _cache_config(engine),
+                          "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
         stepper.start()
         dirty = False                                   # a step ran or a message came since the last publish

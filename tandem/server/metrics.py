@@ -61,7 +61,12 @@ class _BackendCollector:
                   ("tandem:laps_long_waiting", "LAPS: long prefills queued.", s.laps_long_waiting),
                   ("tandem:laps_awd_window_seconds", "LAPS: AWD window W, mean over prefill workers.",
                    s.laps_window_s),
-                  ("tandem:laps_awd_depth", "LAPS: AWD target depth D, mean over prefill workers.", s.laps_depth)]
+                  ("tandem:laps_awd_depth", "LAPS: AWD target depth D, mean over prefill workers.", s.laps_depth),
+                  ("tandem:kv_cache_pool_bytes", "KV pool bytes, summed over the workers.", s.kv_cache_pool_bytes)]
+        if s.activation_peak_bytes:
+            gauges.append(("tandem:activation_budget_bytes", "Bytes the KV sizing set aside for activations: the "
+                           "profiled peak of the running logit mode plus its guard band (largest worker).",
+                           s.activation_budget_bytes))
         counters = [("vllm:prefix_cache_queries", "Prompt tokens looked up in the cache.", s.prefix_cache_queries),
                     ("vllm:prefix_cache_hits", "Prompt tokens found cached (history or prefix).", s.prefix_cache_hits),
                     ("tandem:local_prefills", "Prefills run on the session's decode worker.", s.local_prefills),
@@ -84,6 +89,13 @@ class _BackendCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, float(value))
             yield c
+        if s.activation_peak_bytes:
+            g = GaugeMetricFamily("tandem:activation_peak_bytes", "Activation peak of the worst-case step measured at "
+                                  "start, all logit rows at once (monolithic) or max_num_logits at a time "
+                                  "(decomposed); largest worker.", labels=["model_name", "logits"])
+            for mode, value in sorted(s.activation_peak_bytes.items()):
+                g.add_metric([self.model_name, mode], float(value))
+            yield g
         h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens through the model per engine step.",
                                   labels=["model_name"])
         counts = s.iteration_tokens
