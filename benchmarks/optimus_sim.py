@@ -15,7 +15,9 @@ batch rebuilt every step):
   there because TPOT alone plateaus once max_num_seqs caps the batch: past that rate requests queue instead.
 
 Systems: `ar` (the AR base model: Qwen3-8B for SDAR-8B, Ling-2.0-16B for LLaDA2.0-16B), `bd32` (the whole block
-every step), `c4`..`c32` (streaming chunked decoding with a fixed window) and `elastic` (Optimus's c* per step).
+every step), `c4`..`c32` (streaming chunked decoding with a fixed window), `elastic` (Optimus's c* per step, the
+windows leaving waiting prefills up to half the step's token budget: tandem's default) and `elastic-paper` (c* as
+the paper states it, only within the token budget).
 Diffusion commits follow tandem.perf.dllm's distribution for the model's ShareGPT row of Optimus Table 2; step
 times are the roofline's. Writes table.md, results.json, fig8.png and fig10.png to --out.
 """
@@ -41,7 +43,7 @@ from tandem.workload.session import SLO, Session
 from tandem.workload.traces import load_sharegpt
 
 MODELS = {"sdar-8b": "qwen3-8b", "llada2.0-16b": "ling-2.0-16b"}   # diffusion model -> its AR base
-SYSTEMS = ("ar", "bd32", "c4", "c8", "c16", "c32", "elastic")
+SYSTEMS = ("ar", "bd32", "c4", "c8", "c16", "c32", "elastic", "elastic-paper")
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RATES = (0.25, 0.5, 1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 TPOT_SLO_S = 0.050
@@ -71,9 +73,11 @@ def sim_config(run: Run) -> SimConfig:
     """The simulator's config of a run (the AR base model for `ar`)."""
     if run.system == "ar":
         return SimConfig(MODELS[run.model], run.gpu, 1, "C:tp1x1", "vllm", concurrency=run.batch)
-    chunk = {"bd32": "block", "elastic": "elastic"}.get(run.system, run.system.removeprefix("c"))
+    chunk = {"bd32": "block", "elastic": "elastic", "elastic-paper": "elastic"}.get(run.system,
+                                                                                     run.system.removeprefix("c"))
     return SimConfig(run.model, run.gpu, 1, "C:tp1x1", "vllm", concurrency=run.batch, dllm_block_length=BLOCK,
-                     dllm_chunk=chunk, dllm_dataset="sharegpt")
+                     dllm_chunk=chunk, dllm_dataset="sharegpt",
+                     dllm_prefill_share=0.0 if run.system == "elastic-paper" else 0.5)
 
 
 def simulate_run(run: Run) -> dict:

@@ -42,11 +42,14 @@ def test_the_latency_model_recovers_three_affine_regimes_in_b_times_c():
 
 
 # ---------------------------------------------------------------------------- N_commit(c)
-def test_the_commit_estimate_starts_at_one_maps_the_block_commits_and_learns_each_size():
-    """Protects §5.3's online estimate: 1 before any observation; after block-size steps committing 6, 10, 8 and 8,
-    a window of c is expected to commit what they committed within c positions: N(8) = (6 + 8 + 8 + 8) / 4 = 7.5,
-    N(4) = 4, N(32) = 8; once chunk 8 has its own 8 observations (3 each) its own mean wins; never above c. Before
-    any block-size step, another size's mean is scaled by the prior (c/B)^0.5: 2 at 8 -> 4 at 32, 2.83 at 16."""
+def test_the_commit_estimate_is_the_kaplan_meier_mapping_of_every_windows_commits():
+    """Protects §5.3's online estimate: 1 before any observation. After block-size steps committing 6, 10, 8 and 8
+    (stretches that ended there), N(c) = E[min(L, c)]: N(8) = (6 + 8 + 8 + 8) / 4 = 7.5, N(4) = 4, N(32) = 8.
+    A window of 4 committing 4, 4 and 2 shows L = 2 once and L >= 4 twice: S = 1, 1, 2/3, 2/3 at 1..4, so N(4) =
+    3.33 (the window's mean); position 4's fate is unknown (both full windows stop there), so from 4 on the hazard
+    is the pooled one past the first position, 1 / (3 + 2) (stretches at risk at 2 and 3), and N(8) = 3.33 +
+    2/3 (4/5 + (4/5)^2 + (4/5)^3 + (4/5)^4) = 4.91. Windows of 1 say nothing (their position's fate is unknown)
+    and do not erase what a large one showed."""
     est = CommitEstimator(32)
     assert est(32) == est(8) == 1.0
     est.observe(32, [6, 10])
@@ -54,13 +57,14 @@ def test_the_commit_estimate_starts_at_one_maps_the_block_commits_and_learns_eac
     assert est(32) == pytest.approx(8.0, rel=1e-2)
     assert est(8) == pytest.approx(7.5, rel=1e-2)
     assert est(4) == 4.0 and est(1) == 1.0
-    est.observe(8, [3] * 8)
-    assert est(8) == pytest.approx(3.0)
+    est.observe(1, [1] * 50)                     # windows of 1 say only L >= 1
+    assert est(8) == pytest.approx(7.5, rel=1e-2)
     with pytest.raises(ValueError, match="cannot commit"):
         est.observe(4, [5])
-    prior = CommitEstimator(32)
-    prior.observe(8, [2, 2])
-    assert prior(32) == pytest.approx(4.0) and prior(16) == pytest.approx(4 * 0.5 ** 0.5)
+    cens = CommitEstimator(32)
+    cens.observe(4, [4, 4, 2])
+    assert cens(4) == pytest.approx(10 / 3, rel=1e-3)
+    assert cens(8) == pytest.approx(10 / 3 + 2 / 3 * sum(0.8 ** i for i in range(1, 5)), rel=1e-3)
 
 
 # ---------------------------------------------------------------------------- c*
@@ -69,14 +73,14 @@ def sizer(mode="elastic", block=32, size=0):
 
 
 def test_elastic_runs_the_block_until_it_has_seen_it_then_takes_the_argmax():
-    """Protects c* = argmax N(c) b / T(c, b): after 8 sequences committing 16 at the block size 32, N(c) = min(16, c).
+    """Protects c* = argmax N(c) b / T(c, b): after 32 sequences committing 16 at the block size 32, N(c) = min(16, c).
     One sequence (T flat, 10 ms): 16 and 32 both commit 16 per 10 ms; the smaller, earlier candidate wins. 64
     sequences: c=16 -> 1024 tokens, T = 10 + 0.02 x 768 = 25.36 ms, 16 x 64 / 25.36 = 40.4 a ms, beating c=8 (512
     tokens, 15.12 ms: 33.9) and c=32 (2048 tokens, 76.56 ms: 13.4). 256 sequences: c=4 -> 1024 tokens, 40.4 a ms,
     beating c=2 (33.9), c=8 (26.7) and c=1 (25.6)."""
     s = sizer()
-    assert s.choose(64) == 32                    # warm-up: the block size until 8 sequences were observed at it
-    s.observe(32, [16] * 8)
+    assert s.choose(64) == 32                    # warm-up: the block size until 32 sequence-steps were observed
+    s.observe(32, [16] * 32)
     assert s.choose(1) == 16
     assert s.choose(64) == 16
     assert s.choose(256) == 4
@@ -201,3 +205,41 @@ def test_a_diffusion_simulation_beats_plain_block_diffusion_under_load_and_repor
     with pytest.raises(ConfigError, match="valid names"):
         simulate(sessions[:1], SimConfig("qwen3-8b", "a100-80g", 1, "C:tp1x1", "vllm", dllm_block_length=32))
     assert math.isfinite(out["elastic"][0])
+
+
+def test_elastic_windows_stay_within_the_budget_and_leave_waiting_prefills_their_share():
+    """Protects the token budget of a diffusion step: 4 sequences decoding with a budget of 64 tokens and flat step
+    times (so the largest useful window wins: N(c) = min(16, c)) take windows of 16 (4 x 16 = 64) when nothing
+    waits; with a 100-token prefill waiting, half the budget stays with it: windows of 8 (4 x 8 = 32) and a 32-token
+    prefill chunk in the same step. With dllm_prefill_share 0 (the paper's c*) the windows take the whole budget."""
+    def worker(share):
+        w = build_worker(0, COLOCATED, 1, 256, "vllm",
+                         SchedulerConfig(dllm_block_length=32, max_num_batched_tokens=64, dllm_prefill_share=share),
+                         t_pre=lambda h, n: 0.01)
+        w.chunker.observe(32, [16] * 32)         # warm-up done: stretches of 16
+        for i in range(4):
+            w.begin_round(f"s{i}")
+            w.submit(PrefillTask(f"s{i}", 0, 0, 32, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
+        t = 0.0
+        while len(w.running) < 4:                # prefill the prompts (decodes riding along commit nothing)
+            plan = w.schedule(t)
+            w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
+            t += 1.0
+        return w
+
+    w = worker(0.5)
+    plan = w.schedule(2.0)
+    assert [s.query_tokens for s in plan.decode] == [16] * 4 and not plan.prefill
+    w.on_step_done(plan, StepResult(1.0, {f"s{i}": 0 for i in range(4)}), 3.0)
+    w.begin_round("p")
+    w.submit(PrefillTask("p", 0, 0, 100, 3.0, output_tokens=5, decode_worker=0, worker=0), 3.0)
+    plan = w.schedule(3.0)
+    assert [s.query_tokens for s in plan.decode] == [8] * 4 and [n for _, n in plan.prefill] == [32]
+    assert plan.shape.num_decode + plan.shape.prefill_tokens == 64
+    w = worker(0.0)
+    w.begin_round("p")
+    w.submit(PrefillTask("p", 0, 0, 100, 2.0, output_tokens=5, decode_worker=0, worker=0), 2.0)
+    plan = w.schedule(2.0)
+    assert [s.query_tokens for s in plan.decode] == [16] * 4 and not plan.prefill
+    with pytest.raises(ValueError, match="dllm_prefill_share"):
+        SchedulerConfig(dllm_prefill_share=1.0)

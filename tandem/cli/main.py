@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dllm-chunk", default="elastic", metavar="elastic|block|N",
                    help="each diffusion step's window: elastic (Optimus: chosen per step from the load), block "
                         "(plain block diffusion, the whole block every step) or a fixed N (default: %(default)s)")
+    s.add_argument("--dllm-prefill-share", type=float, default=0.5, metavar="F",
+                   help="elastic windows leave waiting prefills up to this share of the step's token budget, in "
+                        "[0, 1); 0: the windows may take all of it, as the paper's c* (default: %(default)s)")
     s.add_argument("--dllm-dataset", default="sharegpt", choices=DLLM_DATASETS,
                    help="the Optimus Table 2 row the simulated commits per step follow (default: %(default)s)")
     s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
@@ -179,8 +182,10 @@ def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, pol
             raise CLIError(f"--dllm-chunk: {e}") from None
         if args.dllm_block_length < 2:
             raise CLIError("--dllm-block-length must be at least 2")
+        if not 0 <= args.dllm_prefill_share < 1:
+            raise CLIError(f"--dllm-prefill-share must be in [0, 1), got {args.dllm_prefill_share}")
         cfg = dataclasses.replace(cfg, dllm_block_length=args.dllm_block_length, dllm_chunk=chunk,
-                                  dllm_dataset=args.dllm_dataset)
+                                  dllm_dataset=args.dllm_dataset, dllm_prefill_share=args.dllm_prefill_share)
     return cfg
 
 

@@ -41,6 +41,7 @@ class SchedulerConfig:
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
     dllm_block_length: int = 0                # block-diffusion models: positions per block (0: autoregressive)
     dllm_chunk: str = "elastic"               # diffusion steps' window: elastic (Optimus), block (BD-B), or N
+    dllm_prefill_share: float = 0.5           # elastic windows leave waiting prefills up to this share of the budget
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "decode_query_tokens"):
@@ -53,3 +54,6 @@ class SchedulerConfig:
         if self.dllm_block_length != 0:
             _int("dllm_block_length", self.dllm_block_length, lo=2)
         object.__setattr__(self, "dllm_chunk", str(parse_chunk(self.dllm_chunk)))
+        if not (isinstance(self.dllm_prefill_share, (int, float)) and not isinstance(self.dllm_prefill_share, bool)
+                and 0 <= self.dllm_prefill_share < 1):
+            raise ValueError(f"dllm_prefill_share must be in [0, 1), got {self.dllm_prefill_share!r}")

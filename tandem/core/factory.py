@@ -99,7 +99,7 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         max_num_seqs=sched.max_num_seqs, mix_decode_with_prefill=role == COLOCATED,
         retain_s=spec.retain_idle_kv_s, watermark=sched.watermark, window_s=sched.window_s,
         decode_query_tokens=sched.decode_query_tokens,
-        dllm_block=sched.dllm_block_length if role != Role.PREFILL else 0,
+        dllm_block=sched.dllm_block_length if role != Role.PREFILL else 0, dllm_prefill_share=sched.dllm_prefill_share,
         itl_chunk_beta=spec.beta if spec.local_chunked and role == Role.DECODE else None)
     laps, local = None, None
     if spec.prefill_sched is PrefillSchedKind.LAPS and role in (Role.PREFILL, Role.DECODE):

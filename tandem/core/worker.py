@@ -44,6 +44,7 @@ class WorkerConfig:
     itl_chunk_beta: float | None = None     # decode worker: local prefills ride along the decodes in chunks whose
                                             # estimate fits itl_chunk_beta * the round's ITL SLO (None: prefill-first)
     dllm_block: int = 0                     # block-diffusion decoding: positions per block (0: autoregressive)
+    dllm_prefill_share: float = 0.5         # elastic windows leave waiting prefills up to this share of the budget
 
 
 class WorkerCore:
@@ -420,11 +421,16 @@ class WorkerCore:
                     self._preempt(seq, now)          # could not free enough: preempt itself
 
     def _size_windows(self) -> None:
-        """Block diffusion: this step's window per sequence. The chunk sizer picks c for the batch; a window stays
-        within the active block (blocks are aligned to absolute positions), so it is min(c, positions left in the
-        block), and what it may commit is that window; plain block diffusion (c = B) computes the whole block."""
+        """Block diffusion: this step's window per sequence. The chunk sizer picks c for the batch within the token
+        budget, less what waiting prefills keep of it (dllm_prefill_share of the budget at most: the diffusion
+        engines Optimus builds on run prefills first, and windows that fill the budget would starve them); a window
+        stays within the active block (blocks are aligned to absolute positions), so it is min(c, positions left in
+        the block), and what it may commit is that window; plain block diffusion (c = B) computes the whole block."""
         B = self.cfg.dllm_block
-        c = self.chunker.choose(len(self.running))
+        budget = self.cfg.max_num_batched_tokens
+        waiting = sum(t.work - t.done for t in self.active) + sum(t.work for t in self.queue)
+        claim = min(waiting, int(self.cfg.dllm_prefill_share * budget))   # what waiting prefills keep of the step
+        c = self.chunker.choose(len(self.running), room=budget - claim)
         whole = self.chunker.recomputes_block
         for seq in self.running:
             left = B - seq.num_tokens % B

@@ -66,6 +66,7 @@ class SimConfig:
     dllm_block_length: int = 0                  # block-diffusion decoding in blocks of this many positions (0: AR)
     dllm_chunk: str = "elastic"                 # each diffusion step's window: elastic (Optimus), block, or N
     dllm_dataset: str = "sharegpt"              # Optimus Table 2 row the diffusion commits follow (with the model)
+    dllm_prefill_share: float = 0.5             # elastic windows leave waiting prefills this share of the budget
     faults: FaultSpec | None = None             # injected KV-transfer failures and worker deaths
     perf: str | None = None                     # `tandem profile` JSON (step timer, routing costs, KV pool), or
                                                 # an AMPDCostModel JSON (routing costs only); roofline if None
@@ -89,7 +90,8 @@ class SimConfig:
         kw = dict(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
                   max_num_seqs=self.max_num_seqs, window_s=self.window_s, kv_timeout_s=self.kv_timeout_s,
                   session_ttl_s=self.session_ttl_s, decode_query_tokens=self.decode_query_tokens,
-                  dllm_block_length=self.dllm_block_length, dllm_chunk=self.dllm_chunk)
+                  dllm_block_length=self.dllm_block_length, dllm_chunk=self.dllm_chunk,
+                  dllm_prefill_share=self.dllm_prefill_share)
         kw.update(over)
         try:
             return SchedulerConfig(**kw)

@@ -2,7 +2,7 @@
 
 `elastic`: c* = argmax_c N_commit(c)·b / T(c, b) over the candidate sizes up to the block length, b the sequences
 decoding this step: the size that commits the most tokens per second at this load. Until the estimator has seen
-enough steps at the block size, the step runs at the block size (Optimus observes the largest chunk first).
+enough steps, the step runs at the block size (Optimus observes the largest chunk first).
 `N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
 diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded positions' KV within it).
 """
@@ -15,7 +15,7 @@ from enum import StrEnum
 from tandem.policy.optimus.commit import CommitEstimator
 
 CHUNK_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)   # window sizes the elastic policy chooses among (up to the block)
-WARMUP_OBSERVATIONS = 8                     # sequences observed at the block size before the elastic choice starts
+WARMUP_OBSERVATIONS = 32                    # sequence-steps observed (at the block size) before the elastic choice
 
 
 class ChunkMode(StrEnum):
@@ -80,18 +80,23 @@ class ChunkSizer:
         """Plain block diffusion: every step computes the whole block (no reuse of its decoded positions)."""
         return self.spec.mode is ChunkMode.BLOCK
 
-    def choose(self, b: int) -> int:
-        """The window of a step decoding b sequences (at most the block length)."""
+    def choose(self, b: int, room: int | None = None) -> int:
+        """The window of a step decoding b sequences (at most the block length); the elastic choice keeps b·c within
+        `room` query tokens when given (the step's budget left to the windows), down to a window of 1."""
         mode = self.spec.mode
         if mode is ChunkMode.BLOCK or b <= 0:
             c = self.block
         elif mode is ChunkMode.FIXED:
             c = min(self.spec.size, self.block)
-        elif self.estimator.observed(self.block) < self.warmup:
+        elif self.estimator.observations < self.warmup:   # warm-up: the largest window the room allows
             c = self.block
+            if room is not None and c * b > room:
+                c = max([1] + [cand for cand in self.candidates if cand * b <= room])
         else:
-            best, c = -1.0, self.block
+            best, c = -1.0, 1
             for cand in self.candidates:
+                if room is not None and cand > 1 and cand * b > room:
+                    break
                 rate = self.estimator(cand) * b / self.latency(cand, b)
                 if rate > best:
                     best, c = rate, cand

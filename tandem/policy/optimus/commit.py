@@ -1,92 +1,90 @@
 """Optimus §5.3: N_commit(c), the tokens a step of chunk size c commits per sequence, estimated online.
 
 Token utilisation (committed tokens / c) falls as c grows: a larger window commits more positions per step but with
-diminishing returns. Optimus observes the commits of steps at the largest window (the block) early in decoding and
-builds from them an empirical mapping from window size to commits, updated as decoding goes on. Here:
+diminishing returns. Optimus observes the commits of steps at the largest window early in decoding, builds from them
+an empirical mapping from window size to commits, and keeps updating it. Here every step's commits update it, at
+whatever window it ran:
 
-- the commits k observed at the block size are kept as a decayed histogram, and a window of c is expected to commit
-  what those steps committed within their first c positions, N(c) = E[min(k, c)] (positions past the window cannot
-  commit; those inside it commit as they would have);
-- a size observed often enough (min_observations sequences) is estimated by its own exponentially weighted mean;
-- before anything was seen at the block size, a size not observed yet scales the other sizes' evidence by a prior
-  curve r(c) = (c/B)^gamma; before any observation, N(c) = 1 (a diffusion step commits at least one token).
+- a step is read as finding a stretch of L positions it can commit, of which a window of c commits min(L, c): a
+  sequence that committed k < c positions shows L = k; one that committed all c shows only L >= c (censored);
+- the distribution of L is the Kaplan-Meier estimate over those (decayed) observations: hazard h(j) = (stretches
+  ending at j) / (stretches whose fate at j is known: ending at j or later, or censored past j; a window full at c
+  says nothing about position c itself), survival S(j) = P(L >= j) = Π_{i<j} (1 − h(i));
+- N(c) = E[min(L, c)] = Σ_{j=1..c} S(j). Past the longest window observed, the hazard is the pooled one of the
+  observed positions beyond the first (a geometric tail); with nothing observed past the first position, no stretch is
+  assumed (N(c) = 1).
 
-Sans-I/O: observations come in as numbers.
+So small windows inform the small positions and never erase what larger ones showed; before any observation
+N(c) = 1 (a diffusion step commits at least one token), which is why the sizer starts at the block size. Sans-I/O:
+observations come in as numbers.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-DEFAULT_GAMMA = 0.5         # prior r(c) = (c/B)^gamma, used only before any step at the block size was observed
-DEFAULT_HALFLIFE = 64       # steps after which an observation weighs half as much
-MIN_OBSERVATIONS = 8        # sequences observed at a size before its own mean replaces the estimate
+DEFAULT_HALFLIFE = 256      # sequence-steps after which an observation weighs half as much
 
 
 class CommitEstimator:
     """Online N_commit(c) for chunk sizes up to the block size `block`."""
 
-    def __init__(self, block: int, gamma: float = DEFAULT_GAMMA, ratio: Callable[[int], float] | None = None,
-                 halflife: float = DEFAULT_HALFLIFE, min_observations: int = MIN_OBSERVATIONS) -> None:
+    def __init__(self, block: int, halflife: float = DEFAULT_HALFLIFE) -> None:
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block must be an integer >= 1, got {block!r}")
-        if not (isinstance(gamma, (int, float)) and 0 < gamma <= 1):
-            raise ValueError(f"gamma must be in (0, 1], got {gamma!r}")
         if not (isinstance(halflife, (int, float)) and halflife > 0):
             raise ValueError(f"halflife must be > 0, got {halflife!r}")
         self.block = block
-        self._ratio = ratio or (lambda c: (c / block) ** gamma)
         self._decay = math.exp(-math.log(2) / halflife)
-        self.min_observations = min_observations
-        self._sum: dict[int, float] = {}       # decayed Σ commits per size
-        self._weight: dict[int, float] = {}    # decayed Σ sequences per size
-        self._count: dict[int, int] = {}       # sequences observed per size (undecayed)
-        self._at_block: dict[int, float] = {}  # decayed histogram of the commits observed at the block size
+        self._ended = [0.0] * (block + 2)      # decayed weight of stretches seen to end at j (k = j < window)
+        self._reached = [0.0] * (block + 2)    # decayed weight of stretches seen to reach at least j (censored at j)
+        self.observations = 0                  # sequence-steps observed (undecayed)
+        self._cache: list[float] | None = None
 
     def observe(self, c: int, committed: Iterable[int]) -> None:
-        """A step at chunk size c committed these counts (one per sequence)."""
+        """A step at window c committed these counts (one per sequence; the window at most the block)."""
         got = [int(k) for k in committed]
+        if not 1 <= c <= self.block or any(k < 0 or k > c for k in got):
+            raise ValueError(f"a step of window {c} (block {self.block}) cannot commit {got}")
+        got = [k for k in got if k > 0]          # a step that committed nothing says nothing about stretches
         if not got:
             return
-        if c < 1 or any(k < 0 or k > c for k in got):
-            raise ValueError(f"a step of chunk {c} cannot commit {got}")
-        d = self._decay
-        self._sum[c] = self._sum.get(c, 0.0) * d + sum(got)
-        self._weight[c] = self._weight.get(c, 0.0) * d + len(got)
-        self._count[c] = self._count.get(c, 0) + len(got)
-        if c == self.block:
-            hist = self._at_block
-            for k in hist:
-                hist[k] *= d
-            for k in got:
-                hist[k] = hist.get(k, 0.0) + 1.0
+        d = self._decay ** len(got)
+        self._ended = [w * d for w in self._ended]
+        self._reached = [w * d for w in self._reached]
+        for k in got:
+            if k < c:
+                self._ended[k] += 1.0
+            else:
+                self._reached[k] += 1.0
+        self.observations += len(got)
+        self._cache = None
 
-    def observed(self, c: int) -> int:
-        """Sequences observed at chunk size c so far."""
-        return self._count.get(c, 0)
-
-    def block_estimate(self) -> float | None:
-        """N(B) inferred from every observed size through the prior curve (None before any observation)."""
-        num = den = 0.0
-        for c, w in self._weight.items():
-            if w > 0:
-                num += self._sum[c] / self._ratio(c)
-                den += w
-        return num / den if den > 0 else None
+    def survival(self) -> list[float]:
+        """S(j) = P(L >= j) for j = 0..block (S(0) = S(1) = 1)."""
+        if self._cache is not None:
+            return self._cache
+        B = self.block
+        at_risk = [0.0] * (B + 2)                # weight of stretches whose fate at j is known: they end at j or
+        for j in range(B, 0, -1):                # later, or are known to go past j (censored beyond it)
+            at_risk[j] = at_risk[j + 1] + self._ended[j] + self._reached[j + 1]
+        ended_beyond = sum(self._ended[2:B + 1])
+        exposure_beyond = sum(at_risk[2:B + 1])
+        tail = ended_beyond / exposure_beyond if exposure_beyond > 0 else 1.0   # nothing seen past 1: no stretch
+        s = [1.0, 1.0]
+        for j in range(1, B):
+            h = self._ended[j] / at_risk[j] if at_risk[j] > 0 else tail
+            s.append(s[-1] * (1.0 - h))
+        self._cache = s
+        return s
 
     def __call__(self, c: int) -> float:
-        """Estimated commits per sequence of a step at chunk size c, within [1, c] (1 before any observation)."""
+        """Estimated commits per sequence of a step at window c, within [1, c] (1 before any observation)."""
         if c < 1:
             raise ValueError(f"chunk size must be >= 1, got {c}")
-        if self._count.get(c, 0) >= self.min_observations:
-            n = self._sum[c] / self._weight[c]
-        elif self._at_block:
-            total = sum(self._at_block.values())
-            n = sum(w * min(k, c) for k, w in self._at_block.items()) / total
-        else:
-            nb = self.block_estimate()
-            n = 1.0 if nb is None else nb * self._ratio(c)
+        s = self.survival()
+        n = sum(s[1:min(c, self.block) + 1])
         return min(float(c), max(1.0, n))
 
 
-__all__ = ["CommitEstimator", "DEFAULT_GAMMA"]
+__all__ = ["CommitEstimator"]
