@@ -1,4 +1,4 @@
-"""Tiny random checkpoints in the Hugging Face layout (Qwen3 or Llama), written fully offline, for tests and demos.
+"""Tiny random checkpoints in the Hugging Face layout (Qwen3, Llama or SDAR), written fully offline, for tests and demos.
 
 A directory from `make_tiny_model` loads both here (`load_model`, `Tokenizer.from_pretrained`) and in transformers
 (`AutoModelForCausalLM`, `AutoTokenizer`), so the engine can be checked against transformers without downloads.
@@ -6,6 +6,11 @@ A directory from `make_tiny_model` loads both here (`load_model`, `Tokenizer.fro
 Besides the tiny sizes (1m, 30m), `REAL_SIZES` are random models with the dimensions of real checkpoints (Qwen3-0.6B
 and Qwen3-8B: their config.json, vocabulary of 151936 ids, 40960 positions) for timing the engine on a GPU. Only the
 first few hundred ids are covered by the byte-level tokenizer here, which timing does not care about.
+
+`sdar` is the block-diffusion variant (SDAR's config.json: `model_type: "sdar"`, `block_size`, `mask_token_id`): the
+byte-level tokenizer plus a `<|mask|>` token, in a vocabulary padded to SDAR_VOCAB_SIZE ids (the ids past the
+tokenizer's are never produced by it), so that the LM head costs what a real vocabulary does. `tandem tiny-model
+--arch sdar --train` trains it (tandem.engine.diffusion.train) instead of leaving it random.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3", "llama")
+ARCHS = ("qwen3", "llama", "sdar")
 REAL_SIZES = ("0.6b", "8b")          # qwen3 only: the real models' shapes
 SIZES = ("1m", "30m", *REAL_SIZES)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -26,6 +31,9 @@ _TRANSFORMERS_VERSION = "4.51.0"
 _SHAPES: dict[tuple[str, str], dict[str, int]] = {
     ("qwen3", "1m"): dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=48, intermediate_size=384),
+    # SDAR's body (the vocabulary adds SDAR_VOCAB_SIZE x hidden, tied)
+    ("sdar", "1m"): dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, intermediate_size=384),
     ("llama", "1m"): dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=32, intermediate_size=416),
     ("qwen3", "30m"): dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -42,6 +50,10 @@ _SHAPES: dict[tuple[str, str], dict[str, int]] = {
 # What the real checkpoints' config.json say besides the shape (both Qwen3 sizes alike, but the tying).
 _REAL = {("qwen3", "0.6b"): dict(vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True),
          ("qwen3", "8b"): dict(vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False)}
+
+SDAR_VOCAB_SIZE = 32768          # the sdar checkpoints' vocabulary (the tokenizer covers its first few hundred ids)
+SDAR_BLOCK_SIZE = 32             # their diffusion block length (config.json `block_size`)
+MASK_TOKEN = "<|mask|>"          # their mask token (config.json `mask_token_id`)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|end_of_text|>",
                   "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
@@ -183,10 +195,11 @@ def _byte_chars() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def build_tokenizer(bos_token: str | None = None):
+def build_tokenizer(bos_token: str | None = None, mask_token: str | None = None):
     """A byte-level BPE `tokenizers.Tokenizer`: 256 byte tokens, merges for common pieces, special tokens.
 
-    With `bos_token`, a post-processor prepends it when special tokens are added (as Llama 3's tokenizer does).
+    With `bos_token`, a post-processor prepends it when special tokens are added (as Llama 3's tokenizer does);
+    `mask_token` adds a diffusion mask token after every other (a special token: decoding skips it).
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -206,6 +219,8 @@ def build_tokenizer(bos_token: str | None = None):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
+    if mask_token is not None:
+        tok.add_special_tokens([AddedToken(mask_token, special=True, normalized=False)])
     if bos_token is not None:
         bos_id = tok.token_to_id(bos_token)
         tok.post_processor = processors.TemplateProcessing(
@@ -219,25 +234,35 @@ def _check(arch: str, size: str) -> None:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r} (valid: {', '.join(SIZES)})")
     if (arch, size) not in _SHAPES:
-        raise ValueError(f"size {size!r} is a real model's shape, only for qwen3 (llama: {', '.join(s for s in SIZES if (arch, s) in _SHAPES)})")
+        raise ValueError(f"size {size!r} is not made for {arch} (valid: "
+                         f"{', '.join(s for s in SIZES if (arch, s) in _SHAPES)})")
+
+
+def arch_tokenizer(arch: str):
+    """The tokenizer an arch's checkpoints ship: Llama's prepends BOS, SDAR's has the mask token."""
+    if arch == "llama":
+        return build_tokenizer("<|begin_of_text|>")
+    return build_tokenizer(mask_token=MASK_TOKEN if arch == "sdar" else None)
 
 
 def _vocab_size(arch: str, size: str, tok) -> int:
-    """The real model's vocabulary for REAL_SIZES, else the tokenizer's ids padded to a multiple of 64."""
+    """The real model's vocabulary for REAL_SIZES, SDAR_VOCAB_SIZE for sdar, else the tokenizer's padded to 64."""
+    if arch == "sdar":
+        return SDAR_VOCAB_SIZE
     real = _REAL.get((arch, size))
     return real["vocab_size"] if real else -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
 
 
 def _default_tie(arch: str, size: str) -> bool:
     real = _REAL.get((arch, size))
-    return real["tie_word_embeddings"] if real else arch == "qwen3"
+    return real["tie_word_embeddings"] if real else arch in ("qwen3", "sdar")
 
 
 def model_config(arch: str = "qwen3", size: str = "1m", dtype: str = "float32",
                  tie_word_embeddings: bool | None = None) -> dict[str, Any]:
     """The config.json that `make_tiny_model` writes for `arch` and `size` (no weights)."""
     _check(arch, size)
-    tok = build_tokenizer("<|begin_of_text|>" if arch == "llama" else None)
+    tok = arch_tokenizer(arch)
     tie = _default_tie(arch, size) if tie_word_embeddings is None else bool(tie_word_embeddings)
     return _model_config(arch, size, _vocab_size(arch, size, tok), tok, tie, dtype)
 
@@ -249,6 +274,12 @@ def _model_config(arch: str, size: str, vocab_size: int, tok, tie: bool, dtype: 
                   rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0, initializer_range=0.02,
                   tie_word_embeddings=tie, use_cache=True, torch_dtype=dtype,
                   transformers_version=_TRANSFORMERS_VERSION)
+    if arch == "sdar":       # SDAR's config.json: Qwen3's fields plus block_size and mask_token_id
+        return dict(architectures=["SDARForCausalLM"], model_type="sdar", **common, rope_theta=1000000.0,
+                    rope_scaling=None, use_sliding_window=False, sliding_window=None,
+                    max_window_layers=shape["num_hidden_layers"], block_size=SDAR_BLOCK_SIZE,
+                    mask_token_id=tok.token_to_id(MASK_TOKEN), bos_token_id=tok.token_to_id("<|endoftext|>"),
+                    eos_token_id=tok.token_to_id("<|endoftext|>"))
     if arch == "qwen3":
         return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **common, rope_theta=1000000.0,
                     rope_scaling=None, use_sliding_window=False, sliding_window=None,
@@ -327,41 +358,51 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3", size: str = "1m", seed: int = 0,
                     dtype: str = "float32", shards: int = 1, tie_word_embeddings: bool | None = None,
-                    init_device: str = "cpu") -> Path:
+                    init_device: str = "cpu", config_overrides: dict[str, Any] | None = None) -> Path:
     """Write a random `arch` model of about `size` parameters, its tokenizer and chat template into out_dir.
 
     init_device: where the random weights are drawn ("cuda" draws an 8B model in seconds; the values then differ
-    from a CPU draw of the same seed, but are the same on every run)."""
+    from a CPU draw of the same seed, but are the same on every run). config_overrides: config.json fields to
+    change (a test's other shape, e.g. num_key_value_heads)."""
     _check(arch, size)
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (valid: {', '.join(_DTYPES)})")
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
     tie = _default_tie(arch, size) if tie_word_embeddings is None else bool(tie_word_embeddings)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)      # a rewrite must not leave another layout's shards behind
-
-    tok = build_tokenizer("<|begin_of_text|>" if arch == "llama" else None)
-    config = _model_config(arch, size, _vocab_size(arch, size, tok), tok, tie, dtype)
+    config = {**model_config(arch, size, dtype, tie), **(config_overrides or {})}
 
     from tandem.engine.models import ModelConfig, get_model_class
     mc = ModelConfig.from_dict(config)
     with torch.device("meta"):
         skeleton = get_model_class(mc.architecture)(mc)
     tensors = _init_weights(skeleton, seed, tie, _DTYPES[dtype], init_device)
-    _save_weights(tensors, out, shards)
-    del tensors
+    return write_checkpoint(out_dir, config, tensors, shards)
 
+
+def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                     shards: int = 1) -> Path:
+    """Write `config` (a `model_config` dict), the named tensors and the arch's tokenizer files into out_dir."""
+    arch = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "SDARForCausalLM": "sdar"}[
+        config["architectures"][0]]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)      # a rewrite must not leave another layout's shards behind
+    tok = arch_tokenizer(arch)
+    _save_weights(tensors, out, shards)
     _write_json(out / "config.json", config)
     eos = config["eos_token_id"]
     _write_json(out / "generation_config.json", {
         "bos_token_id": config["bos_token_id"], "eos_token_id": eos if isinstance(eos, list) else
-        [eos, tok.token_to_id("<|endoftext|>")], "transformers_version": _TRANSFORMERS_VERSION})
+        list(dict.fromkeys([eos, tok.token_to_id("<|endoftext|>")])), "transformers_version": _TRANSFORMERS_VERSION})
     tok.save(str(out / "tokenizer.json"))
     if arch == "qwen3":
         special = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+        template = QWEN3_CHAT_TEMPLATE
+    elif arch == "sdar":     # SDAR-*-Chat: EOS <|endoftext|>, Qwen3's template, a mask token
+        special = {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                   "mask_token": MASK_TOKEN}
         template = QWEN3_CHAT_TEMPLATE
     else:   # BOS comes from tokenizer.json's post-processor, as in Llama 3
         special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"}

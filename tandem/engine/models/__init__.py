@@ -1,13 +1,15 @@
 """Model classes by HF architecture name, and the subset of config.json the engine needs (ModelConfig)."""
 from __future__ import annotations
 
-from tandem.engine.models.config import ARCHITECTURES, ModelConfig
+from tandem.engine.models.config import ARCHITECTURES, DIFFUSION_ARCHITECTURES, ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
+from tandem.engine.models.sdar import BlockDiffusionBackend, BlockDiffusionMetadata, SDARForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "SDARForCausalLM": SDARForCausalLM,
 }
 
 
@@ -20,4 +22,6 @@ def get_model_class(architecture: str) -> type:
                          f"(supported: {', '.join(sorted(MODEL_REGISTRY))})") from None
 
 
-__all__ = ["ARCHITECTURES", "MODEL_REGISTRY", "LlamaForCausalLM", "ModelConfig", "Qwen3ForCausalLM", "get_model_class"]
+__all__ = ["ARCHITECTURES", "DIFFUSION_ARCHITECTURES", "MODEL_REGISTRY", "BlockDiffusionBackend",
+           "BlockDiffusionMetadata", "LlamaForCausalLM", "ModelConfig", "Qwen3ForCausalLM", "SDARForCausalLM",
+           "get_model_class"]

@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 _ROPE_TYPES = ("default", "linear", "llama3")
-ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen3ForCausalLM")   # MODEL_REGISTRY's keys
+ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM")   # MODEL_REGISTRY's keys
+# Architectures that decode by block diffusion: their config.json names the diffusion block length (`block_size`) and
+# the mask token (`mask_token_id`), as SDAR's checkpoints do.
+DIFFUSION_ARCHITECTURES: tuple[str, ...] = ("SDARForCausalLM",)
 
 
 @dataclass
@@ -38,6 +41,10 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     attention_bias: bool = False
     mlp_bias: bool = False
+    # Block diffusion (SDAR): config.json's `block_size` (the diffusion block length, not the KV cache's block size)
+    # and `mask_token_id`; None for autoregressive models.
+    diffusion_block_size: int | None = None
+    mask_token_id: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -73,9 +80,17 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         head_dim = d.get("head_dim") or hidden // heads
+        vocab = need_int("vocab_size")
+        diffusion_block = mask_id = None
+        if arch in DIFFUSION_ARCHITECTURES:
+            diffusion_block = need_int("block_size")
+            mask_id = d.get("mask_token_id")
+            if isinstance(mask_id, bool) or not isinstance(mask_id, int) or not 0 <= mask_id < vocab:
+                raise ValueError(f"config.json field 'mask_token_id' must be a token id below vocab_size {vocab}, "
+                                 f"got {mask_id!r}")
         return cls(
             architecture=arch, model_type=str(d.get("model_type", "")),
-            vocab_size=need_int("vocab_size"), hidden_size=hidden, intermediate_size=need_int("intermediate_size"),
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=need_int("intermediate_size"),
             num_hidden_layers=need_int("num_hidden_layers"), num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
@@ -84,6 +99,7 @@ class ModelConfig:
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
             attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+            diffusion_block_size=diffusion_block, mask_token_id=mask_id,
         )
 
     @classmethod
