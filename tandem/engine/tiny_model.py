@@ -234,8 +234,10 @@ def _check(arch: str, size: str) -> None:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r} (valid: {', '.join(SIZES)})")
     if (arch, size) not in _SHAPES:
-        raise ValueError(f"size {size!r} is not made for {arch} (valid: "
-                         f"{', '.join(s for s in SIZES if (arch, s) in _SHAPES)})")
+        valid = ", ".join(s for s in SIZES if (arch, s) in _SHAPES)
+        if size in REAL_SIZES:
+            raise ValueError(f"size {size!r} is a real model's shape, only for qwen3 ({arch}: {valid})")
+        raise ValueError(f"size {size!r} is not made for {arch} (valid: {valid})")
 
 
 def arch_tokenizer(arch: str):
