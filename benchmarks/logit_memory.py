@@ -33,24 +33,15 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.memory_profile import guard_bytes, kv_budget
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.tiny_model import make_tiny_model
+from tandem.engine.tiny_model import widen_vocab
 
 VOCABS = (32768, 151936)
 MIB = 1 << 20
 
 
 def vocab_model(out: Path, vocab: int, seed: int = 0) -> str:
-    """The tiny Qwen3 (1m) with its tied embedding widened to `vocab` rows: the LM head of a real vocabulary."""
-    from safetensors.torch import load_file, save_file
-    make_tiny_model(out, arch="qwen3", size="1m", seed=seed)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["vocab_size"] = vocab
-    (out / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(str(out / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    tensors["model.embed_tokens.weight"] = torch.randn(vocab, cfg["hidden_size"], generator=g) * 0.05
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return str(out)
+    """The tiny Qwen3 with a real-sized vocabulary (tandem.engine.tiny_model.widen_vocab)."""
+    return widen_vocab(out, vocab, seed)
 
 
 def measure(path: str, tokens: int, seqs: int, cap: int, budget: int) -> dict:

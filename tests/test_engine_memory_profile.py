@@ -4,7 +4,6 @@ the predicted amount, and the figures reach the log and /metrics."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from tandem.engine.memory_profile import (  # noqa: E402
     GUARD_MIN_BYTES, LiveBytes, MemoryProfile, guard_bytes, memory_report, worst_case_batch,
 )
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
-from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+from tandem.engine.tiny_model import make_tiny_model, widen_vocab  # noqa: E402
 from tandem.runtime.client import BackendStats, add_memory_reports  # noqa: E402
 
 VOCAB = 32768                 # a real vocabulary (SDAR's, Llama 2's) on the 1m model's body (hidden 128, 4 layers)
@@ -38,18 +37,8 @@ def one_thread():
 
 
 def vocab_model(out: Path, vocab: int, seed: int = 0) -> str:
-    """The tiny Qwen3 (1m) with its tied embedding widened to `vocab` rows (ids past the tokenizer's never produced
-    by it), so the logit tensor costs what a real vocabulary does."""
-    from safetensors.torch import load_file, save_file
-    make_tiny_model(out, arch="qwen3", size="1m", seed=seed)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["vocab_size"] = vocab
-    (out / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(str(out / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    tensors["model.embed_tokens.weight"] = torch.randn(vocab, cfg["hidden_size"], generator=g) * 0.05
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return str(out)
+    """The tiny Qwen3 with a real-sized vocabulary (tandem.engine.tiny_model.widen_vocab)."""
+    return widen_vocab(out, vocab, seed)
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +220,7 @@ def test_serve_memory_flags_fail_in_one_line(tmp_path, capsys, flag, value, need
 def test_serve_passes_the_memory_flags_to_the_engines(tmp_path):
     """Protects the flags' path: --cpu-memory-budget 3G and --gpu-memory-utilization 0.5 reach EngineConfig."""
     from tandem.cli import serve_cmd
-    from tandem.cli.common import Parser
+    from tandem.cli.common import Parser, byte_size
     make_tiny_model(tmp_path, arch="qwen3", size="1m", seed=1)
     p = Parser(prog="tandem")
     serve_cmd.add_parser(p.add_subparsers())
@@ -239,7 +228,7 @@ def test_serve_passes_the_memory_flags_to_the_engines(tmp_path):
                          "--gpu-memory-utilization", "0.5", "--max-num-logits", "16"])
     eng = serve_cmd._cluster_config(args).engine_args
     assert (eng["cpu_memory_budget_bytes"], eng["gpu_memory_utilization"], eng["max_num_logits"]) == (3 << 30, 0.5, 16)
-    assert serve_cmd._byte_size("512MiB") == 512 << 20 and serve_cmd._byte_size("1048576") == 1 << 20
+    assert byte_size("512MiB") == 512 << 20 and byte_size("1048576") == 1 << 20
     cfg = EngineConfig(model=str(tmp_path), **eng)
     assert cfg.cpu_memory_budget_bytes == 3 << 30
 

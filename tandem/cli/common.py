@@ -64,6 +64,33 @@ def positive_float(text: str) -> float:
     return x
 
 
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """A byte count: an integer, optionally with a binary suffix K, M, G or T (KiB, MiB, ...; 4G = 4 GiB)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _BYTE_UNITS else ""
+    try:
+        n = int(t[:len(t) - len(unit)]) * _BYTE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 4G, 512M or 1048576, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
+    return n
+
+
+def unit_fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return x
+
+
 def positive_int(text: str) -> int:
     try:
         x = int(text)

@@ -10,10 +10,11 @@ import signal
 from pathlib import Path
 
 from tandem.cli.bench_table import print_table
-from tandem.cli.common import CLIError, csv_list, positive_int
+from tandem.cli.common import CLIError, byte_size, csv_list, positive_int, unit_fraction
 from tandem.bench.ports import free_port
+from tandem.policy.presets import POLICIES, PrefillSchedKind
 
-LAPS_POLICIES = ("laps", "laps-no-graph", "laps-no-split", "ampd+laps", "ampd+laps-chunked")
+LAPS_POLICIES = tuple(name for name, spec in POLICIES.items() if spec.prefill_sched is PrefillSchedKind.LAPS)
 
 DEMO_SLO = (0.05, 0.02)         # TTFT, ITL seconds: a 1M-parameter model's steps take a few milliseconds
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -49,10 +50,10 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--max-num-logits", type=positive_int, default=None, metavar="N",
                    help="logit decomposition: the LM head and the sampler run on at most N rows at a time "
                         "(default: every row of a step at once)")
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="F",
+    p.add_argument("--gpu-memory-utilization", type=unit_fraction, default=None, metavar="F",
                    help="CUDA: fraction of the GPU's memory for weights, activations and KV; the KV pool gets "
                         "what the profiled worst-case step leaves (default: 0.9)")
-    p.add_argument("--cpu-memory-budget", type=_byte_size, default=None, metavar="BYTES",
+    p.add_argument("--cpu-memory-budget", type=byte_size, default=None, metavar="BYTES",
                    help="CPU: bytes per worker for weights, activations and KV (e.g. 4G, 512M); the KV pool gets "
                         "what the profiled worst-case step leaves (default: a 1 GiB KV pool)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
@@ -112,33 +113,6 @@ def add_parser(sub) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
-
-
-_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def _byte_size(text: str) -> int:
-    """A byte count: an integer, optionally with a binary suffix K, M, G or T (KiB, MiB, ...; 4G = 4 GiB)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _BYTE_UNITS else ""
-    try:
-        n = int(t[:len(t) - len(unit)]) * _BYTE_UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bytes such as 4G, 512M or 1048576, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
-    return n
-
-
-def _fraction(text: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return x
 
 
 def _cluster_config(args):

@@ -427,3 +427,20 @@ def parameter_count(arch: str = "qwen3", size: str = "1m", tie_word_embeddings: 
     with torch.device("meta"):
         model = get_model_class(mc.architecture)(mc)
     return sum(p.numel() for p in model.parameters())
+
+
+def widen_vocab(out: str | os.PathLike, vocab: int, seed: int = 0) -> str:
+    """The tiny Qwen3 (1m) written to `out` with its tied embedding widened to `vocab` rows (ids past the tokenizer's
+    are never produced by it), so the LM head and the logit tensor cost what a real vocabulary's do."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    make_tiny_model(out, arch="qwen3", size="1m", seed=seed)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["vocab_size"] = vocab
+    (out / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(out / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    tensors["model.embed_tokens.weight"] = torch.randn(vocab, cfg["hidden_size"], generator=g) * 0.05
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
