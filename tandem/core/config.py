@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.policy.dllm_serve import PhaseSpec, parse_admission
 from tandem.policy.optimus.chunk import parse_chunk
 
 DEFAULT_BLOCK_SIZE = 16
@@ -42,6 +43,14 @@ class SchedulerConfig:
     dllm_block_length: int = 0                # block-diffusion models: positions per block (0: autoregressive)
     dllm_chunk: str = "elastic"               # diffusion steps' window: elastic (Optimus), block (BD-B), or N
     dllm_prefill_share: float = 0.5           # elastic windows leave waiting prefills up to this share of the budget
+    dllm_admission: str | None = None         # dLLM-Serve mode (LLaDA-style Refresh/Reuse phases, co-located
+                                              # workers): "phase" (phase-multiplexed), "static" (Fast-dLLM-like
+                                              # static batches) or "reserve" (request-level continuous); None: off
+    dllm_delay_step: int = 1                  # dLLM-Serve: full-length steps of a block before its cache is written
+    dllm_refresh_interval: int = 0            # dLLM-Serve: also refresh every this many steps (0: block starts only)
+    dllm_refresh_span: str = "full"           # dLLM-Serve: a Refresh recomputes prompt + the whole generation length
+                                              # ("full", LLaDA) or prompt + generated + the active block ("prefix")
+    dllm_kv_retention: float = 1.0            # dLLM-Serve: share ρ of a request's positions whose KV it keeps
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "decode_query_tokens"):
@@ -57,3 +66,13 @@ class SchedulerConfig:
         if not (isinstance(self.dllm_prefill_share, (int, float)) and not isinstance(self.dllm_prefill_share, bool)
                 and 0 <= self.dllm_prefill_share < 1):
             raise ValueError(f"dllm_prefill_share must be in [0, 1), got {self.dllm_prefill_share!r}")
+        if self.dllm_admission is not None:
+            object.__setattr__(self, "dllm_admission", parse_admission(self.dllm_admission).value)
+            if not self.dllm_block_length:
+                raise ValueError("dllm_admission needs a block-diffusion model (dllm_block_length > 0)")
+        self.phase_spec()                         # validates the Refresh/Reuse knobs
+
+    def phase_spec(self) -> PhaseSpec:
+        """The Refresh/Reuse policy of the dLLM-Serve mode (ValueError names a bad knob)."""
+        return PhaseSpec(max(2, self.dllm_block_length), self.dllm_delay_step, self.dllm_refresh_interval,
+                         self.dllm_refresh_span, self.dllm_kv_retention)

@@ -16,6 +16,7 @@ from tandem.policy.laps.classify import DEFAULT_THRESHOLD, LengthClassifier
 from tandem.policy.laps.pools import PooledRouter
 from tandem.perf.roofline import BatchShape
 from tandem.policy.laps.pressure import PressureConfig
+from tandem.policy.dllm_serve import Admission, DllmServe
 from tandem.policy.optimus.chunk import ChunkSizer, parse_chunk
 from tandem.policy.optimus.latency import ChunkLatency
 from tandem.policy.presets import (
@@ -89,7 +90,9 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
     """One worker core of `role` with the policy's picker and idle-KV retention and the scheduler's knobs.
     `max_num_batched_tokens` overrides the scheduler's budget for this worker (the simulator's co-located one);
     `boundary` is the cost model's LAPS boundary L_m, the class threshold unless the policy sets one; `t_step`, the
-    shell's step timer, gives block-diffusion workers Optimus's T(c, b) (else it is sampled from t_pre)."""
+    shell's step timer, gives block-diffusion workers Optimus's T(c, b) (else it is sampled from t_pre). With
+    `sched.dllm_admission` the diffusion worker runs dLLM-Serve's Refresh/Reuse phases under that admission policy
+    instead of Optimus's windows (co-located workers only: ValueError otherwise)."""
     spec = get_policy(policy)
     sched = sched or SchedulerConfig()
     role = Role(role)
@@ -100,6 +103,7 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         retain_s=spec.retain_idle_kv_s, watermark=sched.watermark, window_s=sched.window_s,
         decode_query_tokens=sched.decode_query_tokens,
         dllm_block=sched.dllm_block_length if role != Role.PREFILL else 0, dllm_prefill_share=sched.dllm_prefill_share,
+        dllm_admission=sched.dllm_admission or "",
         itl_chunk_beta=spec.beta if spec.local_chunked and role == Role.DECODE else None)
     laps, local = None, None
     if spec.prefill_sched is PrefillSchedKind.LAPS and role in (Role.PREFILL, Role.DECODE):
@@ -109,10 +113,16 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
             laps = LapsScheduler(opts, t_pre or (lambda h, n: 0.0))
         elif spec.laps_local_awd:
             local = LocalLaps(opts, t_pre or (lambda h, n: 0.0))
-    chunker = None
-    if sched.dllm_block_length and role != Role.PREFILL:
+    chunker, dllm = None, None
+    if sched.dllm_admission:
+        if role != COLOCATED:
+            raise ValueError(f"dLLM-Serve admission ({sched.dllm_admission}) runs on co-located workers: a request's "
+                             f"first step is its prefill and its first Refresh; got a {role} worker")
+        dllm = DllmServe(sched.phase_spec(), Admission(sched.dllm_admission, cfg.max_num_batched_tokens,
+                                                       cfg.max_num_seqs))
+    elif sched.dllm_block_length and role != Role.PREFILL:
         chunker = ChunkSizer(parse_chunk(sched.dllm_chunk), sched.dllm_block_length, chunk_latency(t_step, t_pre))
-    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker)
+    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker, dllm=dllm)
 
 
 WINDOW = 32                 # diffusion windows in the shapes T(c, b) is sampled at: rows of 32 ...

@@ -12,9 +12,10 @@ from tandem.core.config import (
 )
 from tandem.core.stats import WindowedMean
 from tandem.core.types import (
-    DECODE, PREFILL, FetchHistory, FirstToken, PrefillDone, PrefillTask,
+    COLOCATED, DECODE, PREFILL, FetchHistory, FirstToken, PrefillDone, PrefillTask,
     RoundDone, Seq, SeqState, SessionFailed, StepPlan, StepResult,
 )
+from tandem.policy.dllm_serve import Candidate, DllmServe, Phase, PhaseState
 from tandem.policy.optimus.chunk import ChunkSizer
 from tandem.policy.reorder import FCFS, Picker
 from tandem.policy.routing import itl_chunk_tokens
@@ -45,6 +46,8 @@ class WorkerConfig:
                                             # estimate fits itl_chunk_beta * the round's ITL SLO (None: prefill-first)
     dllm_block: int = 0                     # block-diffusion decoding: positions per block (0: autoregressive)
     dllm_prefill_share: float = 0.5         # elastic windows leave waiting prefills up to this share of the budget
+    dllm_admission: str = ""                # dLLM-Serve mode (co-located diffusion workers): Refresh/Reuse phases
+                                            # packed by "phase", "static" or "reserve" admission ("": Optimus windows)
 
 
 class WorkerCore:
@@ -52,7 +55,8 @@ class WorkerCore:
 
     def __init__(self, wid: int, cfg: WorkerConfig, picker: Picker | None = None,
                  t_pre: Callable[[int, int], float] | None = None, laps: LapsScheduler | None = None,
-                 local_laps: LocalLaps | None = None, chunker: ChunkSizer | None = None) -> None:
+                 local_laps: LocalLaps | None = None, chunker: ChunkSizer | None = None,
+                 dllm: DllmServe | None = None) -> None:
         self.id = wid
         self.cfg = cfg
         self.role = cfg.role
@@ -80,8 +84,20 @@ class WorkerCore:
         self.busy_window = WindowedMean(cfg.window_s)   # step time within the window: utilisation
         self.laps = laps if cfg.role == PREFILL else None   # LAPS temporal disaggregation (prefill workers)
         self.local_laps = local_laps if cfg.role == DECODE else None   # AMPD+LAPS: AWD over local short prefills
-        self.chunker = chunker if cfg.dllm_block else None  # Optimus: each diffusion step's window
-        if cfg.dllm_block and chunker is None:
+        self.dllm = dllm if cfg.dllm_block else None       # dLLM-Serve: Refresh/Reuse phases, phase admission
+        self._phase: dict[str, PhaseState] = {}             # dLLM-Serve: each running request's phase state
+        self.last_phases: dict[str, Phase] = {}             # dLLM-Serve: the phase of each request of the last plan
+        self.chunker = chunker if cfg.dllm_block and self.dllm is None else None  # Optimus: each step's window
+        if cfg.dllm_admission:
+            if self.dllm is None or self.dllm.mode != cfg.dllm_admission:
+                raise ValueError(f"a dLLM-Serve worker ({cfg.dllm_admission!r} admission) needs its DllmServe "
+                                 f"policy (tandem.core.factory.build_worker)")
+            if cfg.role != COLOCATED:
+                raise ValueError(f"dLLM-Serve admission runs on co-located workers (a request's first step is its "
+                                 f"prefill and its first Refresh), not on a {cfg.role} worker")
+        elif dllm is not None:
+            raise ValueError("a DllmServe policy was given to a worker whose configuration has no dllm_admission")
+        if cfg.dllm_block and self.chunker is None and self.dllm is None:
             raise ValueError("a block-diffusion worker needs a ChunkSizer (tandem.core.factory.build_worker)")
 
     @property
@@ -113,7 +129,8 @@ class WorkerCore:
         seq = self.attach(sid)
         self.idle.pop(sid, None)
         seq.state = PREFILLING
-        if block_hashes and seq.num_tokens == 0 and not self.blocks.held(seq) and prompt_tokens > 1:
+        if block_hashes and seq.num_tokens == 0 and not self.blocks.held(seq) and prompt_tokens > 1 \
+                and self.dllm is None:                # bidirectional: a prompt's KV depends on the whole sequence
             usable = block_hashes[:(prompt_tokens - 1) // self.cfg.block_size]
             blocks = self.blocks.match_prefix(usable) if usable else ()
             if blocks:
@@ -125,6 +142,8 @@ class WorkerCore:
     def submit(self, task: PrefillTask, now: float) -> None:
         """Enqueue a prefill task routed to this worker."""
         task.worker = self.id
+        if self.dllm is not None and not self._dllm_fits(task, now):
+            return
         task.est_s = self.t_pre(task.first, task.work)
         if task.recompute:
             self.queue.insert(0, task)
@@ -176,6 +195,7 @@ class WorkerCore:
             self.running.remove(seq)
             self._ctx -= seq.num_tokens
         seq.state = RELEASED                         # a step in flight must not commit into it
+        self._phase.pop(sid, None)
         kept = [t for t in self.queue if t.session_id != sid]
         if self.laps is not None:
             for t in [*self.queue, *self.active]:
@@ -209,6 +229,8 @@ class WorkerCore:
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan | None:
         """Form the next step: admit prefills (picker order), then prefill chunks and/or decodes."""
+        if self.dllm is not None:
+            return self._schedule_phases(now)
         if self.pending_kv:
             self._retry_pending(now)
         laps = self.laps
@@ -287,6 +309,132 @@ class WorkerCore:
         elif local is not None:
             local.pad_if_short(plan)
         return plan
+
+    # ---------------------------------------------------------------- dLLM-Serve phases
+    def _dllm_fits(self, task: PrefillTask, now: float) -> bool:
+        """dLLM-Serve mode: a request whose largest step exceeds the token budget, or whose KV buffer exceeds the
+        pool, can never run here; its session fails with the reason (True: it can run)."""
+        seq = self.seqs.get(task.session_id)
+        prompt = (seq.num_tokens if seq is not None else 0) + task.l_incr
+        phases = self.dllm.phases
+        peak = phases.peak_tokens(prompt, task.output_tokens)
+        if not self.dllm.admission.fits_alone(peak):
+            reason = (f"a Refresh of {peak} query tokens (prompt {prompt} + generation {task.output_tokens}) exceeds "
+                      f"the step's token budget, max_num_batched_tokens {self.cfg.max_num_batched_tokens}")
+        elif self._kv_positions(phases.kv_tokens(prompt, task.output_tokens)) > self.capacity_tokens:
+            reason = (f"KV exceeds the worker's capacity: a buffer of {phases.kv_tokens(prompt, task.output_tokens)} "
+                      f"positions on a {self.role} worker of {self.capacity_tokens}")
+        else:
+            return True
+        self.events.append(SessionFailed(task.session_id, self.id, now, reason))
+        return False
+
+    def _kv_positions(self, tokens: int) -> int:
+        """Pool positions a buffer of `tokens` takes (whole KV blocks)."""
+        bs = self.cfg.block_size
+        return -(-tokens // bs) * bs
+
+    def _schedule_phases(self, now: float) -> StepPlan | None:
+        """dLLM-Serve mode: pack the running requests' phases (Refresh: the sequence length; Reuse: the active block)
+        and the first steps of newly admitted requests under max_num_batched_tokens, as the DllmServe policy decides
+        (tandem/policy/dllm_serve); an admitted request holds its fixed KV buffer until its round ends."""
+        dllm = self.dllm
+        phases = dllm.phases
+        step = self.steps
+        table = self._phase
+        running = [Candidate(seq, phases.demand(st), phases.peak_tokens(st.prompt, st.gen), 0, st.last_run, st.order)
+                   for seq in self.running for st in (table[seq.session_id],)]
+        sel = dllm.admission.select(running, self._queued_candidates(), self.blocks.num_free * self.cfg.block_size)
+        for seq in sel.deferred:
+            st = table[seq.session_id]
+            st.deferred += 1
+            dllm.stats.deferrals += 1
+            if st.deferred > dllm.stats.max_deferred:
+                dllm.stats.max_deferred = st.deferred
+        ran_before = bool(sel.run)
+        admitted = []
+        for t in sel.admit:
+            seq = self._admit_phases(t, step, now)
+            if seq is not None:
+                admitted.append(seq)
+        if admitted:
+            dllm.stats.admitted += len(admitted)
+            if ran_before:
+                dllm.stats.admitted_while_running += len(admitted)
+        batch = sel.run + admitted
+        if not batch:
+            return None
+        plan = StepPlan(self.id)
+        shape = plan.shape
+        stats = dllm.stats
+        phase_of = {}
+        tokens = 0
+        for seq in batch:
+            st = table[seq.session_id]
+            st.deferred = 0
+            st.last_run = step
+            ph = phases.phase(st)
+            q = phases.demand(st)
+            rows = phases.block_len(st)              # logits: the active block's positions (its candidates)
+            seq.query_tokens = q
+            seq.commit_cap = phases.left(st)
+            seq.writes_kv = ph is Phase.REFRESH
+            if ph.full_length:                       # the whole sequence, bidirectional: a prefill-like recompute
+                shape.prefill_tokens += q
+                shape.prefill_attn_pairs += q * q
+                shape.num_prefill += rows
+            else:                                    # the active block over the retained keys
+                shape.add_window(phases.reuse_context(st), q)
+            phase_of[seq.session_id] = ph
+            stats.seq_steps[ph.value] += 1
+            stats.phase_tokens[ph.value] += q
+            tokens += q
+        stats.steps += 1
+        stats.tokens += tokens
+        if tokens > stats.max_tokens:
+            stats.max_tokens = tokens
+        if len(self.running) > stats.max_running:
+            stats.max_running = len(self.running)
+        self.last_phases = phase_of
+        plan.decode = batch
+        return plan
+
+    def _queued_candidates(self):
+        """The queue's requests, FCFS, as admission reads them (lazily: admission stops at the first it refuses)."""
+        phases = self.dllm.phases
+        for i, t in enumerate(self.queue):
+            seq = self.seqs.get(t.session_id)
+            prompt = (seq.num_tokens if seq is not None else 0) + t.l_incr
+            gen = t.output_tokens
+            yield Candidate(t, phases.first_tokens(prompt, gen), phases.peak_tokens(prompt, gen),
+                            self._kv_positions(phases.kv_tokens(prompt, gen)), order=i)
+
+    def _admit_phases(self, t: PrefillTask, step: int, now: float) -> Seq | None:
+        """Start a queued request: its KV buffer, its first step (this one), its phase state."""
+        self.queue.remove(t)
+        self.queued_est_s -= t.est_s
+        seq = self.seqs.get(t.session_id)
+        if seq is None:
+            return None
+        prompt = seq.num_tokens + t.l_incr
+        phases = self.dllm.phases
+        kv = phases.kv_tokens(prompt, t.output_tokens)
+        if not self._reserve(seq, kv, now, preempt=False):   # admission checked the free pool
+            raise RuntimeError(f"dLLM-Serve admission of {t.session_id!r}: {kv} KV positions not free")
+        t.start_s = now
+        self._start_decoding(seq, t, now)
+        if seq.state is not RUNNING:
+            return None
+        self._phase[seq.session_id] = phases.new(prompt, t.output_tokens, seq.order, step)
+        return seq
+
+    def phase_of(self, sid: str) -> Phase | None:
+        """dLLM-Serve mode: the phase the session's request ran in the last step planned (None: not in it)."""
+        return self.last_phases.get(sid)
+
+    def dllm_stats(self) -> dict:
+        """dLLM-Serve mode: the worker's phase and admission counters ({} in other modes)."""
+        return self.dllm.stats.as_dict() if self.dllm is not None else {}
 
     def _admissible(self) -> bool:
         """Whether a queued task may be admitted now (not held by the local AWD batcher)."""
@@ -636,6 +784,7 @@ class WorkerCore:
         itl_sum, n_tok = 0.0, 0
         finished = False
         chunker = self.chunker
+        dllm = self.dllm
         seen: dict[int, list[int]] = {}              # window -> commits observed (Optimus's N_commit estimate)
         first = 0                                    # first tokens of diffusion rounds (TTFT, not ITL)
         for seq in plan.decode:
@@ -654,6 +803,8 @@ class WorkerCore:
                     seen.setdefault(seq.commit_cap, []).append(c)
             if c > seq.to_decode:
                 c = seq.to_decode
+            if dllm is not None:
+                dllm.advance(self._phase[seq.session_id], c)
             if c > 0 and seq.first_due is not None:   # a diffusion round's first commit: its TTFT, no gap
                 start, enqueued = seq.first_due
                 seq.first_due = None
@@ -717,6 +868,10 @@ class WorkerCore:
         self._ctx += seq.num_tokens
 
     def _finish_round(self, seq: Seq, now: float) -> None:
+        if self.dllm is not None:                    # dLLM-Serve: the request's buffer goes with it (a next round
+            self._phase.pop(seq.session_id, None)    # recomputes everything in its first Refresh anyway)
+            self.blocks.free(seq)
+            seq.num_tokens, seq.cap = 0, 0
         seq.state = IDLE
         seq.retain_until = now + self.cfg.retain_s
         self.idle[seq.session_id] = seq
