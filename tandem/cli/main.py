@@ -74,6 +74,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "[0, 1); 0: the windows may take all of it, as the paper's c* (default: %(default)s)")
     s.add_argument("--dllm-dataset", default="sharegpt", choices=DLLM_DATASETS,
                    help="the Optimus Table 2 row the simulated commits per step follow (default: %(default)s)")
+    s.add_argument("--dllm-admission", default=None, choices=("phase", "static", "reserve"),
+                   help="dLLM-Serve mode of the diffusion worker (co-located): Refresh/Reuse phases packed under the "
+                        "token budget by phase-multiplexed admission (phase), static batches reserving each request's "
+                        "Refresh peak (static, Fast-dLLM-like) or continuous request-level admission reserving it "
+                        "(reserve); the KV pool follows the dLLM memory model (docs/dllm-serve.md)")
+    s.add_argument("--dllm-delay-step", type=_nonneg_int, default=1, metavar="N",
+                   help="dLLM-Serve: full-length steps at a block's start before its cache is written; a block starts "
+                        "with N + 1 of them (default: %(default)s, dLLM-Serve's)")
+    s.add_argument("--dllm-refresh-interval", type=_nonneg_int, default=0, metavar="N",
+                   help="dLLM-Serve: also refresh every N steps after the block's cache write (default: 0, only at "
+                        "block transitions)")
+    s.add_argument("--dllm-refresh-span", default="full", choices=("full", "prefix"),
+                   help="dLLM-Serve: a Refresh recomputes the prompt and the whole generation length (full, LLaDA) or "
+                        "the prompt, the generated tokens and the active block (prefix) (default: %(default)s)")
+    s.add_argument("--dllm-kv-retention", type=_ratio, default=1.0, metavar="R",
+                   help="dLLM-Serve: share of a request's positions whose KV it keeps (head-centric sparse KV), in "
+                        "(0, 1] (default: %(default)s, the dense cache)")
+    s.add_argument("--dllm-commits", type=_commits, default=None, metavar="MEAN[,STD]",
+                   help="diffusion tokens committed per step at block 32 (mean and standard deviation of the stretch "
+                        "distribution; 1 = one a step); default: Optimus Table 2's row, LLaDA-8B one a step")
+    s.add_argument("--max-num-logits", type=positive_int, default=None, metavar="N",
+                   help="dLLM-Serve memory model: logit rows materialised at once (default: every row, monolithic)")
+    s.add_argument("--max-num-batched-tokens", type=_budget, default=None, metavar="N|auto",
+                   help="query tokens per step of every worker (default: 2048); with --dllm-admission, auto is the "
+                        "largest whose activation peak leaves KV for the retained positions of that many tokens")
     s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
     s.add_argument("--faults", default=None, metavar="SPEC",
                    help="inject faults and compare with the fault-free run: kv-fail=P (a KV transfer fails), "
@@ -136,6 +161,43 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- simulate
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return x
+
+
+def _ratio(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return x
+
+
+def _commits(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    try:
+        mean = float(parts[0])
+        std = float(parts[1]) if len(parts) == 2 else 0.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MEAN or MEAN,STD, got {text!r}") from None
+    if len(parts) > 2 or not 1 <= mean < 32 or std < 0 or (mean > 1 and std == 0):
+        raise argparse.ArgumentTypeError(f"expected 1 <= MEAN < 32 and STD > 0 (or MEAN 1 alone), got {text!r}")
+    return mean, std
+
+
+def _budget(text: str) -> int:
+    return 0 if text.strip().lower() == "auto" else positive_int(text)
+
+
+
 def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False) -> tuple[str, int]:
     """The validated deployment string and the cluster's GPU count (profiled: tp1 engines, no catalogue checks)."""
     from tandem.bench.experiment import check_fits, deployment_candidates, policy_is_colocated
@@ -185,7 +247,22 @@ def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, pol
         if not 0 <= args.dllm_prefill_share < 1:
             raise CLIError(f"--dllm-prefill-share must be in [0, 1), got {args.dllm_prefill_share}")
         cfg = dataclasses.replace(cfg, dllm_block_length=args.dllm_block_length, dllm_chunk=chunk,
-                                  dllm_dataset=args.dllm_dataset, dllm_prefill_share=args.dllm_prefill_share)
+                                  dllm_dataset=args.dllm_dataset, dllm_prefill_share=args.dllm_prefill_share,
+                                  dllm_commits=getattr(args, "dllm_commits", None))
+    admission = getattr(args, "dllm_admission", None)
+    if admission is not None:
+        if not getattr(args, "dllm_block_length", None):
+            raise CLIError("--dllm-admission needs a block-diffusion model: give --dllm-block-length")
+        cfg = dataclasses.replace(cfg, dllm_admission=admission, dllm_delay_step=args.dllm_delay_step,
+                                  dllm_refresh_interval=args.dllm_refresh_interval,
+                                  dllm_refresh_span=args.dllm_refresh_span, dllm_kv_retention=args.dllm_kv_retention,
+                                  max_num_logits=args.max_num_logits)
+    budget = getattr(args, "max_num_batched_tokens", None)
+    if budget is not None:
+        if budget == 0 and admission is None:
+            raise CLIError("--max-num-batched-tokens auto sizes a dLLM-Serve worker's budget: give --dllm-admission")
+        cfg = dataclasses.replace(cfg, colocated_max_num_batched_tokens=budget,
+                                  max_num_batched_tokens=budget or cfg.max_num_batched_tokens)
     return cfg
 
 
@@ -211,8 +288,16 @@ SIM_TABLE_METRICS: list[tuple[str, str]] = [
     ("kv_transfer_mean_s", "KV transfer mean (s)"), ("local_prefill_fraction", "local prefill share"),
     ("preemptions", "preemptions"), ("throughput_output_tokens_per_s", "output tokens/s"),
     ("dllm_tokens_per_step", "diffusion tokens/step"), ("dllm_chunk_mean", "diffusion chunk mean"),
+    ("dllm_max_num_batched_tokens", "dLLM-Serve token budget"), ("dllm_kv_pool_tokens", "dLLM-Serve KV pool (positions)"),
+    ("dllm_batch_tokens_mean", "dLLM-Serve batch tokens mean"), ("dllm_batch_tokens_max", "dLLM-Serve batch tokens max"),
+    ("dllm_refresh_share", "dLLM-Serve Refresh share"), ("dllm_max_running", "dLLM-Serve max running"),
+    ("dllm_deferrals", "dLLM-Serve deferred seq-steps"), ("dllm_max_deferred_steps", "dLLM-Serve longest wait (steps)"),
     ("sim_time_s", "simulated time (s)"), ("events", "events"), ("wall_s", "wall time (s)"),
 ]
+
+
+DLLM_SERVE_KEYS = frozenset(k for k, _ in SIM_TABLE_METRICS if k.startswith("dllm_") and k not in
+                            ("dllm_tokens_per_step", "dllm_chunk_mean"))
 
 
 def _print_sim_table(out: dict) -> None:
@@ -221,6 +306,8 @@ def _print_sim_table(out: dict) -> None:
     rows = []
     for key, label in SIM_TABLE_METRICS:
         v = out.get(key)
+        if v is None and key in DLLM_SERVE_KEYS:
+            continue                                 # shown only for dLLM-Serve runs
         text = "-" if v is None else (pct(v) if "attainment" in key or "fraction" in key
                                       else f"{v:.4g}" if isinstance(v, float) else str(v))
         rows.append({"metric": label, "value": text})
@@ -275,6 +362,7 @@ def cmd_simulate(args) -> int:
         dump_records(res.records, args.records)
     out = summarize(res.records, res.sim_time_s)
     out.update(cluster.dllm_summary(res.workers))
+    out.update(cluster.dllm_serve_summary(res.workers))
     out.update({"wall_s": res.wall_s, "sim_time_s": res.sim_time_s, "events": res.events,
                 "deploy": res.deployment, "policy": res.policy, "model": model, "gpu": gpu, "gpus": gpus,
                 "workload": args.workload, "rate": rate, "concurrency": args.concurrency, "seed": args.seed})

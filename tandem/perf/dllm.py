@@ -35,6 +35,11 @@ OPTIMUS_LENGTHS: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     "mbpp": ((155, 77), (49, 28)), "ifeval": ((58, 24), (281, 264)),
 }
 REQUEST_CONCENTRATION = 8.0     # π_r ~ Beta(κπ, κ(1−π)): how much requests of one dataset differ
+# Commits per step (mean, std at block 32) of diffusion models outside Optimus Table 2, as their serving papers run
+# them. LLaDA-8B in dLLM-Serve (Table 3: 256 steps for 256 tokens, blocks of 32, Fast-dLLM without parallel
+# decoding "so that all systems execute the same number of denoising steps"; its decoder unmasks
+# ceil(masked / steps left in the block) = 1 position a step): exactly one token a step.
+FIXED_SCHEDULE_COMMITS: dict[str, tuple[float, float]] = {"llada-8b": (1.0, 0.0)}
 
 
 def _clipped_moments(p: float, cap: int) -> tuple[float, float]:
@@ -93,6 +98,13 @@ class StretchModel:
         return cls(pi, p)
 
 
+def stretch_model(mean: float, std: float, block: int = TABLE2_BLOCK) -> StretchModel:
+    """The StretchModel with this mean and standard deviation at `block`; (1, 0) is one token every step (π = 0)."""
+    if mean == 1.0 and std == 0.0:
+        return StretchModel(0.0, 1.0)
+    return StretchModel.fit(mean, std, block)
+
+
 def commit_model(model: str, dataset: str) -> StretchModel:
     """The stretch distribution of Optimus Table 2's (model, dataset) cell."""
     table = OPTIMUS_TABLE2.get(model.lower())
@@ -104,5 +116,5 @@ def commit_model(model: str, dataset: str) -> StretchModel:
     return StretchModel.fit(*cell)
 
 
-__all__ = ["OPTIMUS_LENGTHS", "OPTIMUS_TABLE2", "REQUEST_CONCENTRATION", "StretchModel", "TABLE2_BLOCK",
-           "commit_model"]
+__all__ = ["FIXED_SCHEDULE_COMMITS", "OPTIMUS_LENGTHS", "OPTIMUS_TABLE2", "REQUEST_CONCENTRATION", "StretchModel",
+           "TABLE2_BLOCK", "commit_model", "stretch_model"]

@@ -144,14 +144,20 @@ MODELS: dict[str, ModelSpec] = {
                        max_context=32768),
     "llada2.0-16b": _m("llada2.0-16b", 20, 2048, 16, 4, 128, 512, 157184, experts=257, experts_per_token=9,
                        max_context=32768),
+    # GSAI-ML/LLaDA-8B-Instruct config.json (model_type llada, block_type llama): 32 layers (n_layers), d_model 4096,
+    # 32 heads and 32 KV heads (MHA) of 128, a gated MLP of mlp_hidden_size 12288 (ff_proj, up_proj, ff_out), vocab
+    # (and embedding_size) 126464, weight_tying false, max_sequence_length 4096. ~8.02B params (16.0 GB in bf16);
+    # dLLM-Serve's model. Bidirectional (a masked-diffusion LM): its KV is 0.5 MiB a token (MHA).
+    "llada-8b": _m("llada-8b", 32, 4096, 32, 32, 128, 12288, 126464, max_context=4096),
 }
 
 _ALIASES: dict[str, str] = {
     "llama3.1-70b": "llama-3.1-70b", "meta-llama-3.1-70b": "llama-3.1-70b",
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
     "sdar-8b-chat": "sdar-8b", "ling-mini-2.0": "ling-2.0-16b", "llada2.0-mini": "llada2.0-16b",
+    "llada": "llada-8b",
 }
-_ORGS = ("meta-llama/", "qwen/", "mistralai/", "jetlm/", "inclusionai/")
+_ORGS = ("meta-llama/", "qwen/", "mistralai/", "jetlm/", "inclusionai/", "gsai-ml/")
 _SUFFIXES = ("-instruct", "-chat", "-base", "-v0.1", "-hf")
 
 

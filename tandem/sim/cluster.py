@@ -16,7 +16,9 @@ from tandem.core.state import InProcessState
 from tandem.core.types import COLOCATED, PREFILL
 from tandem.core.worker import WorkerCore
 from tandem.perf.ampd_cost import AMPDCostModel
-from tandem.perf.dllm import commit_model
+from tandem.perf.dllm import FIXED_SCHEDULE_COMMITS, OPTIMUS_TABLE2, commit_model, stretch_model
+from tandem.perf.dllm_memory import DllmMemory
+from tandem.perf.errors import DoesNotFitError
 from tandem.perf.hardware import get_gpu
 from tandem.perf.models import get_model
 from tandem.perf.roofline import Roofline, kv_capacity_tokens
@@ -32,7 +34,8 @@ from tandem.sim.network import Network
 from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
-__all__ = ["SimConfig", "SimResult", "simulate", "build", "load_perf", "ConfigError", "POLICIES", "FaultError"]
+__all__ = ["SimConfig", "SimResult", "simulate", "build", "load_perf", "ConfigError", "POLICIES", "FaultError",
+           "dllm_pool", "dllm_serve_summary"]
 
 
 class ConfigError(ValueError):
@@ -67,6 +70,16 @@ class SimConfig:
     dllm_chunk: str = "elastic"                 # each diffusion step's window: elastic (Optimus), block, or N
     dllm_dataset: str = "sharegpt"              # Optimus Table 2 row the diffusion commits follow (with the model)
     dllm_prefill_share: float = 0.5             # elastic windows leave waiting prefills this share of the budget
+    dllm_admission: str | None = None           # dLLM-Serve mode: "phase", "static" or "reserve" (docs/dllm-serve.md);
+                                                # its co-located workers' KV pool follows tandem.perf.dllm_memory and
+                                                # colocated_max_num_batched_tokens 0 means the largest that fits
+    dllm_delay_step: int = 1                    # dLLM-Serve: full-length steps of a block before its cache is written
+    dllm_refresh_interval: int = 0              # dLLM-Serve: also refresh every this many steps (0: block starts)
+    dllm_refresh_span: str = "full"             # dLLM-Serve: a Refresh recomputes the whole canvas or the prefix
+    dllm_kv_retention: float = 1.0              # dLLM-Serve: share of a request's positions whose KV it keeps
+    max_num_logits: int | None = None           # dLLM-Serve memory model: logit rows at once (None: monolithic)
+    dllm_commits: tuple[float, float] | None = None   # diffusion commits per step (mean, std at block 32); None:
+                                                # Optimus Table 2's row, or the model's fixed schedule (LLaDA-8B: 1)
     faults: FaultSpec | None = None             # injected KV-transfer failures and worker deaths
     perf: str | None = None                     # `tandem profile` JSON (step timer, routing costs, KV pool), or
                                                 # an AMPDCostModel JSON (routing costs only); roofline if None
@@ -91,7 +104,9 @@ class SimConfig:
                   max_num_seqs=self.max_num_seqs, window_s=self.window_s, kv_timeout_s=self.kv_timeout_s,
                   session_ttl_s=self.session_ttl_s, decode_query_tokens=self.decode_query_tokens,
                   dllm_block_length=self.dllm_block_length, dllm_chunk=self.dllm_chunk,
-                  dllm_prefill_share=self.dllm_prefill_share)
+                  dllm_prefill_share=self.dllm_prefill_share, dllm_admission=self.dllm_admission,
+                  dllm_delay_step=self.dllm_delay_step, dllm_refresh_interval=self.dllm_refresh_interval,
+                  dllm_refresh_span=self.dllm_refresh_span, dllm_kv_retention=self.dllm_kv_retention)
         kw.update(over)
         try:
             return SchedulerConfig(**kw)
@@ -174,14 +189,19 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     prefill_tps = [tp for role, tp in dep.workers() if role == PREFILL]
     boundary = Roofline(model, gpu, min(prefill_tps)).prefill_boundary() if prefill_tps else None   # LAPS's L_m
     for wid, (role, tp) in enumerate(dep.workers()):
-        cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
+        budget = cfg.colocated_max_num_batched_tokens if role == COLOCATED else None
+        if sched.dllm_admission:
+            cap, budget = dllm_pool(cfg, tp)
+        else:
+            cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
         def t_pre(h: int, n: int, _tp: int = tp) -> float:
             return cost.t_pre(h, n, _tp)
         timer = Roofline(model, gpu, tp).step_time
-        workers.append(build_worker(
-            wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
-            max_num_batched_tokens=cfg.colocated_max_num_batched_tokens if role == COLOCATED else None,
-            boundary=boundary, t_step=timer))
+        try:
+            workers.append(build_worker(wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
+                                        max_num_batched_tokens=budget, boundary=boundary, t_step=timer))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         timers.append(timer)
     state = InProcessState(workers, cost, nodes)
     coord = build_coordinator(state, spec, sched, random.Random(cfg.seed), max_context=model.max_context,
@@ -192,6 +212,47 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     loop = EventLoop(coord, workers, timers, net, model.kv_bytes_per_token)
     _shell_options(loop, cfg, state)
     return coord, workers, loop
+
+
+def dllm_pool(cfg: SimConfig, tp: int) -> tuple[int, int]:
+    """dLLM-Serve mode: a co-located worker's KV pool (positions) and token budget from the memory model
+    (tandem.perf.dllm_memory): the budget is colocated_max_num_batched_tokens, or, when 0, the largest whose peak
+    (at max_num_logits rows of logits at once) leaves KV for the retained positions of that many query tokens (what
+    request-level batching that reserves each request's Refresh peak can run); the pool is what that peak leaves."""
+    mem = DllmMemory(get_model(cfg.model), get_gpu(cfg.gpu), tp, cfg.mem_util)
+    logits = cfg.max_num_logits
+    if logits is not None and (isinstance(logits, bool) or not isinstance(logits, int) or logits < 1):
+        raise ConfigError(f"max_num_logits must be None or an integer >= 1, got {logits!r}")
+    budget = cfg.colocated_max_num_batched_tokens
+    if not budget:
+        budget = mem.feasible_batched_tokens(logits, cfg.dllm_kv_retention)
+        if budget < 1:
+            raise ConfigError(f"{mem.model.name} on {mem.gpu.name} (tp{tp}) leaves no memory for a step: weights "
+                              f"{mem.weights_bytes / 2**30:.2f} GiB of a {mem.budget_bytes / 2**30:.2f} GiB budget")
+    try:
+        return mem.kv_pool_tokens(budget, logits), budget
+    except DoesNotFitError as e:
+        raise ConfigError(str(e)) from None
+
+
+def dllm_serve_summary(workers: list[dict]) -> dict:
+    """dLLM-Serve figures of a run over its workers: packed query tokens per step (mean, max), the Refresh share of
+    the sequence-steps, deferrals and the longest wait, and the largest running set ({} outside the mode)."""
+    rows = [w["dllm_serve"] for w in workers if w.get("dllm_serve")]
+    if not rows:
+        return {}
+    steps = sum(r["steps"] for r in rows)
+    seq = {k: sum(r["seq_steps"][k] for r in rows) for k in rows[0]["seq_steps"]}
+    total = sum(seq.values())
+    return {"dllm_batch_tokens_mean": sum(r["tokens"] for r in rows) / steps if steps else None,
+            "dllm_batch_tokens_max": max(r["max_tokens"] for r in rows),
+            "dllm_refresh_share": (seq.get("full", 0) + seq.get("refresh", 0)) / total if total else None,
+            "dllm_deferrals": sum(r["deferrals"] for r in rows),
+            "dllm_max_deferred_steps": max(r["max_deferred"] for r in rows),
+            "dllm_max_running": max(r["max_running"] for r in rows),
+            "dllm_admitted_while_running": sum(r["admitted_while_running"] for r in rows),
+            "dllm_max_num_batched_tokens": max(r["max_num_batched_tokens"] for r in rows),
+            "dllm_kv_pool_tokens": max(r["kv_pool_tokens"] for r in rows)}
 
 
 def _shell_options(loop: EventLoop, cfg: SimConfig, state: InProcessState) -> None:
@@ -211,8 +272,15 @@ def _shell_options(loop: EventLoop, cfg: SimConfig, state: InProcessState) -> No
         except ValueError as e:
             raise ConfigError(str(e)) from None
     elif cfg.dllm_block_length:
+        name = get_model(cfg.model).name
         try:
-            loop.commit = StretchCommit(commit_model(get_model(cfg.model).name, cfg.dllm_dataset), cfg.seed)
+            if cfg.dllm_commits is not None:
+                model = stretch_model(*cfg.dllm_commits)
+            elif name in FIXED_SCHEDULE_COMMITS and name not in OPTIMUS_TABLE2:
+                model = stretch_model(*FIXED_SCHEDULE_COMMITS[name])
+            else:
+                model = commit_model(name, cfg.dllm_dataset)
+            loop.commit = StretchCommit(model, cfg.seed)
         except ValueError as e:
             raise ConfigError(f"--dllm-block-length: {e}") from None
 
@@ -262,6 +330,13 @@ def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResul
         laps = w.laps if w.laps is not None else w.local_laps
         if laps is not None:
             st["laps"] = dataclasses.asdict(laps.stats)
+        if w.dllm is not None:
+            d = w.dllm_stats()
+            st["dllm_serve"] = {**d, "max_num_batched_tokens": w.cfg.max_num_batched_tokens,
+                                "kv_pool_tokens": w.capacity_tokens}
+            n = sum(d["commits"].values())
+            st["dllm"] = {"chunk_steps": {}, "commits": d["commits"],
+                          "tokens_per_step": sum(k * v for k, v in d["commits"].items()) / n if n else 0.0}
         if w.chunker is not None:
             st["dllm"] = {"chunk_steps": dict(sorted(w.chunker.steps_by_chunk.items())),
                           "commits": dict(sorted(w.chunker.commit_counts.items())),

@@ -41,7 +41,8 @@ class StretchCommit:
         pi = self._pi.get(sid)
         if pi is None:
             m = self.model.pi
-            pi = self._pi[sid] = self.rng.betavariate(self.kappa * m, self.kappa * (1.0 - m)) if m < 1.0 else 1.0
+            pi = self._pi[sid] = (self.rng.betavariate(self.kappa * m, self.kappa * (1.0 - m)) if 0.0 < m < 1.0
+                                  else m)         # π = 0: one token every step; π = 1: always a stretch
         return pi
 
     def stretch(self, sid: str) -> int:
