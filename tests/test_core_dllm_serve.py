@@ -162,8 +162,10 @@ def test_a_window_commits_within_its_block_and_a_multi_token_commit_ends_the_blo
 def test_kv_buffers_are_fixed_at_retention_times_length_and_freed_at_round_end():
     """ρ = 0.5: a request of 12 + 8 keeps ⌈0.5 x 20⌉ = 10 positions (3 blocks of 4) for its life; a Reuse reads
     ⌊0.5 x 16⌋ = 8 retained keys besides its block of 4 (the roofline shape: 4 rows over 12 keys). The round's end
-    frees the buffer; the next round recomputes the whole conversation (no history is kept)."""
+    frees the buffer; the next round recomputes the whole conversation (no history is kept). The worker tells the
+    coordinator it holds sequences of up to 256 / 0.5 = 512 positions (its pool is 256)."""
     w = worker(budget=100, dllm_delay_step=0, dllm_kv_retention=0.5)
+    assert w.capacity_tokens == 512
     submit(w, "a", 12, 8)
     plan = w.schedule(0.0)
     assert w.blocks.num_free == 64 - 3

@@ -97,6 +97,9 @@ class WorkerCore:
                                  f"prefill and its first Refresh), not on a {cfg.role} worker")
         elif dllm is not None:
             raise ValueError("a DllmServe policy was given to a worker whose configuration has no dllm_admission")
+        if self.dllm is not None:                  # sparse KV: a request of L positions keeps ⌈ρ·L⌉ of them, so the
+            rho = self.dllm.phases.spec.retention   # longest sequence the pool holds is pool / ρ (what the
+            self.capacity_tokens = int(self.capacity_tokens / rho + 1e-9)   # coordinator checks rounds against)
         if cfg.dllm_block and self.chunker is None and self.dllm is None:
             raise ValueError("a block-diffusion worker needs a ChunkSizer (tandem.core.factory.build_worker)")
 
@@ -321,9 +324,9 @@ class WorkerCore:
         if not self.dllm.admission.fits_alone(peak):
             reason = (f"a Refresh of {peak} query tokens (prompt {prompt} + generation {task.output_tokens}) exceeds "
                       f"the step's token budget, max_num_batched_tokens {self.cfg.max_num_batched_tokens}")
-        elif self._kv_positions(phases.kv_tokens(prompt, task.output_tokens)) > self.capacity_tokens:
+        elif self._kv_positions(phases.kv_tokens(prompt, task.output_tokens)) > self.cfg.num_blocks * self.cfg.block_size:
             reason = (f"KV exceeds the worker's capacity: a buffer of {phases.kv_tokens(prompt, task.output_tokens)} "
-                      f"positions on a {self.role} worker of {self.capacity_tokens}")
+                      f"positions on a {self.role} worker of {self.cfg.num_blocks * self.cfg.block_size}")
         else:
             return True
         self.events.append(SessionFailed(task.session_id, self.id, now, reason))

@@ -333,7 +333,7 @@ def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResul
         if w.dllm is not None:
             d = w.dllm_stats()
             st["dllm_serve"] = {**d, "max_num_batched_tokens": w.cfg.max_num_batched_tokens,
-                                "kv_pool_tokens": w.capacity_tokens}
+                                "kv_pool_tokens": w.cfg.num_blocks * w.cfg.block_size}
             n = sum(d["commits"].values())
             st["dllm"] = {"chunk_steps": {}, "commits": d["commits"],
                           "tokens_per_step": sum(k * v for k, v in d["commits"].items()) / n if n else 0.0}
