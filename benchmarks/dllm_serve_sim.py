@@ -3,7 +3,7 @@ admission with logit decomposition and sparse KV against request-level batching 
 Refresh peak, under Poisson load: the shape of dLLM-Serve's Fig. 3 (throughput against request rate, the baseline's
 throughput wall), Fig. 4/5 and Table 4 (latency, its tail and spread), Fig. 7a (the gain against prompt length).
 
-    python benchmarks/dllm_serve_sim.py                     # both GPUs, both workloads (~5 min on 2 cores)
+    python benchmarks/dllm_serve_sim.py                     # both GPUs, both workloads (~3 min on 2 cores)
     python benchmarks/dllm_serve_sim.py --quick --out /tmp/dllm   # the RTX 4090, one workload, a few rates
 
 One tp1 co-located worker (`C:tp1x1`, policy `vllm`), LLaDA-8B (tandem.perf.models), blocks of 32, every request
