@@ -341,6 +341,16 @@ def test_max_tokens_is_exact_and_later_positions_are_never_committed():
     assert len(out.token_ids) == 6 and EOS in out.token_ids and out.finish_reason == "length"
 
 
+def test_the_mask_token_is_never_committed_and_a_prompt_mask_is_a_prompt_token():
+    """Protects: a model whose argmax is the mask token still finishes (the mask token is never sampled: an untrained
+    model looped forever committing it), and a mask token among the prompt's leftover tokens stays a prompt token."""
+    model = Scripted({p: MASK for p in range(64)}, {p: 0.6 for p in range(64)})
+    out, = _both(model, [[2, 3, 4, 5, 6, MASK]], SamplingParams(temperature=0, max_tokens=5),
+                 DllmConfig(dllm_confidence_threshold=0.9))
+    # block 1 = prompt [6, MASK] at 4, 5 and masks at 6, 7; block 2 = 8, 9, 10 before the limit: one a step
+    assert out.token_ids == [0] * 5 and out.commits_per_step == [1] * 5 and out.finish_reason == "length"
+
+
 def test_static_and_sequential_quotas_per_step():
     """Protects: low_confidence_static commits exactly the quota per step by confidence, sequential left to right;
     dllm_block_length overrides the model's block length."""

@@ -1,8 +1,9 @@
-"""`tandem tiny-model`: write a tiny random Qwen3 or Llama checkpoint (HF layout) for tests and demos, offline.
+"""`tandem tiny-model`: write a tiny Qwen3, Llama or SDAR checkpoint (HF layout) for tests and demos, offline.
 
     tandem tiny-model --arch qwen3 --size 1m --out models/tiny-qwen3
     tandem tiny-model --arch llama --size 30m --out models/tiny-llama --shards 2
     tandem tiny-model --size 8b --dtype bfloat16 --shards 4 --init-device cuda --out models/qwen3-8b-random
+    tandem tiny-model --arch sdar --train --out models/tiny-sdar     # a trained block-diffusion model, ~5 min
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """Register `tiny-model` on the subparsers `sub` of the tandem parser."""
     from tandem.engine.tiny_model import ARCHS, SIZES
 
-    p = sub.add_parser("tiny-model", help="write a tiny random Qwen3/Llama checkpoint (HF layout) for tests",
+    p = sub.add_parser("tiny-model", help="write a tiny Qwen3/Llama/SDAR checkpoint (HF layout) for tests",
                        description="Write a random model with its config, safetensors weights, byte-level BPE "
-                                   "tokenizer and chat template, loadable by tandem and by transformers.")
+                                   "tokenizer and chat template, loadable by tandem (and by transformers, but sdar). "
+                                   "--arch sdar --train trains the block-diffusion model on a synthetic task corpus "
+                                   "instead (docs/diffusion.md).")
     p.add_argument("--arch", choices=ARCHS, default="qwen3", help="architecture (default: %(default)s)")
     p.add_argument("--size", choices=SIZES, default="1m",
                    help="about 1M or 30M parameters, or (qwen3 only) the shape of Qwen3-0.6B or Qwen3-8B with their "
@@ -27,8 +30,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed_arg, default=0, help="weight seed (default: 0)")
     p.add_argument("--shards", type=positive_int, default=1, metavar="K",
                    help="split the weights into K safetensors files with an index (default: 1)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
-                   help="weight dtype (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="weight dtype (default: float32; with --train, bfloat16)")
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="tie lm_head to the input embeddings (default: as the real model: tied for qwen3 except 8b, "
                         "untied for llama)")
@@ -36,6 +39,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="draw the random weights on this torch device, e.g. cuda for the 8b size (same seed, other "
                         "values than on cpu; default: %(default)s)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    p.add_argument("--train", action="store_true",
+                   help="(--arch sdar) train the model with the block-diffusion objective on the synthetic task "
+                        "corpus (seeded by --seed; one thread; a few minutes on two cores), then evaluate it")
+    p.add_argument("--train-steps", type=positive_int, default=None, metavar="N",
+                   help="training steps with --train (default: the committed checkpoint's)")
+    p.add_argument("--eval-examples", type=int, default=100, metavar="N",
+                   help="held-out examples per task evaluated after --train (0: none; default: %(default)s)")
     p.set_defaults(func=cmd_tiny_model)
     return p
 
@@ -49,11 +59,49 @@ def cmd_tiny_model(args) -> int:
         raise CLIError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise CLIError(f"--out {out} is not empty (give --force to write into it)")
+    if args.train:
+        return _train(args, out)
+    if args.train_steps is not None:
+        raise CLIError("--train-steps needs --train")
+    dtype = args.dtype or "float32"
     try:
-        make_tiny_model(out, arch=args.arch, size=args.size, seed=args.seed, dtype=args.dtype, shards=args.shards,
+        make_tiny_model(out, arch=args.arch, size=args.size, seed=args.seed, dtype=dtype, shards=args.shards,
                         tie_word_embeddings=args.tie_embeddings, init_device=args.init_device)
     except (ValueError, OSError, RuntimeError) as e:
         raise CLIError(f"cannot write the tiny model: {e}") from None
     n = parameter_count(args.arch, args.size, args.tie_embeddings)
-    print(f"wrote {args.arch} {args.size} ({n:,} parameters, {args.dtype}, {args.shards} shard(s)) to {out}")
+    print(f"wrote {args.arch} {args.size} ({n:,} parameters, {dtype}, {args.shards} shard(s)) to {out}")
+    return 0
+
+
+def _train(args, out: Path) -> int:
+    """--train: train the tiny SDAR model, save it, evaluate it on held-out examples and print the table."""
+    if args.arch != "sdar":
+        raise CLIError("--train trains the block-diffusion model: give --arch sdar")
+    if args.size != "1m" or args.shards != 1 or args.tie_embeddings is False or args.init_device != "cpu":
+        raise CLIError("--train makes the one tiny SDAR shape: leave --size, --shards, --tie-embeddings and "
+                       "--init-device at their defaults")
+    if args.eval_examples < 0:
+        raise CLIError(f"--eval-examples must be >= 0, got {args.eval_examples}")
+    import shlex
+    import sys
+
+    from tandem.engine.diffusion.evaluate import evaluate_checkpoint
+    from tandem.engine.diffusion.train import TrainConfig, save_trained, train
+
+    cfg = TrainConfig(seed=args.seed)
+    if args.train_steps is not None:
+        cfg.steps = args.train_steps
+    if args.dtype is not None:
+        cfg.dtype = args.dtype
+    command = "tandem " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
+    result = train(cfg)
+    save_trained(result, out, cfg, command)
+    print(f"trained tiny SDAR for {cfg.steps} steps in {result.seconds:.0f} s (seed {cfg.seed}, loss of the last "
+          f"50 steps {sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}); wrote {out}")
+    if args.eval_examples:
+        report = evaluate_checkpoint(out, args.eval_examples)
+        print(f"held-out exact match and tokens per step ({args.eval_examples} examples a task, greedy, block "
+              f"{report.settings['block_length']}, low_confidence_dynamic at {report.settings['threshold']}):")
+        print(report.table())
     return 0

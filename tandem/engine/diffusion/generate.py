@@ -56,6 +56,7 @@ class DiffusionOutput:
 
 
 def _check_params(params: SamplingParams) -> None:
+    """Refuse the sampling fields the diffusion loops do not implement, rather than ignore them."""
     bad = [k for k, default in _UNSUPPORTED.items() if getattr(params, k) != default]
     if params.stop:
         bad.append("stop")
@@ -68,6 +69,7 @@ class _Seq:
 
     def __init__(self, prompt: Sequence[int], params: SamplingParams, cfg: DllmConfig, block: int, mask_id: int,
                  eos: frozenset[int], max_len: int, device: torch.device) -> None:
+        """The first block: the prompt's leftover tokens, then masks; the prompt's whole blocks are the prefix."""
         P = len(prompt)
         if P < 1:
             raise ValueError("an empty prompt")
@@ -83,6 +85,8 @@ class _Seq:
         start = P // block * block
         self.prefix: list[int] = list(prompt[:start])        # positions < the active block's start
         self.block: list[int] = list(prompt[start:]) + [mask_id] * (block - (P - start))
+        # which block positions are still to decode (not token equality: a prompt may hold the mask token)
+        self.undecoded: list[bool] = [False] * (P - start) + [True] * (block - (P - start))
         self.generator = None
         if params.seed is not None and params.temperature != 0.0:
             self.generator = torch.Generator(device=device).manual_seed(int(params.seed))
@@ -101,23 +105,29 @@ class _Seq:
 
     def candidates(self) -> list[int]:
         """Offsets in the block of the masked positions still to decode (before the max_tokens limit)."""
-        s, m = self.start, self.mask_id
-        return [j for j, t in enumerate(self.block) if t == m and s + j < self.limit]
+        s = self.start
+        return [j for j, u in enumerate(self.undecoded) if u and s + j < self.limit]
 
     def step(self, logits: Tensor, cand: list[int]) -> None:
-        """Sample the candidates' logits [n, V], commit by the strategy; finish the block when none is left."""
+        """Sample the candidates' logits [n, V] (changed in place), commit by the strategy; finish a full block.
+
+        The mask token is never sampled: committing it would leave the position masked forever.
+        """
         p = self.params
+        logits[:, self.mask_id] = float("-inf")
         tokens, conf = sample_tokens(logits, p.temperature, p.top_k, p.top_p, self.generator)
         chosen = select_commits(conf, self.strategy, self.quota, self.threshold).tolist()
         toks = tokens.tolist()
         for j, c, t in zip(cand, chosen, toks):
             if c:
                 self.block[j] = t
+                self.undecoded[j] = False
         self.out.commits_per_step.append(sum(chosen))
         if len(cand) == sum(chosen):
             self._finish_block()
 
     def _finish_block(self) -> None:
+        """Append the block's generated tokens; stop at the first EOS or at max_tokens, else start the next block."""
         s = self.start
         self.out.num_blocks += 1
         gen = [t for j, t in enumerate(self.block) if self.P <= s + j < self.limit]
@@ -131,10 +141,12 @@ class _Seq:
             return
         self.prefix.extend(self.block)
         self.block = [self.mask_id] * self.B
+        self.undecoded = [True] * self.B
 
 
 def _setup(model: torch.nn.Module, params: SamplingParams, cfg: DllmConfig | None,
            eos_token_ids: Sequence[int] | None) -> tuple[DllmConfig, int, frozenset[int], int]:
+    """The validated options, block length, EOS ids and position limit shared by both loops."""
     cfg = cfg or DllmConfig()
     _check_params(params)
     mc = model.config
@@ -145,6 +157,7 @@ def _setup(model: torch.nn.Module, params: SamplingParams, cfg: DllmConfig | Non
 
 
 def _device(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are (inputs and generators go there)."""
     return next(model.parameters()).device
 
 

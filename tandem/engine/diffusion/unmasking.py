@@ -36,6 +36,7 @@ class DllmConfig:
     dllm_confidence_threshold: float = 0.9
 
     def __post_init__(self) -> None:
+        """Validate every option, naming it."""
         b, s, t = self.dllm_block_length, self.dllm_denoising_steps, self.dllm_confidence_threshold
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"dllm_block_length must be a positive integer, got {b!r}")

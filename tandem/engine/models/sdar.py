@@ -219,6 +219,7 @@ class SDARForCausalLM(Qwen3ForCausalLM):
     """SDAR: Qwen3's layers and parameter names under block-causal attention, logits unshifted (position p -> token p)."""
 
     def __init__(self, config: Any, backend: Any = None) -> None:
+        """Qwen3's modules on the block-diffusion backend (an AR backend given by the loader is not used)."""
         if config.diffusion_block_size is None or config.mask_token_id is None:
             raise ValueError("an SDAR config needs block_size and mask_token_id")
         # The AR backends (sdpa, flash) are causal: SDAR always attends through the block-diffusion backend.
