@@ -41,7 +41,6 @@ import math
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.parallel import ParallelMap
+from tandem.bench.provenance import git_commit
 from tandem.cli.common import csv_list, positive_int
 from tandem.perf.dllm import OPTIMUS_LENGTHS
 from tandem.perf.dllm_memory import DllmMemory
@@ -419,16 +419,6 @@ def plots(rows: list[dict], mem: list[dict], out: Path, gpus, workloads) -> list
     return files
 
 
-def _commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "tandem", "benchmarks"],
-                               capture_output=True, text=True, timeout=5)
-        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/results/dllm_serve_sim", help="report folder (default: %(default)s)")
@@ -466,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/dllm_serve_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0, "commit": _commit(),
+            "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0, "commit": git_commit() or "unknown",
             "mean_prompt": mean_prompt}
     (out / "results.json").write_text(json.dumps({"meta": meta, "memory": mem, "paper": PAPER, "runs": rows},
                                                  indent=1))

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.parallel import ParallelMap
+from tandem.bench.provenance import git_commit
 from tandem.cli.common import csv_list, positive_int, seed_arg
 from tandem.sim.cluster import SimConfig, SimResult, simulate
 from tandem.workload.generators import default_slo, generate
@@ -459,19 +460,6 @@ def build_grid(args: argparse.Namespace) -> Grid:
     return dataclasses.replace(grid, **over)
 
 
-def _commit() -> str | None:
-    """The checkout's commit (with "+dirty" when files differ from it), None outside git."""
-    import subprocess
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the grid and write the report; 0 on success."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -502,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"command": "python benchmarks/laps_repro.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
             "date": time.strftime("%Y-%m-%d"), "wall_s": wall, "jobs": args.jobs, "cells": len(rows),
-            "commit": _commit()}
+            "commit": git_commit()}
     out = Path(args.out)
     result = write_report(rows, grid, out, meta, plots=not args.no_plots)
     print(headline_md(result["headline"]))

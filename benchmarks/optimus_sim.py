@@ -28,7 +28,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.parallel import ParallelMap
+from tandem.bench.provenance import git_commit
 from tandem.cli.common import csv_list, positive_int
 from tandem.sim.cluster import SimConfig, dllm_summary, simulate
 from tandem.workload.session import SLO, Session
@@ -229,16 +229,6 @@ def plots(rows: list[dict], heads: list[dict], out: Path) -> list[str]:
     return files
 
 
-def _commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=5)
-        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/results/optimus_sim", help="report folder (default: %(default)s)")
@@ -273,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/optimus_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0, "commit": _commit()}
+            "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0, "commit": git_commit() or "unknown"}
     (out / "results.json").write_text(json.dumps({"meta": meta, "headline": heads, "runs": rows}, indent=1))
     (out / "table.md").write_text(table_md(rows, heads, meta, batches, rates))
     files = plots(rows, heads, out)

@@ -54,14 +54,36 @@ def clear_notes() -> None:
 # --------------------------------------------------------------------------- argument types
 
 
-def positive_float(text: str) -> float:
+def _parse(text: str, cast, expected: str, ok, rule: str):
+    """text cast to a number, or an argparse error naming what was expected or the rule it breaks."""
     try:
-        x = float(text)
+        x = cast(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(x):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
     return x
+
+
+def positive_float(text: str) -> float:
+    return _parse(text, float, "a number", lambda x: math.isfinite(x) and x > 0, "> 0")
+
+
+def unit_fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    return _parse(text, float, "a number in (0, 1]", lambda x: 0 < x <= 1, "in (0, 1]")
+
+
+def positive_int(text: str) -> int:
+    return _parse(text, int, "an integer", lambda x: x >= 1, ">= 1")
+
+
+def nonneg_int(text: str) -> int:
+    return _parse(text, int, "an integer", lambda x: x >= 0, ">= 0")
+
+
+def seed_arg(text: str) -> int:
+    return _parse(text, int, "an integer seed", lambda x: x >= 0, ">= 0")
 
 
 _BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -78,37 +100,6 @@ def byte_size(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
     return n
-
-
-def unit_fraction(text: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return x
-
-
-def positive_int(text: str) -> int:
-    try:
-        x = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if x < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return x
-
-
-def seed_arg(text: str) -> int:
-    try:
-        x = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return x
 
 
 def csv_list(item_type):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tandem.cli import bench_cmd, plan_cmd, profile_cmd, serve_cmd, tiny_cmd
 from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, check_out_path, clear_notes,
-                               csv_list, flush_notes, gpus_arg, load_workload, note, positive_float, positive_int,
-                               seed_arg)
+                               csv_list, flush_notes, gpus_arg, load_workload, nonneg_int, note, positive_float,
+                               positive_int, seed_arg, unit_fraction)
 from tandem.core.deploy import DeploymentError, parse_deploy
 from tandem.perf.dllm import OPTIMUS_LENGTHS
 from tandem.workload.session import WorkloadError
@@ -79,16 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "token budget by phase-multiplexed admission (phase), static batches reserving each request's "
                         "Refresh peak (static, Fast-dLLM-like) or continuous request-level admission reserving it "
                         "(reserve); the KV pool follows the dLLM memory model (docs/dllm-serve.md)")
-    s.add_argument("--dllm-delay-step", type=_nonneg_int, default=1, metavar="N",
+    s.add_argument("--dllm-delay-step", type=nonneg_int, default=1, metavar="N",
                    help="dLLM-Serve: full-length steps at a block's start before its cache is written; a block starts "
                         "with N + 1 of them (default: %(default)s, dLLM-Serve's)")
-    s.add_argument("--dllm-refresh-interval", type=_nonneg_int, default=0, metavar="N",
+    s.add_argument("--dllm-refresh-interval", type=nonneg_int, default=0, metavar="N",
                    help="dLLM-Serve: also refresh every N steps after the block's cache write (default: 0, only at "
                         "block transitions)")
     s.add_argument("--dllm-refresh-span", default="full", choices=("full", "prefix"),
                    help="dLLM-Serve: a Refresh recomputes the prompt and the whole generation length (full, LLaDA) or "
                         "the prompt, the generated tokens and the active block (prefix) (default: %(default)s)")
-    s.add_argument("--dllm-kv-retention", type=_ratio, default=1.0, metavar="R",
+    s.add_argument("--dllm-kv-retention", type=unit_fraction, default=1.0, metavar="R",
                    help="dLLM-Serve: share of a request's positions whose KV it keeps (head-centric sparse KV), in "
                         "(0, 1] (default: %(default)s, the dense cache)")
     s.add_argument("--dllm-commits", type=_commits, default=None, metavar="MEAN[,STD]",
@@ -159,26 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- simulate
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        x = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return x
-
-
-def _ratio(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return x
 
 
 def _commits(text: str) -> tuple[float, float]:
