@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.parallel import ParallelMap
-from tandem.bench.provenance import git_commit
+from tandem.bench.provenance import report_meta
 from tandem.cli.common import csv_list, positive_int
 from tandem.perf.dllm import OPTIMUS_LENGTHS
 from tandem.perf.dllm_memory import DllmMemory
@@ -454,10 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     mem = memory_rows(mean_prompt)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python benchmarks/dllm_serve_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0, "commit": git_commit() or "unknown",
-            "mean_prompt": mean_prompt}
+    meta = report_meta("benchmarks/dllm_serve_sim.py", argv, time.time() - t0, mean_prompt=mean_prompt)
     (out / "results.json").write_text(json.dumps({"meta": meta, "memory": mem, "paper": PAPER, "runs": rows},
                                                  indent=1))
     (out / "table.md").write_text(table_md(rows, mem, meta, gpus, workloads, rates))

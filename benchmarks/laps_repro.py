@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.parallel import ParallelMap
-from tandem.bench.provenance import git_commit
+from tandem.bench.provenance import report_meta
 from tandem.cli.common import csv_list, positive_int, seed_arg
 from tandem.sim.cluster import SimConfig, SimResult, simulate
 from tandem.workload.generators import default_slo, generate
@@ -487,10 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = run_grid(grid, args.jobs, progress=not args.no_progress)
     wall = time.perf_counter() - t0
-    meta = {"command": "python benchmarks/laps_repro.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d"), "wall_s": wall, "jobs": args.jobs, "cells": len(rows),
-            "commit": git_commit()}
+    meta = report_meta("benchmarks/laps_repro.py", argv, wall, jobs=args.jobs, cells=len(rows))
     out = Path(args.out)
     result = write_report(rows, grid, out, meta, plots=not args.no_plots)
     print(headline_md(result["headline"]))

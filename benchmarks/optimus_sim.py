@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.parallel import ParallelMap
-from tandem.bench.provenance import git_commit
+from tandem.bench.provenance import report_meta
 from tandem.cli.common import csv_list, positive_int
 from tandem.sim.cluster import SimConfig, dllm_summary, simulate
 from tandem.workload.session import SLO, Session
@@ -261,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     heads = summarize(rows, models, gpus)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python benchmarks/optimus_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0, "commit": git_commit() or "unknown"}
+    meta = report_meta("benchmarks/optimus_sim.py", argv, time.time() - t0)
     (out / "results.json").write_text(json.dumps({"meta": meta, "headline": heads, "runs": rows}, indent=1))
     (out / "table.md").write_text(table_md(rows, heads, meta, batches, rates))
     files = plots(rows, heads, out)

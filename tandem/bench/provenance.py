@@ -1,7 +1,12 @@
 """Where a report's figures came from: the checkout's commit, for the header of every benchmark report."""
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
+import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -18,4 +23,14 @@ def git_commit(cwd: str | Path | None = None) -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
-__all__ = ["git_commit"]
+
+
+def report_meta(script: str, argv: Sequence[str] | None, wall_s: float, **extra) -> dict:
+    """A benchmark report's header: the command that made it, the machine, the date, the wall time, the commit."""
+    args = list(argv) if argv is not None else sys.argv[1:]
+    return {"command": " ".join(["python", script, *args]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "date": time.strftime("%Y-%m-%d"), "wall_s": wall_s, "commit": git_commit() or "unknown", **extra}
+
+
+__all__ = ["git_commit", "report_meta"]
