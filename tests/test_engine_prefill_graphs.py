@@ -385,7 +385,7 @@ def test_cuda_prefill_graph_replay_equals_eager(ckpt):
                                  num_kv_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, laps_graph_buckets=[(8, 4), (16, 2)],
                                  cuda_graph_sizes=(1, 2)), role="prefill")
     g = r.prefill_graphs
-    assert sorted(g.graphs) == [Bucket(8, 4), Bucket(16, 2)] and g.capture_s > 0 and g.pool_bytes >= 0
+    assert set(g.graphs) == {Bucket(8, 4), Bucket(16, 2)} and g.capture_s > 0 and g.pool_bytes >= 0
     assert r.graphs is None and r.kv_caches[0].shape[1] == NUM_BLOCKS + 1      # a prefill worker never decodes
     bucket, rows = CASES["8x4-3rows"]
     tables = _tables(rows)

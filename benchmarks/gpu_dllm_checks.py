@@ -1,0 +1,133 @@
+"""CUDA checks of the diffusion and memory paths (issues 16 and 17) for a session lent a GPU; JSON to --out.
+
+    python benchmarks/gpu_dllm_checks.py --out DIR
+
+1. The trained tiny SDAR model (tandem/engine/diffusion/assets/tiny-sdar) on CUDA: the full-recompute reference loop
+   and the KV-cached batched loop give the same tokens (acceptance 1 of issue 16 on the CUDA path), their agreement
+   with the CPU's tokens, held-out accuracy and tokens committed per step, and the step time.
+2. The logit-aware memory profile on CUDA (issue 17, deliverables 1-2): a tiny Qwen3 body with Qwen3's 151,936-id
+   vocabulary, profiled monolithic and with max_num_logits, the KV pool each leaves under gpu_memory_utilization;
+   then the worst-case batch is run again on the live engine and its allocator peak compared with the profile's
+   reserved activation memory (acceptance 1: measured peak <= profiled peak + guard).
+Runs on CPU too (then it only checks the code runs); one GPU, about a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.diffusion.evaluate import evaluate
+from tandem.engine.diffusion.unmasking import DllmConfig
+from tandem.engine.diffusion.generate import generate_cached, generate_reference
+from tandem.engine.diffusion.tasks import eval_set
+from tandem.engine.loader import load_model
+from tandem.engine.memory_profile import guard_bytes, measure_peak, worst_case_batch
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tiny_model import widen_vocab
+
+ASSET = Path(__file__).resolve().parents[1] / "tandem" / "engine" / "diffusion" / "assets" / "tiny-sdar"
+MIB = 1 << 20
+
+
+def sdar_checks(device: torch.device, n: int) -> dict:
+    """Reference vs cached tokens on `device`, against the CPU's, with accuracy and step time."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(ASSET / "tokenizer.json"))
+    examples = eval_set(max(1, n // 6))
+    prompts = [tok.encode(e.prompt).ids for e in examples]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    out: dict = {}
+    tokens = {}
+    for dev, dtype in ((torch.device("cpu"), torch.float32), (device, torch.float32), (device, torch.bfloat16)):
+        if dev.type == "cpu" and "cpu" in tokens:
+            continue
+        model, _ = load_model(str(ASSET), dtype_for=lambda _c, d=dtype: d, device=dev)
+        key = f"{dev.type}-{str(dtype).split('.')[-1]}"
+        t0 = time.perf_counter()
+        ref = [generate_reference(model, p, params, DllmConfig(dllm_confidence_threshold=0.9)) for p in prompts]
+        t_ref = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        cached = generate_cached(model, prompts, params, DllmConfig(dllm_confidence_threshold=0.9))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t_cached = time.perf_counter() - t0
+        same = sum(a.token_ids == b.token_ids for a, b in zip(ref, cached))
+        steps = sum(c.num_steps for c in cached)
+        res = evaluate(model, tok, examples, DllmConfig(dllm_confidence_threshold=0.9))
+        tokens[key] = [c.token_ids for c in cached]
+        out[key] = {"reference_equals_cached": f"{same}/{len(prompts)}", "reference_s": round(t_ref, 3),
+                    "cached_batched_s": round(t_cached, 3), "cached_steps": steps,
+                    "committed_per_step": round(res.overall.committed_per_step, 3),
+                    "accuracy": res.predictable.accuracy}
+        if dev.type == "cpu":
+            tokens["cpu"] = tokens[key]
+    for key, toks in tokens.items():
+        if key.startswith("cuda"):
+            out[key]["same_as_cpu_float32"] = f"{sum(a == b for a, b in zip(toks, tokens['cpu']))}/{len(toks)}"
+    return out
+
+
+def memory_checks(device: torch.device, tmp: Path, tokens: int, seqs: int, cap: int) -> dict:
+    """The profile monolithic and capped, and the worst-case batch's measured peak on the live engine."""
+    path = widen_vocab(tmp / "v152k", 151936, 0)
+    out = {}
+    for name, max_logits in (("monolithic", None), ("decomposed", cap)):
+        cfg = EngineConfig(model=path, device=str(device), max_num_batched_tokens=tokens, max_num_seqs=seqs,
+                           max_num_logits=max_logits, memory_profile=True, gpu_memory_utilization=0.5,
+                           max_model_len=4096, enforce_eager=True)
+        t0 = time.perf_counter()
+        r = ModelRunner(cfg)
+        start_s = time.perf_counter() - t0
+        m = r.memory
+        batch = worst_case_batch(tokens, seqs, 4096, r.model_config.vocab_size, cfg.block_size,
+                                 r.sampler.eos_token_ids, device)
+        peak, _ = measure_peak(lambda: r.execute(batch), device)
+        out[name] = {"summary": m.summary(), "start_s": round(start_s, 2),
+                     "profiled_peak_mib": round(m.peak_bytes / MIB, 1),
+                     "reserved_mib": round(m.reserved_bytes / MIB, 1),
+                     "guard_mib": round(guard_bytes(m.peak_bytes) / MIB, 1),
+                     "measured_worst_case_peak_mib": round(peak / MIB, 1),
+                     "within_reserved": peak <= m.reserved_bytes,
+                     "kv_pool_mib": round(r.kv_pool_bytes / MIB, 1), "kv_gain_mib": round(m.kv_gain_bytes / MIB, 1)}
+        del r
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-logits", type=int, default=32)
+    a = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                 "torch": torch.__version__}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, fn in (("sdar", lambda: sdar_checks(device, a.prompts)),
+                     ("memory", lambda: memory_checks(device, Path(tempfile.mkdtemp()), a.tokens, a.max_num_seqs,
+                                                      a.max_num_logits))):
+        try:
+            res[name] = fn()
+        except Exception as e:          # noqa: BLE001 - one check's failure must not hide the others' results
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps({name: res[name]}, indent=1), flush=True)
+    (out / "gpu_dllm_checks.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
