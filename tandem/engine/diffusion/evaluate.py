@@ -12,7 +12,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -20,6 +20,8 @@ from tandem.engine.diffusion.generate import DiffusionOutput, generate_cached
 from tandem.engine.diffusion.tasks import PREDICTABLE, Example, eval_set
 from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.sampling_params import SamplingParams
+
+Decoder = Callable[[torch.nn.Module, list[list[int]], SamplingParams, DllmConfig], list[DiffusionOutput]]
 
 
 @dataclass
@@ -56,6 +58,7 @@ class EvalReport:
     overall: TaskScore                 # every example (tokens per step)
     predictable: TaskScore             # the examples with one right answer (accuracy)
     settings: dict[str, Any] = field(default_factory=dict)
+    exact: list[bool] = field(default_factory=list)      # each example's exact match, in the examples' order
 
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers for JSON and tables."""
@@ -88,18 +91,25 @@ def exact_match(out: DiffusionOutput, answer: str, decode: Any, eos_ids: Sequenc
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, examples: Sequence[Example], cfg: DllmConfig | None = None,
-             params: SamplingParams | None = None, batch_size: int = 64) -> EvalReport:
-    """Decode every example (greedy, 64 new tokens, unless `params`) and score it; `tokenizer` is a tokenizers one."""
+             params: SamplingParams | None = None, batch_size: int = 64, decode: Decoder | None = None) -> EvalReport:
+    """Decode every example (greedy, 64 new tokens, unless `params`) and score it; `tokenizer` is a tokenizers one.
+
+    `decode(model, prompts, params, cfg)` is the batched loop (default generate_cached; e.g. a partial of
+    refresh.generate_refresh for Refresh/Reuse phases over sparse KV).
+    """
     cfg = cfg or DllmConfig()
+    decode = decode or generate_cached
     params = params or SamplingParams(temperature=0.0, max_tokens=64)
     eos = list(model.config.eos_token_ids)
     scores: dict[str, TaskScore] = defaultdict(TaskScore)
     total, predictable = TaskScore(), TaskScore()
+    exact: list[bool] = []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
-        outs = generate_cached(model, [tokenizer.encode(e.prompt).ids for e in chunk], params, cfg)
+        outs = decode(model, [tokenizer.encode(e.prompt).ids for e in chunk], params, cfg)
         for ex, out in zip(chunk, outs):
             ok = exact_match(out, ex.answer, tokenizer.decode, eos)
+            exact.append(ok)
             for s in (scores[ex.task], total, *((predictable,) if ex.task in PREDICTABLE else ())):
                 s.n += 1
                 s.correct += int(ok)
@@ -111,7 +121,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, examples: Sequence[Example]
                 "denoising_steps": cfg.dllm_denoising_steps or block,
                 "threshold": cfg.dllm_confidence_threshold, "temperature": params.temperature,
                 "max_tokens": params.max_tokens}
-    return EvalReport(dict(scores), total, predictable, settings)
+    return EvalReport(dict(scores), total, predictable, settings, exact)
 
 
 def evaluate_checkpoint(path: str | os.PathLike, n_per_task: int = 100, cfg: DllmConfig | None = None,
