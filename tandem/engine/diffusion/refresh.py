@@ -36,6 +36,7 @@ class RefreshOutput(DiffusionOutput):
     """A DiffusionOutput with each step's phase and the request's fixed KV buffer."""
 
     phases: list[str] = field(default_factory=list)     # each denoise step's phase: full, refresh or reuse
+    context_per_step: list[int] = field(default_factory=list)   # positions before the active block at each step
     kv_slots: int = 0                                    # buffer positions per layer and KV head: ⌈ρ·(P + G)⌉
     kv_bytes: int = 0                                    # the buffer's bytes, held for the request's life
 
@@ -86,6 +87,7 @@ def generate_refresh(model: torch.nn.Module, prompts: Sequence[Sequence[int]], p
             ids.extend(s.prefix + s.block if phase.full_length else s.block)
             cands.append(cand)
             s.out.phases.append(phase.value)
+            s.out.context_per_step.append(s.start)
         meta = sparse_step_metadata(steps, positions, block, backend, dev)
         hidden = model(torch.tensor(ids, dtype=torch.long, device=dev), None, layers, meta)
         logits = model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev)))
