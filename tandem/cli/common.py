@@ -102,6 +102,24 @@ def byte_size(text: str) -> int:
     return n
 
 
+def ray_address_arg(text: str) -> str:
+    """--ray-address: 'auto' or HOST:PORT (checked here; the cluster is joined later)."""
+    from tandem.runtime.ray_launcher import check_ray_address
+    try:
+        return check_ray_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def require_ray(flag: str) -> None:
+    """CLIError naming the extra when Ray is not installed (`flag` is the option that asked for it)."""
+    from tandem.runtime.ray_launcher import RayUnavailable, import_ray
+    try:
+        import_ray(flag)
+    except RayUnavailable as e:
+        raise CLIError(str(e)) from None
+
+
 def csv_list(item_type):
     """An argument type: a comma-separated list of `item_type` values."""
     def parse(text: str) -> list:

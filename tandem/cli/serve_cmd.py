@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from tandem.cli.bench_table import print_table
-from tandem.cli.common import CLIError, byte_size, csv_list, positive_int, unit_fraction
+from tandem.cli.common import CLIError, byte_size, csv_list, positive_int, ray_address_arg, require_ray, unit_fraction
 from tandem.bench.ports import free_port
 from tandem.policy.presets import POLICIES, PrefillSchedKind
 
@@ -74,6 +74,30 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
                    help="TTFT target of every round: AMPD routes a prefill locally when no prefill worker meets it")
     p.add_argument("--slo-itl", type=float, default=None, metavar="S",
                    help="ITL target: local prefill only while the decode worker has ITL slack")
+    p.add_argument("--launcher", choices=("embedded", "ray"), default="embedded",
+                   help="where workers run: local processes (embedded, default) or Ray actors on the nodes of a "
+                        "Ray cluster (ray; pip install 'tandem[ray]'; docs/ray.md)")
+    p.add_argument("--ray-address", type=ray_address_arg, default=None, metavar="auto|HOST:PORT",
+                   help="--launcher ray: the Ray cluster to join (auto: the one `ray start` started here; default: "
+                        "$RAY_ADDRESS, else a private single-node Ray)")
+    p.add_argument("--ray-place", type=_ray_place, action="append", default=None, metavar="ROLE=RESOURCE",
+                   help="--launcher ray: put ROLE's workers (prefill, decode, colocated) on nodes offering custom "
+                        "resource RESOURCE (`ray start --resources '{\"RESOURCE\": 1}'`); repeatable")
+    p.add_argument("--ray-namespace", default=None, metavar="NS",
+                   help="--launcher ray: Ray namespace of the worker actors (named worker-ID.N; default: "
+                        "tandem-<random>)")
+
+
+def _ray_place(text: str) -> tuple[str, str]:
+    """ROLE=RESOURCE of --ray-place."""
+    import argparse
+    import re
+    role, sep, resource = text.partition("=")
+    if not sep or role not in ("prefill", "decode", "colocated"):
+        raise argparse.ArgumentTypeError(f"expected ROLE=RESOURCE with ROLE prefill, decode or colocated, got {text!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,100}", resource) or resource in ("CPU", "GPU", "memory"):
+        raise argparse.ArgumentTypeError(f"{resource!r} is not a custom Ray resource name (letters, digits, _.:-)")
+    return role, resource
 
 
 def add_parser(sub) -> None:
@@ -153,7 +177,23 @@ def _cluster_config(args):
     return ClusterConfig(args.model, p, d, args.colocated, args.policy, args.state, args.served_model_name, eng,
                          args.perf, args.threads, args.kv_timeout, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
                          session_ttl_s=args.session_ttl, worker_timeout_s=args.worker_timeout,
-                         max_restarts=_restarts(args.max_worker_restarts), policy_options=opts)
+                         max_restarts=_restarts(args.max_worker_restarts), policy_options=opts, **_launcher(args))
+
+
+def _launcher(args) -> dict:
+    """The ClusterConfig launcher fields of --launcher and --ray-*, checked (Ray installed, no stray --ray-*)."""
+    place = dict(args.ray_place or ())
+    if args.launcher != "ray":
+        for flag, v in (("--ray-address", args.ray_address), ("--ray-place", place),
+                        ("--ray-namespace", args.ray_namespace)):
+            if v:
+                raise CLIError(f"{flag} applies to --launcher ray")
+        return {}
+    require_ray("--launcher ray")
+    if args.ray_namespace is not None and not args.ray_namespace.strip():
+        raise CLIError("--ray-namespace must not be empty")
+    return {"launcher": "ray", "ray_address": args.ray_address, "ray_place": place,
+            "ray_namespace": args.ray_namespace}
 
 
 def _restarts(n: int) -> int:
@@ -264,7 +304,9 @@ def cmd_serve(args) -> int:
             freeze_startup_objects()
             print(f"tandem: serving {Path(cfg.model).name} on http://{args.host}:{args.port}/v1 "
                   f"({cfg.policy}; {cfg.prefill_workers}P+{cfg.decode_workers}D" +
-                  (f", {cfg.colocated} co-located" if cfg.colocated else "") + ")", flush=True)
+                  (f", {cfg.colocated} co-located" if cfg.colocated else "") +
+                  (f"; Ray actors in namespace {cluster.ray_namespace}" if cfg.launcher == "ray" else "") + ")",
+                  flush=True)
             await stop.wait()
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

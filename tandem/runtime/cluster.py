@@ -68,6 +68,12 @@ class ClusterConfig:
     # a dead worker is replaced (same id and role) at most this many times per RESTART_WINDOW_S; 0: never
     max_restarts: int = DEFAULT_MAX_RESTARTS
     policy_options: dict = field(default_factory=dict)   # PolicySpec knobs for every core (e.g. laps_min_pool)
+    # where the workers run: "embedded" (local processes) or "ray" (Ray actors, tandem.runtime.ray_launcher:
+    # joining ray_address, each role on nodes offering its ray_place resource, actors in ray_namespace)
+    launcher: str = "embedded"
+    ray_address: str | None = None
+    ray_place: dict[str, str] = field(default_factory=dict)
+    ray_namespace: str | None = None
 
 
 async def _refused(err: RequestError):
@@ -95,6 +101,7 @@ class ServingCluster:
         self._restarts: dict[int, list[float]] = {}       # worker id -> monotonic times of its recent restarts
         self._restarting: set[asyncio.Task] = set()
         self._closing = False
+        self._ray = None                                  # the RayLauncher under --launcher ray
         self._cache_config: dict[str, str] = {}
         self._memory: dict[int, dict[str, int]] = {}       # worker -> its memory figures (Ready), for /metrics
 
@@ -136,12 +143,29 @@ class ServingCluster:
                 raise ValueError(f"policy {spec.name} serves co-located workers: give --colocated N (N >= 1)")
             roles = [COLOCATED] * cfg.colocated
         opts = {k: getattr(spec, k) for k in ("laps_length_threshold",) if getattr(spec, k) is not None}
-        args = dict(cfg.engine_args, model=cfg.model, policy=spec.name, policy_options={**cfg.policy_options, **opts})
+        model, perf = cfg.model, cfg.perf
+        if cfg.launcher == "ray":              # actors run in Ray's folders: paths absolute (the same on every node)
+            model, perf = str(Path(model).resolve()), perf and str(Path(perf).resolve())
+        args = dict(cfg.engine_args, model=model, policy=spec.name, policy_options={**cfg.policy_options, **opts})
         self.roles = dict(enumerate(roles))
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
-                           dict(role=r, engine_args=args, state=cfg.state, perf=cfg.perf, threads=cfg.threads,
+                           dict(role=r, engine_args=args, state=cfg.state, perf=perf, threads=cfg.threads,
                                 **cfg.worker_kwargs.get(i, {})))
                 for i, r in enumerate(roles)]
+
+    def _launcher(self) -> tuple[str, dict]:
+        """The hub's address and the Cluster's spawner: local processes, or Ray actors (joins the Ray cluster)."""
+        cfg = self.cfg
+        if cfg.launcher == "embedded":
+            return "tcp://127.0.0.1:0", {}
+        if cfg.launcher != "ray":
+            raise ValueError(f"unknown launcher {cfg.launcher!r} (embedded or ray)")
+        from tandem.runtime.ray_launcher import RayLauncher
+        ray = RayLauncher(cfg.ray_address, place=dict(cfg.ray_place), threads=cfg.threads or 1)
+        if cfg.ray_namespace:
+            ray.namespace = cfg.ray_namespace
+        self._ray = ray.start()
+        return ray.hub_address, {"spawner": ray.spawn}
 
     async def _start(self) -> None:
         cfg = self.cfg
@@ -150,13 +174,18 @@ class ServingCluster:
         specs = self._specs()
         self._specs_by_id = {s.worker_id: s for s in specs}
         store = open_store(cfg.state)
-        self.hub = await Hub(CODEC, dead_after_s=cfg.worker_timeout_s).start()
-        self.procs = Cluster(self.hub, startup_timeout_s=cfg.startup_timeout_s,
-                             heartbeat_s=min(HEARTBEAT_S, cfg.worker_timeout_s / 4))
+        hub_address, launch = self._launcher()
         try:
+            self.hub = await Hub(CODEC, address=hub_address, dead_after_s=cfg.worker_timeout_s,
+                                 allow_remote=self._ray is not None).start()
+            self.procs = Cluster(self.hub, startup_timeout_s=cfg.startup_timeout_s,
+                                 heartbeat_s=min(HEARTBEAT_S, cfg.worker_timeout_s / 4), **launch)
             infos = {wid: wp.info for wid, wp in (await self.procs.start(specs)).items()}
         except BaseException:
-            await self.hub.close()
+            if self.hub is not None:
+                await self.hub.close()
+            if self._ray is not None:
+                self._ray.close()
             raise
         try:
             first = infos[0]
@@ -386,6 +415,11 @@ class ServingCluster:
         add_memory_reports(out, [r for wid, r in self._memory.items() if wid not in self._lost])
         return out
 
+    @property
+    def ray_namespace(self) -> str | None:
+        """The Ray namespace of the worker actors (None for local workers)."""
+        return None if self._ray is None else self._ray.namespace
+
     def is_healthy(self) -> bool:
         return any(r != PREFILL and w not in self._lost for w, r in self.roles.items())
 
@@ -397,6 +431,8 @@ class ServingCluster:
             await self.procs.stop()
         if self.hub is not None:
             await self.hub.close()
+        if self._ray is not None:
+            self._ray.close()
 
 
 def _memory_info(info: dict) -> dict[str, int]:

@@ -22,11 +22,11 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tandem.runtime import event_loop
-from tandem.runtime.transport import HEARTBEAT_S, Codec, Hub, Link, PeerInbox, PeerOutbox, Shutdown, WorkerAuth, \
-    WorkerDead, WorkerDied, WorkerUnreachable
+from tandem.runtime.transport import HEARTBEAT_S, LOCAL_HOSTS, Codec, Hub, Link, PeerInbox, PeerOutbox, Shutdown, \
+    WorkerAuth, WorkerDead, WorkerDied, WorkerUnreachable
 
 ORPHAN_EXIT = 75           # exit code of a child that noticed its parent died
 PARENT_POLL_S = 0.2        # how often a child checks that its parent is alive
@@ -45,13 +45,15 @@ class WorkerEnv:
     """What a worker target is called with: who it is, where the hub is, and its keys.
 
     `auth` (from `Hub.credentials`) reaches the child inside this object, which multiprocessing's spawn sends
-    through a pipe: the keys are never on the command line or in the environment."""
+    through a pipe: the keys are never on the command line or in the environment. `bind_host` is where the
+    worker's KV inbox listens: 127.0.0.1 for local workers, the node's address for workers on other hosts (Ray)."""
 
     worker_id: int
     hub_address: str
     heartbeat_s: float = HEARTBEAT_S
     parent_pid: int = 0
     auth: WorkerAuth | None = field(default=None, repr=False)
+    bind_host: str = "127.0.0.1"
 
     def link(self, codec: Codec) -> Link:
         """A Link to the hub for this worker (use `async with env.link(codec) as link:`)."""
@@ -60,7 +62,8 @@ class WorkerEnv:
     def inbox(self, codec: Codec, accept: tuple[type, ...] = ()) -> PeerInbox:
         """This worker's KV inbox (CURVE: only holders of the cluster's KV client key get in); with `accept`,
         messages of other types are dropped (and counted)."""
-        return PeerInbox(codec, auth=self.auth, accept=accept)
+        return PeerInbox(codec, address=f"tcp://{self.bind_host}:0", allow_remote=self.bind_host not in LOCAL_HOSTS,
+                         auth=self.auth, accept=accept)
 
     def outbox(self, codec: Codec) -> PeerOutbox:
         """An outbox to the cluster's KV inboxes, with the cluster's KV client keys."""
@@ -98,6 +101,13 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
+def run_target(target: str, kwargs: dict[str, Any], env: WorkerEnv) -> None:
+    """Import `target` and run it with `env` (an `async def` target under asyncio) until it returns."""
+    result = resolve_target(target)(env, **kwargs)
+    if inspect.iscoroutine(result):
+        event_loop.run(result)
+
+
 def _child_main(target: str, kwargs: dict[str, Any], env: WorkerEnv, extra_env: dict[str, str] | None,
                 err: multiprocessing.connection.Connection) -> None:
     """Entry point of a spawned worker: guard, import, run; report an exception's message to the parent."""
@@ -105,9 +115,7 @@ def _child_main(target: str, kwargs: dict[str, Any], env: WorkerEnv, extra_env: 
     _watch_parent(env.parent_pid)
     os.environ.update(extra_env or {})
     try:
-        result = resolve_target(target)(env, **kwargs)
-        if inspect.iscoroutine(result):
-            event_loop.run(result)
+        run_target(target, kwargs, env)
     except SystemExit:
         raise
     except BaseException as e:
@@ -174,20 +182,13 @@ class WorkerProcess:
         self.process.join(0)
         return True
 
+    def terminate(self) -> None:
+        """SIGTERM (a polite stop); does not wait."""
+        self.process.terminate()
+
     async def stop(self, hub: Hub | None = None, grace_s: float = 5.0, term_s: float = 2.0) -> int | None:
         """Shutdown message (if `hub`), then SIGTERM after `grace_s`, then SIGKILL after `term_s`; exit code."""
-        if hub is not None:
-            hub.forget(self.worker_id)
-            if self.alive:
-                try:
-                    await hub.send(self.worker_id, Shutdown("stop"))
-                except WorkerUnreachable:
-                    grace_s = 0.0
-        if not await self.wait(grace_s):
-            self.process.terminate()
-            if not await self.wait(term_s):
-                self.kill()
-                await self.wait(10.0)
+        await stop_worker(self, hub, grace_s, term_s)
         self._release()
         return self.exitcode
 
@@ -202,19 +203,74 @@ class WorkerProcess:
         self._release()
 
 
+class WorkerHandle(Protocol):
+    """A running worker as the Cluster and the hub see it, wherever it runs: a local process (WorkerProcess) or a
+    Ray actor (tandem.runtime.ray_launcher.RayWorker)."""
+
+    worker_id: int
+    target: str
+    info: dict[str, Any] | None
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def error(self) -> str | None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self, timeout_s: float) -> bool: ...
+
+    async def stop(self, hub: Hub | None = None, grace_s: float = 5.0, term_s: float = 2.0) -> int | None: ...
+
+
+Spawner = Callable[[WorkerSpec, WorkerEnv], WorkerHandle]
+"""Starts a worker for a spec with its WorkerEnv (keys included) and returns at once; Cluster's default spawns a
+local process (spawn_local)."""
+
+
+async def stop_worker(w: WorkerHandle, hub: Hub | None, grace_s: float, term_s: float) -> None:
+    """The one stop sequence of every kind of worker: Shutdown through `hub` (if given), then `terminate()` after
+    `grace_s`, then `kill()` after `term_s`."""
+    if hub is not None:
+        hub.forget(w.worker_id)
+        if w.alive:
+            try:
+                await hub.send(w.worker_id, Shutdown("stop"))
+            except WorkerUnreachable:
+                grace_s = 0.0
+    if not await w.wait(grace_s):
+        w.terminate()
+        if not await w.wait(term_s):
+            w.kill()
+            await w.wait(10.0)
+
+
 def spawn_worker(target: str, kwargs: dict[str, Any], worker_id: int, hub_address: str, *,
                  heartbeat_s: float = HEARTBEAT_S, env: dict[str, str] | None = None,
                  auth: WorkerAuth | None = None) -> WorkerProcess:
     """Start a worker process running `target(WorkerEnv, **kwargs)`; does not wait for Ready.
 
     `auth` (the worker's keys) travels in the WorkerEnv through the spawn pipe, never on argv or in the env."""
+    return spawn_local(WorkerSpec(worker_id, target, kwargs, env),
+                       WorkerEnv(worker_id, hub_address, heartbeat_s, os.getpid(), auth))
+
+
+def spawn_local(spec: WorkerSpec, wenv: WorkerEnv) -> WorkerProcess:
+    """The default Spawner: `spec` as a child process of this one (multiprocessing spawn)."""
     recv_err, send_err = _SPAWN.Pipe(duplex=False)
-    wenv = WorkerEnv(worker_id, hub_address, heartbeat_s, os.getpid(), auth)
-    proc = _SPAWN.Process(target=_child_main, args=(target, kwargs, wenv, env, send_err),
-                          name=f"tandem-worker-{worker_id}", daemon=False)
+    proc = _SPAWN.Process(target=_child_main, args=(spec.target, spec.kwargs, wenv, spec.env, send_err),
+                          name=f"tandem-worker-{spec.worker_id}", daemon=False)
     proc.start()
     send_err.close()
-    wp = WorkerProcess(worker_id, target, proc, recv_err)
+    wp = WorkerProcess(spec.worker_id, spec.target, proc, recv_err)
     _LIVE.add(wp)
     return wp
 
@@ -230,10 +286,11 @@ class Cluster:
     """Workers around one Hub: start them and wait until all are ready, fence the dead, stop them all."""
 
     def __init__(self, hub: Hub, *, startup_timeout_s: float = STARTUP_TIMEOUT_S, stop_grace_s: float = 5.0,
-                 fence: bool = True, heartbeat_s: float = HEARTBEAT_S) -> None:
+                 fence: bool = True, heartbeat_s: float = HEARTBEAT_S, spawner: Spawner = spawn_local) -> None:
         self.hub, self.startup_timeout_s, self.stop_grace_s = hub, startup_timeout_s, stop_grace_s
         self.heartbeat_s = heartbeat_s
-        self.workers: dict[int, WorkerProcess] = {}
+        self.spawner = spawner
+        self.workers: dict[int, WorkerHandle] = {}
         self.deaths: list[WorkerDead] = []
         self._fence = fence
         hub.on_worker_dead(self._on_dead)
@@ -245,7 +302,7 @@ class Cluster:
         if wp is not None and self._fence:
             wp.kill()
 
-    async def start(self, specs: Iterable[WorkerSpec]) -> dict[int, WorkerProcess]:
+    async def start(self, specs: Iterable[WorkerSpec]) -> dict[int, WorkerHandle]:
         """Spawn all, wait until every one is ready; on any failure stop all and raise WorkerStartupError."""
         specs = list(specs)
         ids = [s.worker_id for s in specs]
@@ -262,7 +319,7 @@ class Cluster:
             raise WorkerStartupError("; ".join(str(e) for e in errors))
         return {wp.worker_id: wp for wp in started}
 
-    async def add(self, spec: WorkerSpec) -> WorkerProcess:
+    async def add(self, spec: WorkerSpec) -> WorkerHandle:
         """Start one more worker (or restart a dead id) and wait until it is ready."""
         old = self.workers.get(spec.worker_id)
         if old is not None:
@@ -271,15 +328,14 @@ class Cluster:
             del self.workers[spec.worker_id]
         return (await self.start([spec]))[spec.worker_id]
 
-    def _spawn(self, spec: WorkerSpec) -> WorkerProcess:
+    def _spawn(self, spec: WorkerSpec) -> WorkerHandle:
         auth = self.hub.credentials(spec.worker_id)            # fresh keys per spawn (a restart revokes the old)
-        wp = spawn_worker(spec.target, spec.kwargs, spec.worker_id, self.hub.address,
-                          heartbeat_s=self.heartbeat_s, env=spec.env, auth=auth)
+        wp = self.spawner(spec, WorkerEnv(spec.worker_id, self.hub.address, self.heartbeat_s, os.getpid(), auth))
         self.workers[spec.worker_id] = wp
         self.hub.watch(spec.worker_id, wp)
         return wp
 
-    async def _await_ready(self, wp: WorkerProcess) -> None:
+    async def _await_ready(self, wp: WorkerHandle) -> None:
         where = f"worker {wp.worker_id} ({wp.target}, pid {wp.pid})"
         try:
             wp.info = await self.hub.wait_ready(wp.worker_id, self.startup_timeout_s)
@@ -288,10 +344,12 @@ class Cluster:
             why = wp.error() or "no exception reported (see its stderr)"
             raise WorkerStartupError(f"{where} exited with code {wp.exitcode} during startup: {why}") from None
         except asyncio.TimeoutError:
+            why = wp.error()                                   # e.g. a Ray worker still waiting for resources
             wp.kill()
-            raise WorkerStartupError(f"{where} was not ready within {self.startup_timeout_s:g} s (killed)") from None
+            raise WorkerStartupError(f"{where} was not ready within {self.startup_timeout_s:g} s (killed)"
+                                     + (f": {why}" if why else "")) from None
 
-    async def _stop_one(self, wp: WorkerProcess) -> None:
+    async def _stop_one(self, wp: WorkerHandle) -> None:
         await wp.stop(self.hub, grace_s=self.stop_grace_s)
         self.workers.pop(wp.worker_id, None)
 
