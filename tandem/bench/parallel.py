@@ -1,9 +1,10 @@
-"""A function mapped over many items in-process or in a process pool, with an optional rich progress bar: what
-every sweep (experiment, LAPS and Optimus reproductions) runs its simulations with."""
+"""A function mapped over many items in-process, in a process pool or on any other executor (Ray tasks:
+tandem.bench.ray_pool.RayExecutor), with an optional rich progress bar: what every sweep (experiment, LAPS and
+Optimus reproductions) runs its simulations with."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from typing import Any
 
 
@@ -14,10 +15,13 @@ def ignore_sigint() -> None:
 
 
 class ParallelMap:
-    """Maps picklable functions over items, `jobs` processes at a time (in-process when 1); results in order."""
+    """Maps picklable functions over items, `jobs` processes at a time (in-process when 1), or on `executor` when
+    given (e.g. Ray tasks; `jobs` is then ignored); results in order."""
 
-    def __init__(self, jobs: int, progress: bool, total: int, width: int = 44) -> None:
-        self.pool = ProcessPoolExecutor(max_workers=jobs, initializer=ignore_sigint) if jobs > 1 else None
+    def __init__(self, jobs: int, progress: bool, total: int, width: int = 44,
+                 executor: Executor | None = None) -> None:
+        self.pool = executor if executor is not None else (
+            ProcessPoolExecutor(max_workers=jobs, initializer=ignore_sigint) if jobs > 1 else None)
         self.bar = None
         self.bar_task = None
         if progress:
@@ -56,7 +60,7 @@ class ParallelMap:
             self.bar.stop()
         if self.pool is not None:
             if cancel:  # Ctrl-C or an error: stop the workers now rather than after their current run
-                for proc in list(getattr(self.pool, "_processes", {}).values()):
+                for proc in list((getattr(self.pool, "_processes", None) or {}).values()):
                     proc.terminate()
             self.pool.shutdown(wait=not cancel, cancel_futures=cancel)
 

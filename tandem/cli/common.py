@@ -6,10 +6,13 @@ The lowest module of tandem.cli: it imports no other cli module (`make lint` che
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tandem.workload.session import SLO, WorkloadError
 
@@ -118,6 +121,37 @@ def require_ray(flag: str) -> None:
         import_ray(flag)
     except RayUnavailable as e:
         raise CLIError(str(e)) from None
+
+
+def add_ray_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--ray and --ray-address of a sweep command (`what` runs as Ray tasks)."""
+    p.add_argument("--ray", action="store_true",
+                   help=f"run the {what} as Ray tasks on a Ray cluster, one CPU each (pip install 'tandem[ray]'; "
+                        "docs/ray.md); the results are the same as a local run's")
+    p.add_argument("--ray-address", type=ray_address_arg, default=None, metavar="auto|HOST:PORT",
+                   help="--ray: the Ray cluster to join (auto: the one `ray start` started here; default: "
+                        "$RAY_ADDRESS, else a private Ray on this machine)")
+
+
+@contextlib.contextmanager
+def ray_executor(args) -> Iterator[Any]:
+    """The tandem.bench.ray_pool.RayExecutor of --ray (None without it), disconnected at the end."""
+    if not args.ray:
+        if args.ray_address:
+            raise CLIError("--ray-address applies to --ray")
+        yield None
+        return
+    require_ray("--ray")
+    from tandem.bench.ray_pool import RayExecutor
+    from tandem.runtime.ray_launcher import RayLaunchError
+    try:
+        executor = RayExecutor.connect(args.ray_address)
+    except RayLaunchError as e:
+        raise CLIError(str(e)) from None
+    try:
+        yield executor
+    finally:
+        executor.close()
 
 
 def csv_list(item_type):

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cli import bench_cmd, plan_cmd, profile_cmd, serve_cmd, tiny_cmd
-from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, check_out_path, clear_notes,
-                               csv_list, flush_notes, gpus_arg, load_workload, nonneg_int, note, positive_float,
-                               positive_int, seed_arg, unit_fraction)
+from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, add_ray_args, check_out_path,
+                               clear_notes, csv_list, flush_notes, gpus_arg, load_workload, nonneg_int, note,
+                               positive_float, positive_int, ray_executor, seed_arg, unit_fraction)
 from tandem.core.deploy import DeploymentError, parse_deploy
 from tandem.perf.dllm import OPTIMUS_LENGTHS
 from tandem.workload.session import WorkloadError
@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: one per workload and policy, best mean over the rates)")
     e.add_argument("--out", default=None, metavar="DIR", help="report folder (default: reports/<preset>)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_ray_args(e, "simulations")
     e.set_defaults(func=cmd_experiment)
 
     for command in (plan_cmd, tiny_cmd, profile_cmd, serve_cmd, bench_cmd):
@@ -447,7 +448,11 @@ def cmd_experiment(args) -> int:
             raise CLIError(f"--gpus names workloads not in the experiment: {', '.join(unknown)}")
         spec = dataclasses.replace(spec, gpus={**spec.gpus, **gpus})
     out_dir = Path(args.out or f"reports/{args.preset}")
-    result = run_experiment(spec, out_dir, progress=not args.no_progress and sys.stderr.isatty())
+    if args.ray and args.jobs is not None:
+        raise CLIError("--jobs does not apply with --ray (the Ray cluster's CPUs run the simulations)")
+    with ray_executor(args) as executor:
+        result = run_experiment(spec, out_dir, progress=not args.no_progress and sys.stderr.isatty(),
+                                executor=executor)
     print(format_cells(result["cells"]), end="")
     if result["improvement"]:
         print()

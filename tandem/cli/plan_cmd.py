@@ -17,8 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, CLIError, flush_notes, load_workload, positive_float,
-                               positive_int, seed_arg)
+from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, CLIError, add_ray_args, flush_notes, load_workload,
+                               positive_float, positive_int, ray_executor, seed_arg)
 
 DEFAULT_JOBS = max(1, min(os.cpu_count() or 1, 8))
 
@@ -49,8 +49,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the workload and simulator (default: 0)")
     p.add_argument("--policy", default="ampd", help="serving policy simulated (default: %(default)s)")
     p.add_argument("--top", type=positive_int, default=3, metavar="K", help="deployments to list (default: 3)")
-    p.add_argument("--jobs", type=positive_int, default=DEFAULT_JOBS,
-                   help="simulator processes (default: %(default)s)")
+    p.add_argument("--jobs", type=positive_int, default=None,
+                   help=f"simulator processes (default: {DEFAULT_JOBS}; with --ray, simulations at once, default: "
+                        "the cluster's CPUs)")
+    add_ray_args(p, "candidate simulations")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="where simulation runs are cached (default: ~/.cache/tandem/plan)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the run cache")
@@ -174,22 +176,25 @@ def cmd_plan(args) -> int:
         args.sessions = DEFAULT_SESSIONS
     cache = None if args.no_cache else (Path(args.cache_dir) if args.cache_dir else default_cache_dir())
     inp = PlanInputs(model=model, gpu=gpu, budget=args.gpus, sessions=sessions, policy=args.policy, seed=args.seed,
-                     top_k=args.top, jobs=args.jobs, cache_dir=cache)
+                     top_k=args.top, jobs=args.jobs or DEFAULT_JOBS, cache_dir=cache)
     if args.exact:
         inp.exact_max_gpus = args.gpus
-    flush_notes()
-    bar = _Bar(not args.no_progress and sys.stderr.isatty())
-    try:
-        bar.stage("planning")
-        result = plan(inp, progress=bar)
-        full = None
-        if args.exhaustive:
-            bar.stage("exhaustive")
-            full = exhaustive(inp, progress=bar)
-    except PlanError as e:
-        raise CLIError(str(e)) from None
-    finally:
-        bar.close()
+    with ray_executor(args) as executor:
+        if executor is not None:
+            inp.executor, inp.jobs = executor, args.jobs or executor.cpus
+        flush_notes()
+        bar = _Bar(not args.no_progress and sys.stderr.isatty())
+        try:
+            bar.stage("planning")
+            result = plan(inp, progress=bar)
+            full = None
+            if args.exhaustive:
+                bar.stage("exhaustive")
+                full = exhaustive(inp, progress=bar)
+        except PlanError as e:
+            raise CLIError(str(e)) from None
+        finally:
+            bar.close()
     rows = [_row(r, result, "planner") for r in result.ranked]
     for row in rows:
         row["simulate"] = _reproduce(args, model, gpu, row["deploy"], rate, kind)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,7 @@ class PlanInputs:
     seed: int = 0
     top_k: int = 3
     jobs: int = 1
+    executor: Executor | None = None   # runs the simulations instead of `jobs` local processes (e.g. Ray tasks)
     cache_dir: str | Path | None = field(default_factory=default_cache_dir)
     exact_max_gpus: int = EXACT_MAX_GPUS
     slice_gpus: int = SLICE_GPUS
@@ -227,7 +229,7 @@ def plan(inp: PlanInputs, progress: Callable[[str, int], None] | None = None) ->
         sl = Workload(wl.sessions[:slice_sessions(len(wl.sessions), inp.slice_fraction)]).stretched(inp.budget / n0)
         share(sl)
     phases = {"setup": time.perf_counter() - t0}
-    with Evaluator(spec, inp.jobs, RunCache(inp.cache_dir)) as ev:
+    with Evaluator(spec, inp.jobs, RunCache(inp.cache_dir), executor=inp.executor) as ev:
         t1 = time.perf_counter()
         if exact:
             top, ncand = _exact_search(ev, wl, inp.budget, degrees, k, tick, f"{inp.budget} GPUs")
@@ -301,7 +303,7 @@ def exhaustive(inp: PlanInputs, progress: Callable[[str, int], None] | None = No
     cands = pairs(degrees, inp.budget, maximal_only=maximal_only)
     tick = (lambda m: progress("exhaustive", len(cands))) if progress is not None else None
     share(wl)
-    with Evaluator(spec, inp.jobs, RunCache(inp.cache_dir), on_done=tick) as ev:
+    with Evaluator(spec, inp.jobs, RunCache(inp.cache_dir), on_done=tick, executor=inp.executor) as ev:
         meas = ev.evaluate(wl, [p.deploy for p in cands], inp.budget)
     order = sorted(cands, key=lambda p: _rank_key(p, meas[p.deploy]))
     ranked = [Ranked(i + 1, p, meas[p.deploy]) for i, p in enumerate(order)]

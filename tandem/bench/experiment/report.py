@@ -62,11 +62,29 @@ def summary_text(improvement: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+RUN_KEYS = ("wall_s", "executor")          # how the sweep ran, not what it found: run.json, not results.json
+
+
+def split_run(result: dict) -> tuple[dict, dict]:
+    """(results, run): the sweep's findings, the same for the same spec however it ran (in-process, --jobs N,
+    --ray: byte-identical results.json), and how it ran (wall times, jobs, executor)."""
+    results = {k: v for k, v in result.items() if k not in RUN_KEYS and k != "files"}
+    results["spec"] = {k: v for k, v in result["spec"].items() if k != "jobs"}
+    results["cells"] = [{k: v for k, v in c.items() if k != "wall_s"} for c in result["cells"]]
+    run = {k: result[k] for k in RUN_KEYS if k in result}
+    run["jobs"] = result["spec"].get("jobs")
+    run["cells_wall_s"] = [{"workload": c["workload"], "policy": c["policy"], "rate": c["rate"],
+                            "wall_s": c.get("wall_s")} for c in result["cells"]]
+    return results, run
+
+
 def _write_outputs(out_dir: Path, result: dict, policies: Sequence[str]) -> dict[str, str]:
     from tandem.sim import report
     cols = _table_columns()
     files = {}
-    files["results"] = report.write_json(result, out_dir / "results.json")
+    results, run = split_run(result)
+    files["results"] = report.write_json(results, out_dir / "results.json")
+    files["run"] = report.write_json(run, out_dir / "run.json")
     title = f"{result['spec']['model']} on {result['spec']['gpu']}"
     files["table_txt"] = report.write_text(report.format_table(result["cells"], cols, title=title, color=False),
                                            out_dir / "table.txt")

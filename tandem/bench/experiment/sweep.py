@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Executor
 from pathlib import Path
 
 from tandem.bench.experiment.pool import _Runner
@@ -13,8 +14,11 @@ from tandem.bench.experiment.spec import (ExperimentError, ExperimentSpec, canon
 from tandem.bench.experiment.tasks import Task, TaskResult, cell_summary
 
 
-def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = True) -> dict:
-    """Search deployments, run every (workload, policy, rate) cell, write the report to `out_dir`."""
+def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = True,
+                   executor: Executor | None = None) -> dict:
+    """Search deployments, run every (workload, policy, rate) cell, write the report to `out_dir`; the simulations
+    run on `executor` when given (e.g. Ray tasks), else in spec.jobs processes. The same spec gives the same
+    results.json whatever runs it (wall times and parallelism go to run.json)."""
     t0 = time.perf_counter()
     validate_spec(spec)
     model, gpu = canonical_model(spec.model), canonical_gpu(spec.gpu)
@@ -29,7 +33,7 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = T
     n_runs = len(plans) * len(spec.rates) * len(spec.seeds)
     n_reused = sum(1 for p in plans.values() if p["source"] == "search") * len(spec.seeds) * (
         n_rates if spec.search_all_rates else (ref in spec.rates))
-    runner = _Runner(spec.jobs, progress, n_search + n_runs - n_reused)
+    runner = _Runner(spec.jobs, progress, n_search + n_runs - n_reused, executor)
     try:
         reuse = _search(spec, model, gpu, plans, runner, ref)
         todo: list[Task] = []
@@ -74,6 +78,7 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = T
         "cells": cells,
         "improvement": improvement,
         "wall_s": time.perf_counter() - t0,
+        "executor": "local" if executor is None else type(executor).__name__,
     }
     result["files"] = _write_outputs(out_dir, result, spec.policies)
     return result

@@ -1,8 +1,9 @@
-"""Runs deployments through the simulator, from cache when possible, in parallel processes (Evaluator)."""
+"""Runs deployments through the simulator, from cache when possible, in parallel processes or on a given executor
+(e.g. Ray tasks: tandem.bench.ray_pool) (Evaluator)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from tandem.plan.coefficients.cache import RunCache, _usable
@@ -47,14 +48,16 @@ class Stats:
 
 @dataclass
 class Evaluator:
-    """Runs deployments through the simulator, from cache when possible, in `jobs` processes."""
+    """Runs deployments through the simulator, from cache when possible, in `jobs` processes, or `jobs` at a time on
+    `executor` when given (its owner shuts it down; this only cancels what it submitted on an error)."""
 
     spec: SimSpec
     jobs: int = 1
     cache: RunCache = field(default_factory=lambda: RunCache(None))
     on_done: Callable[[Measurement], None] | None = None
     stats: Stats = field(default_factory=Stats)
-    _pool: ProcessPoolExecutor | None = None
+    executor: Executor | None = None
+    _pool: Executor | None = None
     _inherited: frozenset = frozenset()
 
     def evaluate(self, workload: Workload, deploys: Iterable[str], gpus: int,
@@ -123,7 +126,9 @@ class Evaluator:
             raise
         return out
 
-    def _get_pool(self) -> ProcessPoolExecutor:
+    def _get_pool(self) -> Executor:
+        if self._pool is None and self.executor is not None:
+            self._pool, self._inherited = self.executor, frozenset()     # tasks carry their sessions
         if self._pool is None:
             import multiprocessing as mp
             ctx = mp.get_context()
@@ -132,6 +137,10 @@ class Evaluator:
         return self._pool
 
     def close(self, cancel: bool = False) -> None:
+        if self._pool is not None and self._pool is self.executor:
+            if cancel:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         if self._pool is not None:
             if cancel:
                 for proc in list(getattr(self._pool, "_processes", {}).values()):
