@@ -13,7 +13,8 @@ one token committed a step (low_confidence_static: dLLM-Serve's evaluation, whic
 with low_confidence_dynamic at 0.9 (tandem's default). The comparison is paired (the same examples): the examples
 only head-centric gets right, those only uniform gets right, and an exact two-sided sign test on them. KV bytes per
 request: the mean of each request's fixed buffer (⌈ρ·(P + 64)⌉ positions per layer and KV head) at the run's dtype.
-Writes results.json, table.md and plot.png.
+Writes results.json (each run's per-example exact matches as a string of 0/1 in eval_set order), table.md and
+plot.png.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def run_one(model, tok, examples, block: int, strategy: str, ratio: float, selec
     steps = sum(len(o.phases) for o in outs)
     return {"block": block, "strategy": strategy, "ratio": ratio, "selection": selection,
             "accuracy": d["overall"]["accuracy"], "tasks": {t: r["accuracy"] for t, r in d["tasks"].items()},
-            "exact": [int(x) for x in rep.exact], "steps": steps, "committed_per_step": d["overall"]["committed_per_step"],
+            "exact": "".join("1" if x else "0" for x in rep.exact), "steps": steps,
+            "committed_per_step": d["overall"]["committed_per_step"],
             "reuse_share": round(len(reuse) / max(1, steps), 4),
             "reuse_with_context_share": round(sum(c > 0 for c in reuse) / max(1, len(reuse)), 4),
             "mean_reuse_context": round(sum(reuse) / max(1, len(reuse)), 2),
@@ -84,8 +86,8 @@ def paired(rows: list[dict]) -> list[dict]:
             continue
         u = key[(block, strat, ratio, "uniform")]
         dense = key[(block, strat, 1.0, "head")]
-        a = sum(x and not y for x, y in zip(h["exact"], u["exact"]))
-        b = sum(y and not x for x, y in zip(h["exact"], u["exact"]))
+        a = sum(x > y for x, y in zip(h["exact"], u["exact"]))          # "1" > "0": only head-centric right
+        b = sum(y > x for x, y in zip(h["exact"], u["exact"]))
         out.append({"block": block, "strategy": strat, "ratio": ratio, "head": h["accuracy"], "uniform": u["accuracy"],
                     "dense": dense["accuracy"], "diff": round(h["accuracy"] - u["accuracy"], 4), "head_only": a,
                     "uniform_only": b, "p_sign": round(sign_test(a, b), 4), "kv_bytes": h["kv_bytes_mean"],
