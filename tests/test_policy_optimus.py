@@ -115,28 +115,30 @@ def diffusion_worker(chunk: str, block: int = 8):
 
 def test_windows_stay_inside_blocks_aligned_to_absolute_positions_and_the_first_commit_is_the_first_token():
     """Protects streaming windows in the core: a 6-token prompt leaves 2 positions of the first 8-block, so a fixed
-    chunk of 4 gives a window of 2; in the next block (8..16) windows of 4, 4 (5 left after 3 committed) and 1 (the
-    block's last position); the prefill emits no token: the first commit (2 tokens at 2 s) is the round's first
-    token, the 8 others come with ITL gaps; 10 tokens in 4 steps."""
+    chunk of 4 gives a window of 2; from then on each window first writes the K/V of the positions the previous
+    step committed, and fills the rest of its 4 positions with masked ones, never past the block (8..16) or
+    max_tokens; the prefill emits no token: the first commit (2 tokens at 2 s) is the round's first token, the 8
+    others come with ITL gaps; 10 tokens in 6 steps."""
     w = diffusion_worker("4")
     w.begin_round("s")
     w.submit(PrefillTask("s", 0, 0, 6, 0.0, output_tokens=10, decode_worker=0, worker=0), 0.0)
     w.on_step_done(w.schedule(0.0), StepResult(1.0), 1.0)
     assert [type(e) for e in w.drain()] == []                 # no FirstToken at the prefill's end
     windows = []
-    for k, commit in enumerate((2, 3, 4, 1)):
+    for k, commit in enumerate((2, 2, 1, 3, 1, 1)):
         plan = w.schedule(1.0 + k)
         (seq,) = plan.decode
-        windows.append((seq.query_tokens, seq.commit_cap))
+        windows.append((seq.query_tokens, seq.commit_cap, seq.kv_pending))
         w.on_step_done(plan, StepResult(1.0, {"s": commit}), 2.0 + k)
         if k == 0:
             ev = w.drain()
             assert [type(e) for e in ev] == [FirstToken] and ev[0].time_s == 2.0
-    assert windows == [(2, 2), (4, 4), (4, 4), (1, 1)]
+    # (positions computed, masked ones among them, decoded ones to write first)
+    assert windows == [(2, 2, 0), (4, 2, 2), (4, 2, 2), (4, 3, 1), (4, 1, 3), (2, 1, 1)]
     done = [e for e in w.drain() if isinstance(e, RoundDone)]
-    assert len(done) == 1 and done[0].output_tokens == 10 and done[0].itl_count == 1 + 3 + 4 + 1
-    assert done[0].itl_sum == pytest.approx(3.0)              # gaps of 1 s after the first commit, 3 of them
-    assert w.chunker.tokens_per_step() == pytest.approx(10 / 4)
+    assert len(done) == 1 and done[0].output_tokens == 10 and done[0].itl_count == 1 + 2 + 1 + 3 + 1 + 1
+    assert done[0].itl_sum == pytest.approx(5.0)              # gaps of 1 s after the first commit, 5 of them
+    assert w.chunker.tokens_per_step() == pytest.approx(10 / 6)
 
 
 def test_block_diffusion_recomputes_the_whole_block_and_commits_within_it():
@@ -219,9 +221,10 @@ def test_elastic_windows_stay_within_the_budget_and_leave_waiting_prefills_their
         w.chunker.observe(32, [16] * 32)         # warm-up done: stretches of 16
         for i in range(4):
             w.begin_round(f"s{i}")
-            w.submit(PrefillTask(f"s{i}", 0, 0, 32, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
+            w.submit(PrefillTask(f"s{i}", 0, 0, 16, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
         t = 0.0
-        while len(w.running) < 4:                # prefill the prompts (decodes riding along commit nothing)
+        while len(w.running) < 4:                # prefill the prompts (decodes riding along commit nothing; a
+                                                 # 16-token prompt is its own last chunk: no block boundary needed)
             plan = w.schedule(t)
             w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
             t += 1.0

@@ -44,6 +44,8 @@ class Seq:
     query_tokens: int = 1       # query tokens its next decode step computes (1: AR; c: a diffusion chunk)
     writes_kv: bool = True      # whether that step writes KV (a diffusion denoise writes only at commit)
     commit_cap: int = 1         # tokens that step may commit (its window within the active diffusion block)
+    kv_pending: int = 0         # diffusion: committed tokens whose K/V are not written yet (the next window's first
+                                # positions; plain block diffusion: a completed block, written by the next step)
     first_due: tuple[float, float | None] | None = None   # diffusion: the round's first token is its first
                                 # commit; (prefill start, enqueue time of a local prefill) until then
 

@@ -136,6 +136,10 @@ class WorkerCore:
                 and self.dllm is None:                # bidirectional: a prompt's KV depends on the whole sequence
             usable = block_hashes[:(prompt_tokens - 1) // self.cfg.block_size]
             blocks = self.blocks.match_prefix(usable) if usable else ()
+            B = self.cfg.dllm_block
+            if B and blocks:                         # block-causal: only whole diffusion blocks of the prefix
+                whole = len(blocks) * self.cfg.block_size // B * B
+                blocks = blocks[:whole // self.cfg.block_size] if whole % self.cfg.block_size == 0 else ()
             if blocks:
                 self.blocks.share(seq, blocks)
                 seq.num_tokens = len(blocks) * self.cfg.block_size
@@ -266,9 +270,11 @@ class WorkerCore:
                         shape.decode_ctx_tokens = self._ctx + n
                     elif self.cfg.dllm_block:        # diffusion windows: bidirectional rows over the cached keys
                         B = self.cfg.dllm_block
+                        whole = self.chunker is None or self.chunker.recomputes_block
                         for seq in plan.decode:
-                            q = seq.query_tokens     # plain block diffusion recomputes the block from its start
-                            start = seq.num_tokens if q == seq.commit_cap else seq.num_tokens - seq.num_tokens % B
+                            q = seq.query_tokens     # plain block diffusion recomputes the block from its start;
+                            # streaming reads every committed position's K/V but the ones it writes now
+                            start = seq.num_tokens - seq.num_tokens % B if whole else seq.num_tokens - seq.kv_pending
                             shape.add_window(start, q)
                         n = shape.num_decode
                     else:                            # multi-token steps: every query position counts as a row
@@ -290,6 +296,10 @@ class WorkerCore:
             n = t.work - t.done
             if n > budget:
                 n = budget
+                if self.cfg.dllm_block:              # block-causal: a chunk ends on a block boundary (a query
+                    n -= (t.first + t.done + n) % self.cfg.dllm_block   # sees all of its block)
+                    if n <= 0:
+                        break
             before = t.first + t.done
             if chunk_beta is not None and plan.decode:
                 if plan.prefill:
@@ -535,7 +545,7 @@ class WorkerCore:
         decode_query_tokens, never past its round's end); preempt by recompute if short."""
         if self.cfg.dllm_block:
             self._size_windows()
-            short = any(seq.num_tokens + seq.commit_cap > seq.cap for seq in self.running)
+            short = any(self._kv_target(seq) > seq.cap for seq in self.running)
             if not short:
                 return
             q_max = 0
@@ -557,7 +567,7 @@ class WorkerCore:
             if not short:
                 return
         for seq in list(self.running):
-            grow = seq.num_tokens + seq.commit_cap
+            grow = self._kv_target(seq)
             if seq.state is RUNNING and grow > seq.cap:
                 if grow > self.capacity_tokens:      # outgrew the whole pool: no preemption helps
                     self.running.remove(seq)
@@ -570,6 +580,17 @@ class WorkerCore:
                     continue
                 if not self._reserve(seq, grow, now, preempt=True):
                     self._preempt(seq, now)          # could not free enough: preempt itself
+
+    def _kv_target(self, seq: Seq) -> int:
+        """Positions whose KV slots a running sequence needs this step: its next tokens (AR, multi-token), or the
+        whole active diffusion block up to max_tokens (a decoded position's K/V sit at its own position, which may
+        lie anywhere in the block)."""
+        B = self.cfg.dllm_block
+        if not B:
+            return seq.num_tokens + seq.commit_cap
+        end = seq.num_tokens - seq.num_tokens % B + B
+        limit = seq.num_tokens + seq.to_decode
+        return end if end < limit else limit
 
     def _size_windows(self) -> None:
         """Block diffusion: this step's window per sequence. The chunk sizer picks c for the batch within the token
@@ -584,9 +605,18 @@ class WorkerCore:
         c = self.chunker.choose(len(self.running), room=budget - claim)
         whole = self.chunker.recomputes_block
         for seq in self.running:
-            left = B - seq.num_tokens % B
-            seq.commit_cap = c if c < left else left
-            seq.query_tokens = B if whole else seq.commit_cap
+            left = B - seq.num_tokens % B            # masked positions of the active block (before max_tokens)
+            if seq.to_decode < left:
+                left = seq.to_decode
+            pending = seq.kv_pending
+            if whole:                                # the block, plus a completed block's first write
+                seq.commit_cap = left
+                seq.query_tokens = B + pending
+            else:                                    # streaming: the decoded positions to write come first
+                q = c if c < left + pending else left + pending
+                room = q - pending if pending < q else 0
+                seq.query_tokens = q
+                seq.commit_cap = room if room < left else left
 
     def _reserve(self, owner, tokens: int, now: float, preempt: bool, headroom: int = 0) -> bool:
         """Ensure `owner` holds blocks for `tokens` with `headroom` blocks left free, evicting idle KV and,
@@ -802,7 +832,7 @@ class WorkerCore:
                                      f"{seq.commit_cap}")
             if chunker is not None:
                 chunker.count(c)
-                if seq.to_decode >= seq.commit_cap:  # not cut short by max_tokens: N_commit's evidence
+                if seq.to_decode >= seq.commit_cap > 0:   # not cut short by max_tokens: N_commit's evidence
                     seen.setdefault(seq.commit_cap, []).append(c)
             if c > seq.to_decode:
                 c = seq.to_decode
@@ -831,6 +861,13 @@ class WorkerCore:
                 n_tok += c
                 seq.last_token_s = now
                 seq.to_decode -= c
+            if chunker is not None:                  # what the next window writes first (block_state.py)
+                B = self.cfg.dllm_block
+                if chunker.recomputes_block:
+                    seq.kv_pending = B if c > 0 and seq.num_tokens % B == 0 else 0
+                else:
+                    p = seq.kv_pending
+                    seq.kv_pending = p - (p if p < seq.query_tokens else seq.query_tokens) + c
             if stopped and seq.session_id in stopped:
                 seq.to_decode = 0
             if seq.to_decode <= 0:
@@ -865,12 +902,20 @@ class WorkerCore:
             return
         seq.state = RUNNING
         seq.query_tokens = seq.commit_cap = 1
+        if self.chunker is not None:                 # streaming: a prefill writes every prompt token, a recompute
+            # only whole blocks (the active block's decoded positions are not contiguous): those are written first
+            streaming = not self.chunker.recomputes_block
+            seq.kv_pending = seq.num_tokens % self.cfg.dllm_block if streaming and task.recompute else 0
         self._order += 1
         seq.order = self._order
         self.running.append(seq)
         self._ctx += seq.num_tokens
 
     def _finish_round(self, seq: Seq, now: float) -> None:
+        if self.chunker is not None:                 # the last block's K/V are not (all) written, nor final: the next
+            B = self.cfg.dllm_block                  # round recomputes it with its prompt (SDAR's leftover tokens)
+            seq.num_tokens = (seq.num_tokens - 1) // B * B
+            seq.kv_pending = 0
         if self.dllm is not None:                    # dLLM-Serve: the request's buffer goes with it (a next round
             self._phase.pop(seq.session_id, None)    # recomputes everything in its first Refresh anyway)
             self.blocks.free(seq)

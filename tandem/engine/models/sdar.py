@@ -54,6 +54,9 @@ class BlockDiffusionMetadata:
     block_size: int                   # the KV cache's block size (tokens per page)
     diffusion_block_size: int         # the diffusion block length B
     query_blocks: list[list[int]] = field(default_factory=list, repr=False)   # host: block(pos) per query token
+    cached_blocks: list[list[int]] = field(default_factory=list, repr=False)  # host: block(pos) per cached extra
+    cached_slots: list[torch.Tensor | None] = field(default_factory=list, repr=False)   # per sequence: int64 cache
+                                      # slots of its cached positions past ctx_len (None: none), read as keys
     scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     backend: Any = field(default=None, repr=False, compare=False)
 
@@ -70,11 +73,15 @@ class BlockDiffusionMetadata:
     @classmethod
     def build(cls, positions: Sequence[Sequence[int]], ctx_lens: Sequence[int], num_write: Sequence[int],
               block_tables: Sequence[Sequence[int]] | None, block_size: int, diffusion_block_size: int,
-              device: torch.device | str = "cpu") -> "BlockDiffusionMetadata":
+              device: torch.device | str = "cpu", *, writes: Sequence[Sequence[int]] | None = None,
+              cached: Sequence[Sequence[int]] | None = None) -> "BlockDiffusionMetadata":
         """Validate one step's per-sequence query positions, cache lengths and writes, and build its tensors.
 
         Without a KV cache (block_tables None) every ctx_len and num_write must be 0: the step is a full
-        recomputation under the block-causal mask.
+        recomputation under the block-causal mask. Streaming chunked decoding (Optimus) names its writes and reads
+        position by position: `writes` (instead of num_write) lists the query positions whose K/V are written (any
+        of them: decoded tokens of the active block), `cached` the positions >= ctx_len whose K/V the cache already
+        holds and the queries read (the active block's decoded tokens; masked positions in between are skipped).
         """
         S = len(positions)
         if len(ctx_lens) != S or len(num_write) != S or (block_tables is not None and len(block_tables) != S):
@@ -90,8 +97,14 @@ class BlockDiffusionMetadata:
             table = np.zeros((S, width), dtype=np.int32)
             for i, b in enumerate(block_tables):
                 table[i, :len(b)] = b
+        if (writes is not None and len(writes) != S) or (cached is not None and len(cached) != S):
+            raise ValueError("writes and cached need one entry per sequence")
+        dev = torch.device(device)
         start = 0
-        for i, (pos, ctx, nw) in enumerate(zip(positions, ctx_lens, num_write)):
+        cblocks: list[list[int]] = []
+        cslots: list[torch.Tensor | None] = []
+        nws: list[int] = []
+        for i, (pos, ctx) in enumerate(zip(positions, ctx_lens)):
             pos = [int(p) for p in pos]
             n = len(pos)
             if n < 1:
@@ -101,32 +114,51 @@ class BlockDiffusionMetadata:
                                  "(a cached block is complete)")
             if min(pos) < ctx or len(set(pos)) != n:
                 raise ValueError(f"sequence {i}: query positions must be distinct and >= ctx_len {ctx}")
-            if not 0 <= nw <= n or nw % B or pos[:nw] != list(range(ctx, ctx + nw)):
-                raise ValueError(f"sequence {i}: the {nw} written queries must be the first ones, at positions "
-                                 f"{ctx}..{ctx + nw - 1}, whole diffusion blocks of {B}")
-            if block_tables is None:
-                if ctx or nw:
-                    raise ValueError(f"sequence {i}: ctx_len and num_write must be 0 without a KV cache")
+            if writes is None:
+                nw = int(num_write[i])
+                if not 0 <= nw <= n or nw % B or pos[:nw] != list(range(ctx, ctx + nw)):
+                    raise ValueError(f"sequence {i}: the {nw} written queries must be the first ones, at positions "
+                                     f"{ctx}..{ctx + nw - 1}, whole diffusion blocks of {B}")
+                wrote = list(range(nw))
             else:
-                need = -(-(ctx + nw) // block_size)
+                index = {p: j for j, p in enumerate(pos)}
+                wset = [int(p) for p in writes[i]]
+                if any(p not in index for p in wset) or len(set(wset)) != len(wset):
+                    raise ValueError(f"sequence {i}: written positions must be distinct query positions")
+                wrote = [index[p] for p in wset]
+            extra = [int(p) for p in cached[i]] if cached is not None else []
+            if extra and (min(extra) < ctx or len(set(extra)) != len(extra) or set(extra) & set(pos)
+                          or max(extra) >= max(pos) // B * B + B):
+                raise ValueError(f"sequence {i}: cached positions must be distinct, >= ctx_len {ctx}, not queries, "
+                                 "and in no later block than the queries")
+            nws.append(len(wrote))
+            if block_tables is None:
+                if ctx or wrote or extra:
+                    raise ValueError(f"sequence {i}: ctx_len, writes and cached positions must be 0 or empty without a KV cache")
+                cslots.append(None)
+            else:
+                top = max([ctx - 1] + [pos[j] for j in wrote] + extra)
+                need = -(-(top + 1) // block_size)
                 if len(block_tables[i]) < need:
-                    raise ValueError(f"sequence {i} reads/writes {ctx + nw} cached tokens but has only "
+                    raise ValueError(f"sequence {i} reads/writes {top + 1} cached tokens but has only "
                                      f"{len(block_tables[i])} KV blocks of {block_size}")
-                for j in range(nw):
-                    p = ctx + j
+                for j in wrote:
+                    p = pos[j]
                     rows.append(start + j)
                     slots.append(int(table[i, p // block_size]) * block_size + p % block_size)
+                cslots.append(torch.tensor([int(table[i, p // block_size]) * block_size + p % block_size
+                                            for p in extra], dtype=torch.long, device=dev) if extra else None)
             qblocks.append([p // B for p in pos])
+            cblocks.append([p // B for p in extra])
             start += n
-        dev = torch.device(device)
         flat = [int(p) for pos in positions for p in pos]
-        return cls(query_lens=[len(p) for p in positions], ctx_lens=[int(c) for c in ctx_lens],
-                   num_write=[int(w) for w in num_write],
+        return cls(query_lens=[len(p) for p in positions], ctx_lens=[int(c) for c in ctx_lens], num_write=nws,
                    positions=torch.tensor(flat, dtype=torch.long, device=dev),
                    block_tables=torch.from_numpy(table).to(dev),
                    write_rows=torch.tensor(rows, dtype=torch.long, device=dev),
                    slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                   block_size=int(block_size), diffusion_block_size=B, query_blocks=qblocks)
+                   block_size=int(block_size), diffusion_block_size=B, query_blocks=qblocks, cached_blocks=cblocks,
+                   cached_slots=cslots)
 
     @classmethod
     def from_attn_metadata(cls, meta: AttnMetadata, diffusion_block_size: int) -> "BlockDiffusionMetadata":
@@ -175,14 +207,20 @@ class BlockDiffusionBackend:
         for i, n in enumerate(meta.query_lens):
             ctx = meta.ctx_lens[i]
             ks, vs = k[start:start + n], v[start:start + n]
-            if ctx:
-                bs = kv.shape[2]
-                nblk = -(-ctx // bs)
-                blocks = meta.block_tables[i, :nblk].long()
-                kc = kv[0].index_select(0, blocks).reshape(nblk * bs, hkv, d)[:ctx]
-                vc = kv[1].index_select(0, blocks).reshape(nblk * bs, hkv, d)[:ctx]
-                ks = torch.cat([kc, ks.to(kv.dtype)]).to(q.dtype)
-                vs = torch.cat([vc, vs.to(kv.dtype)]).to(q.dtype)
+            extra = meta.cached_slots[i] if meta.cached_slots else None
+            if ctx or extra is not None:
+                kparts, vparts = [], []
+                if ctx:
+                    bs = kv.shape[2]
+                    nblk = -(-ctx // bs)
+                    blocks = meta.block_tables[i, :nblk].long()
+                    kparts.append(kv[0].index_select(0, blocks).reshape(nblk * bs, hkv, d)[:ctx])
+                    vparts.append(kv[1].index_select(0, blocks).reshape(nblk * bs, hkv, d)[:ctx])
+                if extra is not None:                # decoded positions of the active block, read by slot
+                    kparts.append(kv[0].reshape(-1, hkv, d).index_select(0, extra))
+                    vparts.append(kv[1].reshape(-1, hkv, d).index_select(0, extra))
+                ks = torch.cat([*kparts, ks.to(kv.dtype)]).to(q.dtype)
+                vs = torch.cat([*vparts, vs.to(kv.dtype)]).to(q.dtype)
             elif kv.numel():
                 # the same rounding as keys read back from the cache, so a written block attends to itself as a
                 # later step attends to it
@@ -202,11 +240,13 @@ def _masks(meta: BlockDiffusionMetadata, device: torch.device) -> list[torch.Ten
         return masks
     masks = []
     for i, blocks in enumerate(meta.query_blocks):
-        if min(blocks) == max(blocks):
+        extra = meta.cached_blocks[i] if meta.cached_blocks else []
+        if min(blocks) == max(blocks) and all(e <= blocks[0] for e in extra):
             masks.append(None)                       # one block: its queries see each other and the whole cache
             continue
         b = torch.tensor(blocks, dtype=torch.long, device=device)
-        among = b[None, :] <= b[:, None]              # key j visible to query i: block(j) <= block(i)
+        keys = torch.tensor(extra + blocks, dtype=torch.long, device=device)
+        among = keys[None, :] <= b[:, None]           # key j visible to query i: block(j) <= block(i)
         ctx = meta.ctx_lens[i]
         if ctx:
             among = torch.cat([torch.ones(len(blocks), ctx, dtype=torch.bool, device=device), among], dim=1)
