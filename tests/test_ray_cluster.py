@@ -18,6 +18,7 @@ import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -43,18 +44,33 @@ SESSIONS, RATE, SCALE, CAP, SEED = 20, 8.0, 0.1, 8, 5
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with LocalRayCluster(["tandem_p", "tandem_d"], cpus=1) as rc:
-        yield rc
-        if ray.is_initialized():
-            ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-ray")
     make_tiny_model(path, arch="qwen3", size="1m", seed=11)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def stack(ckpt):
+    """(the two-node Ray cluster, a future of the embedded launcher's server on the same model): the embedded
+    server starts while the Ray nodes do (both mostly wait), and is stopped by the first test once compared."""
+    pool = ThreadPoolExecutor(1)
+    embedded = pool.submit(LiveServer, ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL,
+                                                     engine_args=dict(max_model_len=MAX_LEN, num_kv_blocks=BLOCKS)))
+    try:
+        with LocalRayCluster(["tandem_p", "tandem_d"], cpus=1) as rc:
+            yield rc, embedded
+            if ray.is_initialized():
+                ray.shutdown()
+    finally:
+        if embedded.done() and embedded.exception() is None:
+            embedded.result().stop()
+        pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(stack) -> LocalRayCluster:
+    return stack[0]
 
 
 def _health(url: str) -> int:
@@ -120,9 +136,10 @@ def _node_of(name: str) -> dict:
     return {"node_id": where["node_id"], "labels": {k for k in node["Resources"] if k.startswith("tandem_")}}
 
 
-def test_serve_on_two_ray_nodes_matches_embedded_and_survives_a_killed_decode_actor(cluster, ckpt, tmp_path):
+def test_serve_on_two_ray_nodes_matches_embedded_and_survives_a_killed_decode_actor(stack, ckpt, tmp_path):
     """Protects acceptance 1 and 2 (see the module docstring): placement by --ray-place, the same tokens as the
     embedded launcher's for 20 multi-round sessions, and a killed decode actor going through the supervisor."""
+    cluster, embedded = stack
     t_start = time.monotonic()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -132,10 +149,8 @@ def test_serve_on_two_ray_nodes_matches_embedded_and_survives_a_killed_decode_ac
                             str(BLOCKS), "--launcher", "ray", "--ray-address", cluster.address,
                             "--ray-place", "prefill=tandem_p", "--ray-place", "decode=tandem_d",
                             "--ray-namespace", NAMESPACE], stdout=log, stderr=subprocess.STDOUT)
-    embedded = None
     try:
-        embedded = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL,
-                                            engine_args=dict(max_model_len=MAX_LEN, num_kv_blocks=BLOCKS)))
+        embedded = embedded.result(timeout=180)
         _wait("tandem serve --launcher ray to be healthy", lambda: srv.poll() is None and _health(url) == 200
               or srv.poll() is not None, 120)
         assert srv.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
@@ -173,8 +188,6 @@ def test_serve_on_two_ray_nodes_matches_embedded_and_survives_a_killed_decode_ac
         assert srv.poll() is None                                     # the same `tandem serve`, never restarted
         print(f"decode actor killed: /health 200 again after {back_s:.1f} s")
     finally:
-        if embedded is not None:
-            embedded.stop()
         srv.terminate()
         rc = srv.wait(60)
         log.close()
@@ -199,7 +212,7 @@ def test_experiment_and_plan_on_ray_give_the_local_results(cluster, tmp_path, ca
     assert json.loads((tmp_path / "ray" / "run.json").read_text())["executor"] == "RayExecutor"
     assert len(json.loads(local)["cells"]) == 4
 
-    plan = ["plan", "--gpus", "8", "--workload", "toolbench", "--sessions", "30", "--no-cache", "--no-progress",
+    plan = ["plan", "--gpus", "8", "--workload", "toolbench", "--sessions", "20", "--no-cache", "--no-progress",
             "--format", "deploy", "--top", "2"]
     capsys.readouterr()
     assert main(plan + ["--jobs", "1"]) == 0
