@@ -90,7 +90,7 @@ def memory_checks(device: torch.device, tmp: Path, tokens: int, seqs: int, cap: 
         m = r.memory
         batch = worst_case_batch(tokens, seqs, 4096, r.model_config.vocab_size, cfg.block_size,
                                  r.sampler.eos_token_ids, device)
-        peak, _ = measure_peak(lambda: r.execute(batch), device)
+        peak, _ = measure_peak(lambda r=r: r.execute(batch), device)
         out[name] = {"summary": m.summary(), "start_s": round(start_s, 2),
                      "profiled_peak_mib": round(m.peak_bytes / MIB, 1),
                      "reserved_mib": round(m.reserved_bytes / MIB, 1),

@@ -115,7 +115,7 @@ def diffusion_worker(chunk: str, block: int = 8):
 
 def test_windows_stay_inside_blocks_aligned_to_absolute_positions_and_the_first_commit_is_the_first_token():
     """Protects streaming windows in the core: a 6-token prompt leaves 2 positions of the first 8-block, so a fixed
-    chunk of 4 gives a window of 2; from then on each window first writes the K/V of the positions the previous
+    chunk of 4 gives a window of 2 (plus the 6 prompt tokens of that block, computed with it); from then on each window first writes the K/V of the positions the previous
     step committed, and fills the rest of its 4 positions with masked ones, never past the block (8..16) or
     max_tokens; the prefill emits no token: the first commit (2 tokens at 2 s) is the round's first token, the 8
     others come with ITL gaps; 10 tokens in 6 steps."""
@@ -134,7 +134,7 @@ def test_windows_stay_inside_blocks_aligned_to_absolute_positions_and_the_first_
             ev = w.drain()
             assert [type(e) for e in ev] == [FirstToken] and ev[0].time_s == 2.0
     # (positions computed, masked ones among them, decoded ones to write first)
-    assert windows == [(2, 2, 0), (4, 2, 2), (4, 2, 2), (4, 3, 1), (4, 1, 3), (2, 1, 1)]
+    assert windows == [(2 + 6, 2, 0), (4, 2, 2), (4, 2, 2), (4, 3, 1), (4, 1, 3), (2, 1, 1)]
     done = [e for e in w.drain() if isinstance(e, RoundDone)]
     assert len(done) == 1 and done[0].output_tokens == 10 and done[0].itl_count == 1 + 2 + 1 + 3 + 1 + 1
     assert done[0].itl_sum == pytest.approx(5.0)              # gaps of 1 s after the first commit, 5 of them
@@ -223,9 +223,8 @@ def test_elastic_windows_stay_within_the_budget_and_leave_waiting_prefills_their
             w.begin_round(f"s{i}")
             w.submit(PrefillTask(f"s{i}", 0, 0, 16, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
         t = 0.0
-        while len(w.running) < 4:                # prefill the prompts (decodes riding along commit nothing; a
-                                                 # 16-token prompt is its own last chunk: no block boundary needed)
-            plan = w.schedule(t)
+        while len(w.running) < 4 or any(s.kv_prompt for s in w.running):   # prefill the prompts, then the first
+            plan = w.schedule(t)                 # windows, which carry each prompt's 16 leftover tokens (commits: 0)
             w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
             t += 1.0
         return w

@@ -46,6 +46,8 @@ class Seq:
     commit_cap: int = 1         # tokens that step may commit (its window within the active diffusion block)
     kv_pending: int = 0         # diffusion: committed tokens whose K/V are not written yet (the next window's first
                                 # positions; plain block diffusion: a completed block, written by the next step)
+    kv_prompt: int = 0          # streaming diffusion: the prompt's leftover tokens (its last, partial block), computed
+                                # and written with the first window, outside the chunk (they are its fixed inputs)
     first_due: tuple[float, float | None] | None = None   # diffusion: the round's first token is its first
                                 # commit; (prefill start, enqueue time of a local prefill) until then
 

@@ -274,7 +274,8 @@ class WorkerCore:
                         for seq in plan.decode:
                             q = seq.query_tokens     # plain block diffusion recomputes the block from its start;
                             # streaming reads every committed position's K/V but the ones it writes now
-                            start = seq.num_tokens - seq.num_tokens % B if whole else seq.num_tokens - seq.kv_pending
+                            start = (seq.num_tokens - seq.num_tokens % B if whole
+                                     else seq.num_tokens - seq.kv_pending - seq.kv_prompt)
                             shape.add_window(start, q)
                         n = shape.num_decode
                     else:                            # multi-token steps: every query position counts as a row
@@ -602,6 +603,7 @@ class WorkerCore:
         budget = self.cfg.max_num_batched_tokens
         waiting = sum(t.work - t.done for t in self.active) + sum(t.work for t in self.queue)
         claim = min(waiting, int(self.cfg.dllm_prefill_share * budget))   # what waiting prefills keep of the step
+        claim += sum(seq.kv_prompt for seq in self.running)   # prompt tokens riding with first windows
         c = self.chunker.choose(len(self.running), room=budget - claim)
         whole = self.chunker.recomputes_block
         for seq in self.running:
@@ -615,7 +617,7 @@ class WorkerCore:
             else:                                    # streaming: the decoded positions to write come first
                 q = c if c < left + pending else left + pending
                 room = q - pending if pending < q else 0
-                seq.query_tokens = q
+                seq.query_tokens = q + seq.kv_prompt
                 seq.commit_cap = room if room < left else left
 
     def _reserve(self, owner, tokens: int, now: float, preempt: bool, headroom: int = 0) -> bool:
@@ -866,8 +868,9 @@ class WorkerCore:
                 if chunker.recomputes_block:
                     seq.kv_pending = B if c > 0 and seq.num_tokens % B == 0 else 0
                 else:
-                    p = seq.kv_pending
-                    seq.kv_pending = p - (p if p < seq.query_tokens else seq.query_tokens) + c
+                    p, q = seq.kv_pending, seq.query_tokens - seq.kv_prompt
+                    seq.kv_pending = p - (p if p < q else q) + c
+                    seq.kv_prompt = 0
             if stopped and seq.session_id in stopped:
                 seq.to_decode = 0
             if seq.to_decode <= 0:
@@ -902,10 +905,11 @@ class WorkerCore:
             return
         seq.state = RUNNING
         seq.query_tokens = seq.commit_cap = 1
-        if self.chunker is not None:                 # streaming: a prefill writes every prompt token, a recompute
-            # only whole blocks (the active block's decoded positions are not contiguous): those are written first
-            streaming = not self.chunker.recomputes_block
-            seq.kv_pending = seq.num_tokens % self.cfg.dllm_block if streaming and task.recompute else 0
+        if self.chunker is not None:                 # a prefill writes whole blocks: streaming computes the prompt's
+            # leftover tokens with the first window, outside its chunk; after a recompute the active block's
+            # decoded positions are written first, within it
+            left = seq.num_tokens % self.cfg.dllm_block if not self.chunker.recomputes_block else 0
+            seq.kv_pending, seq.kv_prompt = (left, 0) if task.recompute else (0, left)
         self._order += 1
         seq.order = self._order
         self.running.append(seq)
@@ -915,7 +919,7 @@ class WorkerCore:
         if self.chunker is not None:                 # the last block's K/V are not (all) written, nor final: the next
             B = self.cfg.dllm_block                  # round recomputes it with its prompt (SDAR's leftover tokens)
             seq.num_tokens = (seq.num_tokens - 1) // B * B
-            seq.kv_pending = 0
+            seq.kv_pending = seq.kv_prompt = 0
         if self.dllm is not None:                    # dLLM-Serve: the request's buffer goes with it (a next round
             self._phase.pop(seq.session_id, None)    # recomputes everything in its first Refresh anyway)
             self.blocks.free(seq)

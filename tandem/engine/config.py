@@ -55,6 +55,13 @@ class EngineConfig:
                                               # grid within max_num_batched_tokens and max_num_seqs; (): none
     laps_graph_max_len: int | None = None     # longest sequence (history + new tokens) a prefill graph attends over;
                                               # longer steps run eagerly. None: min(max_model_len, 4096)
+    # block-diffusion models (SDAR; LMDeploy's names): the engine's defaults, a request may override the last three
+    dllm_block_length: int | None = None      # None: the model's block_size (config.json)
+    dllm_chunk: str = "elastic"               # each step's window: elastic (Optimus), block (BD-B: the whole block
+                                              # recomputed), or N (a fixed streaming chunk of N positions)
+    dllm_unmasking_strategy: str = "low_confidence_dynamic"
+    dllm_denoising_steps: int | None = None   # None: the block length (at least one token a step)
+    dllm_confidence_threshold: float = 0.9
 
     def policy_spec(self) -> PolicySpec:
         """The worker core's policy with this config's knobs (ValueError/TypeError name a bad one)."""
@@ -102,6 +109,21 @@ class EngineConfig:
         m = self.laps_graph_max_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise EngineError(f"laps_graph_max_len must be an integer >= 1, got {m!r}")
+        self._check_dllm()
+
+    def _check_dllm(self) -> None:
+        """The diffusion options' types and ranges (EngineError naming the option)."""
+        from tandem.engine.diffusion.unmasking import DllmConfig
+        from tandem.policy.optimus.chunk import parse_chunk
+        try:
+            self.dllm_chunk = str(parse_chunk(str(self.dllm_chunk)))
+            DllmConfig(self.dllm_block_length, self.dllm_unmasking_strategy, self.dllm_denoising_steps,
+                       self.dllm_confidence_threshold)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        t = self.dllm_confidence_threshold
+        if not 0 < float(t) <= 1:
+            raise EngineError(f"dllm_confidence_threshold must be in (0, 1], got {t!r}")
 
     def torch_device(self) -> torch.device:
         """The device to run on: `device`, or CUDA when present for auto."""

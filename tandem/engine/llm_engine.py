@@ -13,6 +13,8 @@ from tandem.core.factory import build_worker
 from tandem.core.types import (COLOCATED, DECODE, PREFILL, FirstToken, PrefillTask, RoundDone, SessionFailed, StepPlan,
                                StepResult)
 from tandem.engine.config import EngineConfig, EngineError
+from tandem.engine.diffusion.engine_step import DiffusionBatch, DiffusionDecoder, measure_window_latency
+from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
 from tandem.engine.model_input import ModelInput, PromptLogprobsSpec
 from tandem.engine.model_runner import ModelRunner
@@ -76,6 +78,8 @@ class PreparedStep:
     prompt_lp: list[tuple[_Request, int]] = field(default_factory=list)    # (request, first position predicted)
     t1: float = 0.0
     t2: float = 0.0
+    dbatch: DiffusionBatch | None = None    # a block-diffusion step's windows (instead of batch)
+    committed: dict[str, int] = field(default_factory=dict)   # ... and what each sequence committed
 
 
 class LLMEngine:
@@ -109,8 +113,15 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes/num_kv_blocks (or the memory budget: "
                 f"cpu_memory_budget_bytes, gpu_memory_utilization; max_num_logits shrinks the activation peak) or "
                 f"lower max_model_len")
+        self.dllm = self._diffusion(config, role, mc)             # block-diffusion decoding (SDAR), else None
         sched = SchedulerConfig(block_size=bs, max_num_batched_tokens=config.max_num_batched_tokens,
-                                max_num_seqs=config.max_num_seqs)
+                                max_num_seqs=config.max_num_seqs,
+                                dllm_block_length=self.dllm.block if self.dllm is not None else 0,
+                                dllm_chunk=config.dllm_chunk)
+        if self.dllm is not None and t_pre is None:          # Optimus's T(c, b), fitted on this engine's forward
+            latency = measure_window_latency(self.runner.model, self.dllm.block, config.max_num_batched_tokens,
+                                             self.runner.device)
+            t_pre = lambda h, n: latency(n, 1)              # noqa: E731 - the window latency of n query tokens
         self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre)
         self.forward_events = role != COLOCATED if forward_events is None else forward_events
         self.core_events: list = []                          # every core event, for a coordinator to drain
@@ -121,6 +132,29 @@ class LLMEngine:
         self.sessions: dict[str, _Session] = {}
         self.stats = StepStats()
         self._ids = itertools.count()
+
+    def _diffusion(self, config: EngineConfig, role: str, mc) -> DiffusionDecoder | None:
+        """The diffusion decoder of a block-diffusion checkpoint (None for an autoregressive one); EngineError when
+        the options do not fit the model."""
+        if mc.diffusion_block_size is None:
+            if config.dllm_block_length is not None:
+                raise EngineError("dllm_block_length is for block-diffusion models; this checkpoint is autoregressive")
+            return None
+        if role != COLOCATED:
+            raise EngineError("block-diffusion models run on co-located workers (no prefill/decode disaggregation)")
+        block = config.dllm_block_length or mc.diffusion_block_size
+        if block != mc.diffusion_block_size:
+            raise EngineError(f"dllm_block_length {block} is not supported by this model: it was trained with blocks "
+                              f"of {mc.diffusion_block_size} (config.json block_size)")
+        defaults = DllmConfig(block, config.dllm_unmasking_strategy, config.dllm_denoising_steps,
+                              config.dllm_confidence_threshold)
+        steps = defaults.dllm_denoising_steps
+        if steps is not None and block % steps:
+            raise EngineError(f"dllm_denoising_steps {steps} must divide the block length {block}")
+        r = self.runner
+        return DiffusionDecoder(r.model, r.kv_caches, config.block_size, block, config.dllm_chunk != "block",
+                                defaults, self.tokenizer.eos_token_ids, self.max_model_len, r.device,
+                                config.max_num_logits)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
@@ -143,6 +177,7 @@ class LLMEngine:
             raise EngineError(f"request id {request_id!r} is already running")
         text, ids = self._tokens(prompt)
         self._check_logit_bias(params)
+        self._check_diffusion(params)
         full = params.prompt_logprobs is not None        # every prompt position computed here: no KV reused
         if full and remote:
             raise EngineError("a request with prompt_logprobs is prefilled on its decode worker, not remotely")
@@ -327,6 +362,18 @@ class LLMEngine:
             raise EngineError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         return text, ids
 
+    def _check_diffusion(self, params: SamplingParams) -> None:
+        """EngineError when a request's diffusion options do not fit this model (or it sets them on an AR model)."""
+        if self.dllm is None:
+            opts = params.diffusion_options()
+            if opts:
+                raise EngineError(f"{', '.join(opts)}: diffusion options, but this model is autoregressive")
+            return
+        try:
+            self.dllm.check(params)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+
     def _check_logit_bias(self, params: SamplingParams) -> None:
         """EngineError when a logit_bias names a token id outside the model's vocabulary."""
         if not params.logit_bias:
@@ -379,6 +426,10 @@ class LLMEngine:
         prep = PreparedStep(plan, t0)
         if plan is None:
             return prep
+        if self.dllm is not None:
+            self._prepare_diffusion(prep)
+            prep.t1 = self.clock()
+            return prep
         batch = prep.batch = ModelInput()
         rows, prompt_lp = prep.rows, prep.prompt_lp
         tables = core.blocks.tables
@@ -414,9 +465,38 @@ class LLMEngine:
         prep.t1 = self.clock()
         return prep
 
+    def _prepare_diffusion(self, prep: PreparedStep) -> None:
+        """A block-diffusion step: the plan's prefill chunks and decode windows (engine/diffusion/engine_step.py)."""
+        plan, core, dllm = prep.plan, self.core, self.dllm
+        tables = core.blocks.tables
+        batch = prep.dbatch = DiffusionBatch()
+        for t, n in plan.prefill:
+            sess = self.sessions[t.session_id]
+            start = t.first + t.done
+            req = sess.request
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = prep.t0
+            req.metrics.num_computed_tokens += n
+            seq = core.seqs[t.session_id]
+            dllm.prefill(batch, sess.tokens, start, n, t.done + n == t.work, tables[seq])
+        for seq in plan.decode:
+            sid = seq.session_id
+            sess = self.sessions[sid]
+            state = dllm.states.get(sid)
+            if state is None:
+                state = dllm.start(sid, sess.tokens, sess.request.params)
+            dllm.decode(batch, sid, state, seq.query_tokens - seq.kv_prompt, seq.commit_cap, seq.kv_prompt,
+                        tables[seq])
+        self.stats.prefill_tokens += sum(n for _, n in plan.prefill)
+        self.stats.decode_tokens += batch.tokens
+
     def execute_step(self, prep: PreparedStep) -> SampleOutput | None:
         """The model runs the prepared batch. It reads only the batch, the weights and the KV blocks the batch
         owns, so a runtime may add requests to the engine meanwhile (under its own lock)."""
+        if prep.dbatch is not None:
+            prep.committed = self.dllm.execute(prep.dbatch)
+            prep.t2 = self.clock()
+            return None
         if prep.batch is None:
             return None
         out = self.runner.execute(prep.batch)
@@ -438,6 +518,8 @@ class LLMEngine:
                     touched[req.request_id] = req
             return self._collect(touched)
         plan, t0, t1, t2 = prep.plan, prep.t0, prep.t1, prep.t2
+        if prep.dbatch is not None:
+            return self._finish_diffusion(prep)
         prefill_role = self.role == PREFILL
         for (req, first), entries in zip(prep.prompt_lp, out.prompt_logprobs if prep.prompt_lp else ()):
             req.prompt_logprobs[first:first + len(entries)] = entries
@@ -462,6 +544,36 @@ class LLMEngine:
         st = self.stats
         st.steps += 1
         n_iter = sum(n for _, n in plan.prefill) + len(plan.decode)    # tokens through the model this step
+        st.iteration_tokens[n_iter] = st.iteration_tokens.get(n_iter, 0) + 1
+        st.execute_s += t2 - t1
+        st.schedule_s += (t1 - t0) + (t3 - t2)
+        return self._collect(touched)
+
+    def _finish_diffusion(self, prep: PreparedStep) -> list[RequestOutput]:
+        """A block-diffusion step's end: each request's committed prefix streamed, the core told what each
+        sequence committed and which rounds a stop rule ended."""
+        plan, t0, t1, t2 = prep.plan, prep.t0, prep.t1, prep.t2
+        touched: dict[str, _Request] = {}
+        finished: set[str] = set()
+        for t, _ in plan.prefill:                            # a preempted sequence recomputed: its active block
+            if t.recompute and t.done + _ >= t.work:         # is not cached any more
+                st = self.dllm.states.get(t.session_id)
+                if st is not None:
+                    st.recomputed()
+        for seq in plan.decode:
+            sid = seq.session_id
+            req = self.sessions[sid].request
+            for tok in self.dllm.states[sid].take_committed():
+                if self._append_token(req, tok, None, t2):
+                    finished.add(sid)
+                    break
+            touched[req.request_id] = req
+        self.core.on_step_done(plan, StepResult(t2 - t0, prep.committed, finished), t2)
+        self._on_events(self.core.drain(), t2, touched)
+        t3 = self.clock()
+        st = self.stats
+        st.steps += 1
+        n_iter = prep.dbatch.tokens
         st.iteration_tokens[n_iter] = st.iteration_tokens.get(n_iter, 0) + 1
         st.execute_s += t2 - t1
         st.schedule_s += (t1 - t0) + (t3 - t2)
@@ -524,6 +636,8 @@ class LLMEngine:
 
     def _finish(self, req: _Request, reason: str, now: float, release: bool) -> None:
         req.finished = True
+        if self.dllm is not None:
+            self.dllm.drop(req.session_id)
         if req.stop.finish_reason is None:
             req.stop.finish(reason)
         req.metrics.finished_time = now

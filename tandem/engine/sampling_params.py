@@ -82,9 +82,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     structured_output: StructuredOutput | None = None   # JSON object / schema (a dict of its fields is converted)
     logit_bias: dict[int, float] | None = None      # token id -> bias added to its logit before sampling
+    # block-diffusion models only (LMDeploy's names; None: the engine's setting)
+    dllm_block_length: int | None = None            # must be the engine's block length (one per engine)
+    dllm_unmasking_strategy: str | None = None      # low_confidence_dynamic, low_confidence_static, sequential
+    dllm_denoising_steps: int | None = None         # steps per block: must divide the block length
+    dllm_confidence_threshold: float | None = None  # in (0, 1]: the dynamic strategy commits what passes it
 
     def __post_init__(self) -> None:
         self._check_numbers()
+        self._check_dllm()
         self._check_stops()
         self._check_logit_bias()
         so = self.structured_output
@@ -135,6 +141,27 @@ class SamplingParams:
         if not _is_finite(rp) or rp <= 0:
             raise _bad("repetition_penalty", rp, "must be a finite number > 0")
         self.repetition_penalty = float(rp)
+
+    def _check_dllm(self) -> None:
+        """The diffusion options' types and ranges (whether they fit the model is the engine's check)."""
+        from tandem.engine.diffusion.unmasking import UNMASKING_STRATEGIES
+        for name in ("dllm_block_length", "dllm_denoising_steps"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 1 <= v <= 4096):
+                raise _bad(name, v, "must be None or an int in [1, 4096]")
+        s = self.dllm_unmasking_strategy
+        if s is not None and s not in UNMASKING_STRATEGIES:
+            raise _bad("dllm_unmasking_strategy", s, f"must be one of {', '.join(UNMASKING_STRATEGIES)}")
+        t = self.dllm_confidence_threshold
+        if t is not None:
+            if not _is_real(t) or not 0.0 < t <= 1.0:
+                raise _bad("dllm_confidence_threshold", t, "must be in (0, 1]")
+            self.dllm_confidence_threshold = float(t)
+
+    def diffusion_options(self) -> list[str]:
+        """The diffusion options this request sets (an autoregressive model refuses any)."""
+        return [n for n in ("dllm_block_length", "dllm_unmasking_strategy", "dllm_denoising_steps",
+                            "dllm_confidence_threshold") if getattr(self, n) is not None]
 
     def _check_stops(self) -> None:
         stop = self.stop

@@ -11,8 +11,8 @@ A step's window, by mode:
 - **streaming chunks** (Optimus §4, `reuse=True`): a decoded position's K/V are written once, by the step after the
   one that committed it (the token it was committed as is then the input), and read from the cache by every later
   step of the block; the window is at most `q` positions: first the decoded positions still to write (a finished
-  block's last ones first), then the first masked positions of the active block, at most `cap` of them. Masked
-  positions past the window (the block's suffix) are not computed at all.
+  block's last ones first; the prompt's leftover tokens, with the first window), then the first masked positions of
+  the active block, at most `cap` of them. Masked positions past the window (the block's suffix) are not computed.
 
 `cap` and `q` come from the scheduler (core/worker.py sizes them the same way), so a step never commits more than
 the core planned. With `q` >= the block length and nothing to write, a streaming step computes the same positions
@@ -29,6 +29,15 @@ from torch import Tensor
 from tandem.engine.diffusion.unmasking import DllmConfig, sample_tokens, select_commits
 from tandem.engine.models.sdar import BlockDiffusionMetadata
 from tandem.engine.sampling_params import SamplingParams
+
+
+_UNSUPPORTED = {"min_p": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "repetition_penalty": 1.0, "structured_output": None, "logit_bias": None}
+
+
+def unsupported_params(params: SamplingParams) -> list[str]:
+    """The set sampling fields block-diffusion decoding does not implement (empty: all supported)."""
+    return [k for k, default in _UNSUPPORTED.items() if getattr(params, k) != default]
 
 
 @dataclass
@@ -127,8 +136,10 @@ class BlockState:
         s = self.start
         return self.prefix[p] if p < s else self.block[p - s]
 
-    def window(self, q: int | None = None, cap: int | None = None, reuse: bool = False) -> Window:
-        """This step's window (module docstring): the whole block, or at most q positions with at most cap masked."""
+    def window(self, q: int | None = None, cap: int | None = None, reuse: bool = False,
+               free: int | None = None) -> Window:
+        """This step's window (module docstring): the whole block, or q positions with at most cap masked, plus the
+        first `free` positions to write outside q (None: the prompt's leftover tokens still to write)."""
         s, B = self.start, self.B
         cand = self.candidates()
         if not reuse:
@@ -139,8 +150,11 @@ class BlockState:
             return Window(positions, tokens, writes, [], self.n_cached, cand, rows, False)
         if q is None or q < 1:
             raise ValueError(f"a streaming window needs q >= 1 positions, got {q!r}")
-        writes = self.to_write()[:q]
-        room = q - len(writes)
+        todo = self.to_write()
+        if free is None:
+            free = sum(1 for p in todo if p < self.P)
+        writes = todo[:free + q]
+        room = free + q - len(writes)
         if cap is not None and cap < room:
             room = cap
         cand = cand[:max(0, room)]
@@ -221,6 +235,12 @@ class BlockState:
         self.prefix.extend(self.block)
         self.block = [self.mask_id] * self.B
         self.undecoded = [True] * self.B
+
+    def prefilled(self) -> None:
+        """A prefill wrote the prompt's whole blocks (its leftover tokens are the first block's: a streaming step
+        writes them with its first window, a block step recomputes them with the block)."""
+        self.n_cached = self.start
+        self.written.clear()
 
     def recomputed(self) -> None:
         """The sequence's KV was dropped and its whole blocks prefilled again (a preemption): every block before the

@@ -25,28 +25,18 @@ from typing import Sequence
 import torch
 
 from tandem.engine.attention.metadata import allocate_kv_cache
-from tandem.engine.diffusion.block_state import BlockState, DiffusionOutput, build_step
+from tandem.engine.diffusion.block_state import (BlockState, DiffusionOutput, build_step, prefill_window,
+                                                 unsupported_params)
 from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.models.sdar import BlockDiffusionMetadata
 from tandem.engine.sampling_params import SamplingParams
 
-_UNSUPPORTED = {"min_p": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "presence_penalty": 0.0,
-                "frequency_penalty": 0.0, "repetition_penalty": 1.0, "structured_output": None, "logit_bias": None}
-
 
 def _check_params(params: SamplingParams) -> None:
     """Refuse the sampling fields the diffusion loops do not implement, rather than ignore them."""
-    bad = unsupported_params(params)
+    bad = unsupported_params(params) + (["stop"] if params.stop else [])
     if bad:
         raise ValueError(f"block-diffusion decoding does not support {', '.join(bad)}")
-
-
-def unsupported_params(params: SamplingParams) -> list[str]:
-    """The set sampling fields block-diffusion decoding does not implement (empty: all supported)."""
-    bad = [k for k, default in _UNSUPPORTED.items() if getattr(params, k) != default]
-    if params.stop:
-        bad.append("stop")
-    return bad
 
 
 _Seq = BlockState          # the name the sparse-KV loop (refresh.py) imports
@@ -107,6 +97,13 @@ def generate_cached(model: torch.nn.Module, prompts: Sequence[Sequence[int]], pa
         acc += n
     kv = allocate_kv_cache(mc.num_hidden_layers, max(acc, 1), kv_block_size, mc.num_key_value_heads, mc.head_dim,
                            kv_dtype or next(model.parameters()).dtype, dev)
+    if chunk is not None:                    # streaming: a prefill of the prompts' whole blocks first, as the engine's
+        wins = [prefill_window(0, s.prefix) for s in seqs if s.start]
+        if wins:
+            ids, meta, _ = build_step(wins, [t for s, t in zip(seqs, tables) if s.start], kv_block_size, block, dev)
+            model(ids, None, kv, meta)
+        for s in seqs:
+            s.prefilled()
     while True:
         live = [i for i, s in enumerate(seqs) if not s.done]
         if not live:
