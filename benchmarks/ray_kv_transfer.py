@@ -122,7 +122,8 @@ def run(sizes_mib: list[float], repeats: int) -> list[dict]:
     from tandem.bench.ray_local import LocalRayCluster
     rows = []
     biggest = int(max(sizes_mib) * MIB)
-    with LocalRayCluster(["kv_src", "kv_dst"], cpus=2, object_store_bytes=max(4 * biggest, 256 * MIB)) as rc:
+    with LocalRayCluster(["kv_src", "kv_dst"], cpus=2, object_store_bytes=max(4 * biggest, 256 * MIB)) as rc, \
+            rc.driver():
         ray.init(address=rc.address, logging_level="ERROR")
         try:
             src = ray.remote(Sender).options(resources={"kv_src": 0.01}, num_cpus=0).remote()

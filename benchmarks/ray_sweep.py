@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,7 @@ def run(sweeps: dict[str, list[str]], work: Path) -> list[dict]:
                 out = work / name / backend.split()[0].strip("-") / backend.split()[1].strip("(")
                 t0 = time.perf_counter()
                 r = subprocess.run([sys.executable, "-m", "tandem.cli", "experiment", *args, *extra, "--no-progress",
-                                    "--out", str(out)], capture_output=True, text=True)
+                                    "--out", str(out)], capture_output=True, text=True, env={**os.environ, **rc.env})
                 wall = time.perf_counter() - t0
                 if r.returncode != 0:
                     raise RuntimeError(f"{name} {backend}: exit {r.returncode}: {r.stderr[-2000:]}")

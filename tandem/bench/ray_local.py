@@ -3,9 +3,13 @@ workers joining it), stopped by ending those processes: what the Ray tests and b
 
 Only the processes it started are stopped (never `ray stop`, which ends every Ray process of the user). Each node
 gets its own custom resource label, so work can be pinned to a node the way a real cluster pins it to a host.
+The cluster requires Ray's token authentication with a token of its own (`env`: give it to every driver, e.g.
+`with rc.driver():` in this process, or `env={**os.environ, **rc.env}` for a subprocess), so whatever token
+~/.ray holds from earlier Ray runs never decides whether its nodes can join.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 START_TIMEOUT_S = 60.0
@@ -33,6 +38,7 @@ class LocalRayCluster:
     address: str = ""
     procs: list[subprocess.Popen] = field(default_factory=list)
     temp_dir: str = ""
+    env: dict[str, str] = field(default_factory=dict)      # RAY_AUTH_MODE, RAY_AUTH_TOKEN of this cluster
 
     def start(self) -> LocalRayCluster:
         """Start the head, then the other nodes; returns once every node has joined."""
@@ -41,8 +47,10 @@ class LocalRayCluster:
             raise RuntimeError("the `ray` command is not installed: pip install 'tandem[ray]'")
         # Ray puts sockets under its temp folder, whose path must stay short (AF_UNIX): /tmp, not pytest's tmp_path
         self.temp_dir = tempfile.mkdtemp(prefix="tray-", dir="/tmp")
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **self.env)
         env.pop("RAY_ADDRESS", None)
+        env.pop("RAY_AUTH_TOKEN_PATH", None)
         try:
             for i, label in enumerate(self.labels):
                 args = [ray_bin, "start", "--block", "--num-cpus", str(self.cpus), "--num-gpus", "0",
@@ -94,6 +102,20 @@ class LocalRayCluster:
         self.procs.clear()
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def driver(self) -> Iterator[None]:
+        """This process may join the cluster as a driver while the block runs (its token in os.environ)."""
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def __enter__(self) -> LocalRayCluster:
         return self.start()

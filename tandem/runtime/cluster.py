@@ -161,7 +161,8 @@ class ServingCluster:
         if cfg.launcher != "ray":
             raise ValueError(f"unknown launcher {cfg.launcher!r} (embedded or ray)")
         from tandem.runtime.ray_launcher import RayLauncher
-        ray = RayLauncher(cfg.ray_address, place=dict(cfg.ray_place), threads=cfg.threads or 1)
+        ray = RayLauncher(cfg.ray_address, place=dict(cfg.ray_place), threads=cfg.threads or 1,
+                          min_cpus=len(self.roles) * (cfg.threads or 1))      # a private Ray holds every worker
         if cfg.ray_namespace:
             ray.namespace = cfg.ray_namespace
         self._ray = ray.start()
@@ -207,7 +208,8 @@ class ServingCluster:
         self._memory = {wid: _memory_info(info) for wid, info in infos.items()}
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
                                       block_size=int(first["block_size"]), slo=self._slo(),
-                                      vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs)
+                                      vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs,
+                                      dllm_block=first.get("dllm_block"))
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump(), name="coordinator-pump"),
                        asyncio.create_task(self._tick(), name="coordinator-tick")]
@@ -400,6 +402,7 @@ class ServingCluster:
         out = BackendStats(**{k: getattr(s, k) for k in BackendStats.__dataclass_fields__})
         s.kv_transfer_seconds = []
         out.iteration_tokens = dict(s.iteration_tokens)
+        out.dllm_commits, out.dllm_chunks = dict(s.dllm_commits), dict(s.dllm_chunks)
         out.cache_config = self._cache_config
         if self.hub is not None:                         # the workers' counts arrive in their StepCounts
             out.rejected_frames += self.hub.rejected_frames

@@ -101,12 +101,18 @@ def resolve_address(address: str | None) -> str | None:
 
 
 def connect(address: str | None, namespace: str, num_cpus: int | None = None) -> Any:
-    """ray.init: join the cluster at `address` (see resolve_address) or start a private single-node one; the
-    `ray` module. Connecting twice is a no-op."""
+    """ray.init: join the cluster at `address` (see resolve_address) or start a private single-node one of
+    `num_cpus` logical CPUs (default: this machine's); the `ray` module. Connecting twice is a no-op."""
     ray = import_ray()
     if ray.is_initialized():
         return ray
     target = resolve_address(address)
+    if os.environ.get("RAY_AUTH_MODE"):      # Ray reads its token settings when imported: take today's (a cluster
+        try:                                 # with token auth, its token set after `import ray`)
+            from ray._raylet import Config
+            Config.initialize("")
+        except Exception as e:  # noqa: BLE001 - another Ray version: its settings as imported
+            log.debug("refreshing Ray's settings failed: %s", e)
     main = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main else None
     try:
@@ -280,6 +286,7 @@ class RayLauncher:
     place: dict[str, str] = field(default_factory=dict)
     threads: int = 1
     tp: int = 1
+    min_cpus: int = 1                           # a private Ray (no address) gets at least this many logical CPUs
     gpus: bool = False                          # set by start(): the cluster has GPUs
     node_ip: str = "127.0.0.1"                  # this (the coordinator's) node's address, set by start()
     _spawned: dict[int, int] = field(default_factory=dict, init=False)
@@ -288,7 +295,7 @@ class RayLauncher:
 
     def start(self) -> RayLauncher:
         """Join (or start) the Ray cluster and check that it can hold the workers' resources."""
-        self._ray = ray = connect(self.address, self.namespace, num_cpus=None)
+        self._ray = ray = connect(self.address, self.namespace, num_cpus=max(self.min_cpus, os.cpu_count() or 1))
         total = ray.cluster_resources()
         missing = sorted({r for r in self.place.values() if total.get(r, 0) <= 0})
         if missing:
