@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 from pathlib import Path
@@ -56,6 +57,20 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--cpu-memory-budget", type=byte_size, default=None, metavar="BYTES",
                    help="CPU: bytes per worker for weights, activations and KV (e.g. 4G, 512M); the KV pool gets "
                         "what the profiled worst-case step leaves (default: a 1 GiB KV pool)")
+    p.add_argument("--dllm-block-length", type=positive_int, default=None, metavar="B",
+                   help="block-diffusion models: positions per block; must be the model's (default: config.json)")
+    p.add_argument("--dllm-chunk", default=None, metavar="elastic|block|N",
+                   help="block-diffusion models: each step's window: elastic (Optimus), block (the whole block "
+                        "recomputed), or a fixed streaming chunk N (default: elastic)")
+    p.add_argument("--dllm-unmasking-strategy", default=None,
+                   choices=("low_confidence_dynamic", "low_confidence_static", "sequential"),
+                   help="block-diffusion models: which positions a step commits (default: low_confidence_dynamic)")
+    p.add_argument("--dllm-denoising-steps", type=positive_int, default=None, metavar="N",
+                   help="block-diffusion models: steps per block, a divisor of the block length (default: the "
+                        "block length: at least one token a step)")
+    p.add_argument("--dllm-confidence-threshold", type=unit_fraction, default=None, metavar="T",
+                   help="block-diffusion models: the dynamic strategy commits every position above T, in (0, 1] "
+                        "(default: 0.9)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
                    help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
@@ -139,6 +154,17 @@ def add_parser(sub) -> None:
     d.set_defaults(func=cmd_demo)
 
 
+def _is_diffusion(model: str) -> bool:
+    """Whether the checkpoint is a block-diffusion model (config.json names a diffusion block and mask token)."""
+    try:
+        cfg = json.loads(Path(model, "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CLIError(f"--model {model}: config.json cannot be read: {e}") from None
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    # the engine's DIFFUSION_ARCHITECTURES (tandem.engine.models.config), without importing torch here
+    return isinstance(archs, list) and bool(archs) and archs[0] == "SDARForCausalLM"
+
+
 def _cluster_config(args):
     from tandem.runtime.cluster import ClusterConfig
     if not Path(args.model, "config.json").is_file():
@@ -152,6 +178,16 @@ def _cluster_config(args):
                       ("cpu_memory_budget", "cpu_memory_budget_bytes")):
         if getattr(args, name, None) is not None:
             eng[key] = getattr(args, name)
+    for name in ("dllm_block_length", "dllm_chunk", "dllm_unmasking_strategy", "dllm_denoising_steps",
+                 "dllm_confidence_threshold"):
+        if getattr(args, name, None) is not None:
+            eng[name] = getattr(args, name)
+    diffusion = _is_diffusion(args.model)
+    if any(k.startswith("dllm_") for k in eng) and not diffusion:
+        raise CLIError(f"--{next(k for k in eng if k.startswith('dllm_')).replace('_', '-')}: the model is "
+                       "autoregressive (diffusion options need a block-diffusion checkpoint such as SDAR)")
+    if diffusion and not args.colocated:
+        raise CLIError("a block-diffusion model is served by co-located workers: add --colocated N")
     if args.enforce_eager:
         eng["enforce_eager"] = True
     if args.cuda_graph_sizes is not None:

@@ -20,7 +20,7 @@ from tandem.engine.model_input import ModelInput, PromptLogprobsSpec
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.sampler import SampleOutput, make_generator
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, check_diffusion
 from tandem.engine.stop import StopChecker
 from tandem.engine.structured_output import RequestGrammar, StructuredOutputManager
 from tandem.engine.tokenizer import Tokenizer
@@ -65,6 +65,9 @@ class StepStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     iteration_tokens: dict[int, int] = field(default_factory=dict)   # tokens in a step -> steps (cumulative)
+    dllm_commits: dict[int, int] = field(default_factory=dict)       # diffusion: tokens a sequence committed in
+                                                                     # a step -> how often (cumulative)
+    dllm_chunks: dict[int, int] = field(default_factory=dict)        # diffusion: chunk size chosen -> steps
 
 
 @dataclass
@@ -80,6 +83,11 @@ class PreparedStep:
     t2: float = 0.0
     dbatch: DiffusionBatch | None = None    # a block-diffusion step's windows (instead of batch)
     committed: dict[str, int] = field(default_factory=dict)   # ... and what each sequence committed
+
+    @property
+    def runs(self) -> bool:
+        """Whether the step has a model run (execute_step does something)."""
+        return self.batch is not None or self.dbatch is not None
 
 
 class LLMEngine:
@@ -118,9 +126,9 @@ class LLMEngine:
                                 max_num_seqs=config.max_num_seqs,
                                 dllm_block_length=self.dllm.block if self.dllm is not None else 0,
                                 dllm_chunk=config.dllm_chunk)
-        if self.dllm is not None and t_pre is None:          # Optimus's T(c, b), fitted on this engine's forward
+        if self.dllm is not None:        # Optimus's T(c, b), fitted on this engine's own forward at start (also its
             latency = measure_window_latency(self.runner.model, self.dllm.block, config.max_num_batched_tokens,
-                                             self.runner.device)
+                                             self.runner.device)            # prefill estimate: the same steps)
             t_pre = lambda h, n: latency(n, 1)              # noqa: E731 - the window latency of n query tokens
         self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre)
         self.forward_events = role != COLOCATED if forward_events is None else forward_events
@@ -364,14 +372,9 @@ class LLMEngine:
 
     def _check_diffusion(self, params: SamplingParams) -> None:
         """EngineError when a request's diffusion options do not fit this model (or it sets them on an AR model)."""
-        if self.dllm is None:
-            opts = params.diffusion_options()
-            if opts:
-                raise EngineError(f"{', '.join(opts)}: diffusion options, but this model is autoregressive")
-            return
         try:
-            self.dllm.check(params)
-        except ValueError as e:
+            check_diffusion(params, self.dllm.block if self.dllm is not None else None)
+        except SamplingParamsError as e:
             raise EngineError(str(e)) from None
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
@@ -562,8 +565,12 @@ class LLMEngine:
                     st.recomputed()
         for seq in plan.decode:
             sid = seq.session_id
-            req = self.sessions[sid].request
-            for tok in self.dllm.states[sid].take_committed():
+            sess = self.sessions.get(sid)
+            req = sess.request if sess is not None else None
+            state = self.dllm.states.get(sid)
+            if req is None or req.finished or state is None:
+                continue                                     # aborted while the step ran (the core skips it too)
+            for tok in state.take_committed():
                 if self._append_token(req, tok, None, t2):
                     finished.add(sid)
                     break
@@ -575,6 +582,11 @@ class LLMEngine:
         st.steps += 1
         n_iter = prep.dbatch.tokens
         st.iteration_tokens[n_iter] = st.iteration_tokens.get(n_iter, 0) + 1
+        if plan.decode:
+            for c in prep.committed.values():
+                st.dllm_commits[c] = st.dllm_commits.get(c, 0) + 1
+            chunk = self.core.chunker.last
+            st.dllm_chunks[chunk] = st.dllm_chunks.get(chunk, 0) + 1
         st.execute_s += t2 - t1
         st.schedule_s += (t1 - t0) + (t3 - t2)
         return self._collect(touched)

@@ -58,6 +58,12 @@ def _is_finite(x: Any) -> bool:
         return False
 
 
+UNMASKING_STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")   # LMDeploy's names
+_NOT_FOR_DIFFUSION = {"min_p": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None,
+                      "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                      "structured_output": None, "logit_bias": None}
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's tokens and when to stop it (vLLM's SamplingParams subset)."""
@@ -143,8 +149,7 @@ class SamplingParams:
         self.repetition_penalty = float(rp)
 
     def _check_dllm(self) -> None:
-        """The diffusion options' types and ranges (whether they fit the model is the engine's check)."""
-        from tandem.engine.diffusion.unmasking import UNMASKING_STRATEGIES
+        """The diffusion options' types and ranges (whether they fit the model: check_diffusion)."""
         for name in ("dllm_block_length", "dllm_denoising_steps"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 1 <= v <= 4096):
@@ -208,3 +213,28 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy, so per-request mutation never leaks into a shared template."""
         return copy.deepcopy(self)
+
+
+def unsupported_diffusion_fields(params: SamplingParams) -> list[str]:
+    """The set sampling fields block-diffusion decoding does not implement (empty: all supported)."""
+    return [k for k, default in _NOT_FOR_DIFFUSION.items() if getattr(params, k) != default]
+
+
+def check_diffusion(params: SamplingParams, block: int | None) -> None:
+    """SamplingParamsError when a request's diffusion options do not fit the model: any on an autoregressive one
+    (`block` None); a block length other than the engine's, steps that do not divide it, or a sampling field
+    diffusion decoding does not implement. The engine and the server's coordinator both check with it."""
+    if block is None:
+        opts = params.diffusion_options()
+        if opts:
+            raise SamplingParamsError(f"{', '.join(opts)}: diffusion options, but this model is autoregressive")
+        return
+    bad = unsupported_diffusion_fields(params)
+    if bad:
+        raise SamplingParamsError(f"block-diffusion decoding does not support {', '.join(bad)}")
+    if params.dllm_block_length is not None and params.dllm_block_length != block:
+        raise SamplingParamsError(f"dllm_block_length {params.dllm_block_length} is not this engine's block length "
+                                  f"{block} (one block length per engine: --dllm-block-length)")
+    steps = params.dllm_denoising_steps
+    if steps is not None and (steps > block or block % steps):
+        raise SamplingParamsError(f"dllm_denoising_steps {steps} must divide the block length {block}")

@@ -122,6 +122,8 @@ class AsyncLLM:
                            prefix_cache_hits=c.prefix_hits, local_prefills=c.prefills, remote_prefills=0,
                            workers_alive=int(self.is_healthy()), workers_total=1,
                            iteration_tokens=dict(self.engine.stats.iteration_tokens),   # a C-level copy: atomic
+                           dllm_commits=dict(self.engine.stats.dllm_commits),
+                           dllm_chunks=dict(self.engine.stats.dllm_chunks),
                            cache_config=self._cache_config)
         add_memory_reports(out, [self._memory])
         return out

@@ -40,6 +40,9 @@ class BackendStats:
     workers_alive: int = 0
     workers_total: int = 0
     iteration_tokens: dict[int, int] = field(default_factory=dict)   # tokens per engine step -> steps (cumulative)
+    dllm_commits: dict[int, int] = field(default_factory=dict)       # diffusion: tokens committed by a sequence in
+                                                                     # a step -> how often (cumulative)
+    dllm_chunks: dict[int, int] = field(default_factory=dict)        # diffusion: chunk size chosen -> steps
     cache_config: dict[str, str] = field(default_factory=dict)       # vllm:cache_config_info labels
     rejected_frames: int = 0                       # tandem: messages dropped as malformed (hub and workers)
     rejected_handshakes: int = 0                   # tandem: connections refused at the CURVE handshake (likewise)

@@ -17,7 +17,7 @@ from tandem.core.coordinator import Coordinator
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, check_diffusion
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
 from tandem.runtime.state_store import SessionInfo, StateStoreError
@@ -69,8 +69,9 @@ class CoordinatorShell:
     def __init__(self, coord: Coordinator, store, send: Callable[[int, object], None], kv_addr: dict[int, str],
                  max_model_len: int, block_size: int = 16,
                  clock: Callable[[], float] = time.monotonic, slo: SLO | None = None,
-                 vocab_size: int | None = None, max_unread: int = MAX_UNREAD) -> None:
+                 vocab_size: int | None = None, max_unread: int = MAX_UNREAD, dllm_block: int | None = None) -> None:
         self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
+        self.dllm_block = dllm_block                         # a block-diffusion model's block length (None: AR)
         self.vocab_size = vocab_size                         # token ids are checked here, as the engine would
         self.max_unread = max_unread                         # a stream this far behind is cancelled (_push)
         self.max_model_len, self.block_size, self.clock = max_model_len, block_size, clock
@@ -94,6 +95,10 @@ class CoordinatorShell:
             if bad is not None:
                 raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", 400,
                                    param="prompt")
+        try:                                                   # diffusion options against the model: 400 here
+            check_diffusion(params, self.dllm_block)
+        except SamplingParamsError as e:
+            raise RequestError(str(e), 400) from None
         if len(prompt) >= self.max_model_len:
             raise RequestError(f"prompt of {len(prompt)} tokens leaves no room to generate: the model's context "
                                f"(max_model_len) is {self.max_model_len} tokens", 400, param="messages")
@@ -274,10 +279,11 @@ class CoordinatorShell:
             for ev in msg.events:
                 self._event(worker, ev, now)
         elif isinstance(msg, m.StepCounts):
-            counts = self.stats.iteration_tokens
-            for k, n in msg.iteration_tokens.items():
-                if isinstance(k, int) and isinstance(n, int) and 0 <= k <= MAX_STEP_TOKENS and n > 0:
-                    counts[k] = counts.get(k, 0) + n
+            for mine, theirs in ((self.stats.iteration_tokens, msg.iteration_tokens),
+                                 (self.stats.dllm_commits, msg.dllm_commits), (self.stats.dllm_chunks, msg.dllm_chunks)):
+                for k, n in theirs.items():
+                    if isinstance(k, int) and isinstance(n, int) and 0 <= k <= MAX_STEP_TOKENS and n > 0:
+                        mine[k] = mine.get(k, 0) + n
             self.stats.rejected_frames += min(max(msg.rejected_frames, 0), MAX_STEP_TOKENS)
             self.stats.rejected_handshakes += min(max(msg.rejected_handshakes, 0), MAX_STEP_TOKENS)
         elif isinstance(msg, m.KVReceived):

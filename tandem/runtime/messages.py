@@ -205,6 +205,8 @@ class StepCounts(msgspec.Struct, tag=True):
 
     iteration_tokens: dict[int, int]
     rejected_frames: int = 0          # messages its readers dropped as malformed, since the last StepCounts
+    dllm_commits: dict[int, int] = {}     # diffusion: sequences by tokens committed in a step, since the last
+    dllm_chunks: dict[int, int] = {}      # diffusion: steps by the chunk size chosen, likewise
     rejected_handshakes: int = 0      # connections its KV inbox refused (no or wrong CURVE keys), likewise
 
 

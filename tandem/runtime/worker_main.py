@@ -122,6 +122,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
         last_pub = 0.0
         counted: dict[int, int] = {}                 # iteration tokens already reported
+        counted_dllm: tuple[dict[int, int], dict[int, int]] = ({}, {})   # diffusion commits, chunks reported
         rejected = [0, 0]                            # dropped frames, refused handshakes already reported
 
         async def publish(changed: bool = True) -> bool:
@@ -136,16 +137,24 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             with shell.lock:
                 st = WorkerState.from_core(engine.core, engine.clock(), kv_addr=inbox.address, published_s=now)
                 tokens = dict(engine.stats.iteration_tokens)
+                commits, chunks = dict(engine.stats.dllm_commits), dict(engine.stats.dllm_chunks)
             if store is not None:
                 store.publish(st)
             else:
                 await link.send(m.Stats(st))
             new = {k: n - counted.get(k, 0) for k, n in tokens.items() if n != counted.get(k, 0)}
+            new_commits = {k: n - counted_dllm[0].get(k, 0) for k, n in commits.items()
+                           if n != counted_dllm[0].get(k, 0)}
+            new_chunks = {k: n - counted_dllm[1].get(k, 0) for k, n in chunks.items() if n != counted_dllm[1].get(k, 0)}
             frames = inbox.rejected_frames + link.rejected_frames
             handshakes = inbox.rejected_handshakes
-            if new or frames != rejected[0] or handshakes != rejected[1]:
+            if new or new_commits or new_chunks or frames != rejected[0] or handshakes != rejected[1]:
                 counted.update(tokens)
-                await link.send(m.StepCounts(new, frames - rejected[0], handshakes - rejected[1]))
+                counted_dllm[0].update(commits)
+                counted_dllm[1].update(chunks)
+                await link.send(m.StepCounts(new, rejected_frames=frames - rejected[0],
+                                             rejected_handshakes=handshakes - rejected[1], dllm_commits=new_commits,
+                                             dllm_chunks=new_chunks))
                 rejected[:] = [frames, handshakes]
             return True
 
@@ -165,6 +174,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         await link.ready({"kv_address": inbox.address, "pid": os.getpid(), "role": role,
                           "capacity_tokens": engine.core.capacity_tokens, "max_model_len": engine.max_model_len,
                           "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
+                          "dllm_block": engine.dllm.block if engine.dllm is not None else None,
                           "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": _cache_config(engine),
                           "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)

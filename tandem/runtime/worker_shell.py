@@ -182,7 +182,7 @@ class WorkerShell:
         self._finish(prep, self._execute(prep))
 
     def _execute(self, prep):
-        if self.step_sleep_s > 0 and prep.batch is not None:
+        if self.step_sleep_s > 0 and prep.runs:
             time.sleep(self.step_sleep_s)                      # a slow model run (fault injection)
         return self.engine.execute_step(prep)
 
@@ -211,8 +211,8 @@ class WorkerShell:
                     if not self.has_work():
                         continue
                 prep = eng.prepare_step()
-                self._in_step = prep.batch is not None
-            out = self._execute(prep) if prep.batch is not None else None
+                self._in_step = prep.runs
+            out = self._execute(prep) if prep.runs else None
             self._finish(prep, out)
             notify()
             if prep.plan is None:

@@ -24,6 +24,17 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5)
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_DLLM_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)     # tokens committed in a step; chunk sizes
+
+
+def _histogram(name: str, doc: str, label: list[str], counts: dict[int, int],
+               bounds: tuple[int, ...]) -> HistogramMetricFamily:
+    """A Prometheus histogram from exact value -> count pairs (cumulative buckets, the sum of the values)."""
+    h = HistogramMetricFamily(name, doc, labels=["model_name"])
+    buckets = [(str(float(le)), sum(n for k, n in counts.items() if k <= le)) for le in bounds]
+    buckets.append(("+Inf", sum(counts.values())))
+    h.add_metric(label, buckets, float(sum(k * n for k, n in counts.items())))
+    return h
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -96,16 +107,13 @@ class _BackendCollector:
             for mode, value in sorted(s.activation_peak_bytes.items()):
                 g.add_metric([self.model_name, mode], float(value))
             yield g
-        h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens through the model per engine step.",
-                                  labels=["model_name"])
-        counts = s.iteration_tokens
-        cum, buckets = 0, []
-        for le in _ITERATION_BUCKETS:
-            cum = sum(n for k, n in counts.items() if k <= le)
-            buckets.append((str(float(le)), cum))
-        buckets.append(("+Inf", sum(counts.values())))
-        h.add_metric(label, buckets, float(sum(k * n for k, n in counts.items())))
-        yield h
+        yield _histogram("vllm:iteration_tokens_total", "Tokens through the model per engine step.", label,
+                         s.iteration_tokens, _ITERATION_BUCKETS)
+        if s.dllm_commits or s.dllm_chunks:
+            yield _histogram("tandem:dllm_tokens_committed_per_step", "Block diffusion: tokens a sequence committed "
+                             "in one denoise step.", label, s.dllm_commits, _DLLM_BUCKETS)
+            yield _histogram("tandem:dllm_chunk_size", "Block diffusion: the chunk size (window) chosen for a step "
+                             "(the block length for plain block diffusion).", label, s.dllm_chunks, _DLLM_BUCKETS)
         if s.cache_config:
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                      labels=sorted(s.cache_config))

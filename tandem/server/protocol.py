@@ -97,6 +97,11 @@ class _Sampling(_Request):
     include_stop_str_in_output: bool = False
     session_id: str | None = None
     response_format: dict[str, Any] | None = None   # text, json_object, json_schema (grammar-constrained, xgrammar)
+    # block-diffusion models (LMDeploy's names): override the server's --dllm-* defaults for this request
+    dllm_block_length: int | None = None
+    dllm_unmasking_strategy: str | None = None
+    dllm_denoising_steps: int | None = None
+    dllm_confidence_threshold: float | None = None
 
 
 class ChatCompletionRequest(_Sampling):

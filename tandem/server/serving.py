@@ -344,7 +344,9 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias)
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
+            dllm_block_length=req.dllm_block_length, dllm_unmasking_strategy=req.dllm_unmasking_strategy,
+            dllm_denoising_steps=req.dllm_denoising_steps, dllm_confidence_threshold=req.dllm_confidence_threshold)
     except SamplingParamsError as e:
         msg = str(e)
         field = msg.split(" ", 1)[0]

@@ -31,15 +31,6 @@ from tandem.engine.models.sdar import BlockDiffusionMetadata
 from tandem.engine.sampling_params import SamplingParams
 
 
-_UNSUPPORTED = {"min_p": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "presence_penalty": 0.0,
-                "frequency_penalty": 0.0, "repetition_penalty": 1.0, "structured_output": None, "logit_bias": None}
-
-
-def unsupported_params(params: SamplingParams) -> list[str]:
-    """The set sampling fields block-diffusion decoding does not implement (empty: all supported)."""
-    return [k for k, default in _UNSUPPORTED.items() if getattr(params, k) != default]
-
-
 @dataclass
 class DiffusionOutput:
     """One prompt's decoded tokens and how they were committed."""

@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from tandem.engine.diffusion.block_state import BlockState, Window, build_step, prefill_window, unsupported_params
+from tandem.engine.diffusion.block_state import BlockState, Window, build_step, prefill_window
 from tandem.engine.diffusion.unmasking import DllmConfig
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, check_diffusion
 from tandem.policy.optimus.latency import ChunkLatency
 
 @dataclass
@@ -41,28 +41,15 @@ class DiffusionDecoder:
         self.max_model_len, self.device = max_model_len, device
         self.max_num_logits = max_num_logits
         self.states: dict[str, BlockState] = {}
-        self.commits: list[int] = []           # tokens committed per decode window, since the last drain
-        self.windows: list[int] = []           # positions computed per decode window, since the last drain
 
     def options(self, params: SamplingParams) -> DllmConfig:
         """The request's decoding options: its own where it sets them, else the engine's (ValueError names one)."""
         d = self.defaults
-        if params.dllm_block_length is not None and params.dllm_block_length != self.block:
-            raise ValueError(f"dllm_block_length {params.dllm_block_length} is not this engine's block length "
-                             f"{self.block} (one block length per engine: --dllm-block-length)")
+        check_diffusion(params, self.block)
         steps = params.dllm_denoising_steps if params.dllm_denoising_steps is not None else d.dllm_denoising_steps
-        if steps is not None and (steps > self.block or self.block % steps):
-            raise ValueError(f"dllm_denoising_steps {steps} must divide the block length {self.block}")
         return DllmConfig(self.block, params.dllm_unmasking_strategy or d.dllm_unmasking_strategy, steps,
                           params.dllm_confidence_threshold if params.dllm_confidence_threshold is not None
                           else d.dllm_confidence_threshold)
-
-    def check(self, params: SamplingParams) -> None:
-        """ValueError when the request asks for what diffusion decoding does not do here."""
-        bad = unsupported_params(params)
-        if bad:
-            raise ValueError(f"block-diffusion decoding does not support {', '.join(bad)}")
-        self.options(params)
 
     # ------------------------------------------------------------------ a step
     def prefill(self, batch: DiffusionBatch, tokens: list[int], start: int, n: int, final: bool,
@@ -132,20 +119,12 @@ class DiffusionDecoder:
             state = self.states[sid]
             c = state.apply(w, logits[a:a + k] if k else torch.empty(0))
             committed[sid] = c
-            self.commits.append(c)
-            self.windows.append(len(w.positions))
             a += k
         return off + n
 
     def drop(self, sid: str) -> None:
         """Forget a session's decoding state (its round ended, was aborted or failed)."""
         self.states.pop(sid, None)
-
-    def drain_stats(self) -> tuple[list[int], list[int]]:
-        """Tokens committed and positions computed per decode window since the last call (for /metrics)."""
-        out = (self.commits, self.windows)
-        self.commits, self.windows = [], []
-        return out
 
 
 def measure_window_latency(model: torch.nn.Module, block: int, max_tokens: int, device: torch.device,

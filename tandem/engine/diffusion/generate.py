@@ -25,16 +25,15 @@ from typing import Sequence
 import torch
 
 from tandem.engine.attention.metadata import allocate_kv_cache
-from tandem.engine.diffusion.block_state import (BlockState, DiffusionOutput, build_step, prefill_window,
-                                                 unsupported_params)
+from tandem.engine.diffusion.block_state import BlockState, DiffusionOutput, build_step, prefill_window
 from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.models.sdar import BlockDiffusionMetadata
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, unsupported_diffusion_fields
 
 
 def _check_params(params: SamplingParams) -> None:
     """Refuse the sampling fields the diffusion loops do not implement, rather than ignore them."""
-    bad = unsupported_params(params) + (["stop"] if params.stop else [])
+    bad = unsupported_diffusion_fields(params) + (["stop"] if params.stop else [])
     if bad:
         raise ValueError(f"block-diffusion decoding does not support {', '.join(bad)}")
 

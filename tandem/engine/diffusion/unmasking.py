@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-UNMASKING_STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
+from tandem.engine.sampling_params import UNMASKING_STRATEGIES
+
 
 
 @dataclass(frozen=True)
