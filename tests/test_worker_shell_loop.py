@@ -28,7 +28,7 @@ class ScriptedEngine:
 
     def prepare_step(self):
         self.log.append("prepare")
-        return SimpleNamespace(batch=object(), plan=object())
+        return SimpleNamespace(batch=object(), plan=object(), runs=True)
 
     def execute_step(self, prep):
         self.log.append("execute")
