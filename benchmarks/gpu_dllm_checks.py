@@ -5,7 +5,9 @@
 1. The trained tiny SDAR model (tandem/engine/diffusion/assets/tiny-sdar) on CUDA: the full-recompute reference loop
    and the KV-cached batched loop give the same tokens (acceptance 1 of issue 16 on the CUDA path), their agreement
    with the CPU's tokens, held-out accuracy and tokens committed per step, and the step time.
-2. The logit-aware memory profile on CUDA (issue 17, deliverables 1-2): a tiny Qwen3 body with Qwen3's 151,936-id
+2. The block-diffusion engine (through the worker core) on CUDA: block, chunk 8 and elastic, tokens against the
+   cached loop's and output tokens/s at batch 1, 8 and 64.
+3. The logit-aware memory profile on CUDA (issue 17, deliverables 1-2): a tiny Qwen3 body with Qwen3's 151,936-id
    vocabulary, profiled monolithic and with max_num_logits, the KV pool each leaves under gpu_memory_utilization;
    then the worst-case batch is run again on the live engine and its allocator peak compared with the profile's
    reserved activation memory (acceptance 1: measured peak <= profiled peak + guard).
@@ -76,6 +78,53 @@ def sdar_checks(device: torch.device, n: int) -> dict:
     return out
 
 
+def engine_checks(device: torch.device, n: int) -> dict:
+    """The diffusion engine (through the worker core) on `device`: each mode's tokens against the cached loop's on
+    the same device, and output tokens/s at a few batch sizes (64 tokens each, ignore_eos)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tandem.engine.llm_engine import LLMEngine
+    tok = HFTokenizer.from_file(str(ASSET / "tokenizer.json"))
+    prompts = [tok.encode(e.prompt).ids for e in eval_set(max(1, n // 6))]
+    model, _ = load_model(str(ASSET), dtype_for=lambda _c: torch.float32, device=device)
+    cfg = DllmConfig(dllm_confidence_threshold=0.9)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    out: dict = {}
+    for chunk in ("block", "8", "elastic"):
+        def engine(b: int) -> LLMEngine:
+            return LLMEngine(EngineConfig(model=str(ASSET), dtype="float32", device=str(device), dllm_chunk=chunk,
+                                          max_num_seqs=max(b, 1), max_num_batched_tokens=4096, max_model_len=512,
+                                          num_kv_blocks=1024, enforce_eager=True))
+        eng = engine(len(prompts))
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        got: dict = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    got[o.request_id] = o.outputs[0].token_ids
+        entry: dict = {}
+        if chunk != "elastic":
+            ref = generate_cached(model, prompts, params, cfg, chunk=None if chunk == "block" else int(chunk))
+            entry["same_as_loop"] = f"{sum(got[str(i)] == r.token_ids for i, r in enumerate(ref))}/{len(prompts)}"
+        speed = {}
+        for b in (1, 8, 64):
+            eng = engine(b)
+            fixed = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            for i in range(b):
+                eng.add_request(str(i), prompts[i % len(prompts)], fixed)
+            t0 = time.perf_counter()
+            toks = 0
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        toks += len(o.outputs[0].token_ids)
+            speed[str(b)] = round(toks / (time.perf_counter() - t0), 1)
+        entry["tokens_per_s"] = speed
+        out[chunk] = entry
+    return out
+
+
 def memory_checks(device: torch.device, tmp: Path, tokens: int, seqs: int, cap: int) -> dict:
     """The profile monolithic and capped, and the worst-case batch's measured peak on the live engine."""
     path = widen_vocab(tmp / "v152k", 151936, 0)
@@ -118,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, fn in (("sdar", lambda: sdar_checks(device, a.prompts)),
+                     ("engine", lambda: engine_checks(device, a.prompts)),
                      ("memory", lambda: memory_checks(device, Path(tempfile.mkdtemp()), a.tokens, a.max_num_seqs,
                                                       a.max_num_logits))):
         try:

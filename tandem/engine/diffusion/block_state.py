@@ -38,6 +38,7 @@ class DiffusionOutput:
     token_ids: list[int]                  # generated tokens (the stopping EOS included), at most max_tokens
     finish_reason: str                    # "stop" (EOS or a stop token id) or "length" (max_tokens)
     commits_per_step: list[int] = field(default_factory=list)   # tokens each denoise step committed
+    masked_per_step: list[int] = field(default_factory=list)    # masked positions each step sampled (its window's)
     num_blocks: int = 0                   # blocks decoded
 
     @property
@@ -95,7 +96,7 @@ class BlockState:
         self.generator = None
         if params.seed is not None and params.temperature != 0.0:
             self.generator = torch.Generator(device=device).manual_seed(int(params.seed))
-        self.out = DiffusionOutput([], "", [], 0)
+        self.out = DiffusionOutput([], "")
         self.n_cached = n_cached                              # positions 0..n_cached-1 have their K/V written
         self.written: set[int] = set()                        # positions >= n_cached with their K/V written
         self.emitted = 0                                      # generated tokens handed out by take_committed()
@@ -170,6 +171,7 @@ class BlockState:
                 self.n_cached = self.start                    # block mode: the completed blocks, whole
         if not win.candidates:
             self.out.commits_per_step.append(0)
+            self.out.masked_per_step.append(0)
             return 0
         return self.step(logits, win.candidates)
 
@@ -189,6 +191,7 @@ class BlockState:
                 self.undecoded[j] = False
         n = sum(chosen)
         self.out.commits_per_step.append(n)
+        self.out.masked_per_step.append(len(cand))
         if len(self.candidates()) == 0:
             self._finish_block()
         return n

@@ -129,8 +129,9 @@ class DiffusionDecoder:
 
 def measure_window_latency(model: torch.nn.Module, block: int, max_tokens: int, device: torch.device,
                            clock: Callable[[], float] = time.perf_counter, repeats: int = 2) -> ChunkLatency:
-    """Optimus's T(c, b) fitted on this engine's own forward: windows of `block` positions over no cache, b·c query
-    tokens at the sizes ChunkLatency samples (best of `repeats`), without touching the KV pool."""
+    """Optimus's T(c, b) fitted on this engine's own step: windows of `block` positions over no cache, b·c query
+    tokens at the sizes ChunkLatency samples, the forward and the LM head over every row (a window samples its
+    masked positions, most of its rows), best of `repeats`, without touching the KV pool."""
     @torch.inference_mode()
     def step(x: int) -> float:
         wins = []
@@ -141,7 +142,7 @@ def measure_window_latency(model: torch.nn.Module, block: int, max_tokens: int, 
         best = float("inf")
         for _ in range(repeats):
             t0 = clock()
-            model(ids, None, None, meta)
+            model.compute_logits(model(ids, None, None, meta))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, clock() - t0)

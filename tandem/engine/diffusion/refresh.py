@@ -67,7 +67,7 @@ def generate_refresh(model: torch.nn.Module, prompts: Sequence[Sequence[int]], p
         s = _Seq(p, params, cfg, block, model.mask_token_id, eos, max_len, dev)
         buf = SparseKVBuffer(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                              schedule.kv_tokens(s.P, s.max_tokens), dtype, dev)
-        s.out = RefreshOutput([], "", [], 0, kv_slots=buf.capacity, kv_bytes=buf.nbytes)
+        s.out = RefreshOutput([], "", kv_slots=buf.capacity, kv_bytes=buf.nbytes)
         reqs.append(_Request(s, buf))
     backend = SparseKVBackend(sparse)
     layers = list(range(mc.num_hidden_layers))          # each layer's kv entry: its index (sparse_attention)
