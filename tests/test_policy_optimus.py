@@ -73,18 +73,20 @@ def sizer(mode="elastic", block=32, size=0):
 
 
 def test_elastic_runs_the_block_until_it_has_seen_it_then_takes_the_argmax():
-    """Protects c* = argmax N(c) b / T(c, b): after 32 sequences committing 16 at the block size 32, N(c) = min(16, c).
-    One sequence (T flat, 10 ms): 16 and 32 both commit 16 per 10 ms; the smaller, earlier candidate wins. 64
-    sequences: c=16 -> 1024 tokens, T = 10 + 0.02 x 768 = 25.36 ms, 16 x 64 / 25.36 = 40.4 a ms, beating c=8 (512
-    tokens, 15.12 ms: 33.9) and c=32 (2048 tokens, 76.56 ms: 13.4). 256 sequences: c=4 -> 1024 tokens, 40.4 a ms,
-    beating c=2 (33.9), c=8 (26.7) and c=1 (25.6)."""
+    """Protects c* = argmax n(c) b / T(c, b): after 32 sequences committing 16 at the block size 32, N(m) = min(16, m)
+    over m masked positions; a streaming window of c also writes the last step's commits, so in steady state it
+    commits n(c) = p with p = N(c - p): c / 2 here. One sequence (T flat, 10 ms): c = 32 (16 per 10 ms). 64 sequences:
+    c=16 -> 1024 tokens, T = 10 + 0.02 x 768 = 25.36 ms, 8 x 64 / 25.36 = 20.2 a ms, beating c=8 (512 tokens,
+    15.12 ms: 16.9) and c=32 (2048 tokens, 76.56 ms: 13.4). 256 sequences: c=4 -> 1024 tokens, 20.2 a ms, beating
+    c=2 (16.9), c=8 (13.4) and c=1 (12.8)."""
     s = sizer()
     assert s.choose(64) == 32                    # warm-up: the block size until 32 sequence-steps were observed
     s.observe(32, [16] * 32)
-    assert s.choose(1) == 16
+    assert [s.streaming_commits(c) == pytest.approx(c / 2) for c in (1, 2, 4, 8, 16, 32)] == [True] * 6
+    assert s.choose(1) == 32
     assert s.choose(64) == 16
     assert s.choose(256) == 4
-    assert s.steps_by_chunk == {32: 1, 16: 2, 4: 1}
+    assert s.steps_by_chunk == {32: 2, 16: 1, 4: 1}
 
 
 def test_fixed_and_block_chunks_do_not_depend_on_the_load():

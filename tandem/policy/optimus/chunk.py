@@ -75,6 +75,26 @@ class ChunkSizer:
         self.steps_by_chunk: dict[int, int] = {}     # steps run at each chosen window (what /metrics shows)
         self.commit_counts: dict[int, int] = {}      # sequence-steps that committed k tokens
 
+    def streaming_commits(self, c: int) -> float:
+        """Commits a step of window c makes in steady state when the window also carries the K/V writes of the last
+        step's commits (streaming chunks, block_state.py): p = N(c - p), N_commit read over the masked positions
+        the writes leave; with c = 2 one token is written while one is decoded. Solved by bisection on p in [0, c)."""
+        n = self.estimator
+
+        def masked(m: float) -> float:                 # N at a fractional window, linear between integers
+            if m < 1.0:
+                return m * n(1)                        # N(0) = 0
+            lo = int(m)
+            return n(lo) + (m - lo) * (n(lo + 1) - n(lo)) if lo < c else n(lo)
+        lo, hi = 0.0, float(c)
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if masked(c - mid) > mid:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     @property
     def recomputes_block(self) -> bool:
         """Plain block diffusion: every step computes the whole block (no reuse of its decoded positions)."""
@@ -97,7 +117,7 @@ class ChunkSizer:
             for cand in self.candidates:
                 if room is not None and cand > 1 and cand * b > room:
                     break
-                rate = self.estimator(cand) * b / self.latency(cand, b)
+                rate = self.streaming_commits(cand) * b / self.latency(cand, b)
                 if rate > best:
                     best, c = rate, cand
         self.last = c
