@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-logits", type=int, default=32)
+    ap.add_argument("--checks", default="sdar,engine,memory", help="which checks, comma-separated")
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     res: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -170,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                      ("engine", lambda: engine_checks(device, a.prompts)),
                      ("memory", lambda: memory_checks(device, Path(tempfile.mkdtemp()), a.tokens, a.max_num_seqs,
                                                       a.max_num_logits))):
+        if name not in a.checks.split(","):
+            continue
         try:
             res[name] = fn()
         except Exception as e:          # noqa: BLE001 - one check's failure must not hide the others' results
             res[name] = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps({name: res[name]}, indent=1), flush=True)
+        print(json.dumps({name: res.get(name)}, indent=1), flush=True)
     (out / "gpu_dllm_checks.json").write_text(json.dumps(res, indent=1))
     return 0
 
