@@ -49,7 +49,8 @@ class SchedulerConfig:
     dllm_delay_step: int = 1                  # dLLM-Serve: full-length steps of a block before its cache is written
     dllm_refresh_interval: int = 0            # dLLM-Serve: also refresh every this many steps (0: block starts only)
     dllm_refresh_span: str = "full"           # dLLM-Serve: a Refresh recomputes prompt + the whole generation length
-                                              # ("full", LLaDA) or prompt + generated + the active block ("prefix")
+                                              # ("full", LLaDA) or prompt + generated + the active block ("prefix";
+                                              # "aligned": SDAR's blocks at absolute positions, the engine's)
     dllm_kv_retention: float = 1.0            # dLLM-Serve: share ρ of a request's positions whose KV it keeps
 
     def __post_init__(self) -> None:

@@ -62,6 +62,15 @@ class EngineConfig:
     dllm_unmasking_strategy: str = "low_confidence_dynamic"
     dllm_denoising_steps: int | None = None   # None: the block length (at least one token a step)
     dllm_confidence_threshold: float = 0.9
+    # dLLM-Serve (issue 17): Refresh/Reuse phases over head-centric sparse KV, admitted by the worker core
+    dllm_admission: str | None = None         # phase (dLLM-Serve), static (Fast-dLLM-like batches reserving each
+                                              # request's Refresh peak), reserve (request-level continuous); None:
+                                              # Optimus's windows (dllm_chunk). The options below need it
+    dllm_delay_step: int | None = None        # full-length steps of a block before its cache is packed (None: 1)
+    dllm_refresh_interval: int | None = None  # also refresh every this many steps after the pack (None: 0, never)
+    kv_retention_ratio: float | None = None   # share ρ of a request's positions whose K/V it keeps (None: 0.5)
+    kv_pool_kernel: int | None = None         # max-pool kernel of the position scores (None: 3)
+    kv_selection: str | None = None           # head (dLLM-Serve, per KV head) or uniform (Sparse-dLLM) (None: head)
 
     def policy_spec(self) -> PolicySpec:
         """The worker core's policy with this config's knobs (ValueError/TypeError name a bad one)."""
@@ -124,6 +133,36 @@ class EngineConfig:
         t = self.dllm_confidence_threshold
         if not 0 < float(t) <= 1:
             raise EngineError(f"dllm_confidence_threshold must be in (0, 1], got {t!r}")
+        self._check_dllm_serve()
+
+    def _check_dllm_serve(self) -> None:
+        """dLLM-Serve's options: an admission mode, and the phase and sparse-KV knobs only with one."""
+        from tandem.policy.dllm_serve import PhaseSpec, parse_admission
+        knobs = ("dllm_delay_step", "dllm_refresh_interval", "kv_retention_ratio", "kv_pool_kernel", "kv_selection")
+        if self.dllm_admission is None:
+            given = [k for k in knobs if getattr(self, k) is not None]
+            if given:
+                raise EngineError(f"{', '.join(given)} need dllm_admission (phase, static or reserve)")
+            return
+        try:
+            self.dllm_admission = parse_admission(self.dllm_admission).value
+            self.sparse_kv()
+            PhaseSpec(2, *self.phase_knobs())
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+
+    def phase_knobs(self) -> tuple[int, int]:
+        """(delay_step, refresh_interval) of the dLLM-Serve mode, defaults filled in (dLLM-Serve's: 1, 0)."""
+        from tandem.policy.dllm_serve.phases import DEFAULT_DELAY_STEP
+        d, k = self.dllm_delay_step, self.dllm_refresh_interval
+        return (DEFAULT_DELAY_STEP if d is None else d, 0 if k is None else k)
+
+    def sparse_kv(self):  # noqa: ANN201 - SparseKVConfig (imported lazily: torch-side module)
+        """The sparse-KV options of the dLLM-Serve mode, defaults filled in (dLLM-Serve's: ρ 0.5, kernel 3, head)."""
+        from tandem.engine.diffusion.sparse_kv import DEFAULT_POOL_KERNEL, DEFAULT_RETENTION, SparseKVConfig
+        r, k, sel = self.kv_retention_ratio, self.kv_pool_kernel, self.kv_selection
+        return SparseKVConfig(DEFAULT_RETENTION if r is None else r, DEFAULT_POOL_KERNEL if k is None else k,
+                              "head" if sel is None else sel)
 
     def torch_device(self) -> torch.device:
         """The device to run on: `device`, or CUDA when present for auto."""

@@ -68,6 +68,23 @@ class StepStats:
     dllm_commits: dict[int, int] = field(default_factory=dict)       # diffusion: tokens a sequence committed in
                                                                      # a step -> how often (cumulative)
     dllm_chunks: dict[int, int] = field(default_factory=dict)        # diffusion: chunk size chosen -> steps
+    dllm_serve: dict[str, int] = field(default_factory=dict)         # dLLM-Serve: the core's counters
+                                                                     # (dllm_serve_counters, cumulative)
+
+
+DLLM_PHASES = ("full", "refresh", "reuse")
+
+
+def dllm_serve_counters(stats: dict) -> dict[str, int]:
+    """The core's DllmServeStats as flat cumulative counters: sequence-steps and query tokens by phase, steps,
+    admissions into a running batch (the Reuse headroom) and into an idle one, deferrals."""
+    out = {f"seq_steps_{p}": int(stats["seq_steps"].get(p, 0)) for p in DLLM_PHASES}
+    out.update({f"tokens_{p}": int(stats["phase_tokens"].get(p, 0)) for p in DLLM_PHASES})
+    out["steps"] = int(stats["steps"])
+    out["admitted_running"] = int(stats["admitted_while_running"])
+    out["admitted_idle"] = int(stats["admitted"]) - out["admitted_running"]
+    out["deferrals"] = int(stats["deferrals"])
+    return out
 
 
 @dataclass
@@ -122,15 +139,21 @@ class LLMEngine:
                 f"cpu_memory_budget_bytes, gpu_memory_utilization; max_num_logits shrinks the activation peak) or "
                 f"lower max_model_len")
         self.dllm = self._diffusion(config, role, mc)             # block-diffusion decoding (SDAR), else None
+        phased = self.dllm is not None and config.dllm_admission is not None
+        delay, interval = config.phase_knobs()
         sched = SchedulerConfig(block_size=bs, max_num_batched_tokens=config.max_num_batched_tokens,
                                 max_num_seqs=config.max_num_seqs,
                                 dllm_block_length=self.dllm.block if self.dllm is not None else 0,
-                                dllm_chunk=config.dllm_chunk)
-        if self.dllm is not None:        # Optimus's T(c, b), fitted on this engine's own forward at start (also its
+                                dllm_chunk=config.dllm_chunk, dllm_admission=config.dllm_admission if phased else None,
+                                dllm_delay_step=delay, dllm_refresh_interval=interval, dllm_refresh_span="aligned",
+                                dllm_kv_retention=config.sparse_kv().kv_retention_ratio if phased else 1.0)
+        if self.dllm is not None and not phased:   # Optimus's T(c, b), fitted on this engine's own forward (also its
             latency = measure_window_latency(self.runner.model, self.dllm.block, config.max_num_batched_tokens,
                                              self.runner.device)            # prefill estimate: the same steps)
             t_pre = lambda h, n: latency(n, 1)              # noqa: E731 - the window latency of n query tokens
         self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre)
+        if phased:                  # dLLM-Serve: each request's packed KV is the buffer the core's admission reserves
+            self.dllm.kv_slots = self.core.dllm.phases.kv_tokens
         self.forward_events = role != COLOCATED if forward_events is None else forward_events
         self.core_events: list = []                          # every core event, for a coordinator to drain
         self._task_req: dict[PrefillTask, _Request] = {}     # prefill role: its tasks' requests
@@ -147,6 +170,8 @@ class LLMEngine:
         if mc.diffusion_block_size is None:
             if config.dllm_block_length is not None:
                 raise EngineError("dllm_block_length is for block-diffusion models; this checkpoint is autoregressive")
+            if config.dllm_admission is not None:
+                raise EngineError("dllm_admission is for block-diffusion models; this checkpoint is autoregressive")
             return None
         if role != COLOCATED:
             raise EngineError("block-diffusion models run on co-located workers (no prefill/decode disaggregation)")
@@ -162,7 +187,8 @@ class LLMEngine:
         r = self.runner
         return DiffusionDecoder(r.model, r.kv_caches, config.block_size, block, config.dllm_chunk != "block",
                                 defaults, self.tokenizer.eos_token_ids, self.max_model_len, r.device,
-                                config.max_num_logits)
+                                config.max_num_logits,
+                                config.sparse_kv() if config.dllm_admission is not None else None)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
@@ -486,6 +512,13 @@ class LLMEngine:
             sid = seq.session_id
             sess = self.sessions[sid]
             state = dllm.states.get(sid)
+            if core.dllm is not None:                        # dLLM-Serve: the phase the core planned
+                if state is None:
+                    state = dllm.start_phases(sid, sess.tokens, sess.request.params, tables[seq])
+                    if sess.request.metrics.first_scheduled_time is None:
+                        sess.request.metrics.first_scheduled_time = prep.t0
+                dllm.phase(batch, sid, state, core.phase_of(sid))
+                continue
             if state is None:
                 state = dllm.start(sid, sess.tokens, sess.request.params)
             dllm.decode(batch, sid, state, seq.query_tokens - seq.kv_prompt, seq.commit_cap, seq.kv_prompt,
@@ -585,8 +618,11 @@ class LLMEngine:
         if plan.decode:
             for c in prep.committed.values():
                 st.dllm_commits[c] = st.dllm_commits.get(c, 0) + 1
-            chunk = self.core.chunker.last
-            st.dllm_chunks[chunk] = st.dllm_chunks.get(chunk, 0) + 1
+            if self.core.chunker is not None:
+                chunk = self.core.chunker.last
+                st.dllm_chunks[chunk] = st.dllm_chunks.get(chunk, 0) + 1
+        if self.core.dllm is not None:
+            st.dllm_serve = dllm_serve_counters(self.core.dllm_stats())
         st.execute_s += t2 - t1
         st.schedule_s += (t1 - t0) + (t3 - t2)
         return self._collect(touched)

@@ -225,17 +225,47 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+@dataclass
+class DiffusionDummy:
+    """The worst-case step of a block-diffusion model (diffusion_worst_case): its inputs and the rows it samples."""
+
+    ids: torch.Tensor
+    meta: object                        # BlockDiffusionMetadata over no KV cache
+    sample_rows: list[int]              # every row: a diffusion step may sample each of its query positions
+    prompt_logprobs: tuple = ()
+
+
+def diffusion_worst_case(max_num_batched_tokens: int, max_model_len: int, block: int, vocab_size: int,
+                         device: torch.device | str = "cpu", rows: int | None = None) -> DiffusionDummy:
+    """A block-diffusion model's dummy step: `max_num_batched_tokens` query tokens as full-length recomputations
+    (dLLM-Serve's Refresh, a block-diffusion prefill: positions 0.. of sequences as long as max_model_len allows,
+    dense block-causal attention, no KV cache), every row sampled (or the first `rows`)."""
+    from tandem.engine.models.sdar import BlockDiffusionMetadata
+    longest = max(block, max_model_len // block * block)
+    lens, left = [], max_num_batched_tokens
+    while left > 0:
+        lens.append(min(left, longest))
+        left -= lens[-1]
+    meta = BlockDiffusionMetadata.build([range(n) for n in lens], [0] * len(lens), [0] * len(lens), None, 1, block,
+                                        device)
+    ids = torch.arange(max_num_batched_tokens, device=device) % vocab_size
+    return DiffusionDummy(ids, meta, list(range(max_num_batched_tokens if rows is None else rows)))
+
+
 def run_profile(forward: Callable[[ModelInput], torch.Tensor],
                 logits_phase: Callable[[torch.Tensor, ModelInput, int | None], object], batch: ModelInput,
-                device: torch.device, max_num_logits: int | None, weights: int, tokens: int) -> MemoryProfile:
+                device: torch.device, max_num_logits: int | None, weights: int, tokens: int,
+                warm: object | None = None) -> MemoryProfile:
     """Measure the dummy step: forward(batch) -> hidden, then logits_phase(hidden, batch, max_rows) (prompt logprobs
-    and sampling under that cap). A warm-up (the forward and one row's logits) first leaves the persistent buffers
-    allocated; then one forward, whose hidden states stay live while the logit phase runs monolithic and, with a
-    cap, decomposed. A step's peak is max(forward's peak, hidden + the logit phase's peak)."""
+    and sampling under that cap). A warm-up (the forward and one row's logits; `warm`, else built from the batch)
+    first leaves the persistent buffers allocated; then one forward, whose hidden states stay live while the logit
+    phase runs monolithic and, with a cap, decomposed. A step's peak is max(forward's peak, hidden + the logit
+    phase's peak)."""
     t0 = time.perf_counter()
-    warm = ModelInput(batch.token_ids, batch.positions, batch.query_lens, batch.seq_lens, batch.block_tables,
-                      batch.sample_rows[:1], batch.params[:1], batch.generators[:1], batch.output_tokens[:1],
-                      batch.prompt_tokens[:1], batch.grammars[:1])
+    if warm is None:
+        warm = ModelInput(batch.token_ids, batch.positions, batch.query_lens, batch.seq_lens, batch.block_tables,
+                          batch.sample_rows[:1], batch.params[:1], batch.generators[:1], batch.output_tokens[:1],
+                          batch.prompt_tokens[:1], batch.grammars[:1])
 
     def warm_up() -> None:
         logits_phase(forward(warm), warm, None)

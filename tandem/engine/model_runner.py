@@ -13,7 +13,8 @@ from tandem.engine.config import EngineConfig, EngineError, explicit_kv_pool, kv
 from tandem.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
 from tandem.engine.loader import load_model
 from tandem.engine.logits import target_logprobs
-from tandem.engine.memory_profile import MemoryProfile, kv_budget, run_profile, weight_bytes, worst_case_batch
+from tandem.engine.memory_profile import (DiffusionDummy, MemoryProfile, diffusion_worst_case, kv_budget, run_profile,
+                                         weight_bytes, worst_case_batch)
 from tandem.engine.model_input import ModelInput
 from tandem.engine.prefill_graphs import PrefillGraphs, graph_buckets, graph_max_len, prefill_graphs_apply
 from tandem.engine.sampler import Sampler, SampleOutput
@@ -124,6 +125,8 @@ class ModelRunner:
     def _profile_memory(self, max_len: int) -> MemoryProfile:
         """The worst-case dummy step (memory_profile.py) on a one-block scratch KV cache, dropped afterwards."""
         cfg, mc = self.cfg, self.model_config
+        if mc.diffusion_block_size is not None:
+            return self._profile_diffusion(max_len)
         self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, 1, cfg.block_size, mc.num_key_value_heads,
                                            mc.head_dim, self.dtype, self.device)
         batch = worst_case_batch(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len, mc.vocab_size,
@@ -143,6 +146,33 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         return prof
+
+    def _profile_diffusion(self, max_len: int) -> MemoryProfile:
+        """A block-diffusion model's worst-case step (memory_profile.diffusion_worst_case): the forward over
+        max_num_batched_tokens recomputed positions, then every row's logits sampled as the decoder samples them
+        (temperature, top-k, top-p on a seeded generator), all at once or max_num_logits rows at a time."""
+        from tandem.engine.diffusion.unmasking import sample_tokens
+        cfg, mc = self.cfg, self.model_config
+        block = cfg.dllm_block_length or mc.diffusion_block_size
+        batch = diffusion_worst_case(cfg.max_num_batched_tokens, max_len, block, mc.vocab_size, self.device)
+        warm = diffusion_worst_case(cfg.max_num_batched_tokens, max_len, block, mc.vocab_size, self.device, rows=1)
+
+        def forward(b: DiffusionDummy) -> torch.Tensor:
+            with torch.inference_mode():
+                return self.model(b.ids, None, None, b.meta)
+
+        def logits_phase(hidden: torch.Tensor, b: DiffusionDummy, max_rows: int | None) -> None:
+            gen = torch.Generator(device=self.device).manual_seed(0)
+            n = len(b.sample_rows)
+            step = max_rows or n
+            with torch.inference_mode():
+                for a in range(0, n, step):
+                    logits = self.model.compute_logits(hidden[a:min(n, a + step)])
+                    logits[:, 0] = float("-inf")
+                    sample_tokens(logits, 1.0, 50, 0.9, gen)
+                    del logits
+        return run_profile(forward, logits_phase, batch, self.device, cfg.max_num_logits, weight_bytes(self.model),
+                           cfg.max_num_batched_tokens, warm=warm)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: ModelInput) -> list[list[dict[int, float]]]:
         """Per spec, each target's raw logprob (log-softmax of the full logits) and the top k: every spec's rows

@@ -5,28 +5,40 @@ request (block_state.py); the engine streams each request's longest committed pr
 The core decides everything about a step (which sequences, how many positions each computes and may commit: Optimus's
 chunk, elastic or fixed, or the whole block); this module only builds the windows the core sized, runs them, and
 reports what each sequence committed back to the core.
+
+In dLLM-Serve mode (the engine's `dllm_admission`) the core plans phases instead of windows: a sequence's step is
+FULL or REFRESH (the whole sequence recomputed; REFRESH packs its sparse KV) or REUSE (the active block against the
+packed KV), built and committed by refresh.py's per-sequence step (the decoding loop generate_refresh runs the same
+one). Each request's packed KV lives in the engine's paged KV pool, in the blocks the core reserved for it at
+admission (⌈ρ·(P + G)⌉ positions per head: PagedSparseKV), so the pool, the memory budget and admission agree.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
 
 from tandem.engine.diffusion.block_state import BlockState, Window, build_step, prefill_window
+from tandem.engine.diffusion.refresh import PhaseWindow, build_phase_step, commit_window, phase_window
+from tandem.engine.diffusion.sparse_attention import SparseKVBackend
+from tandem.engine.diffusion.sparse_kv import PagedSparseKV, SparseKVConfig
 from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.sampling_params import SamplingParams, check_diffusion
+from tandem.policy.dllm_serve import Phase
 from tandem.policy.optimus.latency import ChunkLatency
 
 @dataclass
 class DiffusionBatch:
     """One step's windows, the block table of each, who owns them, and which are decode windows."""
 
-    windows: list[Window] = field(default_factory=list)
+    windows: list[Window | PhaseWindow] = field(default_factory=list)   # PhaseWindows only in dLLM-Serve mode
     tables: list[list[int]] = field(default_factory=list)
     owners: list[str | None] = field(default_factory=list)     # session id of a decode window, None for a prefill
     tokens: int = 0
+    phased: bool = False                                       # dLLM-Serve phases (PhaseWindows)
 
 
 class DiffusionDecoder:
@@ -34,13 +46,21 @@ class DiffusionDecoder:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], kv_block_size: int, block: int,
                  streaming: bool, defaults: DllmConfig, eos: Sequence[int], max_model_len: int,
-                 device: torch.device, max_num_logits: int | None = None) -> None:
+                 device: torch.device, max_num_logits: int | None = None,
+                 sparse: SparseKVConfig | None = None) -> None:
+        """Decode with the model over the engine's KV pool; with `sparse`, in dLLM-Serve's phases (set kv_slots)."""
         self.model, self.kv_caches, self.kv_block_size = model, kv_caches, kv_block_size
         self.block, self.streaming, self.defaults = block, streaming, defaults
         self.eos = frozenset(eos)
         self.max_model_len, self.device = max_model_len, device
         self.max_num_logits = max_num_logits
         self.states: dict[str, BlockState] = {}
+        self.sparse = sparse                                   # dLLM-Serve mode: the selection options
+        self.backend = SparseKVBackend(sparse) if sparse is not None else None
+        self.kv_slots: Callable[[int, int], int] | None = None   # (P, G) -> the buffer the core reserves per request
+        self.buffers: dict[str, PagedSparseKV] = {}
+        self.packed: dict[str, int] = {}                       # session -> the block start of its last Refresh
+        self.layers = list(range(len(kv_caches)))              # the sparse backend's kv entries: layer indices
 
     def options(self, params: SamplingParams) -> DllmConfig:
         """The request's decoding options: its own where it sets them, else the engine's (ValueError names one)."""
@@ -83,48 +103,75 @@ class DiffusionDecoder:
         self.states[sid] = st
         return st
 
+    def start_phases(self, sid: str, tokens: list[int], params: SamplingParams, table: list[int]) -> BlockState:
+        """dLLM-Serve mode: the decoding state of a request the core just admitted (nothing of it is cached; its
+        first step recomputes it) and its packed-KV buffer over the KV blocks the core reserved (`table`)."""
+        st = BlockState(tokens, params, self.options(params), self.block, self.model.mask_token_id, self.eos,
+                        self.max_model_len, self.device)
+        self.buffers[sid] = PagedSparseKV(self.kv_caches, table, self.kv_block_size, self.kv_slots(st.P, st.max_tokens))
+        self.states[sid] = st
+        return st
+
+    def phase(self, batch: DiffusionBatch, sid: str, state: BlockState, phase: Phase) -> None:
+        """dLLM-Serve mode: the sequence's step in the phase the core planned (RuntimeError when the core plans a
+        Reuse of a block this engine has not packed: the two would disagree on the block's boundaries)."""
+        if phase is Phase.REUSE and self.packed.get(sid) != state.start:
+            raise RuntimeError(f"session {sid!r}: a Reuse step planned for the block at {state.start}, which no "
+                               f"Refresh packed")
+        if phase is Phase.REFRESH:
+            self.packed[sid] = state.start
+        w = phase_window(state, phase, self.buffers[sid])
+        batch.phased = True
+        batch.windows.append(w)
+        batch.tables.append([])
+        batch.owners.append(sid)
+        batch.tokens += len(w.ids)
+
     @torch.inference_mode()
     def execute(self, batch: DiffusionBatch) -> dict[str, int]:
         """Run the step's forward (writing the K/V it writes) and commit every decode window's candidates; returns
         the tokens each session committed."""
         if not batch.windows:
             return {}
-        ids, meta, rows = build_step(batch.windows, batch.tables, self.kv_block_size, self.block, self.device)
-        hidden = self.model(ids, None, self.kv_caches, meta).index_select(0, rows)
+        if batch.phased:
+            ids, meta, rows = build_phase_step(batch.windows, self.block, self.backend, self.device)
+            hidden = self.model(ids, None, self.layers, meta).index_select(0, rows)
+            work = [(sid, len(w.cand), partial(commit_window, self.states[sid], w))
+                    for sid, w in zip(batch.owners, batch.windows)]
+        else:
+            ids, meta, rows = build_step(batch.windows, batch.tables, self.kv_block_size, self.block, self.device)
+            hidden = self.model(ids, None, self.kv_caches, meta).index_select(0, rows)
+            work = [(sid, len(w.rows), partial(self.states[sid].apply, w))
+                    for sid, w in zip(batch.owners, batch.windows) if sid is not None]
+        return self._commit(hidden, work)
+
+    def _commit(self, hidden: torch.Tensor, work: list[tuple[str, int, Callable[[torch.Tensor], int]]]
+                ) -> dict[str, int]:
+        """Each sequence's candidate rows (k of them, in order in `hidden`) sampled and committed by its function;
+        the LM head over groups of sequences of at most max_num_logits rows (unless one sequence has more), each
+        group's logits freed before the next."""
         committed: dict[str, int] = {}
         cap = self.max_num_logits
-        off = 0
-        group: list[tuple[str, Window, int]] = []        # decode windows whose logits are computed together
-        n_rows = 0
-        for sid, w in zip(batch.owners, batch.windows):
-            if sid is None:
-                continue
-            if group and cap is not None and n_rows + len(w.rows) > cap:
-                off = self._commit_group(hidden, group, off, committed)
-                group, n_rows = [], 0
-            group.append((sid, w, len(w.rows)))
-            n_rows += len(w.rows)
-        if group:
-            self._commit_group(hidden, group, off, committed)
+        off, i = 0, 0
+        while i < len(work):
+            j, n = i, 0
+            while j < len(work) and (j == i or cap is None or n + work[j][1] <= cap):
+                n += work[j][1]
+                j += 1
+            logits = self.model.compute_logits(hidden[off:off + n]) if n else None
+            a = 0
+            for sid, k, fn in work[i:j]:
+                committed[sid] = fn(logits[a:a + k] if k else torch.empty(0))
+                a += k
+            off += n
+            i = j
         return committed
 
-    def _commit_group(self, hidden: torch.Tensor, group: list[tuple[str, Window, int]], off: int,
-                      committed: dict[str, int]) -> int:
-        """The LM head over a group of windows' candidate rows (at most max_num_logits unless one window is more),
-        each window's sampled and committed from its slice; returns the next row offset."""
-        n = sum(k for _, _, k in group)
-        logits = self.model.compute_logits(hidden[off:off + n]) if n else None
-        a = 0
-        for sid, w, k in group:
-            state = self.states[sid]
-            c = state.apply(w, logits[a:a + k] if k else torch.empty(0))
-            committed[sid] = c
-            a += k
-        return off + n
-
     def drop(self, sid: str) -> None:
-        """Forget a session's decoding state (its round ended, was aborted or failed)."""
+        """Forget a session's decoding state (its round ended, was aborted or failed) and its packed-KV view."""
         self.states.pop(sid, None)
+        self.buffers.pop(sid, None)
+        self.packed.pop(sid, None)
 
 
 def measure_window_latency(model: torch.nn.Module, block: int, max_tokens: int, device: torch.device,

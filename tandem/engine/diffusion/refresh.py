@@ -9,8 +9,8 @@ semantics): the active block's step j is
   by the block's mean query, selected per head and packed into the request's buffer (sparse_kv, sparse_attention);
 - `reuse` otherwise: only the active block is computed, against the packed buffer.
 
-For SDAR the whole sequence is prompt + committed blocks + active block (`RefreshSpan.PREFIX`; later positions do
-not exist yet). Each request's buffer holds ⌈ρ·(P + G)⌉ positions per head and layer (`PhaseSchedule.kv_tokens`,
+For SDAR the whole sequence is prompt + committed blocks + active block (`RefreshSpan.ALIGNED`: SDAR's blocks at
+absolute positions; later positions do not exist yet). Each request's buffer holds ⌈ρ·(P + G)⌉ positions per head and layer (`PhaseSchedule.kv_tokens`,
 what the core's admission reserves), G its max_tokens, allocated at the start and never resized; a Refresh keeps
 ⌊ρ·L⌋ of the L cached positions. Sampling, commits and stopping are the other loops' (generate._Seq), so with
 refresh at every step (delay_step 0, refresh_interval 1) this gives generate_reference's tokens at any ratio, and at
@@ -23,10 +23,12 @@ from typing import Sequence
 
 import torch
 
+from tandem.engine.diffusion.block_state import BlockState
 from tandem.engine.diffusion.generate import DiffusionOutput, _device, _Seq, _setup
 from tandem.engine.diffusion.sparse_attention import SeqStep, SparseKVBackend, sparse_step_metadata
-from tandem.engine.diffusion.sparse_kv import SparseKVBuffer, SparseKVConfig
+from tandem.engine.diffusion.sparse_kv import PagedSparseKV, SparseKVBuffer, SparseKVConfig
 from tandem.engine.diffusion.unmasking import DllmConfig
+from tandem.engine.models.sdar import BlockDiffusionMetadata
 from tandem.engine.sampling_params import SamplingParams
 from tandem.policy.dllm_serve.phases import DEFAULT_DELAY_STEP, Phase, PhaseSchedule, PhaseSpec, RefreshSpan
 
@@ -39,6 +41,50 @@ class RefreshOutput(DiffusionOutput):
     context_per_step: list[int] = field(default_factory=list)   # positions before the active block at each step
     kv_slots: int = 0                                    # buffer positions per layer and KV head: ⌈ρ·(P + G)⌉
     kv_bytes: int = 0                                    # the buffer's bytes, held for the request's life
+
+
+@dataclass
+class PhaseWindow:
+    """What one sequence computes in a Refresh/Reuse step: how it attends, its positions and tokens, and which of
+    its rows (the active block's masked positions, `cand`) are sampled. The loop below and the engine
+    (engine_step.DiffusionDecoder) both build a step from these."""
+
+    step: SeqStep
+    positions: range
+    ids: list[int]
+    rows: list[int]                 # offsets in `ids` of the candidates' rows
+    cand: list[int]                 # offsets in the active block of the masked positions sampled
+
+
+def phase_window(seq: BlockState, phase: Phase, buffer: SparseKVBuffer | PagedSparseKV) -> PhaseWindow:
+    """The step of a sequence in `phase`: full-length (FULL, REFRESH: prompt + committed blocks + active block,
+    dense; REFRESH also packs `buffer`) or the active block against `buffer` (REUSE)."""
+    full = phase.full_length
+    first = 0 if full else seq.start
+    cand = seq.candidates()
+    ids = seq.prefix + seq.block if full else list(seq.block)
+    rows = [seq.start - first + j for j in cand]
+    return PhaseWindow(SeqStep(buffer, full, phase is Phase.REFRESH, seq.start), range(first, seq.start + seq.B),
+                       ids, rows, cand)
+
+
+def build_phase_step(windows: Sequence[PhaseWindow], block: int, backend: SparseKVBackend,
+                     device: torch.device) -> tuple[torch.Tensor, BlockDiffusionMetadata, torch.Tensor]:
+    """One forward's inputs for these windows: token ids [T], the metadata carrying the sparse backend, and the
+    candidates' rows [R] in window order."""
+    ids: list[int] = []
+    rows: list[int] = []
+    for w in windows:
+        rows.extend(len(ids) + r for r in w.rows)
+        ids.extend(w.ids)
+    meta = sparse_step_metadata([w.step for w in windows], [w.positions for w in windows], block, backend, device)
+    return (torch.tensor(ids, dtype=torch.long, device=device), meta,
+            torch.tensor(rows, dtype=torch.long, device=device))
+
+
+def commit_window(seq: BlockState, win: PhaseWindow, logits: torch.Tensor) -> int:
+    """Sample and commit a window's candidates from their logits [len(cand), V]; the tokens committed."""
+    return seq.step(logits, win.cand) if win.cand else 0
 
 
 @dataclass
@@ -58,7 +104,7 @@ def generate_refresh(model: torch.nn.Module, prompts: Sequence[Sequence[int]], p
     """Decode a batch of prompts in Refresh/Reuse phases over per-request sparse KV; one forward per step."""
     cfg, block, eos, max_len = _setup(model, params, cfg, eos_token_ids)
     sparse = sparse or SparseKVConfig()
-    schedule = PhaseSchedule(PhaseSpec(block, delay_step, refresh_interval, RefreshSpan.PREFIX,
+    schedule = PhaseSchedule(PhaseSpec(block, delay_step, refresh_interval, RefreshSpan.ALIGNED,
                                        sparse.kv_retention_ratio))
     dev, mc = _device(model), model.config
     dtype = next(model.parameters()).dtype
@@ -75,28 +121,20 @@ def generate_refresh(model: torch.nn.Module, prompts: Sequence[Sequence[int]], p
         live = [r for r in reqs if not r.seq.done]
         if not live:
             return [r.seq.out for r in reqs]
-        steps, positions, ids, rows, cands = [], [], [], [], []
+        wins = []
         for r in live:
-            s = r.seq
             phase = schedule.spec.phase_at(r.block_step)
-            first = 0 if phase.full_length else s.start
-            steps.append(SeqStep(r.buffer, phase.full_length, phase is Phase.REFRESH, s.start))
-            positions.append(range(first, s.start + block))
-            cand = s.candidates()
-            rows.extend(len(ids) + s.start - first + j for j in cand)
-            ids.extend(s.prefix + s.block if phase.full_length else s.block)
-            cands.append(cand)
-            s.out.phases.append(phase.value)
-            s.out.context_per_step.append(s.start)
-        meta = sparse_step_metadata(steps, positions, block, backend, dev)
-        hidden = model(torch.tensor(ids, dtype=torch.long, device=dev), None, layers, meta)
-        logits = model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev)))
+            wins.append(phase_window(r.seq, phase, r.buffer))
+            r.seq.out.phases.append(phase.value)
+            r.seq.out.context_per_step.append(r.seq.start)
+        ids, meta, rows = build_phase_step(wins, block, backend, dev)
+        logits = model.compute_logits(model(ids, None, layers, meta).index_select(0, rows))
         off = 0
-        for r, cand in zip(live, cands):
+        for r, w in zip(live, wins):
             blocks = r.seq.out.num_blocks
-            r.seq.step(logits[off:off + len(cand)], cand)
-            off += len(cand)
+            commit_window(r.seq, w, logits[off:off + len(w.cand)])
+            off += len(w.cand)
             r.block_step = 0 if r.seq.out.num_blocks != blocks else r.block_step + 1
 
 
-__all__ = ["RefreshOutput", "generate_refresh"]
+__all__ = ["PhaseWindow", "RefreshOutput", "build_phase_step", "commit_window", "generate_refresh", "phase_window"]

@@ -127,10 +127,62 @@ class SparseKVBuffer:
         return self.data[layer, 0, :, :n], self.data[layer, 1, :, :n]
 
 
+class PagedSparseKV:
+    """A request's packed KV inside the engine's paged KV pool: slot s of every head at KV block table[s // bs],
+    offset s % bs (the blocks the core reserved at admission), with SparseKVBuffer's pack/read/clear."""
+
+    def __init__(self, kv_caches: list[Tensor], table: list[int], kv_block_size: int, capacity: int) -> None:
+        """Slots 0..capacity-1 over the request's blocks (ValueError when they hold fewer)."""
+        if capacity < 1:
+            raise ValueError(f"a sparse KV buffer needs at least one slot per head, got {capacity}")
+        if len(table) * kv_block_size < capacity:
+            raise ValueError(f"{capacity} KV slots do not fit the {len(table)} blocks of {kv_block_size} reserved")
+        self.caches = kv_caches
+        dev = kv_caches[0].device
+        slots = torch.arange(capacity, device=dev)
+        self.blocks = torch.tensor(table, dtype=torch.long, device=dev)[slots // kv_block_size]
+        self.offsets = slots % kv_block_size
+        self.lengths = [0] * len(kv_caches)
+
+    @property
+    def capacity(self) -> int:
+        """Slots per layer and head."""
+        return self.blocks.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool's slots the buffer uses (K and V, every layer and head)."""
+        c = self.caches[0]
+        return len(self.caches) * 2 * self.capacity * c.shape[3] * c.shape[4] * c.element_size()
+
+    def pack(self, layer: int, k: Tensor, v: Tensor, keep: Tensor) -> None:
+        """Keys and values [L, Hkv, D] of the cached positions; store the positions keep [Hkv, n] of each head."""
+        n = keep.shape[1]
+        if n > self.capacity:
+            raise ValueError(f"{n} kept positions exceed the buffer's {self.capacity} slots per head")
+        idx = keep[:, :, None].expand(-1, -1, k.shape[2])
+        cache = self.caches[layer]
+        b, o = self.blocks[:n], self.offsets[:n]
+        cache[0, b, o] = k.transpose(0, 1).gather(1, idx).transpose(0, 1).to(cache.dtype)
+        cache[1, b, o] = v.transpose(0, 1).gather(1, idx).transpose(0, 1).to(cache.dtype)
+        self.lengths[layer] = n
+
+    def clear(self, layer: int) -> None:
+        """Nothing cached at this layer (a Refresh with no positions outside the active block)."""
+        self.lengths[layer] = 0
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The kept keys and values of a layer, [Hkv, n, D] each (gathered from the pool)."""
+        n = self.lengths[layer]
+        cache = self.caches[layer]
+        b, o = self.blocks[:n], self.offsets[:n]
+        return cache[0, b, o].transpose(0, 1), cache[1, b, o].transpose(0, 1)
+
+
 def buffer_bytes(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype) -> int:
     """Bytes of a SparseKVBuffer of `capacity` slots per head, without allocating it."""
     return num_layers * 2 * num_kv_heads * capacity * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-__all__ = ["DEFAULT_POOL_KERNEL", "DEFAULT_RETENTION", "SELECTIONS", "SparseKVBuffer", "SparseKVConfig",
+__all__ = ["DEFAULT_POOL_KERNEL", "DEFAULT_RETENTION", "SELECTIONS", "PagedSparseKV", "SparseKVBuffer", "SparseKVConfig",
            "buffer_bytes", "pool_scores", "position_scores", "select_positions"]

@@ -24,6 +24,10 @@ The sequence length a full-length step recomputes (`RefreshSpan`):
   the retained KV of the prompt and of the masked suffix (the dual cache);
 - `prefix`: prompt + generated + the active block (block-causal models such as SDAR, where the positions after
   the active block do not exist yet); the Refresh grows block by block up to P + G.
+- `aligned`: `prefix` with SDAR's block layout: blocks aligned to absolute positions (block k is positions kB ..
+  kB+B-1), so the prompt's leftover P mod B tokens start the first block and it has B - P mod B answer positions;
+  every step computes the whole active block (B query rows, positions past G included, as the engine runs them), a
+  full-length step positions 0 .. the active block's end, and the peak is P + G rounded up to whole blocks.
 
 KV (dLLM-Serve §4.5, head-centric sparse KV): a request keeps the top ⌈ρ·L⌉ positions per KV head of its sequence
 of L = P + G in a dense buffer whose size is fixed for its life (dLLM-Serve's `max_sparse_token`, allocated at
@@ -60,6 +64,7 @@ class RefreshSpan(StrEnum):
 
     FULL = "full"          # prompt + the whole generation length (LLaDA's masked canvas)
     PREFIX = "prefix"      # prompt + generated + the active block (block-causal models)
+    ALIGNED = "aligned"    # prefix, with blocks aligned to absolute positions (SDAR's layout, the engine's)
 
 
 def _nonneg_int(name: str, v) -> None:
@@ -125,7 +130,10 @@ class PhaseSchedule:
 
     # ---------------------------------------------------------------- sizes
     def peak_tokens(self, prompt: int, gen: int) -> int:
-        """The largest Refresh of a request: its whole sequence at the end of generation, P + G."""
+        """The largest Refresh of a request: its whole sequence at the end of generation, P + G (aligned: rounded up
+        to whole blocks)."""
+        if self.spec.span is RefreshSpan.ALIGNED:
+            return -(-(prompt + gen) // self.block) * self.block
         return prompt + gen
 
     def kv_tokens(self, prompt: int, gen: int) -> int:
@@ -136,6 +144,8 @@ class PhaseSchedule:
         """Query tokens of a request's first step (a full-length step of its first block)."""
         if self.spec.span is RefreshSpan.FULL:
             return prompt + gen
+        if self.spec.span is RefreshSpan.ALIGNED:
+            return prompt // self.block * self.block + self.block
         return prompt + min(self.block, gen)
 
     def new(self, prompt: int, gen: int, order: int, step: int) -> PhaseState:
@@ -147,17 +157,24 @@ class PhaseSchedule:
         return self.spec.phase_at(st.block_step)
 
     def block_start(self, st: PhaseState) -> int:
-        """Answer position where the active block starts."""
+        """Answer position where the active block starts (aligned: negative in a first block the prompt shares)."""
+        if self.spec.span is RefreshSpan.ALIGNED:
+            return (st.prompt + st.generated) // self.block * self.block - st.prompt
         return st.generated - st.generated % self.block
 
     def block_len(self, st: PhaseState) -> int:
-        """Positions of the active block (the last one may be shorter)."""
+        """Positions of the active block (the last one may be shorter; aligned: always B, every row computed)."""
+        if self.spec.span is RefreshSpan.ALIGNED:
+            return self.block
         start = self.block_start(st)
         return min(self.block, st.gen - start) if st.gen > start else self.block
 
     def left(self, st: PhaseState) -> int:
         """Positions of the active block still to commit: what this step may commit."""
-        return max(1, self.block_start(st) + self.block_len(st) - st.generated)
+        end = self.block_start(st) + self.block_len(st)
+        if self.spec.span is RefreshSpan.ALIGNED:
+            end = min(end, st.gen)
+        return max(1, end - st.generated)
 
     def sequence_tokens(self, st: PhaseState) -> int:
         """The length a full-length step recomputes now."""
@@ -179,10 +196,11 @@ class PhaseSchedule:
     def advance(self, st: PhaseState, committed: int) -> None:
         """The request ran a step and committed `committed` positions: the block's step count goes on, or the next
         block starts at its step 0 when this one is complete."""
-        before = st.generated // self.block
+        shift = st.prompt if self.spec.span is RefreshSpan.ALIGNED else 0
+        before = (shift + st.generated) // self.block
         st.generated += committed
         st.steps += 1
-        if st.generated // self.block != before or st.generated >= st.gen:
+        if (shift + st.generated) // self.block != before or st.generated >= st.gen:
             st.block_step = 0
         else:
             st.block_step += 1
