@@ -11,7 +11,8 @@ import signal
 from pathlib import Path
 
 from tandem.cli.bench_table import print_table
-from tandem.cli.common import CLIError, byte_size, csv_list, positive_int, ray_address_arg, require_ray, unit_fraction
+from tandem.cli.common import (CLIError, byte_size, csv_list, nonneg_int, positive_int, ray_address_arg, require_ray,
+                               unit_fraction)
 from tandem.bench.ports import free_port
 from tandem.policy.presets import POLICIES, PrefillSchedKind
 
@@ -71,6 +72,22 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--dllm-confidence-threshold", type=unit_fraction, default=None, metavar="T",
                    help="block-diffusion models: the dynamic strategy commits every position above T, in (0, 1] "
                         "(default: 0.9)")
+    p.add_argument("--dllm-admission", default=None, choices=("phase", "static", "reserve"),
+                   help="block-diffusion models: dLLM-Serve's Refresh/Reuse phases over sparse KV, admitted by "
+                        "phase (dLLM-Serve), static (Fast-dLLM-like batches reserving each request's Refresh "
+                        "peak) or reserve (request-level continuous); default: Optimus windows (--dllm-chunk)")
+    p.add_argument("--dllm-delay-step", type=nonneg_int, default=None, metavar="N",
+                   help="--dllm-admission: full-length steps of a block before its KV is packed (default: 1)")
+    p.add_argument("--dllm-refresh-interval", type=nonneg_int, default=None, metavar="N",
+                   help="--dllm-admission: also refresh every N steps after the pack (default: 0, never)")
+    p.add_argument("--kv-retention-ratio", type=unit_fraction, default=None, metavar="R",
+                   help="--dllm-admission: share of a request's positions whose K/V each head keeps, in (0, 1] "
+                        "(default: 0.5)")
+    p.add_argument("--kv-pool-kernel", type=positive_int, default=None, metavar="K",
+                   help="--dllm-admission: max-pool kernel over the position scores, odd (default: 3)")
+    p.add_argument("--kv-selection", default=None, choices=("head", "uniform"),
+                   help="--dllm-admission: per-KV-head selection (dLLM-Serve) or one shared set (Sparse-dLLM) "
+                        "(default: head)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
                    help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
@@ -179,12 +196,22 @@ def _cluster_config(args):
         if getattr(args, name, None) is not None:
             eng[key] = getattr(args, name)
     for name in ("dllm_block_length", "dllm_chunk", "dllm_unmasking_strategy", "dllm_denoising_steps",
-                 "dllm_confidence_threshold"):
+                 "dllm_confidence_threshold", "dllm_admission", "dllm_delay_step", "dllm_refresh_interval",
+                 "kv_retention_ratio", "kv_pool_kernel", "kv_selection"):
         if getattr(args, name, None) is not None:
             eng[name] = getattr(args, name)
+    phase_knobs = [k for k in ("dllm_delay_step", "dllm_refresh_interval", "kv_retention_ratio", "kv_pool_kernel",
+                               "kv_selection") if k in eng]
+    if phase_knobs and "dllm_admission" not in eng:
+        raise CLIError(f"--{phase_knobs[0].replace('_', '-')} needs --dllm-admission (phase, static or reserve)")
+    if eng.get("kv_pool_kernel", 1) % 2 == 0:
+        raise CLIError(f"--kv-pool-kernel must be odd (the window is centred on each position), got "
+                       f"{eng['kv_pool_kernel']}")
+    if "dllm_admission" in eng and "dllm_chunk" in eng:
+        raise CLIError("--dllm-chunk sizes Optimus windows; with --dllm-admission every step is a dLLM-Serve phase")
     diffusion = _is_diffusion(args.model)
-    if any(k.startswith("dllm_") for k in eng) and not diffusion:
-        raise CLIError(f"--{next(k for k in eng if k.startswith('dllm_')).replace('_', '-')}: the model is "
+    if any(k.startswith(("dllm_", "kv_")) for k in eng) and not diffusion:
+        raise CLIError(f"--{next(k for k in eng if k.startswith(('dllm_', 'kv_'))).replace('_', '-')}: the model is "
                        "autoregressive (diffusion options need a block-diffusion checkpoint such as SDAR)")
     if diffusion and not args.colocated:
         raise CLIError("a block-diffusion model is served by co-located workers: add --colocated N")

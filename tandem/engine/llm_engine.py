@@ -69,22 +69,8 @@ class StepStats:
                                                                      # a step -> how often (cumulative)
     dllm_chunks: dict[int, int] = field(default_factory=dict)        # diffusion: chunk size chosen -> steps
     dllm_serve: dict[str, int] = field(default_factory=dict)         # dLLM-Serve: the core's counters
-                                                                     # (dllm_serve_counters, cumulative)
+                                                                     # (DllmServeStats.counters(), cumulative)
 
-
-DLLM_PHASES = ("full", "refresh", "reuse")
-
-
-def dllm_serve_counters(stats: dict) -> dict[str, int]:
-    """The core's DllmServeStats as flat cumulative counters: sequence-steps and query tokens by phase, steps,
-    admissions into a running batch (the Reuse headroom) and into an idle one, deferrals."""
-    out = {f"seq_steps_{p}": int(stats["seq_steps"].get(p, 0)) for p in DLLM_PHASES}
-    out.update({f"tokens_{p}": int(stats["phase_tokens"].get(p, 0)) for p in DLLM_PHASES})
-    out["steps"] = int(stats["steps"])
-    out["admitted_running"] = int(stats["admitted_while_running"])
-    out["admitted_idle"] = int(stats["admitted"]) - out["admitted_running"]
-    out["deferrals"] = int(stats["deferrals"])
-    return out
 
 
 @dataclass
@@ -622,7 +608,7 @@ class LLMEngine:
                 chunk = self.core.chunker.last
                 st.dllm_chunks[chunk] = st.dllm_chunks.get(chunk, 0) + 1
         if self.core.dllm is not None:
-            st.dllm_serve = dllm_serve_counters(self.core.dllm_stats())
+            st.dllm_serve = self.core.dllm.stats.counters()
         st.execute_s += t2 - t1
         st.schedule_s += (t1 - t0) + (t3 - t2)
         return self._collect(touched)

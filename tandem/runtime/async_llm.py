@@ -124,6 +124,7 @@ class AsyncLLM:
                            iteration_tokens=dict(self.engine.stats.iteration_tokens),   # a C-level copy: atomic
                            dllm_commits=dict(self.engine.stats.dllm_commits),
                            dllm_chunks=dict(self.engine.stats.dllm_chunks),
+                           dllm_serve=dict(self.engine.stats.dllm_serve),
                            cache_config=self._cache_config)
         add_memory_reports(out, [self._memory])
         return out

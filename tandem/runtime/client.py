@@ -43,6 +43,8 @@ class BackendStats:
     dllm_commits: dict[int, int] = field(default_factory=dict)       # diffusion: tokens committed by a sequence in
                                                                      # a step -> how often (cumulative)
     dllm_chunks: dict[int, int] = field(default_factory=dict)        # diffusion: chunk size chosen -> steps
+    dllm_serve: dict[str, int] = field(default_factory=dict)         # dLLM-Serve: phase and admission counters
+                                                                     # (cumulative, summed over the workers)
     cache_config: dict[str, str] = field(default_factory=dict)       # vllm:cache_config_info labels
     rejected_frames: int = 0                       # tandem: messages dropped as malformed (hub and workers)
     rejected_handshakes: int = 0                   # tandem: connections refused at the CURVE handshake (likewise)

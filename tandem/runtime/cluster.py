@@ -403,6 +403,7 @@ class ServingCluster:
         s.kv_transfer_seconds = []
         out.iteration_tokens = dict(s.iteration_tokens)
         out.dllm_commits, out.dllm_chunks = dict(s.dllm_commits), dict(s.dllm_chunks)
+        out.dllm_serve = dict(s.dllm_serve)
         out.cache_config = self._cache_config
         if self.hub is not None:                         # the workers' counts arrive in their StepCounts
             out.rejected_frames += self.hub.rejected_frames

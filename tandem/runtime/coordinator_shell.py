@@ -16,6 +16,7 @@ from tandem.core import actions as act
 from tandem.core.coordinator import Coordinator
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
+from tandem.policy.dllm_serve.admission import COUNTERS as DLLM_COUNTERS
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, check_diffusion
 from tandem.runtime import messages as m
@@ -284,6 +285,9 @@ class CoordinatorShell:
                 for k, n in theirs.items():
                     if isinstance(k, int) and isinstance(n, int) and 0 <= k <= MAX_STEP_TOKENS and n > 0:
                         mine[k] = mine.get(k, 0) + n
+            for k, n in msg.dllm_serve.items():
+                if k in DLLM_COUNTERS and isinstance(n, int) and 0 < n <= MAX_STEP_TOKENS:
+                    self.stats.dllm_serve[k] = self.stats.dllm_serve.get(k, 0) + n
             self.stats.rejected_frames += min(max(msg.rejected_frames, 0), MAX_STEP_TOKENS)
             self.stats.rejected_handshakes += min(max(msg.rejected_handshakes, 0), MAX_STEP_TOKENS)
         elif isinstance(msg, m.KVReceived):

@@ -207,6 +207,7 @@ class StepCounts(msgspec.Struct, tag=True):
     rejected_frames: int = 0          # messages its readers dropped as malformed, since the last StepCounts
     dllm_commits: dict[int, int] = {}     # diffusion: sequences by tokens committed in a step, since the last
     dllm_chunks: dict[int, int] = {}      # diffusion: steps by the chunk size chosen, likewise
+    dllm_serve: dict[str, int] = {}       # dLLM-Serve: the core's counters (policy.dllm_serve COUNTERS), likewise
     rejected_handshakes: int = 0      # connections its KV inbox refused (no or wrong CURVE keys), likewise
 
 

@@ -122,7 +122,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
         last_pub = 0.0
         counted: dict[int, int] = {}                 # iteration tokens already reported
-        counted_dllm: tuple[dict[int, int], dict[int, int]] = ({}, {})   # diffusion commits, chunks reported
+        counted_dllm: tuple[dict, dict, dict] = ({}, {}, {})   # diffusion commits, chunks, dLLM-Serve counters reported
         rejected = [0, 0]                            # dropped frames, refused handshakes already reported
 
         async def publish(changed: bool = True) -> bool:
@@ -138,6 +138,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 st = WorkerState.from_core(engine.core, engine.clock(), kv_addr=inbox.address, published_s=now)
                 tokens = dict(engine.stats.iteration_tokens)
                 commits, chunks = dict(engine.stats.dllm_commits), dict(engine.stats.dllm_chunks)
+                phases = dict(engine.stats.dllm_serve)
             if store is not None:
                 store.publish(st)
             else:
@@ -146,15 +147,17 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             new_commits = {k: n - counted_dllm[0].get(k, 0) for k, n in commits.items()
                            if n != counted_dllm[0].get(k, 0)}
             new_chunks = {k: n - counted_dllm[1].get(k, 0) for k, n in chunks.items() if n != counted_dllm[1].get(k, 0)}
+            new_phases = {k: n - counted_dllm[2].get(k, 0) for k, n in phases.items() if n != counted_dllm[2].get(k, 0)}
             frames = inbox.rejected_frames + link.rejected_frames
             handshakes = inbox.rejected_handshakes
-            if new or new_commits or new_chunks or frames != rejected[0] or handshakes != rejected[1]:
+            if new or new_commits or new_chunks or new_phases or frames != rejected[0] or handshakes != rejected[1]:
                 counted.update(tokens)
                 counted_dllm[0].update(commits)
                 counted_dllm[1].update(chunks)
+                counted_dllm[2].update(phases)
                 await link.send(m.StepCounts(new, rejected_frames=frames - rejected[0],
                                              rejected_handshakes=handshakes - rejected[1], dllm_commits=new_commits,
-                                             dllm_chunks=new_chunks))
+                                             dllm_chunks=new_chunks, dllm_serve=new_phases))
                 rejected[:] = [frames, handshakes]
             return True
 

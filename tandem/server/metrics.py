@@ -114,11 +114,47 @@ class _BackendCollector:
                              "in one denoise step.", label, s.dllm_commits, _DLLM_BUCKETS)
             yield _histogram("tandem:dllm_chunk_size", "Block diffusion: the chunk size (window) chosen for a step "
                              "(the block length for plain block diffusion).", label, s.dllm_chunks, _DLLM_BUCKETS)
+        if s.dllm_serve:
+            yield from _dllm_serve_metrics(s.dllm_serve, self.model_name)
         if s.cache_config:
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                      labels=sorted(s.cache_config))
             info.add_metric([s.cache_config[k] for k in sorted(s.cache_config)], 1.0)
             yield info
+
+
+def _dllm_serve_metrics(c: dict[str, int], model: str) -> Iterator[Metric]:
+    """dLLM-Serve's phase mix and admissions (policy.dllm_serve COUNTERS, summed over the workers): sequence-steps
+    and query tokens by phase, steps (mix per step = sequence-steps / steps), admissions by what ran beside them,
+    deferrals."""
+    phases = ("full", "refresh", "reuse")
+    for name, doc, key in (("tandem:dllm_phase_seq_steps", "dLLM-Serve: sequence-steps by phase (full: a delay "
+                            "step, refresh: full-length and packing the sparse KV, reuse: the active block).",
+                            "seq_steps_"),
+                           ("tandem:dllm_phase_tokens", "dLLM-Serve: query tokens packed by phase.", "tokens_")):
+        fam = CounterMetricFamily(name, doc, labels=["model_name", "phase"])
+        for p in phases:
+            fam.add_metric([model, p], float(c.get(key + p, 0)))
+        yield fam
+    steps = c.get("steps", 0)
+    g = GaugeMetricFamily("tandem:dllm_phase_mix", "dLLM-Serve: mean sequences per step in each phase, since start.",
+                          labels=["model_name", "phase"])
+    for p in phases:
+        g.add_metric([model, p], c.get("seq_steps_" + p, 0) / steps if steps else 0.0)
+    yield g
+    fam = CounterMetricFamily("tandem:dllm_steps", "dLLM-Serve: steps run.", labels=["model_name"])
+    fam.add_metric([model], float(steps))
+    yield fam
+    fam = CounterMetricFamily("tandem:dllm_admissions", "dLLM-Serve: requests admitted into a step that ran earlier "
+                              "requests (into=running: the Reuse headroom) or an idle one (into=idle).",
+                              labels=["model_name", "into"])
+    for into in ("running", "idle"):
+        fam.add_metric([model, into], float(c.get("admitted_" + into, 0)))
+    yield fam
+    fam = CounterMetricFamily("tandem:dllm_deferrals", "dLLM-Serve: sequence-steps a running request waited (its "
+                              "phase did not fit the token budget).", labels=["model_name"])
+    fam.add_metric([model], float(c.get("deferrals", 0)))
+    yield fam
 
 
 class ServerMetrics:

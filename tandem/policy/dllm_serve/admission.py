@@ -141,6 +141,10 @@ class Admission:
         return sel
 
 
+COUNTERS = tuple([f"seq_steps_{p.value}" for p in Phase] + [f"tokens_{p.value}" for p in Phase]
+                 + ["steps", "admitted_running", "admitted_idle", "deferrals"])    # DllmServeStats.counters()
+
+
 @dataclass(slots=True)
 class DllmServeStats:
     """Counters of a dLLM-Serve worker (what /metrics and the simulator's report show)."""
@@ -156,6 +160,15 @@ class DllmServeStats:
     max_deferred: int = 0                           # the longest run of consecutive steps one request waited
     max_running: int = 0
     commits: dict = field(default_factory=dict)     # sequence-steps that committed k tokens
+
+    def counters(self) -> dict[str, int]:
+        """Flat cumulative counters (COUNTERS, what /metrics exports): sequence-steps and query tokens by phase,
+        steps, admissions into a running batch (the Reuse headroom) and into an idle one, deferrals."""
+        out = {f"seq_steps_{p.value}": int(self.seq_steps.get(p.value, 0)) for p in Phase}
+        out.update({f"tokens_{p.value}": int(self.phase_tokens.get(p.value, 0)) for p in Phase})
+        out.update(steps=self.steps, admitted_running=self.admitted_while_running,
+                   admitted_idle=self.admitted - self.admitted_while_running, deferrals=self.deferrals)
+        return out
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "tokens": self.tokens, "max_tokens": self.max_tokens,
@@ -186,5 +199,5 @@ class DllmServe:
         c[committed] = c.get(committed, 0) + 1
 
 
-__all__ = ["Admission", "AdmissionMode", "Candidate", "DllmServe", "DllmServeStats", "Selection",
+__all__ = ["COUNTERS", "Admission", "AdmissionMode", "Candidate", "DllmServe", "DllmServeStats", "Selection",
            "parse_admission"]
