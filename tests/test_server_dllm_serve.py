@@ -76,7 +76,8 @@ def test_the_cli_refuses_bad_dllm_serve_options_with_one_line(tmp_path, capsys):
               "--kv-retention-ratio needs --dllm-admission"),
              ([str(ASSET), "--colocated", "1", "--dllm-admission", "phase", "--kv-pool-kernel", "4"],
               "--kv-pool-kernel must be odd"),
-             ([str(ar), "--colocated", "1", "--dllm-admission", "phase"], "--dllm-admission: the model is autoregressive"),
+             ([str(ar), "--colocated", "1", "--dllm-admission", "phase"],
+              "--dllm-admission: the model is autoregressive"),
              ([str(ASSET), "--colocated", "1", "--dllm-admission", "phase", "--kv-retention-ratio", "0"],
               "must be in (0, 1]"))
     for args, expect in cases:

@@ -10,11 +10,12 @@ semantics): the active block's step j is
 - `reuse` otherwise: only the active block is computed, against the packed buffer.
 
 For SDAR the whole sequence is prompt + committed blocks + active block (`RefreshSpan.ALIGNED`: SDAR's blocks at
-absolute positions; later positions do not exist yet). Each request's buffer holds ⌈ρ·(P + G)⌉ positions per head and layer (`PhaseSchedule.kv_tokens`,
-what the core's admission reserves), G its max_tokens, allocated at the start and never resized; a Refresh keeps
-⌊ρ·L⌋ of the L cached positions. Sampling, commits and stopping are the other loops' (generate._Seq), so with
-refresh at every step (delay_step 0, refresh_interval 1) this gives generate_reference's tokens at any ratio, and at
-ratio 1 with Reuse steps generate_cached's (the packed buffer is then the whole cache, in position order).
+absolute positions; later positions do not exist yet). Each request's buffer holds ⌈ρ·(P + G)⌉ positions per head
+and layer (`PhaseSchedule.kv_tokens`, what the core's admission reserves), G its max_tokens, allocated at the start
+and never resized; a Refresh keeps ⌊ρ·L⌋ of the L cached positions. Sampling, commits and stopping are the other
+loops' (generate._Seq), so with refresh at every step (delay_step 0, refresh_interval 1) this gives
+generate_reference's tokens at any ratio, and at ratio 1 with Reuse steps generate_cached's (the packed buffer is
+then the whole cache, in position order).
 """
 from __future__ import annotations
 

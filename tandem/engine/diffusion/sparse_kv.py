@@ -184,5 +184,6 @@ def buffer_bytes(num_layers: int, num_kv_heads: int, head_dim: int, capacity: in
     return num_layers * 2 * num_kv_heads * capacity * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-__all__ = ["DEFAULT_POOL_KERNEL", "DEFAULT_RETENTION", "SELECTIONS", "PagedSparseKV", "SparseKVBuffer", "SparseKVConfig",
+__all__ = ["DEFAULT_POOL_KERNEL", "DEFAULT_RETENTION", "SELECTIONS", "PagedSparseKV", "SparseKVBuffer",
+           "SparseKVConfig",
            "buffer_bytes", "pool_scores", "position_scores", "select_positions"]
