@@ -4,7 +4,7 @@ head-centric sparse KV) against the monolithic static baseline, at an equal CPU 
     python benchmarks/dllm_serve_engine.py          # about 5 min on the 2-core development machine
 
 Everything runs in this process on the real engine (LLMEngine, the trained tiny SDAR model of
-tandem/engine/diffusion/assets/tiny-sdar, float32, CPU), offline with arrival times: requests are added when the
+tandem/engine/diffusion/assets/tiny-sdar, float32, CPU, one torch thread as `tandem serve` runs a worker), offline with arrival times: requests are added when the
 wall clock passes their Poisson arrival time, and the engine steps meanwhile (no HTTP). The rules, fixed before
 measuring:
 
@@ -154,9 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                          "to four times it)")
     ap.add_argument("--systems", type=csv_list(str), default=list(SYSTEMS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (default: 1, tandem serve's)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
+    import torch
     from tqdm import tqdm
+    torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     prompts = _prompts(args.requests, args.seed)
     t_b, probe = baseline_budget()
