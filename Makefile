@@ -35,8 +35,10 @@ redis:
 	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
 		|| echo "note: could not install redis-server; the Redis state-store tests will skip"
 
+# Two test processes (pytest-xdist), one torch thread each: the suite is mostly tiny models and servers waiting on
+# each other, and two processes of two torch threads each on 2 cores slow torch down far more than they gain.
 test: $(STAMP) redis
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2
 
 # The layer rule (ARCHITECTURE.md, "Layers") and no import cycles inside packages (pyproject.toml
 # [tool.importlinter]), and ruff's checks (pyproject.toml [tool.ruff]).
