@@ -37,8 +37,10 @@ redis:
 
 # Two test processes (pytest-xdist), one torch thread each: the suite is mostly tiny models and servers waiting on
 # each other, and two processes of two torch threads each on 2 cores slow torch down far more than they gain.
+# Tests marked `serial` (they assert timings) run afterwards, alone.
 test: $(STAMP) redis
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -m "not serial"
+	$(BIN)/python -m pytest -m serial
 
 # The layer rule (ARCHITECTURE.md, "Layers") and no import cycles inside packages (pyproject.toml
 # [tool.importlinter]), and ruff's checks (pyproject.toml [tool.ruff]).

@@ -193,6 +193,7 @@ TANDEM_FIELDS = ["ttft_initial_p95_s", "ttft_incremental_p95_s", "slo_attainment
 # --------------------------------------------------------------------------- chat replay
 
 
+@pytest.mark.serial            # asserts the load generator starts each request within 50 ms: alone on the CPU
 def test_chat_replay_order_headers_timing_and_metrics(server, fake):
     sessions = [
         Session("a", 0.0, [Round(7, 4, TOOL), Round(3, 5, TOOL), Round(2, 3)], slo=SLO(5.0, 1.0)),
