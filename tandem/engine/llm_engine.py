@@ -577,11 +577,11 @@ class LLMEngine:
         plan, t0, t1, t2 = prep.plan, prep.t0, prep.t1, prep.t2
         touched: dict[str, _Request] = {}
         finished: set[str] = set()
-        for t, _ in plan.prefill:                            # a preempted sequence recomputed: its active block
-            if t.recompute and t.done + _ >= t.work:         # is not cached any more
+        for t, n in plan.prefill:                            # a preempted sequence recomputed: its active block
+            if t.recompute and t.done + n >= t.work:         # is not cached any more
                 st = self.dllm.states.get(t.session_id)
                 if st is not None:
-                    st.recomputed()
+                    st.prefilled()
         for seq in plan.decode:
             sid = seq.session_id
             sess = self.sessions.get(sid)

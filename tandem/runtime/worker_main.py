@@ -41,6 +41,8 @@ def _kv_bytes_per_token(engine) -> int:
                * mc.head_dim)
 
 
+STEP_COUNTS = ("iteration_tokens", "dllm_commits", "dllm_chunks", "dllm_serve")   # StepStats counts sent as deltas
+
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
                publish_s: float = 0.02, perf: str | None = None, threads: int | None = None,
                drop_kv_sends: int = 0, kv_send_faults: list | None = None, step_sleep_s: float = 0.0) -> None:
@@ -121,8 +123,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 await link.send(msg, *bufs)
 
         last_pub = 0.0
-        counted: dict[int, int] = {}                 # iteration tokens already reported
-        counted_dllm: tuple[dict, dict, dict] = ({}, {}, {})   # diffusion commits, chunks, dLLM-Serve counters reported
+        # the engine's cumulative step counts, by StepCounts field, as already reported
+        counted: dict[str, dict] = {name: {} for name in STEP_COUNTS}
         rejected = [0, 0]                            # dropped frames, refused handshakes already reported
 
         async def publish(changed: bool = True) -> bool:
@@ -136,28 +138,20 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             last_pub = now
             with shell.lock:
                 st = WorkerState.from_core(engine.core, engine.clock(), kv_addr=inbox.address, published_s=now)
-                tokens = dict(engine.stats.iteration_tokens)
-                commits, chunks = dict(engine.stats.dllm_commits), dict(engine.stats.dllm_chunks)
-                phases = dict(engine.stats.dllm_serve)
+                counts = {name: dict(getattr(engine.stats, name)) for name in STEP_COUNTS}
             if store is not None:
                 store.publish(st)
             else:
                 await link.send(m.Stats(st))
-            new = {k: n - counted.get(k, 0) for k, n in tokens.items() if n != counted.get(k, 0)}
-            new_commits = {k: n - counted_dllm[0].get(k, 0) for k, n in commits.items()
-                           if n != counted_dllm[0].get(k, 0)}
-            new_chunks = {k: n - counted_dllm[1].get(k, 0) for k, n in chunks.items() if n != counted_dllm[1].get(k, 0)}
-            new_phases = {k: n - counted_dllm[2].get(k, 0) for k, n in phases.items() if n != counted_dllm[2].get(k, 0)}
+            new = {name: {k: n - counted[name].get(k, 0) for k, n in c.items() if n != counted[name].get(k, 0)}
+                   for name, c in counts.items()}
             frames = inbox.rejected_frames + link.rejected_frames
             handshakes = inbox.rejected_handshakes
-            if new or new_commits or new_chunks or new_phases or frames != rejected[0] or handshakes != rejected[1]:
-                counted.update(tokens)
-                counted_dllm[0].update(commits)
-                counted_dllm[1].update(chunks)
-                counted_dllm[2].update(phases)
-                await link.send(m.StepCounts(new, rejected_frames=frames - rejected[0],
-                                             rejected_handshakes=handshakes - rejected[1], dllm_commits=new_commits,
-                                             dllm_chunks=new_chunks, dllm_serve=new_phases))
+            if any(new.values()) or frames != rejected[0] or handshakes != rejected[1]:
+                for name, c in counts.items():
+                    counted[name].update(c)
+                await link.send(m.StepCounts(rejected_frames=frames - rejected[0],
+                                             rejected_handshakes=handshakes - rejected[1], **new))
                 rejected[:] = [frames, handshakes]
             return True
 

@@ -231,14 +231,9 @@ class BlockState:
         self.undecoded = [True] * self.B
 
     def prefilled(self) -> None:
-        """A prefill wrote the prompt's whole blocks (its leftover tokens are the first block's: a streaming step
-        writes them with its first window, a block step recomputes them with the block)."""
-        self.n_cached = self.start
-        self.written.clear()
-
-    def recomputed(self) -> None:
-        """The sequence's KV was dropped and its whole blocks prefilled again (a preemption): every block before the
-        active one is cached, nothing of the active block is."""
+        """A prefill wrote the sequence's whole blocks before the active one (the prompt's, or after a preemption
+        all of them again): nothing of the active block is cached; its leftover prompt tokens and decoded positions
+        are written by the next streaming windows, recomputed with the block in block mode."""
         self.n_cached = self.start
         self.written.clear()
 

@@ -38,9 +38,6 @@ def _check_params(params: SamplingParams) -> None:
         raise ValueError(f"block-diffusion decoding does not support {', '.join(bad)}")
 
 
-_Seq = BlockState          # the name the sparse-KV loop (refresh.py) imports
-
-
 def _setup(model: torch.nn.Module, params: SamplingParams, cfg: DllmConfig | None,
            eos_token_ids: Sequence[int] | None) -> tuple[DllmConfig, int, frozenset[int], int]:
     """The validated options, block length, EOS ids and position limit shared by both loops."""

@@ -13,7 +13,7 @@ For SDAR the whole sequence is prompt + committed blocks + active block (`Refres
 absolute positions; later positions do not exist yet). Each request's buffer holds ⌈ρ·(P + G)⌉ positions per head
 and layer (`PhaseSchedule.kv_tokens`, what the core's admission reserves), G its max_tokens, allocated at the start
 and never resized; a Refresh keeps ⌊ρ·L⌋ of the L cached positions. Sampling, commits and stopping are the other
-loops' (generate._Seq), so with refresh at every step (delay_step 0, refresh_interval 1) this gives
+loops' (block_state.BlockState), so with refresh at every step (delay_step 0, refresh_interval 1) this gives
 generate_reference's tokens at any ratio, and at ratio 1 with Reuse steps generate_cached's (the packed buffer is
 then the whole cache, in position order).
 """
@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from tandem.engine.diffusion.block_state import BlockState
-from tandem.engine.diffusion.generate import DiffusionOutput, _device, _Seq, _setup
+from tandem.engine.diffusion.generate import DiffusionOutput, _device, _setup
 from tandem.engine.diffusion.sparse_attention import SeqStep, SparseKVBackend, sparse_step_metadata
 from tandem.engine.diffusion.sparse_kv import PagedSparseKV, SparseKVBuffer, SparseKVConfig
 from tandem.engine.diffusion.unmasking import DllmConfig
@@ -92,7 +92,7 @@ def commit_window(seq: BlockState, win: PhaseWindow, logits: torch.Tensor) -> in
 class _Request:
     """A sequence's decoding state, its packed KV buffer and its step within the active block."""
 
-    seq: _Seq
+    seq: BlockState
     buffer: SparseKVBuffer
     block_step: int = 0
 
@@ -111,7 +111,7 @@ def generate_refresh(model: torch.nn.Module, prompts: Sequence[Sequence[int]], p
     dtype = next(model.parameters()).dtype
     reqs = []
     for p in prompts:
-        s = _Seq(p, params, cfg, block, model.mask_token_id, eos, max_len, dev)
+        s = BlockState(p, params, cfg, block, model.mask_token_id, eos, max_len, dev)
         buf = SparseKVBuffer(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                              schedule.kv_tokens(s.P, s.max_tokens), dtype, dev)
         s.out = RefreshOutput([], "", kv_slots=buf.capacity, kv_bytes=buf.nbytes)

@@ -142,12 +142,12 @@ class BlockDiffusionMetadata:
                 if len(block_tables[i]) < need:
                     raise ValueError(f"sequence {i} reads/writes {top + 1} cached tokens but has only "
                                      f"{len(block_tables[i])} KV blocks of {block_size}")
+                def slot(p: int, i: int = i) -> int:    # the cache slot of position p of sequence i
+                    return int(table[i, p // block_size]) * block_size + p % block_size
                 for j in wrote:
-                    p = pos[j]
                     rows.append(start + j)
-                    slots.append(int(table[i, p // block_size]) * block_size + p % block_size)
-                cslots.append(torch.tensor([int(table[i, p // block_size]) * block_size + p % block_size
-                                            for p in extra], dtype=torch.long, device=dev) if extra else None)
+                    slots.append(slot(pos[j]))
+                cslots.append(torch.tensor([slot(p) for p in extra], dtype=torch.long, device=dev) if extra else None)
             qblocks.append([p // B for p in pos])
             cblocks.append([p // B for p in extra])
             start += n
