@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -20,8 +21,8 @@ import zmq.asyncio
 
 from echo_worker import CODEC, Echo, KvChunk
 from tandem.runtime.launcher import Cluster, WorkerSpec
-from tandem.runtime.transport import (BadMessage, Codec, Hub, Keys, Link, PeerInbox, PeerOutbox, curve_available,
-                                      identity)
+from tandem.runtime.transport import (BadMessage, Codec, Hub, Keys, Link, PeerInbox, PeerOutbox, PeerUnreachable,
+                                      curve_available, identity)
 
 ECHO = "echo_worker:main"
 pytestmark = pytest.mark.skipif(not curve_available(), reason="libzmq without CURVE")
@@ -132,11 +133,15 @@ def test_kv_inbox_refuses_senders_without_the_cluster_keys():
         async with Hub(CODEC) as hub:
             auth = hub.credentials(1)
             inbox, good = PeerInbox(CODEC, auth=auth), PeerOutbox(CODEC, auth=auth)
-            plain = PeerOutbox(CODEC)
-            own = PeerOutbox(CODEC, auth=type(auth)(5, auth.hub_public, Keys.new(), auth.kv_server, Keys.new()))
+            # a refused sender's PUSH loses its pipe when the handshake fails (libzmq does not reconnect after a
+            # protocol error): its send is queued and dropped, or, if the refusal came first, PeerUnreachable
+            plain = PeerOutbox(CODEC, send_timeout_s=1.0)
+            own = PeerOutbox(CODEC, auth=type(auth)(5, auth.hub_public, Keys.new(), auth.kv_server, Keys.new()),
+                             send_timeout_s=1.0)
             try:
-                await plain.send(inbox.address, KvChunk(9, 1), b"x" * 100)
-                await own.send(inbox.address, KvChunk(9, 2), b"x" * 100)
+                for i, o in enumerate((plain, own)):
+                    with contextlib.suppress(PeerUnreachable):
+                        await o.send(inbox.address, KvChunk(9, 1 + i), b"x" * 100)
                 assert await _wait_for(lambda: inbox.rejected_handshakes >= 2, 3.0)
                 await good.send(inbox.address, KvChunk(0, 3), b"kv")
                 msg, bufs = await asyncio.wait_for(inbox.recv(), 2.0)
@@ -146,6 +151,39 @@ def test_kv_inbox_refuses_senders_without_the_cluster_keys():
                 for o in (good, plain, own):
                     o.close(0.0)
                 inbox.close()
+    run(main())
+
+
+def test_a_kv_send_to_a_peer_that_takes_nothing_raises_instead_of_hanging():
+    """Protects a worker's KV flush loop: a send to an inbox that is gone (or refused our handshake) used to wait
+    forever once the queue was full, stalling every later KV send of that worker. It now raises PeerUnreachable
+    after send_timeout_s, forgets the socket, and the next send to a live inbox at that address goes through."""
+    async def main():
+        inbox = PeerInbox(CODEC)
+        address = inbox.address
+        inbox.close()                                          # nobody reads at this address any more
+        out = PeerOutbox(CODEC, sndhwm=1, send_timeout_s=0.2)
+        try:
+            raised_at = None
+            for i in range(4):                                 # libzmq queues up to the high-water mark, then waits
+                t0 = time.monotonic()
+                try:
+                    await out.send(address, KvChunk(0, i), b"kv")
+                except PeerUnreachable as e:
+                    raised_at, took = i, time.monotonic() - t0
+                    assert address in str(e)
+                    break
+            assert raised_at is not None and 0.15 <= took < 2.0
+            assert address not in out._socks                   # forgotten: the next send connects afresh
+            back = PeerInbox(CODEC, address=address)           # a live inbox at that address again
+            try:
+                await out.send(address, KvChunk(0, 9), b"kv")
+                msg, bufs = await asyncio.wait_for(back.recv(), 3.0)
+                assert (msg, [bytes(b) for b in bufs]) == (KvChunk(0, 9), [b"kv"])
+            finally:
+                back.close()
+        finally:
+            out.close(0.0)
     run(main())
 
 

@@ -72,6 +72,10 @@ class WorkerUnreachable(TransportError):
     """The hub has no connection to this worker (never connected, gone, or declared dead)."""
 
 
+class PeerUnreachable(TransportError):
+    """A peer's inbox took no message for `send_timeout_s` (gone, refusing our keys, or full); it was not sent."""
+
+
 class BadMessage(TransportError):
     """Received frames that are not a message of the codec (undecodable, unknown tag, wrong frame count)."""
 
@@ -845,14 +849,19 @@ class PeerOutbox:
     ctx: zmq.asyncio.Context | None = None
     sndhwm: int = 64                 # messages queued per peer before send waits (bounds memory for KV)
     auth: WorkerAuth | None = None   # CURVE client with the cluster's KV keys (peers' inboxes need them)
+    # a send that cannot go out for this long raises PeerUnreachable: a peer that refused our handshake leaves
+    # the PUSH with no pipe (libzmq does not reconnect after a protocol error), and a dead one fills the queue
+    send_timeout_s: float = 5.0
     _socks: dict[str, zmq.asyncio.Socket] = field(default_factory=dict, init=False)
 
     async def send(self, address: str, msg: msgspec.Struct, *bufs: Buffer, wait_release: bool = False) -> None:
-        """Send `msg` (+ payload frames, not copied) to the inbox at `address`."""
+        """Send `msg` (+ payload frames, not copied) to the inbox at `address`; PeerUnreachable (and the socket
+        is dropped, so the next send connects afresh) if it cannot go out within `send_timeout_s`."""
         sock = self._socks.get(address)
         if sock is None:
             sock = _context(self.ctx).socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
+            sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.send_timeout_s * 1000)))
             sock.setsockopt(zmq.LINGER, 1000)
             if self.auth is not None:
                 try:
@@ -862,7 +871,12 @@ class PeerOutbox:
                     raise
             sock.connect(address)
             self._socks[address] = sock
-        await _send(sock, self.codec.pack(msg, bufs), wait_release)
+        try:
+            await _send(sock, self.codec.pack(msg, bufs), wait_release)
+        except zmq.Again:
+            self.forget(address)
+            raise PeerUnreachable(f"the inbox at {address} took no message for {self.send_timeout_s:g} s "
+                                  "(gone, refusing this cluster's keys, or not reading)") from None
 
     def forget(self, address: str) -> None:
         """Drop the socket to a peer that is gone (its queued messages are discarded)."""

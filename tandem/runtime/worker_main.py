@@ -18,7 +18,7 @@ import time
 from tandem.runtime import messages as m
 from tandem.runtime.launcher import WorkerEnv
 from tandem.runtime.state_store import WorkerState, open_store
-from tandem.runtime.transport import Codec
+from tandem.runtime.transport import Codec, PeerUnreachable
 from tandem.runtime.worker_shell import WorkerShell
 
 CODEC = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV], frames={m.KVData: 1})   # a KV header without its bytes is dropped
@@ -117,7 +117,10 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         async def flush() -> None:
             while peer:
                 addr, msg, bufs = peer.popleft()
-                await outbox.send(addr, msg, *bufs)
+                try:
+                    await outbox.send(addr, msg, *bufs)
+                except PeerUnreachable as e:               # the receiver's core times the transfer out and recomputes
+                    log.warning("worker %d: a KV send was not delivered: %s", env.worker_id, e)
             while up:
                 msg, bufs = up.popleft()
                 await link.send(msg, *bufs)
