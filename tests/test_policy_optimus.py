@@ -12,7 +12,8 @@ from tandem.core.config import SchedulerConfig
 from tandem.core.factory import build_worker
 from tandem.core.types import COLOCATED, FirstToken, PrefillTask, RoundDone, StepResult
 from tandem.perf.dllm import OPTIMUS_TABLE2, StretchModel, commit_model
-from tandem.policy.optimus import ChunkLatency, ChunkMode, ChunkSizer, ChunkSpec, CommitEstimator, parse_chunk
+from tandem.policy.optimus import ChunkLatency, ChunkMode, ChunkSizer, ChunkSpec, CommitEstimator, SeqWindow, parse_chunk
+
 from tandem.sim.cluster import ConfigError, SimConfig, dllm_summary, simulate
 from tandem.sim.commit import StretchCommit
 from tandem.workload.session import SLO, Round, Session
@@ -69,7 +70,12 @@ def test_the_commit_estimate_is_the_kaplan_meier_mapping_of_every_windows_commit
 
 # ---------------------------------------------------------------------------- c*
 def sizer(mode="elastic", block=32, size=0):
-    return ChunkSizer(ChunkSpec(ChunkMode(mode), size), block, lambda c, b: three_regimes(c * b))
+    return ChunkSizer(ChunkSpec(ChunkMode(mode), size), block, lambda rows, seqs, ctx: three_regimes(rows))
+
+
+def fresh(b: int, block: int = 32) -> list[SeqWindow]:
+    """b sequences at the start of a block: every position masked, nothing to write first."""
+    return [SeqWindow(block)] * b
 
 
 def test_elastic_runs_the_block_until_it_has_seen_it_then_takes_the_argmax():
@@ -80,21 +86,41 @@ def test_elastic_runs_the_block_until_it_has_seen_it_then_takes_the_argmax():
     15.12 ms: 16.9) and c=32 (2048 tokens, 76.56 ms: 13.4). 256 sequences: c=4 -> 1024 tokens, 20.2 a ms, beating
     c=2 (16.9), c=8 (13.4) and c=1 (12.8)."""
     s = sizer()
-    assert s.choose(64) == 32                    # warm-up: the block size until 32 sequence-steps were observed
+    assert s.choose(fresh(64)) == 32                    # warm-up: the block size until 32 sequence-steps were observed
     s.observe(32, [16] * 32)
     assert [s.streaming_commits(c) == pytest.approx(c / 2) for c in (1, 2, 4, 8, 16, 32)] == [True] * 6
-    assert s.choose(1) == 32
-    assert s.choose(64) == 16
-    assert s.choose(256) == 4
+    assert s.choose(fresh(1)) == 32
+    assert s.choose(fresh(64)) == 16
+    assert s.choose(fresh(256)) == 4
     assert s.steps_by_chunk == {32: 2, 16: 1, 4: 1}
+
+
+def test_elastic_prices_each_window_where_it_is_and_what_it_reads():
+    """Protects the elastic choice on the real batch, not on b·c alone (a pure b·c model chose windows half the best
+    fixed chunk's in the simulator, where contexts of ~2,800 tokens make the KV read the step's floor):
+
+    - a window stays in its active block: 64 sequences with 4 masked positions left each cost the same 256 rows
+      at c = 4 and at c = 32, so the largest window is as cheap, and c = 4 (the first of the equals) is taken;
+    - the cached tokens a step reads are charged once per step whatever c: 64 fresh sequences take c = 16 with no
+      context (the test above), but over 10⁶ cached tokens at 1 µs each c = 32 (1,024 tokens in 1,076.5 ms:
+      0.95 a ms) beats c = 16 (512 in 1,025.3 ms: 0.50 a ms);
+    - the windows must fit the room: 64 fresh sequences in 300 rows take at most c = 4."""
+    s = sizer()
+    s.observe(32, [16] * 32)
+    assert s.choose([SeqWindow(4)] * 64) == 4
+    kv = ChunkSizer(ChunkSpec(), 32, lambda rows, seqs, ctx: three_regimes(rows) + 1e-6 * ctx)
+    kv.observe(32, [16] * 32)
+    assert kv.choose(fresh(64)) == 16
+    assert kv.choose([SeqWindow(32, 0, 0, 1_000_000 // 64)] * 64) == 32
+    assert s.choose(fresh(64), room=300) == 4
 
 
 def test_fixed_and_block_chunks_do_not_depend_on_the_load():
     """Protects the baselines: a fixed chunk is min(N, B) whatever the batch; block diffusion is the block and marks
     itself as recomputing it."""
-    assert sizer("fixed", size=8).choose(1) == sizer("fixed", size=8).choose(200) == 8
-    assert sizer("fixed", block=4, size=8).choose(3) == 4
-    assert sizer("block").choose(50) == 32 and sizer("block").recomputes_block
+    assert sizer("fixed", size=8).choose(fresh(1)) == sizer("fixed", size=8).choose(fresh(200)) == 8
+    assert sizer("fixed", block=4, size=8).choose(fresh(3, 4)) == 4
+    assert sizer("block").choose(fresh(50)) == 32 and sizer("block").recomputes_block
     assert not sizer("fixed", size=32).recomputes_block
 
 

@@ -17,7 +17,7 @@ from tandem.policy.laps.pools import PooledRouter
 from tandem.perf.roofline import BatchShape
 from tandem.policy.laps.pressure import PressureConfig
 from tandem.policy.dllm_serve import Admission, DllmServe
-from tandem.policy.optimus.chunk import ChunkSizer, parse_chunk
+from tandem.policy.optimus.chunk import ChunkSizer, StepLatency, parse_chunk
 from tandem.policy.optimus.latency import ChunkLatency
 from tandem.policy.presets import (
     BinderKind, HistorySource, PickerKind, PolicySpec, PrefillSchedKind, RouterKind, get_policy,
@@ -125,22 +125,21 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
     return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker, dllm=dllm)
 
 
-WINDOW = 32                 # diffusion windows in the shapes T(c, b) is sampled at: rows of 32 ...
-WINDOW_CONTEXT = 512        # ... over this many cached tokens each (ShareGPT's prompt + half an answer)
-
 
 def chunk_latency(t_step: Callable[[BatchShape], float] | None,
-                  t_pre: Callable[[int, int], float] | None) -> ChunkLatency:
-    """Optimus's T(c, b), piecewise affine in b·c: fitted to the shell's step timer over diffusion windows (the
-    roofline's or a profile's), else to its prefill estimate of b·c tokens."""
-    def step(x: int) -> float:
-        if t_step is None:
-            return t_pre(0, x) if t_pre is not None else 1e-3 * x
+                  t_pre: Callable[[int, int], float] | None) -> StepLatency:
+    """Optimus's T for a diffusion step of `rows` query rows in `seqs` windows over `ctx` cached tokens in all: the
+    shell's step timer (the roofline's or a profile's) priced on that batch, which also charges the cached keys the
+    windows read (once per sequence, whatever the window: at long contexts they decide the step); with no step
+    timer, ChunkLatency fitted to the prefill estimate of b·c tokens (the paper's form, piecewise affine in b·c)."""
+    if t_step is None:
+        return ChunkLatency.sample(lambda x: t_pre(0, x) if t_pre is not None else 1e-3 * x).rows
+
+    def priced(rows: int, seqs: int, ctx: int) -> float:
         shape = BatchShape()
-        for start in range(0, x, WINDOW):
-            shape.add_window(WINDOW_CONTEXT, min(WINDOW, x - start))
+        shape.add_windows(seqs, ctx, rows)
         return t_step(shape)
-    return ChunkLatency.sample(step)
+    return priced
 
 
 def build_coordinator(view: CoordinatorView, policy: str | PolicySpec, sched: SchedulerConfig | None = None,

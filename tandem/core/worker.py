@@ -16,7 +16,7 @@ from tandem.core.types import (
     RoundDone, Seq, SeqState, SessionFailed, StepPlan, StepResult,
 )
 from tandem.policy.dllm_serve import Candidate, DllmServe, Phase, PhaseState
-from tandem.policy.optimus.chunk import ChunkSizer
+from tandem.policy.optimus.chunk import ChunkSizer, SeqWindow
 from tandem.policy.reorder import FCFS, Picker
 from tandem.policy.routing import itl_chunk_tokens
 
@@ -604,12 +604,11 @@ class WorkerCore:
         waiting = sum(t.work - t.done for t in self.active) + sum(t.work for t in self.queue)
         claim = min(waiting, int(self.cfg.dllm_prefill_share * budget))   # what waiting prefills keep of the step
         claim += sum(seq.kv_prompt for seq in self.running)   # prompt tokens riding with first windows
-        c = self.chunker.choose(len(self.running), room=budget - claim)
+        lefts = [min(B - seq.num_tokens % B, seq.to_decode) for seq in self.running]   # the active blocks' masks
+        c = self.chunker.choose([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens)
+                                 for left, seq in zip(lefts, self.running)], room=budget - claim)
         whole = self.chunker.recomputes_block
-        for seq in self.running:
-            left = B - seq.num_tokens % B            # masked positions of the active block (before max_tokens)
-            if seq.to_decode < left:
-                left = seq.to_decode
+        for left, seq in zip(lefts, self.running):
             pending = seq.kv_pending
             if whole:                                # the block, plus a completed block's first write
                 seq.commit_cap = left

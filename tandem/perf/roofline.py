@@ -68,9 +68,17 @@ class BatchShape:
     def add_window(self, ctx: int, q: int) -> None:
         """Add a diffusion window: q query rows of one sequence, each attending to the ctx cached keys and the q
         window positions (bidirectional), with logits for every row; the keys are read once."""
-        self.num_decode += q
-        self.decode_ctx_tokens += q * (ctx + q)
-        self.decode_kv_shared += (q - 1) * (ctx + q)
+        self.add_windows(1, ctx, q)
+
+    def add_windows(self, n: int, ctx_total: int, rows: int) -> None:
+        """Add n diffusion windows of `rows` rows in all over ctx_total cached keys in all, as n add_window calls of
+        the mean window over the mean context (exact when the windows are alike)."""
+        if n <= 0:
+            return
+        q, ctx = rows / n, ctx_total / n
+        self.num_decode += rows
+        self.decode_ctx_tokens += rows * (ctx + q)
+        self.decode_kv_shared += (rows - n) * (ctx + q)
 
 
 def check_tp(model: ModelSpec, gpu: GPU, tp: int) -> None:

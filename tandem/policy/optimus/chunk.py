@@ -8,9 +8,10 @@ diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from tandem.policy.optimus.commit import CommitEstimator
 
@@ -58,10 +59,22 @@ def parse_chunk(value: str | int | ChunkSpec) -> ChunkSpec:
     raise ValueError(f"a diffusion chunk is 'elastic', 'block' or a positive integer, got {value!r}")
 
 
+StepLatency = Callable[[int, int, int], float]   # (query rows, sequences, cached tokens they read) -> seconds
+
+
+class SeqWindow(NamedTuple):
+    """A sequence as the sizer prices its window: what the window may cover, what it must carry, what it reads."""
+
+    left: int            # masked positions of its active block (at most its tokens still to decode)
+    pending: int = 0     # decoded positions whose K/V the window writes first (streaming)
+    extra: int = 0       # rows riding along outside the window (a prompt's leftover tokens)
+    ctx: int = 0         # cached tokens its rows attend to
+
+
 class ChunkSizer:
     """Picks each diffusion step's window; learns N_commit from the commits it is told of."""
 
-    def __init__(self, spec: ChunkSpec, block: int, latency: Callable[[int, int], float],
+    def __init__(self, spec: ChunkSpec, block: int, latency: StepLatency,
                  estimator: CommitEstimator | None = None, warmup: int = WARMUP_OBSERVATIONS) -> None:
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:
             raise ValueError(f"a diffusion block has at least 2 positions, got {block!r}")
@@ -100,24 +113,41 @@ class ChunkSizer:
         """Plain block diffusion: every step computes the whole block (no reuse of its decoded positions)."""
         return self.spec.mode is ChunkMode.BLOCK
 
-    def choose(self, b: int, room: int | None = None) -> int:
-        """The window of a step decoding b sequences (at most the block length); the elastic choice keeps b·c within
-        `room` query tokens when given (the step's budget left to the windows), down to a window of 1."""
-        mode = self.spec.mode
+    def choose(self, seqs: Sequence[SeqWindow], room: int | None = None) -> int:
+        """The window of a step decoding `seqs` (at most the block length). Elastic: the candidate c committing the
+        most tokens per second, each sequence's window min(c, left + pending) (it stays in the active block) plus its
+        extra rows, its commits the streaming steady state of that window (at most what is left), the step priced
+        on all its rows, sequences and cached tokens; the windows within `room` query rows when given (the step's
+        budget left to them, extra rows already taken out), down to a window of 1."""
+        mode, b = self.spec.mode, len(seqs)
         if mode is ChunkMode.BLOCK or b <= 0:
             c = self.block
         elif mode is ChunkMode.FIXED:
             c = min(self.spec.size, self.block)
-        elif self.estimator.observations < self.warmup:   # warm-up: the largest window the room allows
-            c = self.block
-            if room is not None and c * b > room:
-                c = max([1] + [cand for cand in self.candidates if cand * b <= room])
         else:
+            ctx = sum(s.ctx for s in seqs)
+            extra = sum(s.extra for s in seqs)
+            sc: dict[int, float] = {}
+            warm = self.estimator.observations < self.warmup   # warm-up: the largest window the room allows
             best, c = -1.0, 1
-            for cand in self.candidates:
-                if room is not None and cand > 1 and cand * b > room:
+            for cand in (self.candidates[::-1] if warm else self.candidates):
+                rows, commits = extra, 0.0
+                for s in seqs:
+                    w = cand if cand < s.left + s.pending else s.left + s.pending
+                    rows += w
+                    if not warm and w > 0:
+                        got = sc.get(w)
+                        if got is None:
+                            got = sc[w] = self.streaming_commits(w)
+                        commits += got if got < s.left else s.left
+                if room is not None and cand > 1 and rows - extra > room:
+                    if warm:
+                        continue
                     break
-                rate = self.streaming_commits(cand) * b / self.latency(cand, b)
+                if warm:
+                    c = cand
+                    break
+                rate = commits / self.latency(rows, b, ctx)
                 if rate > best:
                     best, c = rate, cand
         self.last = c
@@ -139,4 +169,4 @@ class ChunkSizer:
         return sum(k * v for k, v in self.commit_counts.items()) / n if n else 0.0
 
 
-__all__ = ["CHUNK_CANDIDATES", "ChunkMode", "ChunkSizer", "ChunkSpec", "parse_chunk"]
+__all__ = ["CHUNK_CANDIDATES", "ChunkMode", "ChunkSizer", "ChunkSpec", "SeqWindow", "StepLatency", "parse_chunk"]

@@ -34,10 +34,16 @@ class ChunkLatency:
             raise ValueError("a chunk latency model has one more regime than sorted breakpoints")
 
     def __call__(self, c: int, b: int) -> float:
+        """Seconds of a step of b windows of c positions."""
         x = float(c * b)
         b0, b1 = self.coefs[bisect_right(self.breakpoints, x)]
         t = b0 + b1 * x
         return t if t > self.floor_s else self.floor_s
+
+    def rows(self, rows: int, seqs: int = 1, ctx: int = 0) -> float:
+        """The sizer's StepLatency: seconds of a step of `rows` query rows in all (sequences and cached tokens are
+        not part of this model)."""
+        return self(rows, 1)
 
     @classmethod
     def fit(cls, tokens: Iterable[float], seconds: Iterable[float], regimes: int = REGIMES) -> ChunkLatency:
