@@ -1,9 +1,10 @@
-"""`tandem tiny-model`: write a tiny Qwen3, Llama or SDAR checkpoint (HF layout) for tests and demos, offline.
+"""`tandem tiny-model`: write a tiny Qwen3, Llama, SDAR or LLaDA checkpoint (HF layout) for tests and demos, offline.
 
     tandem tiny-model --arch qwen3 --size 1m --out models/tiny-qwen3
     tandem tiny-model --arch llama --size 30m --out models/tiny-llama --shards 2
     tandem tiny-model --size 8b --dtype bfloat16 --shards 4 --init-device cuda --out models/qwen3-8b-random
     tandem tiny-model --arch sdar --train --out models/tiny-sdar     # a trained block-diffusion model, ~5 min
+    tandem tiny-model --arch llada --out models/tiny-llada           # a random LLaDA (masked diffusion) model
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """Register `tiny-model` on the subparsers `sub` of the tandem parser."""
     from tandem.engine.tiny_model import ARCHS, SIZES
 
-    p = sub.add_parser("tiny-model", help="write a tiny Qwen3/Llama/SDAR checkpoint (HF layout) for tests",
+    p = sub.add_parser("tiny-model", help="write a tiny Qwen3/Llama/SDAR/LLaDA checkpoint (HF layout) for tests",
                        description="Write a random model with its config, safetensors weights, byte-level BPE "
-                                   "tokenizer and chat template, loadable by tandem (and by transformers, but sdar). "
+                                   "tokenizer and chat template, loadable by tandem (and by transformers, but sdar and "
+                                   "llada). "
                                    "--arch sdar --train trains the block-diffusion model on a synthetic task corpus "
                                    "instead (docs/diffusion.md).")
     p.add_argument("--arch", choices=ARCHS, default="qwen3", help="architecture (default: %(default)s)")

@@ -11,6 +11,11 @@ first few hundred ids are covered by the byte-level tokenizer here, which timing
 byte-level tokenizer plus a `<|mask|>` token, in a vocabulary padded to SDAR_VOCAB_SIZE ids (the ids past the
 tokenizer's are never produced by it), so that the LM head costs what a real vocabulary does. `tandem tiny-model
 --arch sdar --train` trains it (tandem.engine.diffusion.train) instead of leaving it random.
+
+`llada` is the masked-diffusion variant in LLaDA's own layout (config.json `model_type: "llada"`, OLMo field names,
+`mask_token_id`; tensors `model.transformer.blocks.N.q_proj`, ...: tandem.engine.models.llada): the byte-level
+tokenizer with Llama's BOS and chat template plus LLaDA's mask token `<|mdm_mask|>`, in the same padded vocabulary as
+sdar (SDAR_VOCAB_SIZE), untied as LLaDA-8B. It loads in tandem only (transformers needs LLaDA's remote code).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3", "llama", "sdar")
+ARCHS = ("qwen3", "llama", "sdar", "llada")
 REAL_SIZES = ("0.6b", "8b")          # qwen3 only: the real models' shapes
 SIZES = ("1m", "30m", *REAL_SIZES)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -35,6 +40,9 @@ _SHAPES: dict[tuple[str, str], dict[str, int]] = {
     # learnt copy and reverse far more slowly
     ("sdar", "1m"): dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                          head_dim=32, intermediate_size=384),
+    # LLaDA's head_dim is d_model // n_heads
+    ("llada", "1m"): dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                          head_dim=32, intermediate_size=384),
     ("llama", "1m"): dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=32, intermediate_size=416),
     ("qwen3", "30m"): dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -55,6 +63,7 @@ _REAL = {("qwen3", "0.6b"): dict(vocab_size=151936, max_position_embeddings=4096
 SDAR_VOCAB_SIZE = 32768          # the sdar checkpoints' vocabulary (the tokenizer covers its first few hundred ids)
 SDAR_BLOCK_SIZE = 32             # their diffusion block length (config.json `block_size`)
 MASK_TOKEN = "<|mask|>"          # their mask token (config.json `mask_token_id`)
+LLADA_MASK_TOKEN = "<|mdm_mask|>"  # LLaDA's mask token (id 126336 in LLaDA-8B)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|end_of_text|>",
                   "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
@@ -245,12 +254,15 @@ def arch_tokenizer(arch: str):
     """The tokenizer an arch's checkpoints ship: Llama's prepends BOS, SDAR's has the mask token."""
     if arch == "llama":
         return build_tokenizer("<|begin_of_text|>")
+    if arch == "llada":
+        return build_tokenizer("<|begin_of_text|>", mask_token=LLADA_MASK_TOKEN)
     return build_tokenizer(mask_token=MASK_TOKEN if arch == "sdar" else None)
 
 
 def _vocab_size(arch: str, size: str, tok) -> int:
-    """The real model's vocabulary for REAL_SIZES, SDAR_VOCAB_SIZE for sdar, else the tokenizer's padded to 64."""
-    if arch == "sdar":
+    """The real model's vocabulary for REAL_SIZES, SDAR_VOCAB_SIZE for the diffusion archs, else the tokenizer's
+    padded to 64."""
+    if arch in ("sdar", "llada"):
         return SDAR_VOCAB_SIZE
     real = _REAL.get((arch, size))
     return real["vocab_size"] if real else -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
@@ -277,6 +289,8 @@ def _model_config(arch: str, size: str, vocab_size: int, tok, tie: bool, dtype: 
                   rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0, initializer_range=0.02,
                   tie_word_embeddings=tie, use_cache=True, torch_dtype=dtype,
                   transformers_version=_TRANSFORMERS_VERSION)
+    if arch == "llada":
+        return _llada_config(shape, vocab_size, tok, tie, dtype)
     if arch == "sdar":       # SDAR's config.json: Qwen3's fields plus block_size and mask_token_id
         return dict(architectures=["SDARForCausalLM"], model_type="sdar", **common, rope_theta=1000000.0,
                     rope_scaling=None, use_sliding_window=False, sliding_window=None,
@@ -294,6 +308,22 @@ def _model_config(arch: str, size: str, vocab_size: int, tok, tie: bool, dtype: 
                               "original_max_position_embeddings": 512},
                 mlp_bias=False, pretraining_tp=1, bos_token_id=tok.token_to_id("<|begin_of_text|>"),
                 eos_token_id=[tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")])
+
+
+def _llada_config(shape: dict[str, int], vocab_size: int, tok, tie: bool, dtype: str) -> dict[str, Any]:
+    """LLaDA-8B's config.json fields (OLMo names, its Llama block) for this shape."""
+    return dict(architectures=["LLaDAModelLM"], model_type="llada", activation_type="silu", alibi=False,
+                attention_layer_norm=False, block_type="llama", d_model=shape["hidden_size"],
+                n_heads=shape["num_attention_heads"], n_kv_heads=shape["num_key_value_heads"],
+                n_layers=shape["num_hidden_layers"], mlp_hidden_size=shape["intermediate_size"], mlp_ratio=4,
+                embedding_size=vocab_size, vocab_size=vocab_size, include_bias=False, include_qkv_bias=False,
+                bias_for_layer_norm=False, layer_norm_type="rms", layer_norm_with_affine=True, rms_norm_eps=1e-5,
+                rope=True, rope_full_precision=True, rope_theta=500000.0, max_sequence_length=4096,
+                scale_logits=False, input_emb_norm=False, weight_tying=tie, flash_attention=False, use_cache=False,
+                torch_dtype=dtype, mask_token_id=tok.token_to_id(LLADA_MASK_TOKEN),
+                bos_token_id=tok.token_to_id("<|begin_of_text|>"),
+                eos_token_id=[tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|eot_id|>")],
+                pad_token_id=tok.token_to_id("<|endoftext|>"), transformers_version=_TRANSFORMERS_VERSION)
 
 
 def _init_weights(model: torch.nn.Module, seed: int, tied: bool, dtype: torch.dtype = torch.float32,
@@ -375,19 +405,22 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3", size: str =
     tie = _default_tie(arch, size) if tie_word_embeddings is None else bool(tie_word_embeddings)
     config = {**model_config(arch, size, dtype, tie), **(config_overrides or {})}
 
-    from tandem.engine.models import ModelConfig, get_model_class
+    from tandem.engine.models import LlamaForCausalLM, ModelConfig, get_model_class
     mc = ModelConfig.from_dict(config)
-    with torch.device("meta"):
-        skeleton = get_model_class(mc.architecture)(mc)
+    with torch.device("meta"):     # llada: drawn under Llama's names (the init rules read them), then renamed
+        skeleton = (LlamaForCausalLM if arch == "llada" else get_model_class(mc.architecture))(mc)
     tensors = _init_weights(skeleton, seed, tie, _DTYPES[dtype], init_device)
+    if arch == "llada":
+        from tandem.engine.models.llada import llada_checkpoint_name
+        tensors = {llada_checkpoint_name(n): t for n, t in tensors.items()}
     return write_checkpoint(out_dir, config, tensors, shards)
 
 
 def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor],
                      shards: int = 1) -> Path:
     """Write `config` (a `model_config` dict), the named tensors and the arch's tokenizer files into out_dir."""
-    arch = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "SDARForCausalLM": "sdar"}[
-        config["architectures"][0]]
+    arch = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "SDARForCausalLM": "sdar",
+            "LLaDAModelLM": "llada"}[config["architectures"][0]]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
@@ -407,12 +440,17 @@ def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any], tensors
         special = {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                    "mask_token": MASK_TOKEN}
         template = QWEN3_CHAT_TEMPLATE
+    elif arch == "llada":    # LLaDA-8B-Instruct: Llama 3's template and BOS, a mask token
+        special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|endoftext|>",
+                   "mask_token": LLADA_MASK_TOKEN}
+        template = LLAMA_CHAT_TEMPLATE
     else:   # BOS comes from tokenizer.json's post-processor, as in Llama 3
         special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"}
         template = LLAMA_CHAT_TEMPLATE
     _write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", **special, "unk_token": None,
-        "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False, "model_max_length":
+        config.get("max_position_embeddings", config.get("max_sequence_length")),
         "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in special.values()],
         "chat_template": template})
     _write_json(out / "special_tokens_map.json", {

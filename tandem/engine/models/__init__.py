@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from tandem.engine.models.config import ARCHITECTURES, DIFFUSION_ARCHITECTURES, ModelConfig
+from tandem.engine.models.llada import LLaDAModelLM
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
 from tandem.engine.models.sdar import BlockDiffusionBackend, BlockDiffusionMetadata, SDARForCausalLM
@@ -10,6 +11,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SDARForCausalLM": SDARForCausalLM,
+    "LLaDAModelLM": LLaDAModelLM,
 }
 
 
@@ -23,5 +25,5 @@ def get_model_class(architecture: str) -> type:
 
 
 __all__ = ["ARCHITECTURES", "DIFFUSION_ARCHITECTURES", "MODEL_REGISTRY", "BlockDiffusionBackend",
-           "BlockDiffusionMetadata", "LlamaForCausalLM", "ModelConfig", "Qwen3ForCausalLM", "SDARForCausalLM",
-           "get_model_class"]
+           "BlockDiffusionMetadata", "LLaDAModelLM", "LlamaForCausalLM", "ModelConfig", "Qwen3ForCausalLM",
+           "SDARForCausalLM", "get_model_class"]

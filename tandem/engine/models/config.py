@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.engine.models.llada_config import LLADA_ARCHITECTURE, llada_fields
+
 _ROPE_TYPES = ("default", "linear", "llama3")
-ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM")   # MODEL_REGISTRY's keys
+ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM",
+                                  LLADA_ARCHITECTURE)   # MODEL_REGISTRY's keys
 # Architectures that decode by block diffusion: their config.json names the diffusion block length (`block_size`) and
 # the mask token (`mask_token_id`), as SDAR's checkpoints do.
 DIFFUSION_ARCHITECTURES: tuple[str, ...] = ("SDARForCausalLM",)
@@ -42,7 +45,8 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     # Block diffusion (SDAR): config.json's `block_size` (the diffusion block length, not the KV cache's block size)
-    # and `mask_token_id`; None for autoregressive models.
+    # and `mask_token_id`; None for autoregressive models. LLaDA (masked diffusion, llada_config.py): mask_token_id
+    # only (its block length is a decoding option).
     diffusion_block_size: int | None = None
     mask_token_id: int | None = None
 
@@ -55,6 +59,8 @@ class ModelConfig:
         arch = archs[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
+        if arch == LLADA_ARCHITECTURE:
+            d = llada_fields(d)
 
         def need_int(name: str) -> int:
             v = d.get(name)
@@ -82,8 +88,8 @@ class ModelConfig:
         head_dim = d.get("head_dim") or hidden // heads
         vocab = need_int("vocab_size")
         diffusion_block = mask_id = None
-        if arch in DIFFUSION_ARCHITECTURES:
-            diffusion_block = need_int("block_size")
+        if arch in DIFFUSION_ARCHITECTURES or arch == LLADA_ARCHITECTURE:
+            diffusion_block = need_int("block_size") if arch in DIFFUSION_ARCHITECTURES else None
             mask_id = d.get("mask_token_id")
             if isinstance(mask_id, bool) or not isinstance(mask_id, int) or not 0 <= mask_id < vocab:
                 raise ValueError(f"config.json field 'mask_token_id' must be a token id below vocab_size {vocab}, "
