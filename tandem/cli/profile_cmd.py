@@ -104,7 +104,7 @@ def summary_rows(prof) -> list[tuple[str, str]]:
     lb, la = prof.options.get("load_avg_before"), prof.options.get("load_avg_after")
     if lb is not None and la is not None:
         rows.append(("machine load (1 min)", f"{lb:.2f} before, {la:.2f} after (other jobs make timings noisy)"))
-    for k in ("prefill", "decode", "mixed"):
+    for k in ("prefill", "decode", "mixed", "window"):
         e = (he.get("by_kind") or {}).get(k)
         if e and e.get("n"):
             rows.append((f"held-out {k}", f"median {_pct(e['median'])}, p90 {_pct(e['p90'])} (n={e['n']})"))
@@ -118,8 +118,24 @@ def summary_rows(prof) -> list[tuple[str, str]]:
              ("KV link", f"{prof.kv_link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
                          f"{1e6 * prof.kv_link['latency_s']:.0f} us ({prof.kv_link.get('source', '?')})"),
              laps_boundary_row(prof),
+             *window_latency_rows(prof),
              ("wall time", f"{prof.wall_s:.1f} s")]
     return rows
+
+
+def window_latency_rows(prof) -> list[tuple[str, str]]:
+    """A block-diffusion profile's T(c, b): its regimes, what it was fitted to, and its held-out relative error."""
+    w = prof.dllm_latency
+    if w is None:
+        return []
+    n_train = len(w.points("train")[0])
+    bps = " / ".join(f"{b:g}" for b in w.breakpoints) or "none"
+    he, te = w.heldout_error, w.train_error
+    return [("diffusion T(c, b)", f"{len(w.coefs)} regimes in b*c, breakpoints {bps}; fitted to {n_train} window "
+                                  f"steps (block {w.block}, {w.context} cached tokens each), training median "
+                                  f"{_pct(te.get('median'))}"),
+            ("T(c, b) held-out error", f"median {_pct(he.get('median'))}, p90 {_pct(he.get('p90'))} "
+                                       f"(n={he.get('n')})")]
 
 
 def laps_boundary_row(prof) -> tuple[str, str]:

@@ -72,6 +72,9 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--dllm-confidence-threshold", type=unit_fraction, default=None, metavar="T",
                    help="block-diffusion models: the dynamic strategy commits every position above T, in (0, 1] "
                         "(default: 0.9)")
+    p.add_argument("--dllm-latency-profile", default=None, metavar="FILE",
+                   help="block-diffusion models: Optimus's T(c, b) from this `tandem profile` output of the model "
+                        "(its dllm_latency section) instead of measuring it at each worker's start")
     p.add_argument("--dllm-admission", default=None, choices=("phase", "static", "reserve"),
                    help="block-diffusion models: dLLM-Serve's Refresh/Reuse phases over sparse KV, admitted by "
                         "phase (dLLM-Serve), static (Fast-dLLM-like batches reserving each request's Refresh "
@@ -182,6 +185,19 @@ def _is_diffusion(model: str) -> bool:
     return isinstance(archs, list) and bool(archs) and archs[0] == "SDARForCausalLM"
 
 
+def _latency_profile(path: str, phased: bool) -> str:
+    """The --dllm-latency-profile file, checked here (one line on a bad one) and made absolute for the workers."""
+    from tandem.perf.profile_io import PerfFileError, load_window_latency
+    if phased:
+        raise CLIError("--dllm-latency-profile sizes Optimus windows; with --dllm-admission every step is a "
+                       "dLLM-Serve phase")
+    try:
+        load_window_latency(path)
+    except PerfFileError as e:
+        raise CLIError(str(e)) from None
+    return str(Path(path).resolve())
+
+
 def _cluster_config(args):
     from tandem.runtime.cluster import ClusterConfig
     if not Path(args.model, "config.json").is_file():
@@ -209,6 +225,8 @@ def _cluster_config(args):
                        f"{eng['kv_pool_kernel']}")
     if "dllm_admission" in eng and "dllm_chunk" in eng:
         raise CLIError("--dllm-chunk sizes Optimus windows; with --dllm-admission every step is a dLLM-Serve phase")
+    if getattr(args, "dllm_latency_profile", None) is not None:
+        eng["dllm_latency_profile"] = _latency_profile(args.dllm_latency_profile, "dllm_admission" in eng)
     diffusion = _is_diffusion(args.model)
     if any(k.startswith(("dllm_", "kv_")) for k in eng) and not diffusion:
         raise CLIError(f"--{next(k for k in eng if k.startswith(('dllm_', 'kv_'))).replace('_', '-')}: the model is "

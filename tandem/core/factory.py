@@ -86,11 +86,13 @@ def make_picker(spec: PolicySpec) -> Picker:
 def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: str | PolicySpec,
                  sched: SchedulerConfig | None = None, t_pre: Callable[[int, int], float] | None = None,
                  max_num_batched_tokens: int | None = None, boundary: int | None = None,
-                 t_step: Callable[[BatchShape], float] | None = None) -> WorkerCore:
+                 t_step: Callable[[BatchShape], float] | None = None,
+                 latency: ChunkLatency | None = None) -> WorkerCore:
     """One worker core of `role` with the policy's picker and idle-KV retention and the scheduler's knobs.
     `max_num_batched_tokens` overrides the scheduler's budget for this worker (the simulator's co-located one);
     `boundary` is the cost model's LAPS boundary L_m, the class threshold unless the policy sets one; `t_step`, the
-    shell's step timer, gives block-diffusion workers Optimus's T(c, b) (else it is sampled from t_pre). With
+    shell's step timer, gives block-diffusion workers Optimus's T(c, b) (else it is sampled from t_pre) unless the
+    shell has `latency`, a fitted T(c, b) of its own (the engine's measured one, a profile's), used as it is. With
     `sched.dllm_admission` the diffusion worker runs dLLM-Serve's Refresh/Reuse phases under that admission policy
     instead of Optimus's windows (co-located workers only: ValueError otherwise)."""
     spec = get_policy(policy)
@@ -121,7 +123,8 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         dllm = DllmServe(sched.phase_spec(), Admission(sched.dllm_admission, cfg.max_num_batched_tokens,
                                                        cfg.max_num_seqs))
     elif sched.dllm_block_length and role != Role.PREFILL:
-        chunker = ChunkSizer(parse_chunk(sched.dllm_chunk), sched.dllm_block_length, chunk_latency(t_step, t_pre))
+        chunker = ChunkSizer(parse_chunk(sched.dllm_chunk), sched.dllm_block_length,
+                             latency.rows if latency is not None else chunk_latency(t_step, t_pre))
     return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker, dllm=dllm)
 
 

@@ -62,6 +62,8 @@ class EngineConfig:
     dllm_unmasking_strategy: str = "low_confidence_dynamic"
     dllm_denoising_steps: int | None = None   # None: the block length (at least one token a step)
     dllm_confidence_threshold: float = 0.9
+    dllm_latency_profile: str | None = None   # a `tandem profile` JSON of this model: Optimus's T(c, b) from its
+                                              # dllm_latency section instead of measuring it at start
     # dLLM-Serve (issue 17): Refresh/Reuse phases over head-centric sparse KV, admitted by the worker core
     dllm_admission: str | None = None         # phase (dLLM-Serve), static (Fast-dLLM-like batches reserving each
                                               # request's Refresh peak), reserve (request-level continuous); None:
@@ -133,6 +135,12 @@ class EngineConfig:
         t = self.dllm_confidence_threshold
         if not 0 < float(t) <= 1:
             raise EngineError(f"dllm_confidence_threshold must be in (0, 1], got {t!r}")
+        f = self.dllm_latency_profile
+        if f is not None and (not isinstance(f, (str, os.PathLike)) or not str(f)):
+            raise EngineError(f"dllm_latency_profile must be a file path, got {f!r}")
+        if f is not None and self.dllm_admission is not None:
+            raise EngineError("dllm_latency_profile sizes Optimus's windows; with dllm_admission every step is a "
+                              "dLLM-Serve phase")
         self._check_dllm_serve()
 
     def _check_dllm_serve(self) -> None:

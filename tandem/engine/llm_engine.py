@@ -13,7 +13,8 @@ from tandem.core.factory import build_worker
 from tandem.core.types import (COLOCATED, DECODE, PREFILL, FirstToken, PrefillTask, RoundDone, SessionFailed, StepPlan,
                                StepResult)
 from tandem.engine.config import EngineConfig, EngineError
-from tandem.engine.diffusion.engine_step import DiffusionBatch, DiffusionDecoder, measure_window_latency
+from tandem.engine.diffusion.engine_step import DiffusionBatch, DiffusionDecoder
+from tandem.engine.diffusion.window_timing import measure_window_latency
 from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
 from tandem.engine.model_input import ModelInput, PromptLogprobsSpec
@@ -24,6 +25,8 @@ from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, c
 from tandem.engine.stop import StopChecker
 from tandem.engine.structured_output import RequestGrammar, StructuredOutputManager
 from tandem.engine.tokenizer import Tokenizer
+from tandem.perf.profile_io import PerfFileError, WindowLatencyProfile, load_window_latency
+from tandem.policy.optimus.latency import ChunkLatency
 
 
 @dataclass
@@ -110,6 +113,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.role = role
+        profiled = self._load_latency_profile(config)     # a bad file fails before the model loads
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config, self.tokenizer.eos_token_ids, role=role)   # role: which capture LAPS graphs
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.model_config.vocab_size)
@@ -133,11 +137,12 @@ class LLMEngine:
                                 dllm_chunk=config.dllm_chunk, dllm_admission=config.dllm_admission if phased else None,
                                 dllm_delay_step=delay, dllm_refresh_interval=interval, dllm_refresh_span="aligned",
                                 dllm_kv_retention=config.sparse_kv().kv_retention_ratio if phased else 1.0)
-        if self.dllm is not None and not phased:   # Optimus's T(c, b), fitted on this engine's own forward (also its
-            latency = measure_window_latency(self.runner.model, self.dllm.block, config.max_num_batched_tokens,
-                                             self.runner.device)            # prefill estimate: the same steps)
+        latency = None
+        if self.dllm is not None and not phased:   # Optimus's T(c, b): a profile's, or fitted on this engine's own
+            latency = self._window_latency(config, profiled)  # forward (also its prefill estimate: the same steps)
             t_pre = lambda h, n: latency(n, 1)              # noqa: E731 - the window latency of n query tokens
-        self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre)
+        self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre,
+                                 latency=latency)
         if phased:                  # dLLM-Serve: each request's packed KV is the buffer the core's admission reserves
             self.dllm.kv_slots = self.core.dllm.phases.kv_tokens
         self.forward_events = role != COLOCATED if forward_events is None else forward_events
@@ -150,6 +155,28 @@ class LLMEngine:
         self.stats = StepStats()
         self._ids = itertools.count()
 
+    @staticmethod
+    def _load_latency_profile(config: EngineConfig) -> WindowLatencyProfile | None:
+        """The dllm_latency section of the profile named by dllm_latency_profile (EngineError, one line, on a bad
+        file), None without one."""
+        if config.dllm_latency_profile is None:
+            return None
+        try:
+            return load_window_latency(str(config.dllm_latency_profile), "dllm_latency_profile")
+        except PerfFileError as e:
+            raise EngineError(str(e)) from None
+
+    def _window_latency(self, config: EngineConfig, profiled: WindowLatencyProfile | None) -> ChunkLatency:
+        """T(c, b) from the profile (EngineError when it was measured with other diffusion blocks), else measured now
+        on this engine's forward."""
+        if profiled is None:
+            return measure_window_latency(self.runner.model, self.dllm.block, config.max_num_batched_tokens,
+                                          self.runner.device)
+        if profiled.block != self.dllm.block:
+            raise EngineError(f"dllm_latency_profile {config.dllm_latency_profile}: measured with diffusion blocks of "
+                              f"{profiled.block}, this engine decodes blocks of {self.dllm.block}")
+        return ChunkLatency(profiled.breakpoints, profiled.coefs, profiled.floor_s)
+
     def _diffusion(self, config: EngineConfig, role: str, mc) -> DiffusionDecoder | None:
         """The diffusion decoder of a block-diffusion checkpoint (None for an autoregressive one); EngineError when
         the options do not fit the model."""
@@ -158,6 +185,9 @@ class LLMEngine:
                 raise EngineError("dllm_block_length is for block-diffusion models; this checkpoint is autoregressive")
             if config.dllm_admission is not None:
                 raise EngineError("dllm_admission is for block-diffusion models; this checkpoint is autoregressive")
+            if config.dllm_latency_profile is not None:
+                raise EngineError("dllm_latency_profile is for block-diffusion models; this checkpoint is "
+                                  "autoregressive")
             return None
         if role != COLOCATED:
             raise EngineError("block-diffusion models run on co-located workers (no prefill/decode disaggregation)")

@@ -38,6 +38,7 @@ import numpy as np
 from tandem.perf.ampd_cost import TYPICAL_CTX, AMPDCostModel, dec_features, kv_features, pre_features
 from tandem.perf.fit import PiecewiseLinear, fit
 from tandem.perf.roofline import BatchShape
+from tandem.perf.window_profile import SECTION as DLLM_SECTION, WindowLatencyProfile
 
 FEATURES = ("const", "tokens", "prefill_chunks", "decode_seqs", "prefill_attn_pairs", "prefill_kv_read_tokens",
             "decode_ctx_tokens")
@@ -331,6 +332,7 @@ class Profile:
     kv_link: dict = field(default_factory=lambda: dict(DEFAULT_KV_LINK))
     interference: dict | None = None            # step slow-down while another engine process steps (measured)
     runtime: dict | None = None                 # the live runtime's latencies (RuntimeCosts fields + source)
+    dllm_latency: WindowLatencyProfile | None = None   # block-diffusion models: T(c, b) over window steps
     measurements: list[dict] = field(default_factory=list)
     options: dict = field(default_factory=dict)
     wall_s: float = 0.0
@@ -360,7 +362,8 @@ class Profile:
                 "train_error": self.train_error, "kv_link": self.kv_link, "interference": self.interference,
                 "runtime": self.runtime, "options": self.options,
                 "wall_s": self.wall_s, "step_model": self.step_model.to_dict(), "ampd": self.ampd.to_dict(),
-                "measurements": self.measurements}
+                "measurements": self.measurements,
+                **({DLLM_SECTION: self.dllm_latency.to_dict()} if self.dllm_latency is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Profile":
@@ -382,7 +385,9 @@ class Profile:
                     runtime=dict(d["runtime"]) if d.get("runtime") is not None else None,
                     measurements=list(d.get("measurements", [])),
                     options=dict(d.get("options", {})), wall_s=float(d.get("wall_s", 0.0)),
-                    created=str(d.get("created", "")))
+                    created=str(d.get("created", "")),
+                    dllm_latency=WindowLatencyProfile.from_dict(d[DLLM_SECTION])
+                    if d.get(DLLM_SECTION) is not None else None)
         except KeyError as e:
             raise ValueError(f"profile is missing the field {e.args[0]!r}") from None
         except (TypeError, IndexError, AttributeError) as e:

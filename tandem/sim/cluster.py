@@ -18,7 +18,7 @@ from tandem.core.worker import WorkerCore
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.dllm import FIXED_SCHEDULE_COMMITS, OPTIMUS_TABLE2, commit_model, stretch_model
 from tandem.perf.dllm_memory import DllmMemory
-from tandem.perf.errors import DoesNotFitError
+from tandem.perf.errors import DoesNotFitError, UnknownNameError
 from tandem.perf.hardware import get_gpu
 from tandem.perf.models import get_model
 from tandem.perf.roofline import Roofline, kv_capacity_tokens
@@ -27,6 +27,7 @@ from tandem.perf.step_model import Profile
 from tandem.policy.presets import POLICIES, PolicySpec
 from tandem.sim.commit import StretchCommit, UniformCommit
 from tandem.policy.laps.cost import boundary_from_profile
+from tandem.policy.optimus.latency import ChunkLatency
 from tandem.sim.faults import FaultError, FaultSpec
 from tandem.sim.host_loop import HostLoop
 from tandem.sim.loop import EventLoop
@@ -272,7 +273,7 @@ def _shell_options(loop: EventLoop, cfg: SimConfig, state: InProcessState) -> No
         except ValueError as e:
             raise ConfigError(str(e)) from None
     elif cfg.dllm_block_length:
-        name = get_model(cfg.model).name
+        name = _commit_model_name(cfg) if cfg.dllm_commits is None else ""
         try:
             if cfg.dllm_commits is not None:
                 model = stretch_model(*cfg.dllm_commits)
@@ -283,6 +284,29 @@ def _shell_options(loop: EventLoop, cfg: SimConfig, state: InProcessState) -> No
             loop.commit = StretchCommit(model, cfg.seed)
         except ValueError as e:
             raise ConfigError(f"--dllm-block-length: {e}") from None
+
+
+def _commit_model_name(cfg: SimConfig) -> str:
+    """The catalogue model whose commits per step the simulated diffusion steps draw; ConfigError for a model the
+    catalogue lacks (a profiled checkpoint): its commits are then given with --dllm-commits."""
+    try:
+        return get_model(cfg.model).name
+    except UnknownNameError:
+        raise ConfigError(f"--dllm-block-length: no commit statistics for {cfg.model!r} (not in the catalogue); give "
+                          f"its commits per step with --dllm-commits MEAN[,STD]") from None
+
+
+def _profile_latency(cfg: SimConfig, prof: Profile) -> ChunkLatency | None:
+    """The profile's measured T(c, b) for the chunk sizer of a block-diffusion simulation (as the engine started with
+    the profile uses), None when the simulation is autoregressive or the profile has none (then the step timer
+    prices windows); ConfigError when it was measured with other diffusion blocks."""
+    w = prof.dllm_latency
+    if w is None or not cfg.dllm_block_length:
+        return None
+    if w.block != cfg.dllm_block_length:
+        raise ConfigError(f"the profile {cfg.perf} measured T(c, b) with diffusion blocks of {w.block}; "
+                          f"--dllm-block-length is {cfg.dllm_block_length}")
+    return ChunkLatency(w.breakpoints, w.coefs, w.floor_s)
 
 
 def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
@@ -299,9 +323,10 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
                           max_num_seqs=prof.max_num_seqs)
     workers, timers = [], []
     boundary = boundary_from_profile(prof)
+    latency = _profile_latency(cfg, prof)
     for wid, (role, tp) in enumerate(dep.workers()):
         workers.append(build_worker(wid, role, 1, prof.num_blocks, spec, sched, lambda h, n: cost.t_pre(h, n, 1),
-                                    boundary=boundary, t_step=step_time))
+                                    boundary=boundary, t_step=step_time, latency=latency))
         timers.append(step_time)
     nodes = [0] * len(workers)                       # one host: every transfer takes the local link
     state = InProcessState(workers, cost, nodes)

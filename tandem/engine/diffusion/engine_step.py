@@ -14,7 +14,6 @@ admission (⌈ρ·(P + G)⌉ positions per head: PagedSparseKV), so the pool, th
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
@@ -28,7 +27,6 @@ from tandem.engine.diffusion.sparse_kv import PagedSparseKV, SparseKVConfig
 from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.sampling_params import SamplingParams, check_diffusion
 from tandem.policy.dllm_serve import Phase
-from tandem.policy.optimus.latency import ChunkLatency
 
 @dataclass
 class DiffusionBatch:
@@ -172,38 +170,3 @@ class DiffusionDecoder:
         self.states.pop(sid, None)
         self.buffers.pop(sid, None)
         self.packed.pop(sid, None)
-
-
-def measure_window_latency(model: torch.nn.Module, block: int, max_tokens: int, device: torch.device,
-                           clock: Callable[[], float] = time.perf_counter, repeats: int = 2,
-                           head_rows: int = 256) -> ChunkLatency:
-    """Optimus's T(c, b) fitted on this engine's own step: windows of `block` positions over no cache, b·c query
-    tokens at the sizes ChunkLatency samples, plus the LM head over every row (a window samples its masked positions,
-    most of its rows: linear in the rows, timed once on `head_rows`); best of `repeats`; the KV pool is not touched."""
-    def timed(fn: Callable[[], object]) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = clock()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, clock() - t0)
-        return best
-
-    def windows(x: int):
-        wins = []
-        for s in range(0, x, block):
-            k = min(block, x - s)
-            wins.append(Window(list(range(k)), [0] * k, [], [], 0, [], [], True))
-        return build_step(wins, [[0]] * len(wins), 1, block, device)
-
-    with torch.inference_mode():
-        rows = max(1, min(head_rows, max_tokens))
-        ids, meta, _ = windows(rows)
-        hidden = model(ids, None, None, meta)
-        per_row = timed(lambda: model.compute_logits(hidden)) / rows
-
-        def step(x: int) -> float:
-            ids, meta, _ = windows(x)
-            return max(timed(lambda: model(ids, None, None, meta)) + per_row * x, 1e-6)
-        return ChunkLatency.sample(step, max_tokens=max(2, max_tokens))

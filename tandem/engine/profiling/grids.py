@@ -145,3 +145,18 @@ def heldout_grid(count: int, budget: int, max_len: int, max_seqs: int, capacity:
                 and len(p.prefills) + len(p.decodes) <= max(max_seqs, 1):
             out.append(p)
     return out
+
+
+def block_aligned(points: list[Point], block: int, budget: int, max_len: int, capacity: int,
+                  block_size: int = 16) -> list[Point]:
+    """A block-diffusion model's AR-shaped steps: the prefill chunks only (it decodes in windows, timed apart), each
+    chunk's history and length rounded to whole diffusion blocks (its prefill writes whole blocks), duplicates
+    dropped."""
+    out: list[Point] = []
+    for p in points:
+        if p.decodes:
+            continue
+        q = Point(p.kind, tuple((h // block * block, max(block, n // block * block)) for h, n in p.prefills))
+        if q.tokens <= budget and _fits(q, capacity, block_size) and all(h + n <= max_len for h, n in q.prefills):
+            out.append(q)
+    return list(dict.fromkeys(out))

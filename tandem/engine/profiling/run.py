@@ -13,11 +13,12 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.profiling.device import _load_avg, device_info, memory_bandwidth
-from tandem.engine.profiling.grids import Point, heldout_grid, train_grid
+from tandem.engine.profiling.grids import Point, block_aligned, heldout_grid, train_grid
 from tandem.engine.profiling.interference import measure_interference
 from tandem.engine.profiling.kv_path import measure_kv_link, measure_kv_path
 from tandem.engine.profiling.options import ProfileOptions
 from tandem.engine.profiling.timing import _Bench
+from tandem.engine.profiling.windows import measure_window_latency_profile
 from tandem.perf.roofline import BatchShape
 from tandem.perf.step_model import DEFAULT_KV_LINK, Profile, StepTimeModel
 
@@ -69,10 +70,15 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
     train = train_grid(budget, max_len, max_seqs, capacity, quick=opt.quick, block_size=bs)
     held = heldout_grid(opt.n_heldout, budget, max_len, max_seqs, capacity, rng, block_size=bs)
     held = [p for p in held if p not in set(train)]
-
-    bench = _Bench(runner, rng)
     warm = [Point("prefill", ((0, min(budget, 256)),)), Point("decode", decodes=(min(255, max_len - 1),) * min(8, max_seqs)),
             Point("mixed", ((min(64, max_len // 2), min(64, budget - 4)),), (min(63, max_len - 1),) * 4)]
+    dblock = mc.diffusion_block_size            # a block-diffusion model: whole-block prefills here, windows apart
+    if dblock:
+        train, held, warm = (block_aligned(g, dblock, budget, max_len, capacity, bs) for g in (train, held, warm))
+        if not train:
+            raise ValueError(f"no whole-block prefill of {dblock} tokens fits a budget of {budget} tokens")
+
+    bench = _Bench(runner, rng)
     # Touch the whole KV pool once: a fresh allocation is mapped lazily, and the first write to every
     # page would otherwise be charged to whichever measured step reaches it first.
     for t in getattr(runner, "kv_caches", []):
@@ -92,6 +98,12 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
     for (split_name, p), rs in zip(jobs, runs):
         rows.append({"split": split_name, **p.to_dict(), **dataclasses.asdict(p.shape()),
                      "seconds": statistics.median(rs), "runs": rs})
+    windows = None
+    if dblock:
+        windows, wrows = measure_window_latency_profile(
+            runner, dblock, budget, max_seqs, max_len, opt.n_repeats, rng, opt.quick, max(4, opt.n_heldout // 2),
+            (lambda d, t: progress("diffusion windows", d, t)) if progress else None)
+        rows += wrows
 
     def split(name: str) -> tuple[list[BatchShape], list[float]]:
         sel = [r for r in rows if r["split"] == name]
@@ -106,7 +118,7 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
     held_err = step.errors(ho_s, ho_y)
     held_err["by_kind"] = {k: step.errors([s for s, r in zip(ho_s, _rows(rows, "heldout")) if r["kind"] == k],
                                           [y for y, r in zip(ho_y, _rows(rows, "heldout")) if r["kind"] == k])
-                           for k in ("prefill", "decode", "mixed")}
+                           for k in ("prefill", "decode", "mixed", "window")}
     step.meta["heldout_error"] = {k: v for k, v in held_err.items() if k != "by_kind"}
     for r in rows:
         r["predicted"] = step.step_time(_shape(r))
@@ -147,7 +159,7 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
         num_blocks=runner.num_blocks, block_size=runner.block_size, kv_bytes_per_token=kv_bytes,
         max_model_len=engine_max_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs, heldout_error=held_err, train_error=step.meta["train_error"],
-        kv_link=link or dict(DEFAULT_KV_LINK), interference=interference,
+        kv_link=link or dict(DEFAULT_KV_LINK), interference=interference, dllm_latency=windows,
         measurements=rows, options=opts, wall_s=time.perf_counter() - t_start,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 

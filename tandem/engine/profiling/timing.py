@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -21,6 +21,7 @@ from tandem.engine.sampling_params import SamplingParams
 AGREE = 1.1             # runs within 10% of each other need no more runs
 EXTRA_ROUNDS = 4        # more runs (up to repeats + 4) for cheap steps whose runs disagree
 CHEAP_S = 0.25          # a step is cheap while all its runs so far took less than this together
+P = TypeVar("P")
 
 
 class _Bench:
@@ -74,34 +75,40 @@ class _Bench:
 
     def measure(self, points: list[Point], repeats: int, budget_s: float,
                 progress: Callable[[int, int], None] | None = None) -> list[list[float]]:
-        """Timed runs of every step, in rounds over all of them (each round in a fresh random order), so
-        that a burst of load on a shared machine hits one run of many steps rather than every run of a few.
+        """Timed runs of every step in rounds (measure_rounds)."""
+        return measure_rounds(self.run, points, repeats, budget_s, self.rng, progress)
 
-        `repeats` rounds, except that after two rounds a step that already took budget_s is skipped when
-        its runs agree within AGREE; then up to EXTRA_ROUNDS more rounds for cheap steps (under CHEAP_S
-        so far) whose runs still disagree, since scheduling jitter weighs most on short steps."""
-        runs: list[list[float]] = [[] for _ in points]
-        spent = [0.0] * len(points)
-        rounds = repeats + EXTRA_ROUNDS
-        total = rounds * len(points)
-        done = 0
-        for r in range(rounds):
-            order = list(range(len(points)))
-            self.rng.shuffle(order)
-            for i in order:
-                done += 1
-                rs = runs[i]
-                agree = bool(rs) and max(rs) <= AGREE * min(rs)
-                if r >= repeats:
-                    if agree or spent[i] >= CHEAP_S:
-                        continue
-                elif r >= 2 and spent[i] >= budget_s and agree:
+
+def measure_rounds(run: Callable[[P], float], points: list[P], repeats: int, budget_s: float, rng: random.Random,
+                   progress: Callable[[int, int], None] | None = None) -> list[list[float]]:
+    """Timed runs of every step, in rounds over all of them (each round in a fresh random order), so
+    that a burst of load on a shared machine hits one run of many steps rather than every run of a few.
+
+    `repeats` rounds, except that after two rounds a step that already took budget_s is skipped when
+    its runs agree within AGREE; then up to EXTRA_ROUNDS more rounds for cheap steps (under CHEAP_S
+    so far) whose runs still disagree, since scheduling jitter weighs most on short steps."""
+    runs: list[list[float]] = [[] for _ in points]
+    spent = [0.0] * len(points)
+    rounds = repeats + EXTRA_ROUNDS
+    total = rounds * len(points)
+    done = 0
+    for r in range(rounds):
+        order = list(range(len(points)))
+        rng.shuffle(order)
+        for i in order:
+            done += 1
+            rs = runs[i]
+            agree = bool(rs) and max(rs) <= AGREE * min(rs)
+            if r >= repeats:
+                if agree or spent[i] >= CHEAP_S:
                     continue
-                t = self.run(points[i])
-                rs.append(t)
-                spent[i] += t
-                if progress and (done % 8 == 0 or done == total):
-                    progress(done, total)
-        if progress:
-            progress(total, total)
-        return runs
+            elif r >= 2 and spent[i] >= budget_s and agree:
+                continue
+            t = run(points[i])
+            rs.append(t)
+            spent[i] += t
+            if progress and (done % 8 == 0 or done == total):
+                progress(done, total)
+    if progress:
+        progress(total, total)
+    return runs

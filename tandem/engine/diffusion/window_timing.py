@@ -1,0 +1,110 @@
+"""Timing a block-diffusion model's window steps: Optimus's T(c, b) measured on the engine's own forward.
+
+One implementation serves both places that measure it: the engine at start-up (`measure_window_latency`: a quick fit
+over windows of the block size, no cache, the LM head timed once and charged per row) and `tandem profile`
+(`WindowTimer` in whole-step mode: b windows of c positions over a cached context read from the KV pool, the step's
+inputs built, the forward, the LM head and greedy sampling over every row, as the engine's step runs them).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from tandem.engine.diffusion.block_state import Window, build_step
+from tandem.engine.diffusion.unmasking import sample_tokens
+from tandem.policy.optimus.latency import ChunkLatency
+
+Clock = Callable[[], float]
+
+
+class WindowTimer:
+    """Seconds of one diffusion step of given window sizes (one sequence each), optionally over a cached context."""
+
+    def __init__(self, model: torch.nn.Module, block: int, device: torch.device, *, context: int = 0,
+                 kv_caches: list[torch.Tensor] | None = None, kv_block_size: int = 1, num_blocks: int = 0,
+                 clock: Clock = time.perf_counter, repeats: int = 2, head_rows: int = 256,
+                 whole_step: bool = False) -> None:
+        """`context` cached tokens per window (whole diffusion blocks, read from `kv_caches`, each sequence on its own
+        KV blocks cycling through the `num_blocks` of the pool); `whole_step` times the inputs' build, the forward and
+        the LM head with greedy sampling over every row in groups of `head_rows`, else the forward only plus the LM
+        head timed once on `head_rows` rows and charged per row; the best of `repeats`."""
+        if context % block or context < 0:
+            raise ValueError(f"a window's cached context is whole blocks of {block}, got {context}")
+        if context and (kv_caches is None or num_blocks < 1):
+            raise ValueError("a cached context needs the KV pool (kv_caches, num_blocks)")
+        self.model, self.block, self.device, self.context = model, block, device, context
+        self.kv_caches, self.kv_block_size, self.num_blocks = kv_caches, kv_block_size, num_blocks
+        self.clock, self.repeats, self.head_rows, self.whole_step = clock, repeats, max(1, head_rows), whole_step
+        self._per_row: float | None = None
+
+    def _inputs(self, sizes: Sequence[int]):
+        """The step's token ids and metadata: window i computes positions context..context+c-1 of sequence i."""
+        ctx = self.context
+        per_seq = -(-ctx // self.kv_block_size) if ctx else 1
+        wins, tables = [], []
+        for i, c in enumerate(sizes):
+            pos = list(range(ctx, ctx + c))
+            wins.append(Window(pos, [0] * c, [], [], ctx, [], list(range(c)), True))
+            n = max(1, self.num_blocks)
+            tables.append([(i * per_seq + j) % n for j in range(per_seq)])
+        return build_step(wins, tables, self.kv_block_size if ctx else 1, self.block, self.device)
+
+    def _timed(self, fn: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(self.repeats):
+            t0 = self.clock()
+            fn()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, self.clock() - t0)
+        return best
+
+    def _head(self, hidden: torch.Tensor) -> None:
+        """The LM head and greedy sampling over every row, `head_rows` at a time (each group's logits freed)."""
+        for s in range(0, hidden.shape[0], self.head_rows):
+            sample_tokens(self.model.compute_logits(hidden[s:s + self.head_rows]))
+
+    def per_row(self) -> float:
+        """Seconds of the LM head per row, timed once on `head_rows` rows (the start-up fit's charge)."""
+        if self._per_row is None:
+            ids, meta, _ = self._inputs(_split(self.head_rows, self.block))
+            hidden = self.model(ids, None, self.kv_caches if self.context else None, meta)
+            self._per_row = self._timed(lambda: self.model.compute_logits(hidden)) / self.head_rows
+        return self._per_row
+
+    @torch.inference_mode()
+    def __call__(self, sizes: Sequence[int]) -> float:
+        """Seconds of a step of windows of these sizes (at least 1 µs)."""
+        kv = self.kv_caches if self.context else None
+        if self.whole_step:
+            def step() -> None:
+                ids, meta, _ = self._inputs(sizes)
+                self._head(self.model(ids, None, kv, meta))
+            return max(self._timed(step), 1e-6)
+        ids, meta, _ = self._inputs(sizes)
+        rows = sum(sizes)
+        return max(self._timed(lambda: self.model(ids, None, kv, meta)) + self.per_row() * rows, 1e-6)
+
+
+def _split(x: int, block: int) -> list[int]:
+    """x query tokens as windows of `block` positions, the last one partial."""
+    return [min(block, x - s) for s in range(0, x, block)]
+
+
+@torch.inference_mode()
+def measure_window_latency(model: torch.nn.Module, block: int, max_tokens: int, device: torch.device,
+                           clock: Clock = time.perf_counter, repeats: int = 2, head_rows: int = 256,
+                           context: int = 0, kv_caches: list[torch.Tensor] | None = None, kv_block_size: int = 1,
+                           num_blocks: int = 0) -> ChunkLatency:
+    """Optimus's T(c, b) fitted on this engine's own step: windows of `block` positions (over `context` cached tokens
+    from the KV pool when given, else no cache), b·c query tokens at the sizes ChunkLatency samples, plus the LM head
+    over every row (linear in the rows, timed once on `head_rows`); best of `repeats`."""
+    timer = WindowTimer(model, block, device, context=context, kv_caches=kv_caches, kv_block_size=kv_block_size,
+                        num_blocks=num_blocks, clock=clock, repeats=repeats,
+                        head_rows=max(1, min(head_rows, max_tokens)))
+    return ChunkLatency.sample(lambda x: timer(_split(x, block)), max_tokens=max(2, max_tokens))
+
+
+__all__ = ["WindowTimer", "measure_window_latency"]
