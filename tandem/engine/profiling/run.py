@@ -136,7 +136,7 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
         if progress:
             progress("KV path", 1, 1)
     interference = None
-    if opt.measure_interference and runner.device.type == "cpu" and not opt.quick:
+    if opt.measure_interference and runner.device.type == "cpu" and not opt.quick and not dblock:   # its co-runs are AR
         interference = measure_interference(cfg, bench, opt.threads,
                                             progress=(lambda d, t: progress("interference", d, t)) if progress else None)
     ampd = step.ampd_cost_model(max_len, capacity, kv_bytes, cfg.max_num_seqs, link,
