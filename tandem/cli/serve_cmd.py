@@ -174,15 +174,30 @@ def add_parser(sub) -> None:
     d.set_defaults(func=cmd_demo)
 
 
-def _is_diffusion(model: str) -> bool:
-    """Whether the checkpoint is a block-diffusion model (config.json names a diffusion block and mask token)."""
+def _architecture(model: str) -> str:
+    """The checkpoint's architecture (config.json's first `architectures` entry; "" when it names none)."""
     try:
         cfg = json.loads(Path(model, "config.json").read_text())
     except (OSError, ValueError) as e:
         raise CLIError(f"--model {model}: config.json cannot be read: {e}") from None
     archs = cfg.get("architectures") if isinstance(cfg, dict) else None
-    # the engine's DIFFUSION_ARCHITECTURES (tandem.engine.models.config), without importing torch here
-    return isinstance(archs, list) and bool(archs) and archs[0] == "SDARForCausalLM"
+    return str(archs[0]) if isinstance(archs, list) and archs else ""
+
+
+# the engine's diffusion architectures (tandem.engine.models.config), without importing torch here
+BLOCK_DIFFUSION_ARCHS = ("SDARForCausalLM",)
+CANVAS_DIFFUSION_ARCHS = ("LLaDAModelLM",)       # LLaDA-style: bidirectional over the whole canvas
+
+
+def _canvas_refusals(eng: dict, profile: str | None) -> None:
+    """The options a LLaDA-style model cannot take (Optimus's windows), refused with why, as the engine would."""
+    if "dllm_chunk" in eng:
+        raise CLIError("--dllm-chunk sizes Optimus's streaming windows, which need a block-causal model (SDAR): in a "
+                       "LLaDA-style bidirectional model every position attends to the whole canvas, so no position's "
+                       "K/V is final when it is committed; LLaDA runs Fast-dLLM's prefix cache as dLLM-Serve phases")
+    if profile is not None:
+        raise CLIError("--dllm-latency-profile sizes Optimus's streaming windows, which a LLaDA-style model does not "
+                       "run (its steps are dLLM-Serve phases)")
 
 
 def _latency_profile(path: str, phased: bool) -> str:
@@ -225,12 +240,15 @@ def _cluster_config(args):
                        f"{eng['kv_pool_kernel']}")
     if "dllm_admission" in eng and "dllm_chunk" in eng:
         raise CLIError("--dllm-chunk sizes Optimus windows; with --dllm-admission every step is a dLLM-Serve phase")
+    arch = _architecture(args.model)
+    diffusion = arch in BLOCK_DIFFUSION_ARCHS + CANVAS_DIFFUSION_ARCHS
+    if arch in CANVAS_DIFFUSION_ARCHS:
+        _canvas_refusals(eng, getattr(args, "dllm_latency_profile", None))
     if getattr(args, "dllm_latency_profile", None) is not None:
         eng["dllm_latency_profile"] = _latency_profile(args.dllm_latency_profile, "dllm_admission" in eng)
-    diffusion = _is_diffusion(args.model)
     if any(k.startswith(("dllm_", "kv_")) for k in eng) and not diffusion:
         raise CLIError(f"--{next(k for k in eng if k.startswith(('dllm_', 'kv_'))).replace('_', '-')}: the model is "
-                       "autoregressive (diffusion options need a block-diffusion checkpoint such as SDAR)")
+                       "autoregressive (diffusion options need a diffusion checkpoint such as SDAR or LLaDA)")
     if diffusion and not args.colocated:
         raise CLIError("a block-diffusion model is served by co-located workers: add --colocated N")
     if args.enforce_eager:

@@ -56,9 +56,9 @@ class EngineConfig:
     laps_graph_max_len: int | None = None     # longest sequence (history + new tokens) a prefill graph attends over;
                                               # longer steps run eagerly. None: min(max_model_len, 4096)
     # block-diffusion models (SDAR; LMDeploy's names): the engine's defaults, a request may override the last three
-    dllm_block_length: int | None = None      # None: the model's block_size (config.json)
+    dllm_block_length: int | None = None      # None: the model's block_size (config.json; LLaDA: 32)
     dllm_chunk: str = "elastic"               # each step's window: elastic (Optimus), block (BD-B: the whole block
-                                              # recomputed), or N (a fixed streaming chunk of N positions)
+                                              # recomputed), or N (a fixed streaming chunk of N positions); SDAR only
     dllm_unmasking_strategy: str = "low_confidence_dynamic"
     dllm_denoising_steps: int | None = None   # None: the block length (at least one token a step)
     dllm_confidence_threshold: float = 0.9
@@ -67,10 +67,13 @@ class EngineConfig:
     # dLLM-Serve (issue 17): Refresh/Reuse phases over head-centric sparse KV, admitted by the worker core
     dllm_admission: str | None = None         # phase (dLLM-Serve), static (Fast-dLLM-like batches reserving each
                                               # request's Refresh peak), reserve (request-level continuous); None:
-                                              # Optimus's windows (dllm_chunk). The options below need it
-    dllm_delay_step: int | None = None        # full-length steps of a block before its cache is packed (None: 1)
+                                              # Optimus's windows (dllm_chunk; a LLaDA model: phase). The options
+                                              # below need it
+    dllm_delay_step: int | None = None        # full-length steps of a block before its cache is packed (None: 1;
+                                              # LLaDA: 0)
     dllm_refresh_interval: int | None = None  # also refresh every this many steps after the pack (None: 0, never)
-    kv_retention_ratio: float | None = None   # share ρ of a request's positions whose K/V it keeps (None: 0.5)
+    kv_retention_ratio: float | None = None   # share ρ of a request's positions whose K/V it keeps (None: 0.5;
+                                              # LLaDA: 1.0, Fast-dLLM's dense prefix cache)
     kv_pool_kernel: int | None = None         # max-pool kernel of the position scores (None: 3)
     kv_selection: str | None = None           # head (dLLM-Serve, per KV head) or uniform (Sparse-dLLM) (None: head)
 
@@ -159,18 +162,23 @@ class EngineConfig:
         except ValueError as e:
             raise EngineError(str(e)) from None
 
-    def phase_knobs(self) -> tuple[int, int]:
-        """(delay_step, refresh_interval) of the dLLM-Serve mode, defaults filled in (dLLM-Serve's: 1, 0)."""
+    def phase_knobs(self, delay_default: int | None = None) -> tuple[int, int]:
+        """(delay_step, refresh_interval) of the dLLM-Serve mode, defaults filled in (dLLM-Serve's: 1, 0; a LLaDA
+        engine passes delay_default 0, Fast-dLLM's refresh at each block's first step)."""
         from tandem.policy.dllm_serve.phases import DEFAULT_DELAY_STEP
         d, k = self.dllm_delay_step, self.dllm_refresh_interval
-        return (DEFAULT_DELAY_STEP if d is None else d, 0 if k is None else k)
+        if d is None:
+            d = DEFAULT_DELAY_STEP if delay_default is None else delay_default
+        return (d, 0 if k is None else k)
 
-    def sparse_kv(self):  # noqa: ANN201 - SparseKVConfig (imported lazily: torch-side module)
-        """The sparse-KV options of the dLLM-Serve mode, defaults filled in (dLLM-Serve's: ρ 0.5, kernel 3, head)."""
+    def sparse_kv(self, retention_default: float | None = None):  # noqa: ANN201 - SparseKVConfig (lazy: torch-side)
+        """The sparse-KV options of the dLLM-Serve mode, defaults filled in (dLLM-Serve's: ρ 0.5, kernel 3, head; a
+        LLaDA engine passes retention_default 1.0, Fast-dLLM's dense cache)."""
         from tandem.engine.diffusion.sparse_kv import DEFAULT_POOL_KERNEL, DEFAULT_RETENTION, SparseKVConfig
         r, k, sel = self.kv_retention_ratio, self.kv_pool_kernel, self.kv_selection
-        return SparseKVConfig(DEFAULT_RETENTION if r is None else r, DEFAULT_POOL_KERNEL if k is None else k,
-                              "head" if sel is None else sel)
+        if r is None:
+            r = DEFAULT_RETENTION if retention_default is None else retention_default
+        return SparseKVConfig(r, DEFAULT_POOL_KERNEL if k is None else k, "head" if sel is None else sel)
 
     def torch_device(self) -> torch.device:
         """The device to run on: `device`, or CUDA when present for auto."""

@@ -14,6 +14,7 @@ from tandem.core.types import (COLOCATED, DECODE, PREFILL, FirstToken, PrefillTa
                                StepResult)
 from tandem.engine.config import EngineConfig, EngineError
 from tandem.engine.diffusion.engine_step import DiffusionBatch, DiffusionDecoder
+from tandem.engine.diffusion.llada_generate import DEFAULT_BLOCK_LENGTH
 from tandem.engine.diffusion.window_timing import measure_window_latency
 from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
@@ -26,6 +27,7 @@ from tandem.engine.stop import StopChecker
 from tandem.engine.structured_output import RequestGrammar, StructuredOutputManager
 from tandem.engine.tokenizer import Tokenizer
 from tandem.perf.profile_io import PerfFileError, WindowLatencyProfile, load_window_latency
+from tandem.policy.dllm_serve import canvas_max_tokens
 from tandem.policy.optimus.latency import ChunkLatency
 
 
@@ -128,15 +130,18 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes/num_kv_blocks (or the memory budget: "
                 f"cpu_memory_budget_bytes, gpu_memory_utilization; max_num_logits shrinks the activation peak) or "
                 f"lower max_model_len")
-        self.dllm = self._diffusion(config, role, mc)             # block-diffusion decoding (SDAR), else None
-        phased = self.dllm is not None and config.dllm_admission is not None
-        delay, interval = config.phase_knobs()
+        self.dllm = self._diffusion(config, role, mc)     # diffusion decoding (SDAR, LLaDA), else None
+        canvas = self.dllm is not None and self.dllm.canvas
+        phased = self.dllm is not None and self.dllm.sparse is not None
+        delay, interval = config.phase_knobs(0 if canvas else None)
         sched = SchedulerConfig(block_size=bs, max_num_batched_tokens=config.max_num_batched_tokens,
                                 max_num_seqs=config.max_num_seqs,
                                 dllm_block_length=self.dllm.block if self.dllm is not None else 0,
-                                dllm_chunk=config.dllm_chunk, dllm_admission=config.dllm_admission if phased else None,
-                                dllm_delay_step=delay, dllm_refresh_interval=interval, dllm_refresh_span="aligned",
-                                dllm_kv_retention=config.sparse_kv().kv_retention_ratio if phased else 1.0)
+                                dllm_chunk=config.dllm_chunk,
+                                dllm_admission=(config.dllm_admission or "phase") if phased else None,
+                                dllm_delay_step=delay, dllm_refresh_interval=interval,
+                                dllm_refresh_span="canvas" if canvas else "aligned",
+                                dllm_kv_retention=self.dllm.sparse.kv_retention_ratio if phased else 1.0)
         latency = None
         if self.dllm is not None and not phased:   # Optimus's T(c, b): a profile's, or fitted on this engine's own
             latency = self._window_latency(config, profiled)  # forward (also its prefill estimate: the same steps)
@@ -180,6 +185,8 @@ class LLMEngine:
     def _diffusion(self, config: EngineConfig, role: str, mc) -> DiffusionDecoder | None:
         """The diffusion decoder of a block-diffusion checkpoint (None for an autoregressive one); EngineError when
         the options do not fit the model."""
+        if mc.is_canvas_diffusion:
+            return self._canvas_diffusion(config, role, mc)
         if mc.diffusion_block_size is None:
             if config.dllm_block_length is not None:
                 raise EngineError("dllm_block_length is for block-diffusion models; this checkpoint is autoregressive")
@@ -205,6 +212,34 @@ class LLMEngine:
                                 defaults, self.tokenizer.eos_token_ids, self.max_model_len, r.device,
                                 config.max_num_logits,
                                 config.sparse_kv() if config.dllm_admission is not None else None)
+
+    def _canvas_diffusion(self, config: EngineConfig, role: str, mc) -> DiffusionDecoder:
+        """The diffusion decoder of a LLaDA-style (bidirectional) checkpoint: Fast-dLLM's prefix cache as dLLM-Serve
+        phases (default admission phase, delay_step 0, ρ 1); EngineError for the options that do not apply."""
+        if role != COLOCATED:
+            raise EngineError("LLaDA-style models run on co-located workers (a request's first step is its prefill "
+                              "and its first Refresh)")
+        if config.dllm_chunk != "elastic":
+            raise EngineError(f"dllm_chunk {config.dllm_chunk} sizes Optimus's streaming windows, which need a "
+                              f"block-causal model (SDAR): in a LLaDA-style bidirectional model every position attends "
+                              f"to the whole canvas, masks after the active block included, so no position's K/V is "
+                              f"final when it is committed; LLaDA runs Fast-dLLM's prefix cache as dLLM-Serve phases "
+                              f"(dllm_admission, dllm_refresh_interval)")
+        if config.dllm_latency_profile is not None:
+            raise EngineError("dllm_latency_profile sizes Optimus's streaming windows, which a LLaDA-style "
+                              "bidirectional model does not run (its steps are dLLM-Serve phases)")
+        block = config.dllm_block_length or DEFAULT_BLOCK_LENGTH
+        if block < 2:
+            raise EngineError(f"dllm_block_length must be at least 2 for a LLaDA-style model, got {block}")
+        defaults = DllmConfig(block, config.dllm_unmasking_strategy, config.dllm_denoising_steps,
+                              config.dllm_confidence_threshold)
+        steps = defaults.dllm_denoising_steps
+        if steps is not None and block % steps:
+            raise EngineError(f"dllm_denoising_steps {steps} must divide the block length {block}")
+        r = self.runner
+        return DiffusionDecoder(r.model, r.kv_caches, config.block_size, block, False, defaults,
+                                self.tokenizer.eos_token_ids, self.max_model_len, r.device, config.max_num_logits,
+                                config.sparse_kv(retention_default=1.0), canvas=True)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
@@ -239,6 +274,11 @@ class LLMEngine:
         max_tokens = self.max_model_len - n
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        if self.dllm is not None and self.dllm.canvas:      # LLaDA: the canvas holds G rounded up to whole blocks
+            try:
+                max_tokens = canvas_max_tokens(n, params.max_tokens, self.dllm.block, self.max_model_len)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
         sid = session_id if session_id is not None else f"req-{request_id}"
         sess = self.sessions.get(sid)
         if sess is not None and sess.request is not None:
@@ -530,7 +570,8 @@ class LLMEngine:
             state = dllm.states.get(sid)
             if core.dllm is not None:                        # dLLM-Serve: the phase the core planned
                 if state is None:
-                    state = dllm.start_phases(sid, sess.tokens, sess.request.params, tables[seq])
+                    state = dllm.start_phases(sid, sess.tokens, sess.request.params, tables[seq],
+                                              sess.request.task.output_tokens)
                     if sess.request.metrics.first_scheduled_time is None:
                         sess.request.metrics.first_scheduled_time = prep.t0
                 dllm.phase(batch, sid, state, core.phase_of(sid))

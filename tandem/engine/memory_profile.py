@@ -236,18 +236,24 @@ class DiffusionDummy:
 
 
 def diffusion_worst_case(max_num_batched_tokens: int, max_model_len: int, block: int, vocab_size: int,
-                         device: torch.device | str = "cpu", rows: int | None = None) -> DiffusionDummy:
-    """A block-diffusion model's dummy step: `max_num_batched_tokens` query tokens as full-length recomputations
+                         device: torch.device | str = "cpu", rows: int | None = None,
+                         bidirectional: bool = False) -> DiffusionDummy:
+    """A diffusion model's dummy step: `max_num_batched_tokens` query tokens as full-length recomputations
     (dLLM-Serve's Refresh, a block-diffusion prefill: positions 0.. of sequences as long as max_model_len allows,
-    dense block-causal attention, no KV cache), every row sampled (or the first `rows`)."""
+    dense block-causal attention, or bidirectional for a LLaDA-style canvas; no KV cache), every row sampled (or the
+    first `rows`)."""
+    from tandem.engine.models.bidirectional import BidirectionalMetadata
     from tandem.engine.models.sdar import BlockDiffusionMetadata
     longest = max(block, max_model_len // block * block)
     lens, left = [], max_num_batched_tokens
     while left > 0:
         lens.append(min(left, longest))
         left -= lens[-1]
-    meta = BlockDiffusionMetadata.build([range(n) for n in lens], [0] * len(lens), [0] * len(lens), None, 1, block,
-                                        device)
+    zeros = [0] * len(lens)
+    if bidirectional:
+        meta = BidirectionalMetadata.build(lens, zeros, zeros, None, 1, device)
+    else:
+        meta = BlockDiffusionMetadata.build([range(n) for n in lens], zeros, zeros, None, 1, block, device)
     ids = torch.arange(max_num_batched_tokens, device=device) % vocab_size
     return DiffusionDummy(ids, meta, list(range(max_num_batched_tokens if rows is None else rows)))
 

@@ -59,7 +59,7 @@ class ModelRunner:
                     raise EngineError(_no_room(self.memory, per_block))
         self.num_blocks = kv_pool_blocks(cfg, per_block, self.device, profiled_kv)
         # CUDA only; the graphs' padding rows get a scratch block. A prefill worker never decodes: no decode graphs
-        graphs = graphs_apply(cfg, self.device) and role != PREFILL
+        graphs = graphs_apply(cfg, self.device) and role != PREFILL and not mc.is_diffusion   # AR decode steps
         prefill_graphs = prefill_graphs_apply(cfg, self.device, role)      # LAPS buckets: CUDA, bucketing workers
         self.kv_caches = allocate_kv_cache(mc.num_hidden_layers,
                                            self.num_blocks + (1 if graphs or prefill_graphs else 0),
@@ -125,7 +125,7 @@ class ModelRunner:
     def _profile_memory(self, max_len: int) -> MemoryProfile:
         """The worst-case dummy step (memory_profile.py) on a one-block scratch KV cache, dropped afterwards."""
         cfg, mc = self.cfg, self.model_config
-        if mc.diffusion_block_size is not None:
+        if mc.is_diffusion:
             return self._profile_diffusion(max_len)
         self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, 1, cfg.block_size, mc.num_key_value_heads,
                                            mc.head_dim, self.dtype, self.device)
@@ -151,11 +151,15 @@ class ModelRunner:
         """A block-diffusion model's worst-case step (memory_profile.diffusion_worst_case): the forward over
         max_num_batched_tokens recomputed positions, then every row's logits sampled as the decoder samples them
         (temperature, top-k, top-p on a seeded generator), all at once or max_num_logits rows at a time."""
+        from tandem.engine.diffusion.llada_generate import DEFAULT_BLOCK_LENGTH as LLADA_BLOCK_LENGTH
         from tandem.engine.diffusion.unmasking import sample_tokens
         cfg, mc = self.cfg, self.model_config
-        block = cfg.dllm_block_length or mc.diffusion_block_size
-        batch = diffusion_worst_case(cfg.max_num_batched_tokens, max_len, block, mc.vocab_size, self.device)
-        warm = diffusion_worst_case(cfg.max_num_batched_tokens, max_len, block, mc.vocab_size, self.device, rows=1)
+        block = cfg.dllm_block_length or mc.diffusion_block_size or LLADA_BLOCK_LENGTH
+        bi = mc.is_canvas_diffusion
+        batch = diffusion_worst_case(cfg.max_num_batched_tokens, max_len, block, mc.vocab_size, self.device,
+                                     bidirectional=bi)
+        warm = diffusion_worst_case(cfg.max_num_batched_tokens, max_len, block, mc.vocab_size, self.device, rows=1,
+                                    bidirectional=bi)
 
         def forward(b: DiffusionDummy) -> torch.Tensor:
             with torch.inference_mode():

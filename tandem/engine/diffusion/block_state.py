@@ -123,6 +123,11 @@ class BlockState:
         out += [s + j for j, u in enumerate(self.undecoded) if not u and s + j not in written]
         return out
 
+    def canvas(self) -> list[int]:
+        """The tokens a full-length step computes: the prefix and the active block (block-causal: nothing after it
+        exists yet; llada_generate.CanvasState adds the masked canvas after it)."""
+        return self.prefix + self.block
+
     def token_at(self, p: int) -> int:
         """The token at position p (prefix or active block)."""
         s = self.start

@@ -11,6 +11,11 @@ FULL or REFRESH (the whole sequence recomputed; REFRESH packs its sparse KV) or 
 packed KV), built and committed by refresh.py's per-sequence step (the decoding loop generate_refresh runs the same
 one). Each request's packed KV lives in the engine's paged KV pool, in the blocks the core reserved for it at
 admission (⌈ρ·(P + G)⌉ positions per head: PagedSparseKV), so the pool, the memory budget and admission agree.
+
+A LLaDA-style (bidirectional) model runs only in that mode (`canvas`): each request is a llada_generate.CanvasState
+(the prompt, then G rounded up to whole blocks of masks, blocks from the prompt's end; the core's span `canvas`), and
+the same per-sequence step makes a Refresh the whole canvas and a Reuse the active block and the masks after it over
+the packed prefix: Fast-dLLM's prefix cache, dense at ρ = 1.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from tandem.engine.diffusion.block_state import BlockState, Window, build_step, prefill_window
+from tandem.engine.diffusion.llada_generate import CanvasState
 from tandem.engine.diffusion.refresh import PhaseWindow, build_phase_step, commit_window, phase_window
 from tandem.engine.diffusion.sparse_attention import SparseKVBackend
 from tandem.engine.diffusion.sparse_kv import PagedSparseKV, SparseKVConfig
@@ -45,8 +51,11 @@ class DiffusionDecoder:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], kv_block_size: int, block: int,
                  streaming: bool, defaults: DllmConfig, eos: Sequence[int], max_model_len: int,
                  device: torch.device, max_num_logits: int | None = None,
-                 sparse: SparseKVConfig | None = None) -> None:
-        """Decode with the model over the engine's KV pool; with `sparse`, in dLLM-Serve's phases (set kv_slots)."""
+                 sparse: SparseKVConfig | None = None, canvas: bool = False) -> None:
+        """Decode with the model over the engine's KV pool; with `sparse`, in dLLM-Serve's phases (set kv_slots);
+        `canvas`: a LLaDA-style bidirectional model (phases only)."""
+        if canvas and sparse is None:
+            raise ValueError("a LLaDA-style canvas is decoded in dLLM-Serve phases: give `sparse`")
         self.model, self.kv_caches, self.kv_block_size = model, kv_caches, kv_block_size
         self.block, self.streaming, self.defaults = block, streaming, defaults
         self.eos = frozenset(eos)
@@ -54,7 +63,8 @@ class DiffusionDecoder:
         self.max_num_logits = max_num_logits
         self.states: dict[str, BlockState] = {}
         self.sparse = sparse                                   # dLLM-Serve mode: the selection options
-        self.backend = SparseKVBackend(sparse) if sparse is not None else None
+        self.canvas = canvas                                   # LLaDA: CanvasStates, bidirectional attention
+        self.backend = SparseKVBackend(sparse, bidirectional=canvas) if sparse is not None else None
         self.kv_slots: Callable[[int, int], int] | None = None   # (P, G) -> the buffer the core reserves per request
         self.buffers: dict[str, PagedSparseKV] = {}
         self.packed: dict[str, int] = {}                       # session -> the block start of its last Refresh
@@ -101,11 +111,20 @@ class DiffusionDecoder:
         self.states[sid] = st
         return st
 
-    def start_phases(self, sid: str, tokens: list[int], params: SamplingParams, table: list[int]) -> BlockState:
+    def start_phases(self, sid: str, tokens: list[int], params: SamplingParams, table: list[int],
+                     max_tokens: int) -> BlockState:
         """dLLM-Serve mode: the decoding state of a request the core just admitted (nothing of it is cached; its
-        first step recomputes it) and its packed-KV buffer over the KV blocks the core reserved (`table`)."""
-        st = BlockState(tokens, params, self.options(params), self.block, self.model.mask_token_id, self.eos,
-                        self.max_model_len, self.device)
+        first step recomputes it; `max_tokens`: its G, the core's) and its packed-KV buffer over the KV blocks the
+        core reserved (`table`)."""
+        if self.canvas:
+            params = params.clone()
+            params.max_tokens = max_tokens
+            gen_length = -(-max_tokens // self.block) * self.block
+            st = CanvasState(tokens, params, self.options(params), self.block, self.model.mask_token_id, self.eos,
+                             gen_length, self.device)
+        else:
+            st = BlockState(tokens, params, self.options(params), self.block, self.model.mask_token_id, self.eos,
+                            self.max_model_len, self.device)
         self.buffers[sid] = PagedSparseKV(self.kv_caches, table, self.kv_block_size, self.kv_slots(st.P, st.max_tokens))
         self.states[sid] = st
         return st

@@ -1,4 +1,5 @@
-"""Block-diffusion decoding with dLLM-Serve's Refresh and Reuse phases and head-centric sparse KV, for SDAR.
+"""Block-diffusion decoding with dLLM-Serve's Refresh and Reuse phases and head-centric sparse KV, for SDAR (the
+per-sequence step below also serves LLaDA-style canvases in the engine: llada_generate.CanvasState, span `canvas`).
 
 The phases are the core's (tandem/policy/dllm_serve/phases.py, `PhaseSpec.phase_at`, dLLM-Serve's SparseConfig
 semantics): the active block's step j is
@@ -58,15 +59,16 @@ class PhaseWindow:
 
 
 def phase_window(seq: BlockState, phase: Phase, buffer: SparseKVBuffer | PagedSparseKV) -> PhaseWindow:
-    """The step of a sequence in `phase`: full-length (FULL, REFRESH: prompt + committed blocks + active block,
-    dense; REFRESH also packs `buffer`) or the active block against `buffer` (REUSE)."""
+    """The step of a sequence in `phase`: full-length (FULL, REFRESH: the whole sequence, `seq.canvas()`, dense;
+    REFRESH also packs `buffer`) or the canvas from the active block on against `buffer` (REUSE: SDAR's block; a
+    LLaDA canvas's block and the masks after it, Fast-dLLM's prefix cache)."""
     full = phase.full_length
     first = 0 if full else seq.start
     cand = seq.candidates()
-    ids = seq.prefix + seq.block if full else list(seq.block)
+    ids = seq.canvas()[first:]
     rows = [seq.start - first + j for j in cand]
-    return PhaseWindow(SeqStep(buffer, full, phase is Phase.REFRESH, seq.start), range(first, seq.start + seq.B),
-                       ids, rows, cand)
+    return PhaseWindow(SeqStep(buffer, full, phase is Phase.REFRESH, seq.start, seq.B),
+                       range(first, first + len(ids)), ids, rows, cand)
 
 
 def build_phase_step(windows: Sequence[PhaseWindow], block: int, backend: SparseKVBackend,

@@ -50,6 +50,16 @@ class ModelConfig:
     diffusion_block_size: int | None = None
     mask_token_id: int | None = None
 
+    @property
+    def is_canvas_diffusion(self) -> bool:
+        """A LLaDA-style masked-diffusion model: bidirectional over its whole canvas, no block length of its own."""
+        return self.architecture == LLADA_ARCHITECTURE
+
+    @property
+    def is_diffusion(self) -> bool:
+        """A diffusion model of either kind (block-diffusion SDAR, or LLaDA-style): it has a mask token."""
+        return self.mask_token_id is not None
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Parse a config.json dict; ValueError naming the field when one is missing or unsupported."""

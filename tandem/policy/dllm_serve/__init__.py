@@ -4,9 +4,9 @@ from tandem.policy.dllm_serve.admission import (
     Admission, AdmissionMode, Candidate, DllmServe, DllmServeStats, Selection, parse_admission,
 )
 from tandem.policy.dllm_serve.phases import (
-    DEFAULT_DELAY_STEP, DEFAULT_RETENTION, Phase, PhaseSchedule, PhaseSpec, PhaseState, RefreshSpan,
+    DEFAULT_DELAY_STEP, DEFAULT_RETENTION, Phase, PhaseSchedule, PhaseSpec, PhaseState, RefreshSpan, canvas_max_tokens,
 )
 
 __all__ = ["Admission", "AdmissionMode", "Candidate", "DEFAULT_DELAY_STEP", "DEFAULT_RETENTION", "DllmServe",
            "DllmServeStats", "Phase", "PhaseSchedule", "PhaseSpec", "PhaseState", "RefreshSpan", "Selection",
-           "parse_admission"]
+           "canvas_max_tokens", "parse_admission"]

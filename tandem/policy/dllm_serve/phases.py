@@ -28,6 +28,11 @@ The sequence length a full-length step recomputes (`RefreshSpan`):
   kB+B-1), so the prompt's leftover P mod B tokens start the first block and it has B - P mod B answer positions;
   every step computes the whole active block (B query rows, positions past G included, as the engine runs them), a
   full-length step positions 0 .. the active block's end, and the peak is P + G rounded up to whole blocks.
+- `canvas`: `full` as LLaDA's generate and Fast-dLLM lay the canvas out (what the engine computes for a
+  bidirectional model): prompt + G rounded up to whole blocks (every block B positions; positions past G stay masked
+  and are computed, never committed), blocks from the prompt's end; a full-length step recomputes the whole canvas,
+  and a Reuse step is Fast-dLLM's prefix cache: the active block *and the masked canvas after it* are queries, only
+  the prefix (prompt + completed blocks) is cached, so a Reuse reads ⌊ρ·prefix⌋ retained keys.
 
 KV (dLLM-Serve §4.5, head-centric sparse KV): a request keeps the top ⌈ρ·L⌉ positions per KV head of its sequence
 of L = P + G in a dense buffer whose size is fixed for its life (dLLM-Serve's `max_sparse_token`, allocated at
@@ -65,6 +70,8 @@ class RefreshSpan(StrEnum):
     FULL = "full"          # prompt + the whole generation length (LLaDA's masked canvas)
     PREFIX = "prefix"      # prompt + generated + the active block (block-causal models)
     ALIGNED = "aligned"    # prefix, with blocks aligned to absolute positions (SDAR's layout, the engine's)
+    CANVAS = "canvas"      # full, canvas rounded up to whole blocks, Reuse = Fast-dLLM's prefix cache (LLaDA's
+                           # layout in the engine: the block and the masks after it recomputed, the prefix cached)
 
 
 def _nonneg_int(name: str, v) -> None:
@@ -131,10 +138,16 @@ class PhaseSchedule:
     # ---------------------------------------------------------------- sizes
     def peak_tokens(self, prompt: int, gen: int) -> int:
         """The largest Refresh of a request: its whole sequence at the end of generation, P + G (aligned: rounded up
-        to whole blocks)."""
+        to whole blocks; canvas: P + G rounded up to whole blocks)."""
         if self.spec.span is RefreshSpan.ALIGNED:
             return -(-(prompt + gen) // self.block) * self.block
+        if self.spec.span is RefreshSpan.CANVAS:
+            return prompt + self.canvas_gen(gen)
         return prompt + gen
+
+    def canvas_gen(self, gen: int) -> int:
+        """The masked canvas of LLaDA's layout: G rounded up to whole blocks (LLaDA's gen_length)."""
+        return -(-gen // self.block) * self.block
 
     def kv_tokens(self, prompt: int, gen: int) -> int:
         """The positions its dense KV buffer holds for its whole life: ⌈ρ·(P + G)⌉, at least 1."""
@@ -142,8 +155,8 @@ class PhaseSchedule:
 
     def first_tokens(self, prompt: int, gen: int) -> int:
         """Query tokens of a request's first step (a full-length step of its first block)."""
-        if self.spec.span is RefreshSpan.FULL:
-            return prompt + gen
+        if self.spec.span in (RefreshSpan.FULL, RefreshSpan.CANVAS):
+            return self.peak_tokens(prompt, gen)
         if self.spec.span is RefreshSpan.ALIGNED:
             return prompt // self.block * self.block + self.block
         return prompt + min(self.block, gen)
@@ -178,19 +191,26 @@ class PhaseSchedule:
 
     def sequence_tokens(self, st: PhaseState) -> int:
         """The length a full-length step recomputes now."""
-        if self.spec.span is RefreshSpan.FULL:
-            return st.prompt + st.gen
+        if self.spec.span in (RefreshSpan.FULL, RefreshSpan.CANVAS):
+            return self.peak_tokens(st.prompt, st.gen)
         return st.prompt + self.block_start(st) + self.block_len(st)
 
     def demand(self, st: PhaseState) -> int:
-        """Query tokens of the request's next step: the sequence length (Refresh) or its active block (Reuse)."""
+        """Query tokens of the request's next step: the sequence length (Refresh) or its active block (Reuse; canvas:
+        the block and the masked canvas after it)."""
         if self.phase(st).full_length:
             return self.sequence_tokens(st)
+        if self.spec.span is RefreshSpan.CANVAS:
+            return self.canvas_gen(st.gen) - self.block_start(st)
         return self.block_len(st)
 
     def reuse_context(self, st: PhaseState) -> int:
-        """Keys a Reuse step reads besides its block: the retained positions of the context outside the block."""
-        ctx = self.sequence_tokens(st) - self.block_len(st)
+        """Keys a Reuse step reads besides its queries: the retained positions of the context outside the block
+        (canvas: of the cached prefix)."""
+        if self.spec.span is RefreshSpan.CANVAS:
+            ctx = st.prompt + self.block_start(st)
+        else:
+            ctx = self.sequence_tokens(st) - self.block_len(st)
         return max(1, int(self.spec.retention * ctx + 1e-9)) if ctx > 0 else 0
 
     def advance(self, st: PhaseState, committed: int) -> None:
@@ -206,5 +226,15 @@ class PhaseSchedule:
             st.block_step += 1
 
 
+def canvas_max_tokens(prompt: int, max_tokens: int | None, block: int, max_len: int) -> int:
+    """A round's G on a LLaDA canvas (span `canvas`): the requested max_tokens (None: all it can), clamped so that
+    the prompt and G rounded up to whole blocks fit max_len positions; ValueError when not one block fits."""
+    fit = (max_len - prompt) // block * block
+    if fit < 1:
+        raise ValueError(f"a prompt of {prompt} tokens leaves less than one diffusion block ({block} positions) of the "
+                         f"model's {max_len}: a LLaDA canvas is the prompt and whole blocks of mask tokens")
+    return fit if max_tokens is None else min(int(max_tokens), fit)
+
+
 __all__ = ["DEFAULT_DELAY_STEP", "DEFAULT_RETENTION", "Phase", "PhaseSchedule", "PhaseSpec", "PhaseState",
-           "RefreshSpan"]
+           "RefreshSpan", "canvas_max_tokens"]
