@@ -59,7 +59,8 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
                    help="CPU: bytes per worker for weights, activations and KV (e.g. 4G, 512M); the KV pool gets "
                         "what the profiled worst-case step leaves (default: a 1 GiB KV pool)")
     p.add_argument("--dllm-block-length", type=positive_int, default=None, metavar="B",
-                   help="block-diffusion models: positions per block; must be the model's (default: config.json)")
+                   help="diffusion models: positions per block; SDAR: must be the model's (default: config.json); "
+                        "LLaDA: any >= 2 (default: 32)")
     p.add_argument("--dllm-chunk", default=None, metavar="elastic|block|N",
                    help="block-diffusion models: each step's window: elastic (Optimus), block (the whole block "
                         "recomputed), or a fixed streaming chunk N (default: elastic)")
@@ -78,14 +79,15 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--dllm-admission", default=None, choices=("phase", "static", "reserve"),
                    help="block-diffusion models: dLLM-Serve's Refresh/Reuse phases over sparse KV, admitted by "
                         "phase (dLLM-Serve), static (Fast-dLLM-like batches reserving each request's Refresh "
-                        "peak) or reserve (request-level continuous); default: Optimus windows (--dllm-chunk)")
+                        "peak) or reserve (request-level continuous); default: Optimus windows (--dllm-chunk); a LLaDA "
+                        "model always runs in phases (default: phase)")
     p.add_argument("--dllm-delay-step", type=nonneg_int, default=None, metavar="N",
-                   help="--dllm-admission: full-length steps of a block before its KV is packed (default: 1)")
+                   help="--dllm-admission: full-length steps of a block before its KV is packed (default: 1; LLaDA: 0)")
     p.add_argument("--dllm-refresh-interval", type=nonneg_int, default=None, metavar="N",
                    help="--dllm-admission: also refresh every N steps after the pack (default: 0, never)")
     p.add_argument("--kv-retention-ratio", type=unit_fraction, default=None, metavar="R",
                    help="--dllm-admission: share of a request's positions whose K/V each head keeps, in (0, 1] "
-                        "(default: 0.5)")
+                        "(default: 0.5; LLaDA: 1, Fast-dLLM's dense prefix cache)")
     p.add_argument("--kv-pool-kernel", type=positive_int, default=None, metavar="K",
                    help="--dllm-admission: max-pool kernel over the position scores, odd (default: 3)")
     p.add_argument("--kv-selection", default=None, choices=("head", "uniform"),
