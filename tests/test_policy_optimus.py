@@ -79,20 +79,21 @@ def fresh(b: int, block: int = 32) -> list[SeqWindow]:
 
 
 def test_elastic_runs_the_block_until_it_has_seen_it_then_takes_the_argmax():
-    """Protects c* = argmax n(c) b / T(c, b): after 32 sequences committing 16 at the block size 32, N(m) = min(16, m)
-    over m masked positions; a streaming window of c also writes the last step's commits, so in steady state it
-    commits n(c) = p with p = N(c - p): c / 2 here. One sequence (T flat, 10 ms): c = 32 (16 per 10 ms). 64 sequences:
-    c=16 -> 1024 tokens, T = 10 + 0.02 x 768 = 25.36 ms, 8 x 64 / 25.36 = 20.2 a ms, beating c=8 (512 tokens,
-    15.12 ms: 16.9) and c=32 (2048 tokens, 76.56 ms: 13.4). 256 sequences: c=4 -> 1024 tokens, 20.2 a ms, beating
-    c=2 (16.9), c=8 (13.4) and c=1 (12.8)."""
+    """Protects c* = argmax N(c) b / T(c, b): after 32 sequences committing 16 at the block size 32, N(m) = min(16, m)
+    over m masked positions. One fresh sequence (T flat, 10 ms): c = 16 and 32 both commit 16 per 10 ms, the first
+    (16) is kept. 64 sequences: c=16 -> 1024 tokens, T = 10 + 0.02 x 768 = 25.36 ms, 16 x 64 / 25.36 = 40.4 a ms,
+    beating c=8 (512 tokens, 15.12 ms: 33.9) and c=32 (2048 tokens, 76.56 ms: 13.4). 256 sequences: c=4 -> 1024
+    tokens, 40.4 a ms, beating c=2 (33.9) and c=8 (26.7). A window first writes the K/V of the last step's commits:
+    one sequence with 1 masked position left and 15 to write commits nothing at c <= 15, one token at c >= 16."""
     s = sizer()
-    assert s.choose(fresh(64)) == 32                    # warm-up: the block size until 32 sequence-steps were observed
+    assert s.choose(fresh(64)) == 32             # warm-up: the block size until 32 sequence-steps were observed
     s.observe(32, [16] * 32)
-    assert [s.streaming_commits(c) == pytest.approx(c / 2) for c in (1, 2, 4, 8, 16, 32)] == [True] * 6
-    assert s.choose(fresh(1)) == 32
+    assert [s.estimator(c) for c in (1, 4, 16, 32)] == [1.0, 4.0, 16.0, 16.0]
+    assert s.choose(fresh(1)) == 16
     assert s.choose(fresh(64)) == 16
     assert s.choose(fresh(256)) == 4
-    assert s.steps_by_chunk == {32: 2, 16: 1, 4: 1}
+    assert s.choose([SeqWindow(1, 15)]) == 16
+    assert s.steps_by_chunk == {32: 1, 16: 3, 4: 1}
 
 
 def test_elastic_prices_each_window_where_it_is_and_what_it_reads():
@@ -101,15 +102,16 @@ def test_elastic_prices_each_window_where_it_is_and_what_it_reads():
 
     - a window stays in its active block: 64 sequences with 4 masked positions left each cost the same 256 rows
       at c = 4 and at c = 32, so the largest window is as cheap, and c = 4 (the first of the equals) is taken;
-    - the cached tokens a step reads are charged once per step whatever c: 64 fresh sequences take c = 16 with no
-      context (the test above), but over 10⁶ cached tokens at 1 µs each c = 32 (1,024 tokens in 1,076.5 ms:
-      0.95 a ms) beats c = 16 (512 in 1,025.3 ms: 0.50 a ms);
+    - the cached tokens a step reads are charged once per step whatever c: when every masked position commits, 64
+      fresh sequences take c = 16 with no context (1,024 tokens in 25.36 ms against 2,048 in 76.56 ms at c = 32),
+      but over 10⁶ cached tokens at 1 µs each c = 32 (2,048 tokens in 1,076.6 ms: 1.90 a ms) beats c = 16 (1,024 in
+      1,025.4 ms: 1.00 a ms);
     - the windows must fit the room: 64 fresh sequences in 300 rows take at most c = 4."""
     s = sizer()
     s.observe(32, [16] * 32)
     assert s.choose([SeqWindow(4)] * 64) == 4
     kv = ChunkSizer(ChunkSpec(), 32, lambda rows, seqs, ctx: three_regimes(rows) + 1e-6 * ctx)
-    kv.observe(32, [16] * 32)
+    kv.observe(32, [32] * 32)                    # every masked position commits: N(m) = m
     assert kv.choose(fresh(64)) == 16
     assert kv.choose([SeqWindow(32, 0, 0, 1_000_000 // 64)] * 64) == 32
     assert s.choose(fresh(64), room=300) == 4

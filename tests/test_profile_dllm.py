@@ -43,7 +43,7 @@ def profiled(tmp_path_factory) -> tuple[Path, str]:
 
 
 def _latency(w: WindowLatencyProfile) -> ChunkLatency:
-    return ChunkLatency(w.breakpoints, w.coefs, w.floor_s)
+    return ChunkLatency.from_profile(w)
 
 
 def _corrupt(path: Path, tmp_path: Path) -> Path:
@@ -78,11 +78,11 @@ def test_the_fit_reproduces_its_own_samples(profiled):
     `predicted` is that fit's value, and it reproduces its samples to a median relative error within the bound."""
     w = Profile.from_json(profiled[0]).dllm_latency
     m = _latency(w)
-    assert ChunkLatency.fit(*w.points("train")) == m
+    c, b, y = w.points("train")
+    assert ChunkLatency.fit([ci * bi for ci, bi in zip(c, b)], y, seqs=b) == m
     for s in w.samples:
         assert s["predicted"] == m(s["c"], s["b"])
-    x, y = w.points("train")
-    assert rel_errors([m(t, 1) for t in x], y) == w.train_error
+    assert rel_errors([m(ci, bi) for ci, bi in zip(c, b)], y) == w.train_error
     assert w.train_error["median"] <= TRAIN_MEDIAN_BOUND
 
 

@@ -176,11 +176,11 @@ class LLMEngine:
         on this engine's forward."""
         if profiled is None:
             return measure_window_latency(self.runner.model, self.dllm.block, config.max_num_batched_tokens,
-                                          self.runner.device)
+                                          self.runner.device, max_seqs=config.max_num_seqs)
         if profiled.block != self.dllm.block:
             raise EngineError(f"dllm_latency_profile {config.dllm_latency_profile}: measured with diffusion blocks of "
                               f"{profiled.block}, this engine decodes blocks of {self.dllm.block}")
-        return ChunkLatency(profiled.breakpoints, profiled.coefs, profiled.floor_s)
+        return ChunkLatency.from_profile(profiled)
 
     def _diffusion(self, config: EngineConfig, role: str, mc) -> DiffusionDecoder | None:
         """The diffusion decoder of a block-diffusion checkpoint (None for an autoregressive one); EngineError when

@@ -24,7 +24,7 @@ def _num(v: Any, what: str) -> float:
 
 @dataclass
 class WindowLatencyProfile:
-    """T(c, b) ≈ β1_k·b·c + β0_k in regime k (breakpoints in b·c), floored, with the samples it was fitted to."""
+    """T(c, b) ≈ β1_k·b·c + β0_k + α·b in regime k (breakpoints in b·c), floored, with the samples it was fitted to."""
 
     breakpoints: tuple[float, ...]
     coefs: tuple[tuple[float, float], ...]
@@ -34,12 +34,13 @@ class WindowLatencyProfile:
     samples: list[dict] = field(default_factory=list)   # split, c, b, tokens, seconds, runs, predicted
     train_error: dict = field(default_factory=dict)
     heldout_error: dict = field(default_factory=dict)
+    per_seq_s: float = 0.0                      # α: seconds per sequence in a step (absent in older sections: 0)
 
     def to_dict(self) -> dict:
         """The JSON section."""
         return {"version": SECTION_VERSION, "block": self.block, "context": self.context,
                 "fit": {"breakpoints": list(self.breakpoints), "coefs": [list(c) for c in self.coefs],
-                        "floor_s": self.floor_s},
+                        "floor_s": self.floor_s, "per_seq_s": self.per_seq_s},
                 "train_error": self.train_error, "heldout_error": self.heldout_error, "samples": self.samples}
 
     @classmethod
@@ -70,6 +71,9 @@ class WindowLatencyProfile:
         floor = _num(fit["floor_s"], "fit.floor_s")
         if floor < 0:
             raise ValueError(f"fit.floor_s must be >= 0, got {floor}")
+        per_seq = _num(fit.get("per_seq_s", 0.0), "fit.per_seq_s")
+        if per_seq < 0:
+            raise ValueError(f"fit.per_seq_s must be >= 0, got {per_seq}")
         block, context = d["block"], d["context"]
         if not (isinstance(block, int) and block >= 1 and isinstance(context, int) and context >= 0):
             raise ValueError(f"block must be an integer >= 1 and context >= 0, got {block!r} and {context!r}")
@@ -79,12 +83,12 @@ class WindowLatencyProfile:
                 if _num(s[k], f"samples[].{k}") <= 0:
                     raise ValueError(f"samples[].{k} must be > 0, got {s[k]!r}")
         return cls(bps, coefs, floor, block, context, samples, dict(d.get("train_error") or {}),
-                   dict(d.get("heldout_error") or {}))
+                   dict(d.get("heldout_error") or {}), per_seq)
 
-    def points(self, split: str) -> tuple[list[int], list[float]]:
-        """(b·c, seconds) of the samples of one split (train or heldout)."""
+    def points(self, split: str) -> tuple[list[int], list[int], list[float]]:
+        """(c, b, seconds) of the samples of one split (train or heldout)."""
         sel = [s for s in self.samples if s.get("split") == split]
-        return [int(s["c"]) * int(s["b"]) for s in sel], [float(s["seconds"]) for s in sel]
+        return [int(s["c"]) for s in sel], [int(s["b"]) for s in sel], [float(s["seconds"]) for s in sel]
 
 
 __all__ = ["SECTION", "SECTION_VERSION", "WindowLatencyProfile"]

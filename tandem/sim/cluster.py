@@ -306,7 +306,7 @@ def _profile_latency(cfg: SimConfig, prof: Profile) -> ChunkLatency | None:
     if w.block != cfg.dllm_block_length:
         raise ConfigError(f"the profile {cfg.perf} measured T(c, b) with diffusion blocks of {w.block}; "
                           f"--dllm-block-length is {cfg.dllm_block_length}")
-    return ChunkLatency(w.breakpoints, w.coefs, w.floor_s)
+    return ChunkLatency.from_profile(w)
 
 
 def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tuple[Coordinator, list[WorkerCore], EventLoop]:

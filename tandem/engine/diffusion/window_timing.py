@@ -1,12 +1,15 @@
 """Timing a block-diffusion model's window steps: Optimus's T(c, b) measured on the engine's own forward.
 
 One implementation serves both places that measure it: the engine at start-up (`measure_window_latency`: a quick fit
-over windows of the block size, no cache, the LM head timed once and charged per row) and `tandem profile`
+over windows of the block size, no cache, the LM head timed once and charged per row, and a cost per sequence from a
+few whole steps) and `tandem profile`
 (`WindowTimer` in whole-step mode: b windows of c positions over a cached context read from the KV pool, the step's
 inputs built, the forward, the LM head and greedy sampling over every row, as the engine's step runs them).
 """
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from typing import Callable, Sequence
 
@@ -93,18 +96,28 @@ def _split(x: int, block: int) -> list[int]:
     return [min(block, x - s) for s in range(0, x, block)]
 
 
+PER_SEQ_PROBES = (1, 4, 8)      # k: k blocks' rows as k windows of the block against k·B windows of one position
+
+
 @torch.inference_mode()
 def measure_window_latency(model: torch.nn.Module, block: int, max_tokens: int, device: torch.device,
                            clock: Clock = time.perf_counter, repeats: int = 2, head_rows: int = 256,
                            context: int = 0, kv_caches: list[torch.Tensor] | None = None, kv_block_size: int = 1,
-                           num_blocks: int = 0) -> ChunkLatency:
+                           num_blocks: int = 0, max_seqs: int = 0) -> ChunkLatency:
     """Optimus's T(c, b) fitted on this engine's own step: windows of `block` positions (over `context` cached tokens
     from the KV pool when given, else no cache), b·c query tokens at the sizes ChunkLatency samples, plus the LM head
-    over every row (linear in the rows, timed once on `head_rows`); best of `repeats`."""
-    timer = WindowTimer(model, block, device, context=context, kv_caches=kv_caches, kv_block_size=kv_block_size,
-                        num_blocks=num_blocks, clock=clock, repeats=repeats,
-                        head_rows=max(1, min(head_rows, max_tokens)))
-    return ChunkLatency.sample(lambda x: timer(_split(x, block)), max_tokens=max(2, max_tokens))
+    over every row (linear in the rows, timed once on `head_rows`); best of `repeats`. With `max_seqs`, also the
+    cost per sequence b·c does not see (building its window's inputs, sampling it, its attention): the median over
+    a few row counts of whole steps (WindowTimer's whole_step) of windows of one position against windows of the
+    block, per extra sequence."""
+    kw = dict(context=context, kv_caches=kv_caches, kv_block_size=kv_block_size, num_blocks=num_blocks, clock=clock,
+              repeats=repeats, head_rows=max(1, min(head_rows, max_tokens)))
+    timer = WindowTimer(model, block, device, **kw)
+    fit = ChunkLatency.sample(lambda x: timer(_split(x, block)), max_tokens=max(2, max_tokens))
+    whole = WindowTimer(model, block, device, whole_step=True, **kw)
+    extra = [(whole([1] * (k * block)) - whole([block] * k)) / (k * block - k)
+             for k in PER_SEQ_PROBES if k * block <= min(max_tokens, max_seqs)]
+    return dataclasses.replace(fit, per_seq_s=max(0.0, statistics.median(extra))) if extra else fit
 
 
 __all__ = ["WindowTimer", "measure_window_latency"]

@@ -109,14 +109,14 @@ def measure_window_latency_profile(runner: ModelRunner, block: int, budget: int,
 def fit_window_latency(samples: list[dict], block: int, context: int) -> WindowLatencyProfile:
     """ChunkLatency fitted to the training samples, each sample's prediction, and the train and held-out errors."""
     sec = WindowLatencyProfile((), ((0.0, 0.0),), 0.0, block, context, samples)
-    x, y = sec.points("train")
-    m = ChunkLatency.fit(x, y)
+    c, b, y = sec.points("train")
+    m = ChunkLatency.fit([ci * bi for ci, bi in zip(c, b)], y, seqs=b)
     for s in samples:
         s["predicted"] = m(int(s["c"]), int(s["b"]))
-    hx, hy = sec.points("heldout")
-    sec.breakpoints, sec.coefs, sec.floor_s = m.breakpoints, m.coefs, m.floor_s
-    sec.train_error = rel_errors([m(t, 1) for t in x], y)
-    sec.heldout_error = rel_errors([m(t, 1) for t in hx], hy)
+    hc, hb, hy = sec.points("heldout")
+    sec.breakpoints, sec.coefs, sec.floor_s, sec.per_seq_s = m.breakpoints, m.coefs, m.floor_s, m.per_seq_s
+    sec.train_error = rel_errors([m(ci, bi) for ci, bi in zip(c, b)], y)
+    sec.heldout_error = rel_errors([m(ci, bi) for ci, bi in zip(hc, hb)], hy)
     return sec
 
 

@@ -2,7 +2,10 @@
 
 `elastic`: c* = argmax_c N_commit(c)·b / T(c, b) over the candidate sizes up to the block length, b the sequences
 decoding this step: the size that commits the most tokens per second at this load. Until the estimator has seen
-enough steps, the step runs at the block size (Optimus observes the largest chunk first).
+enough steps, the step runs at the block size (Optimus observes the largest chunk first). Each sequence is priced
+where it is (`SeqWindow`): a streaming window first writes the K/V of the positions the last step committed, then
+covers masked positions up to c, never past its block, so its commits are N_commit of what is left for the masked
+ones; T is the shell's price of the whole step (its rows, sequences and cached tokens).
 `N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
 diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded positions' KV within it).
 """
@@ -88,26 +91,6 @@ class ChunkSizer:
         self.steps_by_chunk: dict[int, int] = {}     # steps run at each chosen window (what /metrics shows)
         self.commit_counts: dict[int, int] = {}      # sequence-steps that committed k tokens
 
-    def streaming_commits(self, c: int) -> float:
-        """Commits a step of window c makes in steady state when the window also carries the K/V writes of the last
-        step's commits (streaming chunks, block_state.py): p = N(c - p), N_commit read over the masked positions
-        the writes leave; with c = 2 one token is written while one is decoded. Solved by bisection on p in [0, c)."""
-        n = self.estimator
-
-        def masked(m: float) -> float:                 # N at a fractional window, linear between integers
-            if m < 1.0:
-                return m * n(1)                        # N(0) = 0
-            lo = int(m)
-            return n(lo) + (m - lo) * (n(lo + 1) - n(lo)) if lo < c else n(lo)
-        lo, hi = 0.0, float(c)
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            if masked(c - mid) > mid:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
     @property
     def recomputes_block(self) -> bool:
         """Plain block diffusion: every step computes the whole block (no reuse of its decoded positions)."""
@@ -116,8 +99,8 @@ class ChunkSizer:
     def choose(self, seqs: Sequence[SeqWindow], room: int | None = None) -> int:
         """The window of a step decoding `seqs` (at most the block length). Elastic: the candidate c committing the
         most tokens per second, each sequence's window min(c, left + pending) (it stays in the active block) plus its
-        extra rows, its commits the streaming steady state of that window (at most what is left), the step priced
-        on all its rows, sequences and cached tokens; the windows within `room` query rows when given (the step's
+        extra rows, its expected commits N_commit of the masked positions the window has after its K/V writes, the
+        step priced on all its rows, sequences and cached tokens; the windows within `room` query rows when given (the step's
         budget left to them, extra rows already taken out), down to a window of 1."""
         mode, b = self.spec.mode, len(seqs)
         if mode is ChunkMode.BLOCK or b <= 0:
@@ -135,11 +118,12 @@ class ChunkSizer:
                 for s in seqs:
                     w = cand if cand < s.left + s.pending else s.left + s.pending
                     rows += w
-                    if not warm and w > 0:
-                        got = sc.get(w)
+                    m = w - s.pending                  # the window's masked positions, after its writes
+                    if not warm and m > 0:
+                        got = sc.get(m)
                         if got is None:
-                            got = sc[w] = self.streaming_commits(w)
-                        commits += got if got < s.left else s.left
+                            got = sc[m] = self.estimator(m)
+                        commits += got
                 if room is not None and cand > 1 and rows - extra > room:
                     if warm:
                         continue

@@ -18,44 +18,63 @@ from itertools import combinations
 
 import numpy as np
 
+from tandem.perf.window_profile import WindowLatencyProfile
+
 REGIMES = 3
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkLatency:
-    """T(c, b): seconds of a step of b sequences with c query tokens each (affine regimes in b·c)."""
+    """T(c, b): seconds of a step of b sequences with c query tokens each (affine regimes in b·c, plus a cost per
+    sequence when it was fitted on steps that tell the two apart)."""
 
     breakpoints: tuple[float, ...]              # b·c where the next regime starts
     coefs: tuple[tuple[float, float], ...]      # per regime (β0, β1)
     floor_s: float = 0.0
+    per_seq_s: float = 0.0                      # seconds per sequence in the step, whatever its window
 
     def __post_init__(self) -> None:
         if len(self.coefs) != len(self.breakpoints) + 1 or list(self.breakpoints) != sorted(self.breakpoints):
             raise ValueError("a chunk latency model has one more regime than sorted breakpoints")
+        if not (math.isfinite(self.per_seq_s) and self.per_seq_s >= 0):
+            raise ValueError(f"a chunk latency's cost per sequence must be finite and >= 0, got {self.per_seq_s!r}")
 
     def __call__(self, c: int, b: int) -> float:
         """Seconds of a step of b windows of c positions."""
-        x = float(c * b)
-        b0, b1 = self.coefs[bisect_right(self.breakpoints, x)]
-        t = b0 + b1 * x
-        return t if t > self.floor_s else self.floor_s
+        return self.rows(c * b, b)
 
     def rows(self, rows: int, seqs: int = 1, ctx: int = 0) -> float:
-        """The sizer's StepLatency: seconds of a step of `rows` query rows in all (sequences and cached tokens are
-        not part of this model)."""
-        return self(rows, 1)
+        """The sizer's StepLatency: seconds of a step of `rows` query rows in all over `seqs` sequences (the cached
+        tokens are not part of this model)."""
+        x = float(rows)
+        b0, b1 = self.coefs[bisect_right(self.breakpoints, x)]
+        t = b0 + b1 * x + self.per_seq_s * seqs
+        return t if t > self.floor_s else self.floor_s
 
     @classmethod
-    def fit(cls, tokens: Iterable[float], seconds: Iterable[float], regimes: int = REGIMES) -> ChunkLatency:
-        """Fit to (b·c, seconds) samples; ValueError on fewer than two distinct b·c or a non-finite sample."""
+    def from_profile(cls, w: WindowLatencyProfile) -> ChunkLatency:
+        """The fit a profile's `dllm_latency` section stores (`tandem profile` on a block-diffusion checkpoint)."""
+        return cls(tuple(w.breakpoints), tuple(w.coefs), w.floor_s, w.per_seq_s)
+
+    @classmethod
+    def fit(cls, tokens: Iterable[float], seconds: Iterable[float], regimes: int = REGIMES,
+            seqs: Iterable[float] | None = None) -> ChunkLatency:
+        """Fit to (b·c, seconds) samples; with `seqs` (each sample's b), also a cost per sequence shared by the
+        regimes (none when the best fit would make it negative). ValueError on fewer than two distinct b·c or a
+        non-finite sample."""
         x = np.asarray(list(tokens), dtype=float)
         y = np.asarray(list(seconds), dtype=float)
-        if len(x) != len(y) or len(np.unique(x)) < 2:
+        b = np.asarray(list(seqs), dtype=float) if seqs is not None else None
+        if len(x) != len(y) or len(np.unique(x)) < 2 or (b is not None and len(b) != len(x)):
             raise ValueError("a chunk latency fit needs samples at two or more distinct b*c")
         if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y)) and np.all(x > 0) and np.all(y > 0)):
             raise ValueError("chunk latency samples must be finite and positive")
+        if b is not None and not (np.all(np.isfinite(b)) and np.all(b >= 1)):
+            raise ValueError("chunk latency samples' sequence counts must be finite and >= 1")
         order = np.argsort(x, kind="stable")
         x, y = x[order], y[order]
+        if b is not None:
+            b = b[order]
         n = len(x)
         k = max(1, min(regimes, n // 2))
         cuts = [i for i in range(2, n - 1) if x[i] > x[i - 1]]   # a regime starts at sample i (>= 2 samples each)
@@ -64,35 +83,47 @@ class ChunkLatency:
             bounds = [0, *split, n]
             if any(bounds[j + 1] - bounds[j] < 2 for j in range(k)):
                 continue
-            coefs, err = [], 0.0
-            for j in range(k):
-                c, e = _affine(x[bounds[j]:bounds[j + 1]], y[bounds[j]:bounds[j + 1]])
-                coefs.append(c)
-                err += e
+            coefs, alpha, err = _pieces(x, y, b, bounds)
             if best is None or err < best[0]:
-                best = (err, tuple(float(x[i]) for i in split), tuple(coefs))
+                best = (err, tuple(float(x[i]) for i in split), coefs, alpha)
         if best is None:
-            c, _ = _affine(x, y)
-            return cls((), (c,), float(y.min()))
-        return cls(best[1], best[2], float(y.min()))
+            coefs, alpha, _ = _pieces(x, y, b, [0, n])
+            return cls((), coefs, float(y.min()), alpha)
+        return cls(best[1], best[2], float(y.min()), best[3])
 
     @classmethod
     def sample(cls, step_s: Callable[[int], float], max_tokens: int = 8192, regimes: int = REGIMES) -> ChunkLatency:
         """Fit to a step-time function of the query tokens (a roofline's), sampled at powers of two and between."""
-        if max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
-        xs = sorted({int(v) for k in range(int(math.log2(max_tokens)) + 1) for v in (2 ** k, 1.5 * 2 ** k)
-                     if v <= max_tokens})
+        xs = sample_sizes(max_tokens)
         return cls.fit(xs, [step_s(x) for x in xs], regimes)
 
 
-def _affine(x: Sequence[float], y: Sequence[float]) -> tuple[tuple[float, float], float]:
-    """(β0, β1) of y ≈ β0 + β1 x minimising the squared relative error, and that error."""
-    w = 1.0 / np.asarray(y)
-    A = np.column_stack([np.ones(len(x)), np.asarray(x)]) * w[:, None]
-    sol, *_ = np.linalg.lstsq(A, np.asarray(y) * w, rcond=None)
-    resid = A @ sol - np.asarray(y) * w
-    return (float(sol[0]), float(sol[1])), float(resid @ resid)
+def sample_sizes(max_tokens: int) -> list[int]:
+    """The b·c a step-time function is sampled at: powers of two and halfway between, up to max_tokens."""
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+    return sorted({int(v) for k in range(int(math.log2(max_tokens)) + 1) for v in (2 ** k, 1.5 * 2 ** k)
+                   if v <= max_tokens})
 
 
-__all__ = ["ChunkLatency", "REGIMES"]
+def _pieces(x: np.ndarray, y: np.ndarray, b: np.ndarray | None, bounds: Sequence[int]
+            ) -> tuple[tuple[tuple[float, float], ...], float, float]:
+    """Per regime (β0, β1) of y ≈ β0 + β1 x (+ α b, α shared) minimising the squared relative error, α, the error."""
+    k = len(bounds) - 1
+    cols = np.zeros((len(x), 2 * k + (b is not None)))
+    for j in range(k):
+        cols[bounds[j]:bounds[j + 1], 2 * j] = 1.0
+        cols[bounds[j]:bounds[j + 1], 2 * j + 1] = x[bounds[j]:bounds[j + 1]]
+    if b is not None:
+        cols[:, -1] = b
+    w = 1.0 / y
+    A = cols * w[:, None]
+    sol, *_ = np.linalg.lstsq(A, y * w, rcond=None)
+    if b is not None and not sol[-1] >= 0:           # a sequence never makes a step faster: refit without it
+        return _pieces(x, y, None, bounds)
+    resid = A @ sol - y * w
+    coefs = tuple((float(sol[2 * j]), float(sol[2 * j + 1])) for j in range(k))
+    return coefs, float(sol[-1]) if b is not None else 0.0, float(resid @ resid)
+
+
+__all__ = ["ChunkLatency", "REGIMES", "sample_sizes"]
