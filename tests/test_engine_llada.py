@@ -261,6 +261,17 @@ def test_bad_request_options_get_one_openai_400(server, field, value, expect):
     assert server.health() == 200
 
 
+def test_a_prompt_without_room_for_one_block_is_a_400_from_the_coordinator(server):
+    """Protects the canvas clamp on the server: a 250-token prompt under max_model_len 256 leaves less than one block
+    of 8; the coordinator answers one OpenAI 400 (it was a worker failure, a 5xx), and the server keeps serving."""
+    r = _post(server, "/v1/completions", {"prompt": [5] * 250, "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "leaves less than one diffusion block (8 positions)" in err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert server.health() == 200
+
+
 def test_the_canvas_span_counts_what_the_engine_computes():
     """Protects the canvas span's arithmetic the engine relies on: a Refresh is the whole canvas (P + G rounded up),
     a Reuse the block and the masks after it over ⌊ρ·prefix⌋ keys, the buffer ⌈ρ·(P + G)⌉."""

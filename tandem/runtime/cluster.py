@@ -209,7 +209,7 @@ class ServingCluster:
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
                                       block_size=int(first["block_size"]), slo=self._slo(),
                                       vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs,
-                                      dllm_block=first.get("dllm_block"))
+                                      dllm_block=first.get("dllm_block"), dllm_canvas=first.get("dllm_canvas") is True)
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump(), name="coordinator-pump"),
                        asyncio.create_task(self._tick(), name="coordinator-tick")]

@@ -16,6 +16,7 @@ from tandem.core import actions as act
 from tandem.core.coordinator import Coordinator
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
+from tandem.policy.dllm_serve import canvas_max_tokens
 from tandem.policy.dllm_serve.admission import COUNTERS as DLLM_COUNTERS
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, check_diffusion
@@ -70,9 +71,11 @@ class CoordinatorShell:
     def __init__(self, coord: Coordinator, store, send: Callable[[int, object], None], kv_addr: dict[int, str],
                  max_model_len: int, block_size: int = 16,
                  clock: Callable[[], float] = time.monotonic, slo: SLO | None = None,
-                 vocab_size: int | None = None, max_unread: int = MAX_UNREAD, dllm_block: int | None = None) -> None:
+                 vocab_size: int | None = None, max_unread: int = MAX_UNREAD, dllm_block: int | None = None,
+                 dllm_canvas: bool = False) -> None:
         self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
         self.dllm_block = dllm_block                         # a block-diffusion model's block length (None: AR)
+        self.dllm_canvas = dllm_canvas                       # a LLaDA canvas: whole blocks of masks after the prompt
         self.vocab_size = vocab_size                         # token ids are checked here, as the engine would
         self.max_unread = max_unread                         # a stream this far behind is cancelled (_push)
         self.max_model_len, self.block_size, self.clock = max_model_len, block_size, clock
@@ -108,6 +111,11 @@ class CoordinatorShell:
         max_out = self.max_model_len - len(prompt)
         if params.max_tokens is not None:
             max_out = min(max_out, params.max_tokens)
+        if self.dllm_canvas and self.dllm_block:                # as the engine clamps it: 400 here, not a worker 500
+            try:
+                max_out = canvas_max_tokens(len(prompt), params.max_tokens, self.dllm_block, self.max_model_len)
+            except ValueError as e:
+                raise RequestError(str(e), 400, param="messages") from None
         keep = session_id is not None
         sid = session_id if keep else f"req-{request_id}"
         if sid in self.session_req:

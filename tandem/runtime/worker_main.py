@@ -175,6 +175,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                           "capacity_tokens": engine.core.capacity_tokens, "max_model_len": engine.max_model_len,
                           "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
                           "dllm_block": engine.dllm.block if engine.dllm is not None else None,
+                          "dllm_canvas": bool(engine.dllm is not None and engine.dllm.canvas),
                           "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": _cache_config(engine),
                           "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
