@@ -98,6 +98,17 @@ class PreparedStep:
         return self.batch is not None or self.dbatch is not None
 
 
+
+def _dllm_defaults(config: EngineConfig, block: int) -> DllmConfig:
+    """The engine's diffusion decoding defaults (a request may override them); EngineError when its denoising steps
+    do not divide the block."""
+    defaults = DllmConfig(block, config.dllm_unmasking_strategy, config.dllm_denoising_steps,
+                          config.dllm_confidence_threshold)
+    steps = defaults.dllm_denoising_steps
+    if steps is not None and block % steps:
+        raise EngineError(f"dllm_denoising_steps {steps} must divide the block length {block}")
+    return defaults
+
 class LLMEngine:
     """Add requests, call `step()` until done; each step runs one planned batch of the worker core.
 
@@ -202,11 +213,7 @@ class LLMEngine:
         if block != mc.diffusion_block_size:
             raise EngineError(f"dllm_block_length {block} is not supported by this model: it was trained with blocks "
                               f"of {mc.diffusion_block_size} (config.json block_size)")
-        defaults = DllmConfig(block, config.dllm_unmasking_strategy, config.dllm_denoising_steps,
-                              config.dllm_confidence_threshold)
-        steps = defaults.dllm_denoising_steps
-        if steps is not None and block % steps:
-            raise EngineError(f"dllm_denoising_steps {steps} must divide the block length {block}")
+        defaults = _dllm_defaults(config, block)
         r = self.runner
         return DiffusionDecoder(r.model, r.kv_caches, config.block_size, block, config.dllm_chunk != "block",
                                 defaults, self.tokenizer.eos_token_ids, self.max_model_len, r.device,
@@ -231,11 +238,7 @@ class LLMEngine:
         block = config.dllm_block_length or DEFAULT_BLOCK_LENGTH
         if block < 2:
             raise EngineError(f"dllm_block_length must be at least 2 for a LLaDA-style model, got {block}")
-        defaults = DllmConfig(block, config.dllm_unmasking_strategy, config.dllm_denoising_steps,
-                              config.dllm_confidence_threshold)
-        steps = defaults.dllm_denoising_steps
-        if steps is not None and block % steps:
-            raise EngineError(f"dllm_denoising_steps {steps} must divide the block length {block}")
+        defaults = _dllm_defaults(config, block)
         r = self.runner
         return DiffusionDecoder(r.model, r.kv_caches, config.block_size, block, False, defaults,
                                 self.tokenizer.eos_token_ids, self.max_model_len, r.device, config.max_num_logits,

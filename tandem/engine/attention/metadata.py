@@ -8,8 +8,24 @@ import numpy as np
 import torch
 
 
+class QueryShape:
+    """The sequences and query tokens of a step's attention metadata (any with a `query_lens` of S entries)."""
+
+    query_lens: Sequence[int]
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequences S in the step."""
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of query tokens T in the step."""
+        return int(sum(self.query_lens))
+
+
 @dataclass
-class AttnMetadata:
+class AttnMetadata(QueryShape):
     """One step's flattened batch of S sequences: query tokens of all sequences concatenated in order."""
 
     query_lens: list[int]          # host, len S: new (query) tokens per sequence this step (1 for decode)
@@ -25,16 +41,6 @@ class AttnMetadata:
     scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # A backend every layer uses for this step instead of its own (the CUDA-graph decode path, static_decode.py).
     backend: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def num_seqs(self) -> int:
-        """Number of sequences S in the step."""
-        return len(self.query_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of query tokens T in the step."""
-        return int(sum(self.query_lens))
 
     @staticmethod
     def positions(query_lens: Sequence[int], seq_lens: Sequence[int],

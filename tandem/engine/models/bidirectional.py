@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention.base import write_kv
+from tandem.engine.attention.metadata import QueryShape
 
 
 @dataclass
-class BidirectionalMetadata:
+class BidirectionalMetadata(QueryShape):
     """One step of S sequences, query tokens of all sequences concatenated in order (contiguous positions each)."""
 
     query_lens: list[int]             # host, len S: query tokens per sequence
@@ -36,16 +37,6 @@ class BidirectionalMetadata:
     block_size: int                   # the KV cache's page size
     scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     backend: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def num_seqs(self) -> int:
-        """Number of sequences S in the step."""
-        return len(self.query_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of query tokens T in the step."""
-        return int(sum(self.query_lens))
 
     @classmethod
     def build(cls, query_lens: Sequence[int], ctx_lens: Sequence[int], num_write: Sequence[int],

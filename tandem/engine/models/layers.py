@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -268,6 +268,16 @@ class CausalLM(nn.Module):
                 meta: AttnMetadata) -> torch.Tensor:
         """Token ids [T] at positions [T] -> hidden states [T, hidden], writing the step's KV into kv_caches."""
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def caches_or_none(self, kv_caches: list[torch.Tensor] | None, meta: Any, device: torch.device
+                       ) -> list[torch.Tensor]:
+        """The layers' KV caches; for None, empty stand-ins when the step neither reads nor writes cached KV (its
+        `ctx_lens` and `num_write` all 0; a diffusion step over no cache), else ValueError."""
+        if kv_caches is not None:
+            return kv_caches
+        if any(meta.ctx_lens) or any(meta.num_write):
+            raise ValueError("a step that reads or writes cached KV needs kv_caches")
+        return [torch.empty(0, device=device)] * len(self.model.layers)
 
     def checkpoint_layout(self) -> dict[str, tuple[str, int, tuple[int, ...]]]:
         """Hugging Face checkpoint tensor name -> (parameter name, row offset, shape), in parameter order.

@@ -67,9 +67,4 @@ class LLaDAModelLM(CausalLM):
                              "tandem.engine.diffusion.llada_generate (BidirectionalMetadata steps)")
         if positions is None:
             positions = meta.positions
-        if kv_caches is None:
-            if any(meta.ctx_lens) or any(meta.num_write):
-                raise ValueError("a step that reads or writes cached KV needs kv_caches")
-            empty = torch.empty(0, device=input_ids.device)
-            kv_caches = [empty] * len(self.model.layers)
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, self.caches_or_none(kv_caches, meta, input_ids.device), meta)

@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention.base import write_kv
-from tandem.engine.attention.metadata import AttnMetadata
+from tandem.engine.attention.metadata import AttnMetadata, QueryShape
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
 
 
 @dataclass
-class BlockDiffusionMetadata:
+class BlockDiffusionMetadata(QueryShape):
     """One block-diffusion step of S sequences: query tokens of all sequences concatenated in order."""
 
     query_lens: list[int]             # host, len S: query tokens per sequence
@@ -59,16 +59,6 @@ class BlockDiffusionMetadata:
                                       # slots of its cached positions past ctx_len (None: none), read as keys
     scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     backend: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def num_seqs(self) -> int:
-        """Number of sequences S in the step."""
-        return len(self.query_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of query tokens T in the step."""
-        return int(sum(self.query_lens))
 
     @classmethod
     def build(cls, positions: Sequence[Sequence[int]], ctx_lens: Sequence[int], num_write: Sequence[int],
@@ -274,9 +264,4 @@ class SDARForCausalLM(Qwen3ForCausalLM):
             meta = BlockDiffusionMetadata.from_attn_metadata(meta, self.diffusion_block_size)
         if positions is None:
             positions = meta.positions
-        if kv_caches is None:
-            if any(meta.ctx_lens) or any(meta.num_write):
-                raise ValueError("a step that reads or writes cached KV needs kv_caches")
-            empty = torch.empty(0, device=input_ids.device)
-            kv_caches = [empty] * len(self.model.layers)
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, self.caches_or_none(kv_caches, meta, input_ids.device), meta)
