@@ -93,8 +93,10 @@ class LiveServer:
     def health(self) -> int:
         return httpx.get(self.url + "/health", timeout=30).status_code
 
-    def pid(self, worker: int) -> int:
-        return self.cluster.procs.workers[worker].pid
+    def pid(self, worker: int) -> int | None:
+        """The worker's process id; None while it has none (between a death and its replacement's start)."""
+        proc = self.cluster.procs.workers.get(worker)
+        return proc.pid if proc is not None else None
 
     def worker_state(self, worker: int):
         return self.call(lambda: next(s for s in self.cluster.shell.store.all() if s.worker_id == worker))

@@ -119,7 +119,7 @@ def test_a_killed_worker_is_replaced_and_the_cap_stops_a_crash_loop(server):
     server.call(lambda: server.cluster._restarts.clear())
     pid = server.pid(DECODE_ID)
     os.kill(pid, signal.SIGKILL)
-    server.wait_for("the killed worker to be replaced", lambda: server.pid(DECODE_ID) != pid and server.health() == 200,
+    server.wait_for("the killed worker to be replaced", lambda: server.pid(DECODE_ID) not in (pid, None) and server.health() == 200,
                     15.0, 0.05)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     second = server.pid(DECODE_ID)
