@@ -57,8 +57,13 @@ def test_requests_run_in_phases_and_metrics_show_the_mix_admissions_and_memory(s
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(complete, range(4)))
     assert [o["usage"]["completion_tokens"] for o in outs] == [40] * 4
-    m = httpx.get(server.url + "/metrics", timeout=30).text
-    steps = {p: _metric(m, "tandem:dllm_phase_seq_steps_total", phase=p) for p in ("full", "refresh", "reuse")}
+    def scrape() -> tuple[str, dict]:
+        m = httpx.get(server.url + "/metrics", timeout=30).text
+        return m, {p: _metric(m, "tandem:dllm_phase_seq_steps_total", phase=p) for p in ("full", "refresh", "reuse")}
+    # the worker publishes its step counts beside its next steps (at most every 20 ms), so the last steps' counts
+    # may reach /metrics just after the responses: wait until all 160 sequence-steps are in, then check them
+    server.wait_for("the last step counts", lambda: sum(scrape()[1].values()) >= 160, 10.0, 0.05)
+    m, steps = scrape()
     assert steps == {"full": 8.0, "refresh": 8.0, "reuse": 144.0}
     assert _metric(m, "tandem:dllm_admissions_total", into="running") + \
         _metric(m, "tandem:dllm_admissions_total", into="idle") == 4.0
