@@ -171,6 +171,23 @@ def test_windows_stay_inside_blocks_aligned_to_absolute_positions_and_the_first_
     assert w.chunker.tokens_per_step() == pytest.approx(10 / 6)
 
 
+def test_a_diffusion_prefill_is_charged_for_its_whole_blocks_only():
+    """Protects the step cost of a diffusion prefill: the prompt's last, partial block is computed with the first
+    window (streaming: Seq.kv_prompt; block mode: every window of that block), as the engine runs it, so the prefill
+    chunk charges only whole blocks: a 20-token prompt with blocks of 8 costs 16 prefill tokens, its 4 leftover
+    tokens ride with the first window (4 + its window of 4); a 6-token prompt costs no prefill compute at all."""
+    for prompt, charged, first_window in ((20, 16, 4 + 4), (6, 0, 6 + 2)):
+        w = diffusion_worker("4")
+        w.begin_round("s")
+        w.submit(PrefillTask("s", 0, 0, prompt, 0.0, output_tokens=10, decode_worker=0, worker=0), 0.0)
+        plan = w.schedule(0.0)
+        assert [(t.session_id, n) for t, n in plan.prefill] == [("s", prompt)]
+        assert (plan.shape.prefill_tokens, plan.shape.num_prefill) == (charged, 1 if charged else 0)
+        w.on_step_done(plan, StepResult(1.0), 1.0)
+        (seq,) = w.schedule(1.0).decode
+        assert seq.query_tokens == first_window
+
+
 def test_block_diffusion_recomputes_the_whole_block_and_commits_within_it():
     """Protects the BD-B baseline: every step has B = 8 query rows over the block's start, and may commit only the
     positions left in the block (2 after a 6-token prompt)."""

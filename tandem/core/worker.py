@@ -308,11 +308,15 @@ class WorkerCore:
                 if math.isfinite(t.itl_slo_s):
                     n = itl_chunk_tokens(self.t_pre, before, n, chunk_beta * t.itl_slo_s)
             plan.prefill.append((t, n))
-            budget -= n
-            shape.prefill_tokens += n
-            shape.prefill_attn_pairs += n * (before + (n + 1) / 2)
-            shape.prefill_kv_read_tokens += before
-            shape.num_prefill += 1
+            cost = n                                 # the tokens this chunk computes
+            if self.chunker is not None and t.done + n == t.work:   # the prompt's last, partial block is computed
+                cost -= (t.first + t.work) % self.cfg.dllm_block   # with the first window (Seq.kv_prompt), not here
+            budget -= cost
+            if cost > 0:
+                shape.prefill_tokens += cost
+                shape.prefill_attn_pairs += cost * (before + (cost + 1) / 2)
+                shape.prefill_kv_read_tokens += before
+                shape.num_prefill += 1
         if not plan.prefill and not plan.decode:
             if (self.pending_kv or self._admissible()) and self.role != PREFILL and not self.active and not self.running \
                     and self.wake_s == math.inf and self._unstick(now):
