@@ -44,13 +44,7 @@ STATIC = DllmConfig(dllm_block_length=BLOCK, dllm_unmasking_strategy="low_confid
 KEY = "sk-llada"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on 2 shared cores OpenMP's barriers make every small op wait a time slice."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")     # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

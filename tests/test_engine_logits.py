@@ -19,13 +19,7 @@ from tandem.engine.structured_output import StructuredOutput  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on 2 shared cores OpenMP's barriers make every small op wait a time slice."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")     # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

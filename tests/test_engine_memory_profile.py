@@ -27,13 +27,7 @@ BUDGET = 256 << 20
 MIB = 1 << 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on 2 shared cores OpenMP's barriers make every small op wait a time slice."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")     # tests/conftest.py
 
 
 def vocab_model(out: Path, vocab: int, seed: int = 0) -> str:

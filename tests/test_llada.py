@@ -25,13 +25,7 @@ STATIC = DllmConfig(dllm_block_length=8, dllm_unmasking_strategy="low_confidence
 DYNAMIC = DllmConfig(dllm_block_length=8, dllm_confidence_threshold=0.5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on 2 shared cores OpenMP's barriers make every small op wait a time slice."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")     # tests/conftest.py
 
 
 def _write(path, **overrides):

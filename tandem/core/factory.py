@@ -128,7 +128,6 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
     return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker, dllm=dllm)
 
 
-
 def chunk_latency(t_step: Callable[[BatchShape], float] | None,
                   t_pre: Callable[[int, int], float] | None) -> StepLatency:
     """Optimus's T for a diffusion step of `rows` query rows in `seqs` windows over `ctx` cached tokens in all: the

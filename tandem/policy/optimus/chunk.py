@@ -97,47 +97,45 @@ class ChunkSizer:
         return self.spec.mode is ChunkMode.BLOCK
 
     def choose(self, seqs: Sequence[SeqWindow], room: int | None = None) -> int:
-        """The window of a step decoding `seqs` (at most the block length). Elastic: the candidate c committing the
-        most tokens per second, each sequence's window min(c, left + pending) (it stays in the active block) plus its
-        extra rows, its expected commits N_commit of the masked positions the window has after its K/V writes, the
-        step priced on all its rows, sequences and cached tokens; the windows within `room` query rows when given (the step's
-        budget left to them, extra rows already taken out), down to a window of 1."""
-        mode, b = self.spec.mode, len(seqs)
-        if mode is ChunkMode.BLOCK or b <= 0:
+        """The window of a step decoding `seqs` (at most the block length); elastic: see `_elastic`."""
+        mode = self.spec.mode
+        if mode is ChunkMode.BLOCK or not seqs:
             c = self.block
         elif mode is ChunkMode.FIXED:
             c = min(self.spec.size, self.block)
         else:
-            ctx = sum(s.ctx for s in seqs)
-            extra = sum(s.extra for s in seqs)
-            sc: dict[int, float] = {}
-            warm = self.estimator.observations < self.warmup   # warm-up: the largest window the room allows
-            best, c = -1.0, 1
-            for cand in (self.candidates[::-1] if warm else self.candidates):
-                rows, commits = extra, 0.0
-                for s in seqs:
-                    w = cand if cand < s.left + s.pending else s.left + s.pending
-                    rows += w
-                    m = w - s.pending                  # the window's masked positions, after its writes
-                    if not warm and m > 0:
-                        got = sc.get(m)
-                        if got is None:
-                            got = sc[m] = self.estimator(m)
-                        commits += got
-                if room is not None and cand > 1 and rows - extra > room:
-                    if warm:
-                        continue
-                    break
-                if warm:
-                    c = cand
-                    break
-                rate = commits / self.latency(rows, b, ctx)
-                if rate > best:
-                    best, c = rate, cand
+            c = self._elastic(seqs, room)
         self.last = c
-        if b > 0:
+        if seqs:
             self.steps_by_chunk[c] = self.steps_by_chunk.get(c, 0) + 1
         return c
+
+    def _elastic(self, seqs: Sequence[SeqWindow], room: int | None) -> int:
+        """The candidate c committing the most tokens per second (the first of equals). Each sequence's window is
+        min(c, left + pending) (it stays in its active block); its expected commits are N_commit of the masked
+        positions the window has after its K/V writes; the step is priced on all its rows (windows and extra rows),
+        sequences and cached tokens. The windows stay within `room` query rows when given (the step's budget left to
+        them, extra rows already taken out), down to a window of 1. During the warm-up: the largest that fits."""
+        fits = []                                    # (c, each sequence's window)
+        for cand in self.candidates:
+            windows = [cand if cand < s.left + s.pending else s.left + s.pending for s in seqs]
+            if room is not None and cand > 1 and sum(windows) > room:
+                break
+            fits.append((cand, windows))
+        if self.estimator.observations < self.warmup:
+            return fits[-1][0]
+        ctx, extra, n_at = sum(s.ctx for s in seqs), sum(s.extra for s in seqs), {}
+
+        def rate(fit: tuple[int, list[int]]) -> float:
+            commits = 0.0
+            for w, s in zip(fit[1], seqs):
+                m = w - s.pending                    # the window's masked positions, after its writes
+                if m > 0:
+                    if m not in n_at:
+                        n_at[m] = self.estimator(m)
+                    commits += n_at[m]
+            return commits / self.latency(sum(fit[1]) + extra, len(seqs), ctx)
+        return max(fits, key=rate)[0]
 
     def observe(self, c: int, committed: list[int]) -> None:
         """The commits of the sequences a step at window c decoded (those not cut short by max_tokens)."""
