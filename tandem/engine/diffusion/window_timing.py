@@ -46,11 +46,11 @@ class WindowTimer:
         """The step's token ids and metadata: window i computes positions context..context+c-1 of sequence i."""
         ctx = self.context
         per_seq = -(-ctx // self.kv_block_size) if ctx else 1
+        n = max(1, self.num_blocks)
         wins, tables = [], []
         for i, c in enumerate(sizes):
             pos = list(range(ctx, ctx + c))
             wins.append(Window(pos, [0] * c, [], [], ctx, [], list(range(c)), True))
-            n = max(1, self.num_blocks)
             tables.append([(i * per_seq + j) % n for j in range(per_seq)])
         return build_step(wins, tables, self.kv_block_size if ctx else 1, self.block, self.device)
 
