@@ -98,7 +98,6 @@ class PreparedStep:
         return self.batch is not None or self.dbatch is not None
 
 
-
 def _dllm_defaults(config: EngineConfig, block: int) -> DllmConfig:
     """The engine's diffusion decoding defaults (a request may override them); EngineError when its denoising steps
     do not divide the block."""
@@ -108,6 +107,7 @@ def _dllm_defaults(config: EngineConfig, block: int) -> DllmConfig:
     if steps is not None and block % steps:
         raise EngineError(f"dllm_denoising_steps {steps} must divide the block length {block}")
     return defaults
+
 
 class LLMEngine:
     """Add requests, call `step()` until done; each step runs one planned batch of the worker core.
