@@ -24,7 +24,9 @@ pytest.importorskip("uvicorn")
 
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+from tandem.runtime.client import RequestError  # noqa: E402
 from tandem.runtime.cluster import ClusterConfig, ServingCluster  # noqa: E402
+from tandem.runtime.transport import WorkerUnreachable  # noqa: E402
 from tandem.runtime.state_store import (EmbeddedStore, RedisStore, SessionInfo, StateStoreError,  # noqa: E402
                                         WorkerState)
 from tandem.runtime.store_view import StoreView  # noqa: E402
@@ -229,6 +231,34 @@ def test_a_message_that_cannot_be_sent_fails_its_request_promptly(ckpt):
     assert took < 2.0
     assert good.error is None and len(good.outputs[0].token_ids) == 4
     assert left == (0, 0, 0)
+
+
+def test_a_send_to_a_worker_that_is_gone_fails_as_worker_lost(ckpt):
+    """A worker that died between the core's routing and the send (the hub has no connection to it: the Ray test
+    hit this when a decode actor was killed with rounds starting) fails the round with a 503 "worker lost", as a
+    death noticed by the supervisor does, not a 500 "internal error"; the next request is served."""
+    async def main():
+        c = await ServingCluster.start(ClusterConfig(ckpt, 0, 0, 1, "vllm", engine_args=ENGINE))
+        try:
+            real = c.hub.post
+
+            def gone(worker, msg):
+                raise WorkerUnreachable(f"worker {worker} is not connected")
+            c.hub.post = gone
+            with pytest.raises(RequestError) as e:
+                async for _ in c.generate(list(range(10, 40)), _greedy(4), "lost", session_id="s-lost"):
+                    pass
+            c.hub.post = real
+            good = None
+            async for o in c.generate(list(range(10, 40)), _greedy(4), "good"):
+                good = o
+            return e.value, good
+        finally:
+            await c.shutdown()
+
+    err, good = asyncio.run(main())
+    assert err.status == 503 and str(err).startswith("worker lost: could not send BeginRound to worker 0")
+    assert good.error is None and len(good.outputs[0].token_ids) == 4
 
 
 # ---------------------------------------------------------------------------- 2.8: an unread stream

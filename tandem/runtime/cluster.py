@@ -293,7 +293,7 @@ class ServingCluster:
 
         def fail() -> None:
             try:
-                self.shell.on_send_failed(worker, msg, f"{type(e).__name__}: {e}")
+                self.shell.on_send_failed(worker, msg, f"{type(e).__name__}: {e}", lost=isinstance(e, WorkerUnreachable))
             except Exception:                                    # a bug must not stop the server
                 log.exception("coordinator: failing the request of an unsent %s failed", type(msg).__name__)
         asyncio.get_running_loop().call_soon(fail)

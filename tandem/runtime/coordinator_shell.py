@@ -430,14 +430,16 @@ class CoordinatorShell:
         self.kv_addr[worker] = kv_address
         self._apply(self.coord.on_worker_joined(worker, self.clock()))
 
-    def on_send_failed(self, worker: int, msg, reason: str) -> None:
+    def on_send_failed(self, worker: int, msg, reason: str, lost: bool = False) -> None:
         """A message to `worker` could not be sent (encoding, a dead link, ...): the request it belongs to fails
-        now, with the reason, instead of waiting for an answer that cannot come."""
+        now, with the reason, instead of waiting for an answer that cannot come. `lost`: the worker is gone (no
+        connection to it), which the client hears as on_worker_lost says it (503 "worker lost"), not as a 500."""
         rid = getattr(msg, "request_id", None)
-        why = f"internal error: could not send {type(msg).__name__} to worker {worker}: {reason}"
+        what = "worker lost" if lost else "internal error"
+        why = f"{what}: could not send {type(msg).__name__} to worker {worker}: {reason}"
         fut, _ = self._begun.pop(rid, (None, -1)) if rid is not None else (None, -1)
         if fut is not None and not fut.done():                 # BeginRound: generate() raises it
-            fut.set_exception(RequestError(why, 500))
+            fut.set_exception(RequestError(why, 503 if lost else 500))
         req = self.reqs.get(rid) if rid is not None else None
         if req is None and isinstance(msg, m.Release):
             return                                             # the session is over anyway; its KV ages out
