@@ -1,6 +1,6 @@
-"""The CPU paged decode kernel (engine/attention/native.py) against the gather + SDPA path it replaces for decode
-sequences: same outputs on awkward batches, the engine's greedy tokens unchanged, and a clean fallback when the
-kernel cannot be built or is turned off."""
+"""The CPU paged decode and prefill kernels (engine/attention/native.py) against the gather + SDPA paths they
+replace: same outputs on awkward batches, the engine's greedy tokens unchanged, and a clean fallback when the
+kernels cannot be built or are turned off."""
 from __future__ import annotations
 
 import pytest
@@ -53,6 +53,33 @@ def test_kernel_matches_the_gather_sdpa_path(qlens, lens, hq, hkv, d, bs, sdpa_o
     want = SdpaBackend().forward(q, k, v, kv.clone(), meta(), d ** -0.5)
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("qlens,lens,hq,hkv,d,bs", [
+    ([256], [256], 8, 4, 64, 16),                               # a whole prompt: 16 tiles of 16 positions x 2 heads
+    ([2, 100, 37, 5], [2, 300, 100, 5], 4, 4, 64, 16),          # no GQA: tiles of 32 positions; cached prefixes
+    ([33, 1, 17], [64, 90, 17], 6, 2, 48, 32),                  # GQA 3 (tiles of 10 positions, 2 padding lanes)
+    ([40, 7], [129, 7], 16, 2, 128, 16),                        # GQA 8, head dim 128
+    ([3, 1], [40, 12], 32, 1, 32, 16),                          # GQA 32: one position per tile
+])
+def test_prefill_kernel_matches_sdpa(qlens, lens, hq, hkv, d, bs, sdpa_only):
+    """Protects prefill attention numerics: every chunk's rows (fresh prompts, chunks after a cached prefix, tiles
+    cut mid-chunk and padded, block tables in reverse order) equal causal SDPA to float32 rounding."""
+    q, k, v, kv, meta = _attend(qlens, lens, hq, hkv, d, bs, seed=sum(lens), reverse_tables=True)
+    assert native.supports_prefill(q, kv)
+    got = SdpaBackend().forward(q, k, v, kv.clone(), meta(), d ** -0.5)
+    sdpa_only()
+    want = SdpaBackend().forward(q, k, v, kv.clone(), meta(), d ** -0.5)
+    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (got - want).abs().max()
+
+
+def test_prefill_kernel_declines_shapes_outside_its_vectors():
+    """Protects the fallback: a head dim or block size that is not a multiple of 16 goes to SDPA, not the kernel."""
+    q = torch.zeros(4, 4, 40)
+    assert native.supports(q, torch.zeros(2, 3, 16, 2, 40)) and not native.supports_prefill(q, torch.zeros(2, 3, 16, 2, 40))
+    q = torch.zeros(4, 4, 64)
+    assert not native.supports_prefill(q, torch.zeros(2, 3, 8, 2, 64))
+    assert native.supports_prefill(q, torch.zeros(2, 3, 16, 2, 64))
 
 
 def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernel(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """The PyTorch attention backend (scaled_dot_product_attention over the paged cache): CPU and reference.
 
-On the CPU in float32, decode sequences go to the paged decode kernel (native.py: K/V read once, in place) when it
-builds on this machine; otherwise, and on other devices, to the gather + SDPA path below.
+On the CPU in float32, decode sequences go to the paged decode kernel (native.py: K/V read once, in place) and
+prefill chunks to the paged prefill kernel (causal, over the paged K/V in place) when they build on this machine;
+otherwise, and on other devices, to the gather + SDPA paths below.
 
 Decode (one query token per sequence) is memory-bound: every step reads each sequence's whole K/V. PyTorch has
 no paged attention kernel, so K/V are gathered, whole blocks at a time, into a reused buffer and attended there.
@@ -51,14 +52,24 @@ class _Native:
 
 
 @dataclass
+class _NativePrefill:
+    starts: torch.Tensor             # int64 [n] first query row of each prefill chunk
+    qlens: torch.Tensor              # int64 [n] its query tokens
+    seqs: torch.Tensor               # int64 [n] its block-table row
+    lens: torch.Tensor               # int64 [n] its KV length (cached prefix + the chunk)
+
+
+@dataclass
 class _Plan:
     groups: list[_DecodeGroup]       # for the gather + SDPA path
     all_decode: bool                 # every sequence of the step is a decode
-    prefills: list[_Prefill]
+    prefills: list[_Prefill]         # for SDPA, one call each (empty when native_prefill takes them)
     native: _Native | None           # for the paged decode kernel (native.py), when it takes this step
+    native_prefill: _NativePrefill | None = None   # for the paged prefill kernel, when it takes this step
 
 
-def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int, use_native: bool) -> _Plan:
+def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int, use_native: bool,
+          native_prefill: bool = False) -> _Plan:
     """Index tensors of one step, built at its first layer and kept in meta.scratch for the others."""
     plan = meta.scratch.get("sdpa")
     if plan is not None:
@@ -98,6 +109,16 @@ def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int, use_nat
                                        rows[0], len(members), blocks, nblk, mask))
             i = j
     prefills = []
+    if native_prefill:
+        pre = [i for i, n in enumerate(meta.query_lens) if n > 1]
+        if pre:
+            np_ = _NativePrefill(torch.tensor([starts[i] for i in pre], dtype=torch.long),
+                                 torch.tensor([meta.query_lens[i] for i in pre], dtype=torch.long),
+                                 torch.tensor(pre, dtype=torch.long),
+                                 torch.tensor([meta.seq_lens[i] for i in pre], dtype=torch.long))
+            plan = _Plan(groups, len(dec) == len(meta.query_lens), [], native, np_)
+            meta.scratch["sdpa"] = plan
+            return plan
     for i, n in enumerate(meta.query_lens):
         if n == 1:
             continue
@@ -127,14 +148,19 @@ class SdpaBackend:
         """Write k/v at meta.slot_mapping, then attend each query to its sequence's keys up to its position."""
         write_kv(k, v, kv, meta.slot_mapping)
         use_native = native.supports(q, kv)
-        plan = _plan(meta, q.device, 2 * kv[0, 0].numel() * kv.element_size(), use_native)
+        plan = _plan(meta, q.device, 2 * kv[0, 0].numel() * kv.element_size(), use_native,
+                     use_native and native.supports_prefill(q, kv))
         hq, hkv, d = q.shape[1], kv.shape[3], kv.shape[4]
         gqa = hq != hkv
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q.shape[0] else q
-        if plan.native is not None:
+        if plan.native is not None or plan.native_prefill is not None:
             q = q.contiguous()
+        if plan.native is not None:
             n = plan.native
             native.paged_decode(q, kv, meta.block_tables, n.rows, n.seqs, n.lens, scale, out)
+        if plan.native_prefill is not None:
+            p = plan.native_prefill
+            native.paged_prefill(q, kv, meta.block_tables, p.starts, p.qlens, p.seqs, p.lens, scale, out)
         for g in plan.groups:
             qs = q[g.start:g.start + g.n] if g.rows is None else q.index_select(0, g.rows)
             kb = self._gather(kv, g.blocks)                                          # [2, n*nblk, bs, Hkv, D]

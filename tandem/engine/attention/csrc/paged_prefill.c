@@ -1,0 +1,238 @@
+/* Paged causal prefill attention for the CPU: each prefill chunk's queries attend, causally, to their sequence's
+ * K/V read in place from the paged cache (the chunk's own K/V already written there), with an online softmax.
+ *
+ * PyTorch's CPU flash attention spends most of a short prompt's time outside its GEMMs (about 45 GFLOP/s on a
+ * 256-token causal prompt of 8 heads here, against 250 for the linears), and a chunk with a cached prefix first
+ * needs its K/V gathered into a contiguous copy. This kernel works on tiles of about 32 query rows (the query
+ * positions of a tile times the G query heads of one KV head): a key block is transposed once into the tile's
+ * scratch, the tile's scores are 16-lane FMAs against it, and the probabilities meet each value row with the
+ * rows' accumulators held in registers.
+ *
+ * Layouts (float32, contiguous): q [T, Hq, D]; kv [2, num_blocks, block_size, Hkv, D]; block_tables int32
+ * [S, max_blocks]; out [T, Hq, D]. Item i: query rows starts[i] .. starts[i] + qlens[i] - 1 are the last qlens[i]
+ * positions of the seq_lens[i] tokens of the sequence whose block-table row is seqs[i]. D and block_size are
+ * multiples of 16 (D <= 128, block_size <= 64); the caller checks with tandem_paged_prefill_limits.
+ *
+ * Written with GCC/Clang vector extensions (16 floats): -march=native maps them to AVX-512, AVX2 pairs or NEON.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define TILE_ROWS 32    /* query rows (positions x heads of one KV head) per tile */
+#define PMAX_D 128      /* head dim */
+#define PMAX_BS 64      /* tokens per block */
+#define PMAX_G 32       /* query heads per KV head */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+static inline v16 ld(const float *p) { return *(const v16u *)p; }
+static inline void st(float *p, v16 v) { *(v16u *)p = v; }
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+/* lanes of a where m is set (all ones), of b elsewhere: C has no ?: on vectors */
+static inline v16 vsel(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
+
+/* exp(x) on 16 lanes for x <= 0 (scores minus their running max): x = n ln2 + r, exp(r) by its degree-7 Taylor
+ * polynomial, 2^n from the exponent bits; as exp_nonpos in paged_decode.c (relative error under 1.1e-7). */
+static inline v16 vexp_nonpos(v16 x)
+{
+    const v16 lo = splat(-87.0f), magic = splat(12582912.0f);          /* 1.5 * 2^23: round to nearest */
+    x = vsel(x < lo, lo, x);
+    const v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
+    const v16 r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+    v16 p = splat(1.0f / 5040.0f);
+    p = p * r + splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+    return p * (v16)e;
+}
+
+int tandem_paged_prefill_limits(void) { return PMAX_G * 1000000 + PMAX_D * 1000 + PMAX_BS; }
+
+/* One tile: `tq` consecutive query positions (from chunk index t0) of KV head h, all G query heads of each: R rows,
+ * held as the lanes of RV vectors. Scores are kept transposed (key by key, the rows in lanes), so the causal mask,
+ * the running max and the running sum are lane-wise vector operations, and each key's K row is read in place (its
+ * elements broadcast). D and BS are compile-time constants at every call site (always_inline), so the loops over
+ * them unroll and the accumulators stay in registers. */
+#define RV (TILE_ROWS / 16)
+static inline __attribute__((always_inline)) void prefill_tile(
+    const int D, const int BS, const float *q, float *out, const float *K, const float *V, const int32_t *table,
+    int64_t blk_stride, int64_t tok_stride, int64_t hq, int64_t G, int64_t h, int64_t row0, int64_t pos0,
+    int64_t t0, int64_t tq, float scale)
+{
+    const int ND = D / 16;
+    const int64_t R = tq * G;
+    float Qt[PMAX_D][TILE_ROWS] __attribute__((aligned(64)));       /* scaled Q^T: lane r of Qt[dd] is row r */
+    float P[PMAX_BS][TILE_ROWS] __attribute__((aligned(64)));       /* a block's scores, then probabilities */
+    float pos[TILE_ROWS] __attribute__((aligned(64))), cr[TILE_ROWS] __attribute__((aligned(64)));
+    v16 acc[TILE_ROWS][PMAX_D / 16];
+    v16 mv[RV], lv[RV], posv[RV];
+    for (int64_t r = 0; r < TILE_ROWS; r++) {         /* row r: position t0 + r / G, query head h*G + r % G */
+        if (r < R) {
+            const int64_t t = t0 + r / G;
+            const float *src = q + (row0 + t) * hq * D + (h * G + r % G) * D;
+            for (int dd = 0; dd < D; dd++)
+                Qt[dd][r] = src[dd] * scale;
+            pos[r] = (float)(pos0 + t);
+        } else {                                      /* padding lanes: zero queries, never stored */
+            for (int dd = 0; dd < D; dd++)
+                Qt[dd][r] = 0.0f;
+            pos[r] = (float)(pos0 + t0 + tq - 1);
+        }
+        for (int j = 0; j < ND; j++)
+            acc[r][j] = splat(0.0f);
+    }
+    for (int v = 0; v < RV; v++) {
+        mv[v] = splat(-INFINITY);
+        lv[v] = splat(0.0f);
+        posv[v] = ld(&pos[16 * v]);
+    }
+    const v16 ninf = splat(-INFINITY), zero = splat(0.0f);
+    const int64_t last = pos0 + t0 + tq - 1;          /* the tile's last position: keys 0..last */
+    const int64_t nblk = last / BS + 1;
+    for (int64_t bi = 0; bi < nblk; bi++) {
+        const int64_t b = table[bi], k0 = bi * BS;
+        const int64_t nk = last - k0 + 1 < BS ? last - k0 + 1 : BS;
+        const float *kb = K + b * blk_stride + h * D, *vb = V + b * blk_stride + h * D;
+        int64_t t = 0;
+        for (; t + 4 <= nk; t += 4) {                 /* scores of four keys at a time against each Q^T row */
+            const float *k0p = kb + t * tok_stride, *k1p = k0p + tok_stride, *k2p = k1p + tok_stride,
+                        *k3p = k2p + tok_stride;
+            v16 s[4][RV];
+            for (int v = 0; v < RV; v++)
+                s[0][v] = s[1][v] = s[2][v] = s[3][v] = zero;
+            for (int dd = 0; dd < D; dd++)
+                for (int v = 0; v < RV; v++) {
+                    const v16 qv = ld(&Qt[dd][16 * v]);
+                    s[0][v] += qv * k0p[dd];
+                    s[1][v] += qv * k1p[dd];
+                    s[2][v] += qv * k2p[dd];
+                    s[3][v] += qv * k3p[dd];
+                }
+            for (int u = 0; u < 4; u++)
+                for (int v = 0; v < RV; v++)
+                    st(&P[t + u][16 * v], s[u][v]);
+        }
+        for (; t < nk; t++) {
+            const float *kp = kb + t * tok_stride;
+            v16 s[RV];
+            for (int v = 0; v < RV; v++)
+                s[v] = zero;
+            for (int dd = 0; dd < D; dd++)
+                for (int v = 0; v < RV; v++)
+                    s[v] += ld(&Qt[dd][16 * v]) * kp[dd];
+            for (int v = 0; v < RV; v++)
+                st(&P[t][16 * v], s[v]);
+        }
+        for (int v = 0; v < RV; v++) {                /* causal mask and online softmax, lane-wise */
+            v16 bm = ninf;
+            for (t = 0; t < nk; t++) {
+                v16 x = ld(&P[t][16 * v]);
+                x = vsel(posv[v] >= splat((float)(k0 + t)), x, ninf);
+                st(&P[t][16 * v], x);
+                bm = vsel(x > bm, x, bm);
+            }
+            const v16 mx = vsel(bm > mv[v], bm, mv[v]);
+            const v16 base = vsel(mx == ninf, zero, mx);                  /* lanes with no key yet */
+            const v16 corr = vexp_nonpos(mv[v] - base);
+            v16 sum = zero;
+            for (t = 0; t < nk; t++) {
+                const v16 x = ld(&P[t][16 * v]);
+                const v16 p = vsel(x == ninf, zero, vexp_nonpos(x - base));
+                st(&P[t][16 * v], p);
+                sum += p;
+            }
+            lv[v] = lv[v] * corr + sum;
+            mv[v] = mx;
+            st(&cr[16 * v], corr);
+        }
+        int64_t r = 0;
+        for (; r + 2 <= R; r += 2) {                  /* P V, two rows at a time sharing each value row */
+            v16 a0[PMAX_D / 16], a1[PMAX_D / 16];
+            const float c0 = cr[r], c1 = cr[r + 1];
+            for (int j = 0; j < ND; j++) {
+                a0[j] = acc[r][j] * c0;
+                a1[j] = acc[r + 1][j] * c1;
+            }
+            for (t = 0; t < nk; t++) {
+                const float *vr = vb + t * tok_stride;
+                const float p0 = P[t][r], p1 = P[t][r + 1];
+                for (int j = 0; j < ND; j++) {
+                    const v16 x = ld(vr + 16 * j);
+                    a0[j] += x * p0;
+                    a1[j] += x * p1;
+                }
+            }
+            for (int j = 0; j < ND; j++) {
+                acc[r][j] = a0[j];
+                acc[r + 1][j] = a1[j];
+            }
+        }
+        for (; r < R; r++) {
+            for (int j = 0; j < ND; j++)
+                acc[r][j] *= cr[r];
+            for (t = 0; t < nk; t++)
+                for (int j = 0; j < ND; j++)
+                    acc[r][j] += ld(vb + t * tok_stride + 16 * j) * P[t][r];
+        }
+    }
+    float l[TILE_ROWS] __attribute__((aligned(64)));
+    for (int v = 0; v < RV; v++)
+        st(&l[16 * v], lv[v]);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t t = t0 + r / G;
+        float *dst = out + (row0 + t) * hq * D + (h * G + r % G) * D;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int j = 0; j < ND; j++)
+            st(dst + 16 * j, acc[r][j] * inv);
+    }
+}
+
+void tandem_paged_prefill(const float *q, const float *kv, const int32_t *block_tables, int64_t max_blocks,
+                          const int64_t *starts, const int64_t *qlens, const int64_t *seqs, const int64_t *seq_lens,
+                          int64_t n_items, int64_t num_blocks, int64_t block_size, int64_t hq, int64_t hkv,
+                          int64_t d, float scale, float *out, int nthreads)
+{
+    const int64_t G = hq / hkv, TQ = TILE_ROWS / G;
+    const int64_t tok_stride = hkv * d, blk_stride = block_size * tok_stride;
+    const float *K = kv, *V = kv + num_blocks * blk_stride;
+    int64_t *first = malloc((size_t)(n_items + 1) * sizeof(int64_t));  /* work items: (sequence, KV head, tile) */
+    if (!first)
+        return;
+    first[0] = 0;
+    for (int64_t i = 0; i < n_items; i++)
+        first[i + 1] = first[i] + hkv * ((qlens[i] + TQ - 1) / TQ);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t w = 0; w < first[n_items]; w++) {
+        int64_t i = 0;
+        while (first[i + 1] <= w)
+            i++;
+        const int64_t tiles = (qlens[i] + TQ - 1) / TQ, k = w - first[i];
+        const int64_t h = k / tiles, t0 = (k % tiles) * TQ;
+        const int64_t tq = qlens[i] - t0 < TQ ? qlens[i] - t0 : TQ;
+        const int32_t *table = block_tables + seqs[i] * max_blocks;
+        const int64_t pos0 = seq_lens[i] - qlens[i];
+#define TILE(DD, BB) prefill_tile(DD, BB, q, out, K, V, table, blk_stride, tok_stride, hq, G, h, starts[i], pos0, \
+                                  t0, tq, scale)
+        if (d == 64 && block_size == 16)
+            TILE(64, 16);
+        else if (d == 64 && block_size == 32)
+            TILE(64, 32);
+        else if (d == 128 && block_size == 16)
+            TILE(128, 16);
+        else if (d == 128 && block_size == 32)
+            TILE(128, 32);
+        else
+            prefill_tile((int)d, (int)block_size, q, out, K, V, table, blk_stride, tok_stride, hq, G, h, starts[i],
+                         pos0, t0, tq, scale);
+#undef TILE
+    }
+    free(first);
+}
