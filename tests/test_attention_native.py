@@ -102,7 +102,8 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernel(tmp_path,
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
     """native.load() as in a new process (nothing loaded or tried yet), with an empty kernel cache."""
-    for name, value in (("_tried", False), ("_lib", None), ("_why", None), ("_limits", None)):
+    for name, value in (("_tried", False), ("_lib", None), ("_why", None), ("_limits", None),
+                        ("_prefill_limits", None)):
         monkeypatch.setattr(native, name, value)
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TANDEM_CPU_ATTENTION", raising=False)
@@ -123,3 +124,18 @@ def test_without_the_kernel_the_sdpa_path_runs_and_says_why(env, why, fresh_load
     got = SdpaBackend().forward(q, k, v, kv.clone(), meta(), 0.25)
     sdpa_only()
     assert torch.equal(got, SdpaBackend().forward(q, k, v, kv.clone(), meta(), 0.25))
+
+
+def test_a_prefill_kernel_that_does_not_compile_leaves_the_decode_kernel(fresh_loader, tmp_path, sdpa_only):
+    """Protects the partial fallback: a compiler that rejects the prefill source still gets the decode kernel; prefill
+    chunks then run on SDPA, with the same outputs."""
+    broken = tmp_path / "paged_prefill.c"
+    broken.write_text("this is not C\n")
+    fresh_loader.setattr(native, "SOURCES", (native.SOURCE, broken))
+    q, k, v, kv, meta = _attend([1, 9, 1], [30, 9, 17], 8, 4, 64, 16, seed=11)
+    assert native.load() is not None and native.supports(q, kv)
+    assert not native.supports_prefill(q, kv)
+    got = SdpaBackend().forward(q, k, v, kv.clone(), meta(), 0.125)
+    sdpa_only()
+    want = SdpaBackend().forward(q, k, v, kv.clone(), meta(), 0.125)
+    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)

@@ -63,11 +63,21 @@ def _compiler() -> str | None:
 
 
 def _build() -> ctypes.CDLL:
+    """Both kernels in one library; if the prefill kernel does not compile here, the decode kernel alone."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    srcs = [p.read_bytes() for p in SOURCES]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    try:
+        return bind(ctypes.CDLL(str(_compile(cc, version, SOURCES))))
+    except RuntimeError as e:
+        log.warning("CPU paged prefill attention kernel unavailable (%s): prefill chunks use SDPA", e)
+        return bind(ctypes.CDLL(str(_compile(cc, version, (SOURCE,)))))
+
+
+def _compile(cc: str, version: str, sources: tuple[Path, ...]) -> Path:
+    """The cached shared library built from `sources` (compiled now when absent); RuntimeError if cc fails."""
+    srcs = [p.read_bytes() for p in sources]
     key = hashlib.sha256(b"\0".join([*srcs, version.encode(), _cpu_key().encode(), " ".join(FLAGS).encode()]))
     path = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
     if not path.is_file():
@@ -75,7 +85,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True,
                                   timeout=COMPILE_TIMEOUT_S)
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
@@ -83,7 +93,7 @@ def _build() -> ctypes.CDLL:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    return bind(ctypes.CDLL(str(path)))
+    return path
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -151,7 +161,7 @@ def supports_prefill(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether the prefill kernel takes this step's tensors: as `supports`, with the head dim and block size
     multiples of 16 (its vectors) within its limits."""
     global _prefill_limits
-    if not supports(q, kv):
+    if not supports(q, kv) or not hasattr(load(), "tandem_paged_prefill"):
         return False
     if _prefill_limits is None:
         v = load().tandem_paged_prefill_limits()
