@@ -11,13 +11,14 @@
  * Layouts (float32, contiguous): q [T, Hq, D]; kv [2, num_blocks, block_size, Hkv, D]; block_tables int32
  * [S, max_blocks]; out [T, Hq, D]. Item i: query rows starts[i] .. starts[i] + qlens[i] - 1 are the last qlens[i]
  * positions of the seq_lens[i] tokens of the sequence whose block-table row is seqs[i]. D and block_size are
- * multiples of 16 (D <= 128, block_size <= 64); the caller checks with tandem_paged_prefill_limits.
+ * multiples of 16 (D <= 128, block_size <= 64); the caller checks with tandem_paged_prefill_limits. Positions are
+ * compared as floats in the vector lanes: exact below 2^24 tokens. Nothing is allocated: the tiles of one chunk are
+ * spread over `nthreads` OpenMP threads, chunk after chunk.
  *
  * Written with GCC/Clang vector extensions (16 floats): -march=native maps them to AVX-512, AVX2 pairs or NEON.
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #define TILE_ROWS 32    /* query rows (positions x heads of one KV head) per tile */
 #define PMAX_D 128      /* head dim */
@@ -203,36 +204,28 @@ void tandem_paged_prefill(const float *q, const float *kv, const int32_t *block_
     const int64_t G = hq / hkv, TQ = TILE_ROWS / G;
     const int64_t tok_stride = hkv * d, blk_stride = block_size * tok_stride;
     const float *K = kv, *V = kv + num_blocks * blk_stride;
-    int64_t *first = malloc((size_t)(n_items + 1) * sizeof(int64_t));  /* work items: (sequence, KV head, tile) */
-    if (!first)
-        return;
-    first[0] = 0;
-    for (int64_t i = 0; i < n_items; i++)
-        first[i + 1] = first[i] + hkv * ((qlens[i] + TQ - 1) / TQ);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t w = 0; w < first[n_items]; w++) {
-        int64_t i = 0;
-        while (first[i + 1] <= w)
-            i++;
-        const int64_t tiles = (qlens[i] + TQ - 1) / TQ, k = w - first[i];
-        const int64_t h = k / tiles, t0 = (k % tiles) * TQ;
-        const int64_t tq = qlens[i] - t0 < TQ ? qlens[i] - t0 : TQ;
+    for (int64_t i = 0; i < n_items; i++) {          /* work items of a chunk: (KV head, tile), over the threads */
+        const int64_t tiles = (qlens[i] + TQ - 1) / TQ;
         const int32_t *table = block_tables + seqs[i] * max_blocks;
         const int64_t pos0 = seq_lens[i] - qlens[i];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t w = 0; w < hkv * tiles; w++) {
+            const int64_t h = w / tiles, t0 = (w % tiles) * TQ;
+            const int64_t tq = qlens[i] - t0 < TQ ? qlens[i] - t0 : TQ;
 #define TILE(DD, BB) prefill_tile(DD, BB, q, out, K, V, table, blk_stride, tok_stride, hq, G, h, starts[i], pos0, \
                                   t0, tq, scale)
-        if (d == 64 && block_size == 16)
-            TILE(64, 16);
-        else if (d == 64 && block_size == 32)
-            TILE(64, 32);
-        else if (d == 128 && block_size == 16)
-            TILE(128, 16);
-        else if (d == 128 && block_size == 32)
-            TILE(128, 32);
-        else
-            prefill_tile((int)d, (int)block_size, q, out, K, V, table, blk_stride, tok_stride, hq, G, h, starts[i],
-                         pos0, t0, tq, scale);
+            if (d == 64 && block_size == 16)
+                TILE(64, 16);
+            else if (d == 64 && block_size == 32)
+                TILE(64, 32);
+            else if (d == 128 && block_size == 16)
+                TILE(128, 16);
+            else if (d == 128 && block_size == 32)
+                TILE(128, 32);
+            else
+                prefill_tile((int)d, (int)block_size, q, out, K, V, table, blk_stride, tok_stride, hq, G, h,
+                             starts[i], pos0, t0, tq, scale);
 #undef TILE
+        }
     }
-    free(first);
 }
