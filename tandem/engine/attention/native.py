@@ -37,7 +37,7 @@ _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _tried = False
 _limits: tuple[int, int, int] | None = None     # asked of the library once (supports() runs at every layer)
-_prefill_limits: tuple[int, int, int] | None = None
+_prefill_limits: tuple[int, int, int] | None = None   # (max query heads per KV head, max head dim, max block size)
 
 
 def _cache_dir() -> Path:
@@ -143,9 +143,13 @@ def limits() -> tuple[int, int, int] | None:
         lib = load()
         if lib is None:
             return None
-        v = lib.tandem_paged_decode_limits()
-        _limits = (v // 1000000, (v // 1000) % 1000, v % 1000)
+        _limits = _unpack(lib.tandem_paged_decode_limits())
     return _limits
+
+
+def _unpack(v: int) -> tuple[int, int, int]:
+    """A kernel's limits as its C function packs them: heads * 10^6 + head dim * 10^3 + block size."""
+    return v // 1000000, (v // 1000) % 1000, v % 1000
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -164,8 +168,7 @@ def supports_prefill(q: torch.Tensor, kv: torch.Tensor) -> bool:
     if not supports(q, kv) or not hasattr(load(), "tandem_paged_prefill"):
         return False
     if _prefill_limits is None:
-        v = load().tandem_paged_prefill_limits()
-        _prefill_limits = (v // 1000000, (v // 1000) % 1000, v % 1000)
+        _prefill_limits = _unpack(load().tandem_paged_prefill_limits())
     hq, hkv, d, bs = q.shape[1], kv.shape[3], kv.shape[4], kv.shape[2]
     g, lim = hq // hkv, _prefill_limits
     return g <= lim[0] and d <= lim[1] and bs <= lim[2] and d % 16 == 0 and bs % 16 == 0

@@ -68,12 +68,15 @@ class _Plan:
     native_prefill: _NativePrefill | None = None   # for the paged prefill kernel, when it takes this step
 
 
-def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int, use_native: bool,
-          native_prefill: bool = False) -> _Plan:
-    """Index tensors of one step, built at its first layer and kept in meta.scratch for the others."""
+def _plan(meta: AttnMetadata, q: torch.Tensor, kv: torch.Tensor) -> _Plan:
+    """Index tensors of one step, built at its first layer and kept in meta.scratch for the others (which kernels
+    take the step is decided here, once)."""
     plan = meta.scratch.get("sdpa")
     if plan is not None:
         return plan
+    device, use_native = q.device, native.supports(q, kv)
+    native_prefill = use_native and native.supports_prefill(q, kv)
+    kv_block_bytes = 2 * kv[0, 0].numel() * kv.element_size()
     bs = meta.block_size
     starts, acc = [], 0
     for n in meta.query_lens:
@@ -81,9 +84,9 @@ def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int, use_nat
         acc += n
     dec = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lambda i: meta.seq_lens[i])
     groups: list[_DecodeGroup] = []
-    native = None
+    decode_kernel = None
     if dec and use_native:
-        native = _Native(torch.tensor([starts[i] for i in dec], dtype=torch.long),
+        decode_kernel = _Native(torch.tensor([starts[i] for i in dec], dtype=torch.long),
                          torch.tensor(dec, dtype=torch.long),
                          torch.tensor([meta.seq_lens[i] for i in dec], dtype=torch.long))
     elif dec:
@@ -108,21 +111,16 @@ def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int, use_nat
             groups.append(_DecodeGroup(None if contiguous else torch.tensor(rows, dtype=torch.long, device=device),
                                        rows[0], len(members), blocks, nblk, mask))
             i = j
-    prefills = []
-    if native_prefill:
-        pre = [i for i, n in enumerate(meta.query_lens) if n > 1]
-        if pre:
-            np_ = _NativePrefill(torch.tensor([starts[i] for i in pre], dtype=torch.long),
-                                 torch.tensor([meta.query_lens[i] for i in pre], dtype=torch.long),
-                                 torch.tensor(pre, dtype=torch.long),
-                                 torch.tensor([meta.seq_lens[i] for i in pre], dtype=torch.long))
-            plan = _Plan(groups, len(dec) == len(meta.query_lens), [], native, np_)
-            meta.scratch["sdpa"] = plan
-            return plan
-    for i, n in enumerate(meta.query_lens):
-        if n == 1:
-            continue
-        L = meta.seq_lens[i]
+    prefills, prefill_kernel = [], None
+    pre = [i for i, n in enumerate(meta.query_lens) if n > 1]
+    if pre and native_prefill:
+        prefill_kernel = _NativePrefill(torch.tensor([starts[i] for i in pre], dtype=torch.long),
+                                        torch.tensor([meta.query_lens[i] for i in pre], dtype=torch.long),
+                                        torch.tensor(pre, dtype=torch.long),
+                                        torch.tensor([meta.seq_lens[i] for i in pre], dtype=torch.long))
+        pre = []
+    for i in pre:
+        n, L = meta.query_lens[i], meta.seq_lens[i]
         if L == n:
             prefills.append(_Prefill(starts[i], n, None, None))
             continue
@@ -130,7 +128,7 @@ def _plan(meta: AttnMetadata, device: torch.device, kv_block_bytes: int, use_nat
         pos = torch.arange(nblk * bs, device=device)
         qpos = torch.arange(L - n, L, device=device)
         prefills.append(_Prefill(starts[i], n, meta.block_tables[i, :nblk].long(), pos[None, :] <= qpos[:, None]))
-    plan = _Plan(groups, len(dec) == len(meta.query_lens), prefills, native)
+    plan = _Plan(groups, len(dec) == len(meta.query_lens), prefills, decode_kernel, prefill_kernel)
     meta.scratch["sdpa"] = plan
     return plan
 
@@ -147,9 +145,7 @@ class SdpaBackend:
                 meta: AttnMetadata, scale: float) -> torch.Tensor:
         """Write k/v at meta.slot_mapping, then attend each query to its sequence's keys up to its position."""
         write_kv(k, v, kv, meta.slot_mapping)
-        use_native = native.supports(q, kv)
-        plan = _plan(meta, q.device, 2 * kv[0, 0].numel() * kv.element_size(), use_native,
-                     use_native and native.supports_prefill(q, kv))
+        plan = _plan(meta, q, kv)
         hq, hkv, d = q.shape[1], kv.shape[3], kv.shape[4]
         gqa = hq != hkv
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q.shape[0] else q
