@@ -396,6 +396,18 @@ def _ratios(results: dict, rates: list[float]) -> dict:
     return out
 
 
+def _memory_row(labels: list[str], x: dict, caps: bool) -> str:
+    """One engine's memory figures as a table row after its labels; `caps` adds its logit cap and retention ratio."""
+    if "error" in x:
+        return "| " + " | ".join([*labels, f"does not start: {x['error'][:80]}"]) + " |" + " |" * (5 if caps else 3)
+    cells = [str(x["max_num_batched_tokens"])]
+    if caps:
+        cells += [str(x["max_num_logits"] or "-"), str(x["kv_retention_ratio"])]
+    cells += [f"{x['activation_reserved_bytes'] / 2**20:.1f}", f"{x['kv_pool_bytes'] / 2**20:.1f}",
+              f"{x['static_batch_bound']:.1f}"]
+    return "| " + " | ".join([*labels, *cells]) + " |"
+
+
 def table(report: dict) -> str:
     m = report["meta"]
     lines = [f"`{m['command']}` on {m['machine']}, {m['date']}, commit {m['commit']}, {m['wall_s']:.0f} s; "
@@ -404,12 +416,7 @@ def table(report: dict) -> str:
              "| system | token budget | logit cap | ρ | activation reserve (MiB) | KV pool (MiB) | requests of "
              "the mean peak the token budget holds |", "|---|---|---|---|---|---|---|"]
     for name, x in report["memory"].items():
-        if "error" in x:
-            lines.append(f"| {name} | does not start: {x['error'][:80]} | | | | | |")
-            continue
-        lines.append(f"| {name} | {x['max_num_batched_tokens']} | {x['max_num_logits'] or '-'} | "
-                     f"{x['kv_retention_ratio']} | {x['activation_reserved_bytes'] / 2**20:.1f} | "
-                     f"{x['kv_pool_bytes'] / 2**20:.1f} | {x['static_batch_bound']:.1f} |")
+        lines.append(_memory_row([name], x, caps=True))
     lines += ["", "| system @ rate (req/s) | max running | mean running | throughput (tok/s) | P50 latency (s) | "
               "P99 latency (s) | steps | full / refresh / reuse seq-steps |", "|---|---|---|---|---|---|---|---|"]
     for key, r in report["results"].items():
@@ -462,12 +469,7 @@ def sweep_table(report: dict) -> str:
               "the mean peak the token budget holds |", "|---|---|---|---|---|---|"]
     for b, rep in report["budgets"].items():
         for name, x in rep["memory"].items():
-            if "error" in x:
-                lines.append(f"| {b} | {name} | does not start: {x['error'][:80]} | | | |")
-                continue
-            lines.append(f"| {b} | {name} | {x['max_num_batched_tokens']} | "
-                         f"{x['activation_reserved_bytes'] / 2**20:.1f} | {x['kv_pool_bytes'] / 2**20:.1f} | "
-                         f"{x['static_batch_bound']:.1f} |")
+            lines.append(_memory_row([str(b), name], x, caps=False))
     lines += ["", "| budget (MiB) | system @ rate (req/s) | max running | mean running | throughput (tok/s) | "
               "P50 latency (s) | P99 latency (s) |", "|---|---|---|---|---|---|---|"]
     for b, rep in report["budgets"].items():
