@@ -4,9 +4,9 @@
  * PyTorch's CPU flash attention spends most of a short prompt's time outside its GEMMs (about 45 GFLOP/s on a
  * 256-token causal prompt of 8 heads here, against 250 for the linears), and a chunk with a cached prefix first
  * needs its K/V gathered into a contiguous copy. This kernel works on tiles of about 32 query rows (the query
- * positions of a tile times the G query heads of one KV head): a key block is transposed once into the tile's
- * scratch, the tile's scores are 16-lane FMAs against it, and the probabilities meet each value row with the
- * rows' accumulators held in registers.
+ * positions of a tile times the G query heads of one KV head), transposed once per tile so the rows sit in vector
+ * lanes: each key's scores for all rows are 16-lane FMAs with the key's elements broadcast, and the probabilities
+ * meet each value row with two rows' accumulators held in registers.
  *
  * Layouts (float32, contiguous): q [T, Hq, D]; kv [2, num_blocks, block_size, Hkv, D]; block_tables int32
  * [S, max_blocks]; out [T, Hq, D]. Item i: query rows starts[i] .. starts[i] + qlens[i] - 1 are the last qlens[i]
