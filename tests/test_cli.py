@@ -21,6 +21,11 @@ BASE = ["simulate", "--workload", "toolbench", "--model", "llama-3.1-70b", "--gp
         "--sessions", "5"]
 
 
+def _tiny(tmp_path: Path) -> str:
+    from tandem.engine.tiny_model import make_tiny_model
+    return str(make_tiny_model(tmp_path / "tiny", arch="qwen3", size="1m", seed=1))
+
+
 def _bad_jsonl(tmp_path: Path) -> str:
     p = tmp_path / "bad.jsonl"
     good = {"session_id": "a", "arrival_s": 0.0, "rounds": [{"input_tokens": 10, "output_tokens": 5}]}
@@ -51,6 +56,13 @@ ERROR_CASES = {
         "--slo-itl"),
     "unknown preset": (lambda t: ["experiment", "--preset", "huge", "--out", str(t / "o")], "huge"),
     "unknown prefill basis": (lambda t: BASE + ["--prefill-basis", "history"], "--prefill-basis"),
+    "unknown preemption mode": (lambda t: BASE + ["--preemption-mode", "evict"], "--preemption-mode"),
+    "negative swap space": (lambda t: BASE + ["--swap-space", "-1"], "--swap-space"),
+    "swap without swap space": (lambda t: BASE + ["--deploy", "P:tp4x1,D:tp4x1", "--preemption-mode", "swap",
+                                                  "--swap-space", "0"], "--preemption-mode swap needs --swap-space"),
+    "serve: swap without swap space": (lambda t: ["serve", "--model", _tiny(t), "--colocated", "1", "--policy",
+                                                  "vllm", "--preemption-mode", "swap", "--swap-space", "0"],
+                                       "--preemption-mode swap needs --swap-space"),
     "records into a missing folder": (lambda t: BASE + ["--deploy", "P:tp4x1,D:tp4x1", "--records",
                                                         str(t / "no" / "r.jsonl")], "No such directory"),
     "experiment gpus malformed": (lambda t: ["experiment", "--gpus", "toolbench:16", "--out", str(t / "o")],

@@ -18,6 +18,7 @@ pytest.importorskip("tokenizers")
 
 from tokenizers import Tokenizer  # noqa: E402
 
+from tandem.core.config import PreemptionMode  # noqa: E402
 from tandem.engine.config import EngineConfig, EngineError  # noqa: E402
 from tandem.engine.diffusion import DllmConfig, generate_cached, generate_reference  # noqa: E402
 from tandem.engine.diffusion.block_state import BlockState  # noqa: E402
@@ -84,7 +85,7 @@ def test_streaming_chunks_equal_the_cached_loop(prompts, model):
 
 def test_outputs_do_not_depend_on_the_batch_even_through_preemptions(prompts):
     """Acceptance 3: each request alone and the six batched on a KV pool of 10 blocks (preemptions forced) give the
-    same tokens in block mode; a fixed streaming chunk is batch-invariant too (no preemption)."""
+    same tokens in block mode (where preemption recomputes); a fixed streaming chunk is batch-invariant too."""
     kw = dict(max_model_len=128, num_kv_blocks=10)
     batched, outs = _run(_engine("block", **kw), prompts, GREEDY)
     assert sum(o.metrics.num_preemptions for o in outs.values()) > 0
@@ -95,6 +96,22 @@ def test_outputs_do_not_depend_on_the_batch_even_through_preemptions(prompts):
     for i in (0, 3):
         alone, _ = _run(_engine("8"), [prompts[i]], GREEDY)
         assert alone["0"] == chunked[str(i)]
+
+
+def test_streaming_outputs_do_not_depend_on_the_batch_through_swap_preemptions(prompts):
+    """Acceptance 3 for streaming chunks: chunk 4 on a KV pool of 8 blocks preempts three times. A decoded position's
+    K/V depend on the window that wrote it, so a recompute would write them differently; the default preemption
+    mode of streaming windows swaps the KV to host memory and back, and each request alone and the six batched give
+    the same tokens."""
+    kw = dict(max_model_len=128, num_kv_blocks=8)
+    eng = _engine("4", **kw)
+    batched, outs = _run(eng, prompts, GREEDY)
+    assert eng.core.preempted == {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 3}
+    assert sum(o.metrics.num_preemptions for o in outs.values()) == 3
+    assert eng._swapped == {} and eng.core.swap_free == eng.core.cfg.swap_blocks
+    for i, p in enumerate(prompts):
+        alone, _ = _run(_engine("4", **kw), [p], GREEDY)
+        assert alone["0"] == batched[str(i)]
 
 
 def test_a_second_round_reuses_whole_blocks_and_equals_a_fresh_prompt(prompts):

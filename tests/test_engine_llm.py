@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tandem.core.config import PreemptionMode  # noqa: E402
 from tandem.engine.config import EngineError  # noqa: E402
 from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
@@ -91,6 +92,14 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(tiny, cold):
     together = small.generate(prompts, GREEDY)
     assert [o.token_ids for o in together] == alone
     assert sum(o.metrics.num_preemptions for o in together) > 0
+    # preemption by swap (vLLM's preemption_mode="swap"): the KV goes to host memory and back, no prefill again
+    swap = LLM(tiny, num_kv_blocks=24, max_model_len=384, max_num_batched_tokens=32, preemption_mode="swap")
+    swapped = swap.generate(prompts, GREEDY)
+    core = swap.engine.core
+    assert [o.token_ids for o in swapped] == alone
+    assert core.preempted[PreemptionMode.SWAP] > 0 and core.preempted[PreemptionMode.RECOMPUTE] == 0
+    assert sum(o.metrics.num_computed_tokens for o in swapped) == sum(len(p) for p in prompts)
+    assert swap.engine._swapped == {} and swap.engine.stats.swapped_out_bytes == 0
 
 
 def test_a_five_round_session_prefills_only_new_tokens_and_matches_recomputation(llm, cold):

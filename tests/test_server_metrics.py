@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from tandem.core.config import PreemptionMode  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.async_llm import AsyncLLM  # noqa: E402
 from tandem.server.app import build_app  # noqa: E402
@@ -63,3 +64,35 @@ def test_request_level_metrics_count_exactly_what_was_served(tmp_path):
     assert 'block_size="16"' in info and 'num_gpu_blocks="64"' in info and 'enable_prefix_caching="True"' in info
     assert 'cache_dtype="float32"' in info and info.endswith(" 1.0")
     assert _value(text, "process_resident_memory_bytes") > 0 and "python_info{" in text
+
+
+def test_swap_preemptions_show_in_the_metrics_and_the_cache_config(tmp_path):
+    """Protects vLLM v0's swap gauges and cache_config_info's swap labels: six concurrent requests of 100 tokens
+    outgrow a 16-block pool, the engine swaps (preemption_mode=swap) and every request completes; afterwards no
+    request is swapped and the swap space is empty."""
+    make_tiny_model(tmp_path, arch="qwen3", size="1m", seed=1)
+    client = AsyncLLM.from_model(str(tmp_path), served_model_name="tiny", num_kv_blocks=16, max_model_len=256,
+                                 preemption_mode="swap", swap_space=0.001)
+
+    async def run() -> str:
+        app = build_app(client)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            rs = await asyncio.gather(*(http.post("/v1/completions", json={
+                "model": "tiny", "prompt": [5 + i] * 60, "max_tokens": 40, "ignore_eos": True, "temperature": 0})
+                for i in range(6)))
+            assert [r.status_code for r in rs] == [200] * 6
+            return (await http.get("/metrics")).text
+
+    try:
+        text = asyncio.run(run())
+        core, block_bytes = client.engine.core, client.engine.runner.kv_block_bytes
+    finally:
+        asyncio.run(client.shutdown())
+    lab = '{model_name="tiny"}'
+    swapped = core.preempted[PreemptionMode.SWAP]
+    assert swapped > 0 and core.preempted[PreemptionMode.RECOMPUTE] == 0
+    assert _value(text, f"vllm:num_preemptions_total{lab}") == swapped
+    assert _value(text, f"vllm:num_requests_swapped{lab}") == 0
+    assert _value(text, f"vllm:cpu_cache_usage_perc{lab}") == 0
+    info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert f'num_cpu_blocks="{int(0.001 * 2**30) // block_bytes}"' in info and 'preemption_mode="swap"' in info

@@ -72,6 +72,16 @@ def positive_float(text: str) -> float:
     return _parse(text, float, "a number", lambda x: math.isfinite(x) and x > 0, "> 0")
 
 
+PREEMPTION_MODE_HELP = ("how a running sequence gives up its KV when the pool runs short: recompute (drop it, prefill "
+                        "again) or swap (copy it to host memory and back; recompute when --swap-space is full); "
+                        "default: swap for streaming diffusion windows, whose K/V a recompute would change, else "
+                        "recompute")
+
+
+def nonneg_float(text: str) -> float:
+    return _parse(text, float, "a number", lambda x: math.isfinite(x) and x >= 0, ">= 0")
+
+
 def unit_fraction(text: str) -> float:
     """A number in (0, 1]."""
     return _parse(text, float, "a number in (0, 1]", lambda x: 0 < x <= 1, "in (0, 1]")

@@ -14,8 +14,10 @@ from pathlib import Path
 
 from tandem.cli import bench_cmd, plan_cmd, profile_cmd, serve_cmd, tiny_cmd
 from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, add_ray_args, check_out_path,
-                               clear_notes, csv_list, flush_notes, gpus_arg, load_workload, nonneg_int, note,
-                               positive_float, positive_int, ray_executor, seed_arg, unit_fraction)
+                               PREEMPTION_MODE_HELP, clear_notes, csv_list, flush_notes, gpus_arg, load_workload,
+                               nonneg_float, nonneg_int, note, positive_float, positive_int, ray_executor, seed_arg,
+                               unit_fraction)
+from tandem.core.config import DEFAULT_SWAP_SPACE_GIB
 from tandem.core.deploy import DeploymentError, parse_deploy
 from tandem.perf.dllm import OPTIMUS_LENGTHS
 from tandem.workload.session import WorkloadError
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dllm-prefill-share", type=float, default=0.5, metavar="F",
                    help="elastic windows leave waiting prefills up to this share of the step's token budget, in "
                         "[0, 1); 0: the windows may take all of it, as the paper's c* (default: %(default)s)")
+    s.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"),
+                   help=PREEMPTION_MODE_HELP)
+    s.add_argument("--swap-space", type=nonneg_float, default=DEFAULT_SWAP_SPACE_GIB, metavar="GIB",
+                   help="GiB of host memory per worker for KV preempted by swap (default: %(default)s)")
     s.add_argument("--dllm-dataset", default="sharegpt", choices=DLLM_DATASETS,
                    help="the Optimus Table 2 row the simulated commits per step follow (default: %(default)s)")
     s.add_argument("--dllm-admission", default=None, choices=("phase", "static", "reserve"),
@@ -217,6 +223,10 @@ def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, pol
     cfg = cluster.SimConfig(model=model, gpu=gpu, gpus=gpus, deploy=deploy, policy=policy, seed=args.seed)
     if args.perf is not None:
         cfg = dataclasses.replace(cfg, perf=args.perf)
+    if hasattr(args, "swap_space"):
+        cfg = dataclasses.replace(cfg, preemption_mode=args.preemption_mode, swap_space=args.swap_space)
+        if args.preemption_mode == "swap" and args.swap_space == 0:
+            raise CLIError("--preemption-mode swap needs --swap-space > 0")
     if getattr(args, "dllm_block_length", None):
         from tandem.policy.optimus.chunk import parse_chunk
         try:

@@ -11,8 +11,8 @@ import signal
 from pathlib import Path
 
 from tandem.cli.bench_table import print_table
-from tandem.cli.common import (CLIError, byte_size, csv_list, nonneg_int, positive_int, ray_address_arg, require_ray,
-                               unit_fraction)
+from tandem.cli.common import (PREEMPTION_MODE_HELP, CLIError, byte_size, csv_list, nonneg_float, nonneg_int,
+                               positive_int, ray_address_arg, require_ray, unit_fraction)
 from tandem.bench.ports import free_port
 from tandem.policy.presets import POLICIES, PrefillSchedKind
 
@@ -93,6 +93,10 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--kv-selection", default=None, choices=("head", "uniform"),
                    help="--dllm-admission: per-KV-head selection (dLLM-Serve) or one shared set (Sparse-dLLM) "
                         "(default: head)")
+    p.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"),
+                   help=PREEMPTION_MODE_HELP)
+    p.add_argument("--swap-space", type=nonneg_float, default=None, metavar="GIB",
+                   help="GiB of host memory per worker for KV preempted by swap (default: 4)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
                    help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
@@ -253,6 +257,11 @@ def _cluster_config(args):
                        "autoregressive (diffusion options need a diffusion checkpoint such as SDAR or LLaDA)")
     if diffusion and not args.colocated:
         raise CLIError("a block-diffusion model is served by co-located workers: add --colocated N")
+    for name in ("preemption_mode", "swap_space"):
+        if getattr(args, name, None) is not None:
+            eng[name] = getattr(args, name)
+    if eng.get("preemption_mode") == "swap" and eng.get("swap_space") == 0:
+        raise CLIError("--preemption-mode swap needs --swap-space > 0")
     if args.enforce_eager:
         eng["enforce_eager"] = True
     if args.cuda_graph_sizes is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 from tandem.policy.dllm_serve import PhaseSpec, parse_admission
 from tandem.policy.optimus.chunk import parse_chunk
@@ -15,6 +16,15 @@ DEFAULT_WATERMARK = 0.01                  # vLLM's share of blocks an admitted p
 DEFAULT_WINDOW_S = 10.0                   # AMPD's window of the published TTFT/ITL means
 DEFAULT_KV_TIMEOUT_S = 10.0               # a KV transfer not landed after this is abandoned (local recompute)
 DEFAULT_SESSION_TTL_S = 600.0             # an idle session's KV is released after this
+DEFAULT_SWAP_SPACE_GIB = 4.0              # vLLM's swap_space: host memory per worker for swapped-out KV
+GIB = 1 << 30
+
+
+class PreemptionMode(Enum):
+    """How a worker frees a running sequence's KV when its pool runs short (vLLM's preemption_mode)."""
+
+    RECOMPUTE = "recompute"     # drop the KV; the context is prefilled again when the sequence resumes
+    SWAP = "swap"               # copy the KV to host memory (swap_space); it is copied back when the sequence resumes
 
 
 def _int(name: str, v, lo: int = 1) -> None:
@@ -52,6 +62,10 @@ class SchedulerConfig:
                                               # ("full", LLaDA) or prompt + generated + the active block ("prefix";
                                               # "aligned": SDAR's blocks at absolute positions, the engine's)
     dllm_kv_retention: float = 1.0            # dLLM-Serve: share ρ of a request's positions whose KV it keeps
+    preemption_mode: str | None = None        # recompute or swap; None: swap where a recompute would change the
+                                              # output (streaming diffusion windows: a decoded position's K/V depend on
+                                              # the window that wrote it) and swap_space allows, recompute elsewhere
+    swap_space: float = DEFAULT_SWAP_SPACE_GIB   # GiB of host memory per worker for KV preempted by swap
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "decode_query_tokens"):
@@ -72,6 +86,27 @@ class SchedulerConfig:
             if not self.dllm_block_length:
                 raise ValueError("dllm_admission needs a block-diffusion model (dllm_block_length > 0)")
         self.phase_spec()                         # validates the Refresh/Reuse knobs
+        sw = self.swap_space
+        if isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 <= sw < math.inf:
+            raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {sw!r}")
+        if self.preemption_mode is not None:
+            try:
+                mode = PreemptionMode(self.preemption_mode)
+            except ValueError:
+                raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}") from None
+            if mode is PreemptionMode.SWAP and sw == 0:
+                raise ValueError("preemption_mode swap needs swap_space > 0 GiB")
+
+    def swap_blocks(self, kv_block_bytes: int) -> int:
+        """KV blocks of `kv_block_bytes` that swap_space holds (0 when the shell gives no block size)."""
+        return int(self.swap_space * GIB) // kv_block_bytes if kv_block_bytes > 0 else 0
+
+    def preemption(self, streaming_diffusion: bool, swap_blocks: int) -> PreemptionMode:
+        """The preemption mode a worker runs: the one asked for, else swap for streaming diffusion windows when
+        there is swap space (a recompute rewrites their K/V differently), recompute otherwise."""
+        if self.preemption_mode is not None:
+            return PreemptionMode(self.preemption_mode)
+        return PreemptionMode.SWAP if streaming_diffusion and swap_blocks > 0 else PreemptionMode.RECOMPUTE
 
     def phase_spec(self) -> PhaseSpec:
         """The Refresh/Reuse policy of the dLLM-Serve mode (ValueError names a bad knob)."""

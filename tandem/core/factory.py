@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from tandem.core.config import SchedulerConfig
+from tandem.core.config import PreemptionMode, SchedulerConfig
 from tandem.core.coordinator import Coordinator, CoordinatorView
 from tandem.core.laps_sched import LapsScheduler, LocalLaps, laps_options
 from tandem.core.types import COLOCATED, Role
@@ -17,7 +17,7 @@ from tandem.policy.laps.pools import PooledRouter
 from tandem.perf.roofline import BatchShape
 from tandem.policy.laps.pressure import PressureConfig
 from tandem.policy.dllm_serve import Admission, DllmServe
-from tandem.policy.optimus.chunk import ChunkSizer, StepLatency, parse_chunk
+from tandem.policy.optimus.chunk import ChunkMode, ChunkSizer, StepLatency, parse_chunk
 from tandem.policy.optimus.latency import ChunkLatency
 from tandem.policy.presets import (
     BinderKind, HistorySource, PickerKind, PolicySpec, PrefillSchedKind, RouterKind, get_policy,
@@ -87,17 +87,25 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
                  sched: SchedulerConfig | None = None, t_pre: Callable[[int, int], float] | None = None,
                  max_num_batched_tokens: int | None = None, boundary: int | None = None,
                  t_step: Callable[[BatchShape], float] | None = None,
-                 latency: ChunkLatency | None = None) -> WorkerCore:
+                 latency: ChunkLatency | None = None, kv_block_bytes: int = 0) -> WorkerCore:
     """One worker core of `role` with the policy's picker and idle-KV retention and the scheduler's knobs.
     `max_num_batched_tokens` overrides the scheduler's budget for this worker (the simulator's co-located one);
     `boundary` is the cost model's LAPS boundary L_m, the class threshold unless the policy sets one; `t_step`, the
     shell's step timer, gives block-diffusion workers Optimus's T(c, b) (else it is sampled from t_pre) unless the
     shell has `latency`, a fitted T(c, b) of its own (the engine's measured one, a profile's), used as it is. With
     `sched.dllm_admission` the diffusion worker runs dLLM-Serve's Refresh/Reuse phases under that admission policy
-    instead of Optimus's windows (co-located workers only: ValueError otherwise)."""
+    instead of Optimus's windows (co-located workers only: ValueError otherwise). `kv_block_bytes`, the bytes of one
+    KV block on this worker, sizes its swap space (0: no swap space, so preemption recomputes)."""
     spec = get_policy(policy)
     sched = sched or SchedulerConfig()
     role = Role(role)
+    swap_blocks = sched.swap_blocks(kv_block_bytes)
+    streaming = (bool(sched.dllm_block_length) and not sched.dllm_admission and role != Role.PREFILL
+                 and parse_chunk(sched.dllm_chunk).mode is not ChunkMode.BLOCK)
+    preemption = sched.preemption(streaming, swap_blocks)
+    if preemption is PreemptionMode.SWAP and swap_blocks == 0:
+        raise ValueError(f"preemption_mode swap: swap_space {sched.swap_space} GiB holds no KV block of "
+                         f"{kv_block_bytes} bytes")
     cfg = WorkerConfig(
         role=role, tp=tp, num_blocks=num_blocks, block_size=sched.block_size,
         max_num_batched_tokens=max_num_batched_tokens or sched.max_num_batched_tokens,
@@ -106,7 +114,8 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         decode_query_tokens=sched.decode_query_tokens,
         dllm_block=sched.dllm_block_length if role != Role.PREFILL else 0, dllm_prefill_share=sched.dllm_prefill_share,
         dllm_admission=sched.dllm_admission or "",
-        itl_chunk_beta=spec.beta if spec.local_chunked and role == Role.DECODE else None)
+        itl_chunk_beta=spec.beta if spec.local_chunked and role == Role.DECODE else None,
+        preemption_mode=preemption, swap_blocks=swap_blocks if preemption is PreemptionMode.SWAP else 0)
     laps, local = None, None
     if spec.prefill_sched is PrefillSchedKind.LAPS and role in (Role.PREFILL, Role.DECODE):
         opts = laps_options(laps_threshold(spec, boundary), spec.laps_split, spec.laps_graphs, spec.laps_long_chunk,

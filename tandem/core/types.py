@@ -10,7 +10,7 @@ from tandem.policy.task import COLOCATED, DECODE, PREFILL, PrefillTask, Role
 
 # Worker roles and the prefill task live with the policies that read them.
 __all__ = ["PREFILL", "DECODE", "COLOCATED", "Role", "PrefillTask", "SeqState", "Seq", "StepKind", "PlanEntry",
-           "StepPlan", "StepResult", "FetchHistory", "PrefillDone", "FirstToken", "RoundDone", "SessionFailed"]
+           "Swap", "SwapKind", "StepPlan", "StepResult", "FetchHistory", "PrefillDone", "FirstToken", "RoundDone", "SessionFailed"]
 
 
 class SeqState(Enum):
@@ -23,6 +23,7 @@ class SeqState(Enum):
     EVICTED = "evicted"         # between rounds, KV dropped for memory
     FAILED = "failed"           # the worker cannot hold it
     RELEASED = "released"       # the session ended here (its KV freed)
+    SWAPPED = "swapped"         # preempted by swap: its KV waits in host memory to be copied back
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +51,26 @@ class Seq:
                                 # and written with the first window, outside the chunk (they are its fixed inputs)
     first_due: tuple[float, float | None] | None = None   # diffusion: the round's first token is its first
                                 # commit; (prefill start, enqueue time of a local prefill) until then
+    swapped_blocks: int = 0     # preempted by swap: KV blocks it holds in host memory
+
+
+class SwapKind(Enum):
+    """Which way a swap moves a preempted sequence's KV."""
+
+    OUT = "out"                 # device blocks -> host memory (the sequence is preempted)
+    IN = "in"                   # host memory -> device blocks (the sequence resumes)
+    DROP = "drop"               # forget the host copy (the session ended while swapped out; no blocks)
+
+
+@dataclass(slots=True, frozen=True)
+class Swap:
+    """Copy a sequence's KV between the device pool and host memory (vLLM's preemption by swap): `blocks` are the
+    device blocks it leaves (OUT) or comes back to (IN), in block-table order (DROP: none). Shells carry swaps out in the order
+    the core made them, before the next forward: a block an OUT frees may be handed out again in the same plan."""
+
+    kind: SwapKind
+    session_id: str
+    blocks: tuple[int, ...]
 
 
 class StepKind(Enum):

@@ -1,6 +1,7 @@
 """A worker's sans-I/O core: prefill queue, step scheduler, KV residency; plans steps, consumes results."""
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -9,20 +10,25 @@ from tandem.core.block_manager import BlockManager
 from tandem.core.laps_sched import LapsScheduler, LocalLaps
 from tandem.core.config import (
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_WATERMARK, DEFAULT_WINDOW_S,
+    PreemptionMode,
 )
 from tandem.core.stats import WindowedMean
 from tandem.core.types import (
     COLOCATED, DECODE, PREFILL, FetchHistory, FirstToken, PrefillDone, PrefillTask,
-    RoundDone, Seq, SeqState, SessionFailed, StepPlan, StepResult,
+    RoundDone, Seq, SeqState, SessionFailed, StepPlan, StepResult, Swap, SwapKind,
 )
 from tandem.policy.dllm_serve import Candidate, DllmServe, Phase, PhaseState
 from tandem.policy.optimus.chunk import ChunkSizer, SeqWindow
 from tandem.policy.reorder import FCFS, Picker
 from tandem.policy.routing import itl_chunk_tokens
 
-NEW, PREFILLING, RUNNING, IDLE, EVICTED, FAILED, RELEASED = (
+NEW, PREFILLING, RUNNING, IDLE, EVICTED, FAILED, RELEASED, SWAPPED = (
     SeqState.NEW, SeqState.PREFILL, SeqState.RUNNING, SeqState.IDLE, SeqState.EVICTED, SeqState.FAILED,
-    SeqState.RELEASED)
+    SeqState.RELEASED, SeqState.SWAPPED)
+
+
+def _admission_order(seq: Seq) -> int:
+    return seq.order
 
 
 @dataclass(slots=True)
@@ -48,6 +54,8 @@ class WorkerConfig:
     dllm_prefill_share: float = 0.5         # elastic windows leave waiting prefills up to this share of the budget
     dllm_admission: str = ""                # dLLM-Serve mode (co-located diffusion workers): Refresh/Reuse phases
                                             # packed by "phase", "static" or "reserve" admission ("": Optimus windows)
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE   # how a running sequence gives up its KV
+    swap_blocks: int = 0                    # host KV blocks for preemption by swap (falls back to recompute when full)
 
 
 class WorkerCore:
@@ -70,6 +78,10 @@ class WorkerCore:
         self.running: list[Seq] = []                # sequences decoding
         self.idle: dict[str, Seq] = {}              # resident between rounds, oldest first (LRU)
         self.pending_kv: list[PrefillTask] = []     # remote KV that arrived before memory was free
+        self.swapped: list[Seq] = []                # preempted by swap, in admission order (resumed first to last)
+        self.swap_free = cfg.swap_blocks if cfg.preemption_mode is PreemptionMode.SWAP else 0
+        self.swaps: list[Swap] = []                 # KV copies for the shell to carry out before its next forward
+        self.preempted = {m: 0 for m in PreemptionMode}   # preemptions so far, by how they freed the KV
         self.ttft = WindowedMean(cfg.window_s)
         self.itl = WindowedMean(cfg.window_s)
         self.queued_est_s = 0.0                     # Σ estimated compute of queued tasks (AMPD Eq. 1-2)
@@ -201,6 +213,11 @@ class WorkerCore:
         if seq.state is RUNNING:
             self.running.remove(seq)
             self._ctx -= seq.num_tokens
+        elif seq.state is SWAPPED:                   # its host copy is dropped
+            self.swapped.remove(seq)
+            self.swap_free += seq.swapped_blocks
+            seq.swapped_blocks = 0
+            self.swaps.append(Swap(SwapKind.DROP, sid, ()))
         seq.state = RELEASED                         # a step in flight must not commit into it
         self._phase.pop(sid, None)
         kept = [t for t in self.queue if t.session_id != sid]
@@ -238,6 +255,8 @@ class WorkerCore:
         """Form the next step: admit prefills (picker order), then prefill chunks and/or decodes."""
         if self.dllm is not None:
             return self._schedule_phases(now)
+        if self.swapped:
+            self._swap_in(now)
         if self.pending_kv:
             self._retry_pending(now)
         laps = self.laps
@@ -248,7 +267,8 @@ class WorkerCore:
         local = self.local_laps
         if local is not None:
             local.release(now)                       # AWD lets a batch of held short local prefills in
-        self._admit(now)
+        if not self.swapped:                         # swapped-out sequences resume before new work starts (vLLM)
+            self._admit(now)
         budget = self.cfg.max_num_batched_tokens
         plan = StepPlan(self.id)
         shape = plan.shape
@@ -260,7 +280,7 @@ class WorkerCore:
                 mix = True                           # Sarathi-style: the decodes go on beside the local prefill
             if mix or not ready:
                 self._grow_running(now)
-                if not self.running and not self.active:
+                if not self.running and not self.active and not self.swapped:
                     self._admit(now)                 # growth preempted everything: the freed pool goes to the queue
                 if self.running:
                     plan.decode = list(self.running)
@@ -685,7 +705,13 @@ class WorkerCore:
         self.queued_est_s += t.est_s
 
     def _preempt(self, seq: Seq, now: float) -> None:
-        """vLLM's preemption by recompute: drop the KV, re-prefill the whole context locally first."""
+        """vLLM's preemption: by swap when the swap space has room for the sequence's blocks (its KV is copied to
+        host memory and back, unchanged), else by recompute (drop the KV, re-prefill the whole context first)."""
+        held = self.blocks.held(seq)
+        if 0 < held <= self.swap_free:
+            self._swap_out(seq, held)
+            return
+        self.preempted[PreemptionMode.RECOMPUTE] += 1
         self.running.remove(seq)
         self._ctx -= seq.num_tokens
         tokens = seq.num_tokens
@@ -694,6 +720,42 @@ class WorkerCore:
         seq.preemptions += 1
         task = PrefillTask(seq.session_id, -1, 0, tokens, now, decode_worker=self.id, recompute=True)
         self.submit(task, now)
+
+    def _swap_out(self, seq: Seq, held: int) -> None:
+        """Preempt by swap: the shell copies the sequence's `held` blocks to host memory before they are reused."""
+        self.running.remove(seq)
+        self._ctx -= seq.num_tokens
+        self.swaps.append(Swap(SwapKind.OUT, seq.session_id, tuple(self.blocks.tables[seq])))
+        self.blocks.free(seq)
+        self.swap_free -= held
+        seq.swapped_blocks, seq.cap, seq.state = held, 0, SWAPPED
+        seq.preemptions += 1
+        self.preempted[PreemptionMode.SWAP] += 1
+        bisect.insort(self.swapped, seq, key=_admission_order)
+
+    def _swap_in(self, now: float) -> None:
+        """Resume swapped-out sequences, first admitted first, while the pool holds their blocks and the watermark
+        (a sequence that needs more than the rest of the pool waives it)."""
+        bs = self.cfg.block_size
+        while self.swapped:
+            seq = self.swapped[0]
+            need = seq.swapped_blocks
+            headroom = self.watermark_blocks if need + self.watermark_blocks <= self.cfg.num_blocks else 0
+            if not self._reserve(seq, need * bs, now, preempt=False, headroom=headroom):
+                return
+            del self.swapped[0]
+            self.swaps.append(Swap(SwapKind.IN, seq.session_id, tuple(self.blocks.tables[seq])))
+            self.swap_free += need
+            seq.swapped_blocks = 0
+            seq.state = RUNNING
+            self.running.append(seq)
+            self._ctx += seq.num_tokens
+
+    def take_swaps(self) -> list[Swap]:
+        """The KV copies planned since the last call, in order; the shell carries them out before its next forward
+        (a block a swap-out frees may already belong to another sequence in the plan)."""
+        out, self.swaps = self.swaps, []
+        return out
 
     def _never_fits(self, tokens: int, task: PrefillTask, now: float) -> bool:
         """Fail the task's session when its KV exceeds this worker's whole pool; True if it failed."""
@@ -962,5 +1024,11 @@ class WorkerCore:
     def kv_usage(self) -> float:
         return self.blocks.usage
 
+    @property
+    def swap_usage(self) -> float:
+        """Fraction of the swap space holding preempted KV (vLLM's cpu_cache_usage_perc / 100; 0 without one)."""
+        n = self.cfg.swap_blocks
+        return 1.0 - self.swap_free / n if n and self.cfg.preemption_mode is PreemptionMode.SWAP else 0.0
+
     def has_work(self) -> bool:
-        return bool(self.queue or self.active or self.running or self.pending_kv)
+        return bool(self.queue or self.active or self.running or self.pending_kv or self.swapped)

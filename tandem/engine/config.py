@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.core.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from tandem.core.config import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_SWAP_SPACE_GIB, SchedulerConfig,
+)
 from tandem.core.factory import resolve_policy
 from tandem.policy.presets import PolicySpec
 
@@ -76,6 +78,9 @@ class EngineConfig:
                                               # LLaDA: 1.0, Fast-dLLM's dense prefix cache)
     kv_pool_kernel: int | None = None         # max-pool kernel of the position scores (None: 3)
     kv_selection: str | None = None           # head (dLLM-Serve, per KV head) or uniform (Sparse-dLLM) (None: head)
+    preemption_mode: str | None = None        # recompute or swap (vLLM's); None: swap for streaming diffusion windows
+                                              # (a recompute writes their K/V differently), recompute elsewhere
+    swap_space: float = DEFAULT_SWAP_SPACE_GIB   # GiB of host memory for KV preempted by swap (vLLM's swap_space)
 
     def policy_spec(self) -> PolicySpec:
         """The worker core's policy with this config's knobs (ValueError/TypeError name a bad one)."""
@@ -123,6 +128,10 @@ class EngineConfig:
         m = self.laps_graph_max_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise EngineError(f"laps_graph_max_len must be an integer >= 1, got {m!r}")
+        try:                                      # the scheduler's own check of the preemption knobs
+            SchedulerConfig(preemption_mode=self.preemption_mode, swap_space=self.swap_space)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         self._check_dllm()
 
     def _check_dllm(self) -> None:

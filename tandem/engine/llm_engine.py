@@ -11,7 +11,7 @@ from tandem.core.prefix_hash import extend_hashes
 from tandem.core.config import SchedulerConfig
 from tandem.core.factory import build_worker
 from tandem.core.types import (COLOCATED, DECODE, PREFILL, FirstToken, PrefillTask, RoundDone, SessionFailed, StepPlan,
-                               StepResult)
+                               StepResult, Swap, SwapKind)
 from tandem.engine.config import EngineConfig, EngineError
 from tandem.engine.diffusion.engine_step import DiffusionBatch, DiffusionDecoder
 from tandem.engine.diffusion.llada_generate import DEFAULT_BLOCK_LENGTH
@@ -75,6 +75,7 @@ class StepStats:
     dllm_chunks: dict[int, int] = field(default_factory=dict)        # diffusion: chunk size chosen -> steps
     dllm_serve: dict[str, int] = field(default_factory=dict)         # dLLM-Serve: the core's counters
                                                                      # (DllmServeStats.counters(), cumulative)
+    swapped_out_bytes: int = 0                                       # KV of sequences preempted by swap, now
 
 
 
@@ -152,19 +153,24 @@ class LLMEngine:
                                 dllm_admission=(config.dllm_admission or "phase") if phased else None,
                                 dllm_delay_step=delay, dllm_refresh_interval=interval,
                                 dllm_refresh_span="canvas" if canvas else "aligned",
-                                dllm_kv_retention=self.dllm.sparse.kv_retention_ratio if phased else 1.0)
+                                dllm_kv_retention=self.dllm.sparse.kv_retention_ratio if phased else 1.0,
+                                preemption_mode=config.preemption_mode, swap_space=config.swap_space)
         latency = None
         if self.dllm is not None and not phased:   # Optimus's T(c, b): a profile's, or fitted on this engine's own
             latency = self._window_latency(config, profiled)  # forward (also its prefill estimate: the same steps)
             t_pre = lambda h, n: latency(n, 1)              # noqa: E731 - the window latency of n query tokens
-        self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre,
-                                 latency=latency)
+        try:
+            self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre,
+                                     latency=latency, kv_block_bytes=self.runner.kv_block_bytes)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         if phased:                  # dLLM-Serve: each request's packed KV is the buffer the core's admission reserves
             self.dllm.kv_slots = self.core.dllm.phases.kv_tokens
         self.forward_events = role != COLOCATED if forward_events is None else forward_events
         self.core_events: list = []                          # every core event, for a coordinator to drain
         self._task_req: dict[PrefillTask, _Request] = {}     # prefill role: its tasks' requests
         self._kv_inbox: dict[str, KVPayload] = {}            # request id -> KV received, not yet placed
+        self._swapped: dict[str, KVPayload] = {}             # session -> its KV preempted by swap (host memory)
         self._landing: dict[str, _Request] = {}              # session -> remote request whose KV awaits blocks
         self.requests: dict[str, _Request] = {}
         self.sessions: dict[str, _Session] = {}
@@ -429,6 +435,26 @@ class LLMEngine:
         self._landing.pop(req.session_id, None)
         self.core.run_local(req.task, self.clock())
 
+    def cache_config(self) -> dict[str, str]:
+        """The labels of vllm:cache_config_info for this engine's KV cache and swap space."""
+        cfg, core = self.config, self.core
+        return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(self.runner.num_blocks),
+                "num_cpu_blocks": str(core.cfg.swap_blocks), "preemption_mode": core.cfg.preemption_mode.value,
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "cache_dtype": str(self.runner.kv_caches[0].dtype).removeprefix("torch.")}
+
+    def _swap(self, swaps: list[Swap]) -> None:
+        """Carry out the core's swaps in order: KV of preempted sequences to host memory and back, bit for bit."""
+        kv, bs = self.runner.kv_caches, self.config.block_size
+        for sw in swaps:
+            if sw.kind is SwapKind.OUT:
+                self._swapped[sw.session_id] = export_kv(kv, list(sw.blocks), bs, 0, len(sw.blocks) * bs)
+            elif sw.kind is SwapKind.IN:
+                import_kv(kv, list(sw.blocks), bs, 0, self._swapped.pop(sw.session_id))
+            else:
+                self._swapped.pop(sw.session_id, None)
+        self.stats.swapped_out_bytes = sum(p.nbytes for p in self._swapped.values())
+
     def _land_kv(self) -> None:
         """Place received KV once the core has given the session its blocks (FirstToken of a remote round)."""
         for ev in self.core.events:
@@ -509,6 +535,8 @@ class LLMEngine:
         t0 = self.clock()
         core = self.core
         plan = core.schedule(t0)
+        if core.swaps:
+            self._swap(core.take_swaps())
         if self._landing:
             self._land_kv()
         prep = PreparedStep(plan, t0)

@@ -37,8 +37,8 @@ class ModelRunner:
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = cfg.block_size
-        per_block = kv_bytes_per_block(mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
-                                       mc.head_dim, self.dtype)
+        per_block = self.kv_block_bytes = kv_bytes_per_block(mc.num_hidden_layers, cfg.block_size,
+                                                             mc.num_key_value_heads, mc.head_dim, self.dtype)
         self.max_num_logits: int | None = None         # logit rows at once when sampling (None: all of them)
         self.prompt_logit_rows = 1                     # ... and for prompt logprobs
         self._set_logit_cap(cfg.max_num_logits)

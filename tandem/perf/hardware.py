@@ -72,6 +72,8 @@ class GPU:
     eager_launch_s_per_layer: float = EAGER_LAUNCH_S_PER_LAYER   # kernel launches of one layer, eager forward
     link_eff: float = LINK_EFF                       # achievable fraction of link bandwidth
     has_nvlink: bool = True
+    host_gbs: float = 32.0                           # GPU<->host bandwidth per direction (PCIe; Gen4 x16 ~32 GB/s):
+                                                     # what KV preempted by swap moves over
 
     @property
     def flops(self) -> float:
@@ -92,18 +94,18 @@ class GPU:
 GPUS: dict[str, GPU] = {
     # NVIDIA H100 SXM5 80GB datasheet: 989.4 TFLOPS bf16 dense (1979 with sparsity), HBM3
     # 3.35 TB/s, NVLink4 900 GB/s bidirectional (450/direction). DGX/HGX H100 give each GPU
-    # one 400 Gb/s ConnectX-7 NIC -> 50 GB/s per direction.
+    # one 400 Gb/s ConnectX-7 NIC -> 50 GB/s per direction. Host link PCIe Gen5 x16: 64 GB/s per direction.
     "h100": GPU("h100", bf16_tflops=989.4, hbm_bw_gbs=3350.0, hbm_gb=80.0,
-                nvlink_gbs=450.0, net_gbs=50.0),
+                nvlink_gbs=450.0, net_gbs=50.0, host_gbs=64.0),
     # NVIDIA H200 SXM 141GB datasheet: same compute as H100 SXM (989.4 dense), HBM3e 4.8 TB/s,
     # NVLink 900 GB/s bidirectional; HGX H200 networking as HGX H100 (400 Gb/s per GPU).
     "h200": GPU("h200", bf16_tflops=989.4, hbm_bw_gbs=4800.0, hbm_gb=141.0,
-                nvlink_gbs=450.0, net_gbs=50.0),
+                nvlink_gbs=450.0, net_gbs=50.0, host_gbs=64.0),
     # NVIDIA H20 (China SKU, Hopper): 148 TFLOPS bf16 dense, HBM3 4.0 TB/s, 96 GB, NVLink
     # 900 GB/s bidirectional. Inter-node: AMPD's testbed (§7.1) has 200 GB/s InfiniBand per
-    # 8-GPU server -> 25 GB/s per GPU per direction.
+    # 8-GPU server -> 25 GB/s per GPU per direction. Host link PCIe Gen5 x16.
     "h20": GPU("h20", bf16_tflops=148.0, hbm_bw_gbs=4000.0, hbm_gb=96.0,
-               nvlink_gbs=450.0, net_gbs=25.0),
+               nvlink_gbs=450.0, net_gbs=25.0, host_gbs=64.0),
     # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS bf16 dense, HBM2e 2039 GB/s, NVLink3 600 GB/s
     # bidirectional (300/direction). DGX A100: one 200 Gb/s HDR NIC per GPU -> 25 GB/s.
     "a100-80g": GPU("a100-80g", bf16_tflops=312.0, hbm_bw_gbs=2039.0, hbm_gb=80.0,

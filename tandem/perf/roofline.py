@@ -210,6 +210,13 @@ class Roofline:
                                    shape.num_prefill, shape.num_decode, shape.decode_ctx_tokens, shape.graph,
                                    shape.decode_kv_shared)
 
+    def swap_time(self, tokens: int) -> float:
+        """Seconds to copy `tokens` positions of this GPU's KV to or from host memory (a swap preemption)."""
+        if tokens <= 0:
+            return 0.0
+        g = self.gpu
+        return tokens * kv_bytes_per_token_per_gpu(self.model, self.tp) / (g.host_gbs * 1e9 * g.link_eff)
+
     def prefill_time(self, l_hist: int, l_incr: int, chunk_tokens: int | None = None) -> float:
         """Prefill of l_incr new tokens after l_hist resident tokens, alone on the worker; in
         chunks of `chunk_tokens` (one iteration each) when given, else one iteration."""

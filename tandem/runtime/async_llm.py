@@ -47,6 +47,8 @@ class _Counters:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    swapped: int = 0
+    swap_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
     prefills: int = 0
@@ -60,10 +62,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.model_name: str = served_model_name or Path(engine.config.model).name
-        cfg = engine.config
-        self._cache_config = {"block_size": str(cfg.block_size), "num_gpu_blocks": str(engine.runner.num_blocks),
-                              "enable_prefix_caching": str(cfg.enable_prefix_caching),
-                              "cache_dtype": str(engine.runner.kv_caches[0].dtype).removeprefix("torch.")}
+        self._cache_config = engine.cache_config()
         self._memory = memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}          # only the engine thread mutates it
@@ -118,7 +117,8 @@ class AsyncLLM:
         """Gauges and counters of the engine (no KV transfers: everything is local)."""
         c = self._counters
         out = BackendStats(num_requests_running=c.running, num_requests_waiting=c.waiting,
-                           kv_cache_usage_perc=c.kv_usage, prefix_cache_queries=c.prefix_queries,
+                           kv_cache_usage_perc=c.kv_usage, num_requests_swapped=c.swapped,
+                           cpu_cache_usage_perc=c.swap_usage, prefix_cache_queries=c.prefix_queries,
                            prefix_cache_hits=c.prefix_hits, local_prefills=c.prefills, remote_prefills=0,
                            workers_alive=int(self.is_healthy()), workers_total=1,
                            iteration_tokens=dict(self.engine.stats.iteration_tokens),   # a C-level copy: atomic
@@ -243,6 +243,7 @@ class AsyncLLM:
         c.running = len(core.active) + len(core.running)
         c.waiting = len(core.queue) + len(core.pending_kv)
         c.kv_usage = core.kv_usage
+        c.swapped, c.swap_usage = len(core.swapped), core.swap_usage
 
     def _close(self, message: str, error: bool = False) -> None:
         """Refuse new commands, fail queued adds, and end every open stream with `message`."""

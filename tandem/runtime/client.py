@@ -30,6 +30,8 @@ class BackendStats:
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     kv_cache_usage_perc: float = 0.0               # 0..1, mean over decode/co-located workers
+    num_requests_swapped: int = 0                  # preempted by swap (vLLM v0's gauge)
+    cpu_cache_usage_perc: float = 0.0              # swap space in use, 0..1, mean over decode/co-located workers
     prefix_cache_queries: int = 0                  # prompt tokens looked up
     prefix_cache_hits: int = 0                     # prompt tokens found cached (session history or prefix cache)
     local_prefills: int = 0                        # tandem: prefills run on the session's decode worker

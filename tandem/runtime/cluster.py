@@ -413,6 +413,8 @@ class ServingCluster:
         out.num_requests_running = sum(st.num_running for st in homes)
         out.num_requests_waiting = sum(st.num_waiting for st in states)
         out.kv_cache_usage_perc = sum(st.kv_usage for st in homes) / len(homes) if homes else 0.0
+        out.num_requests_swapped = sum(st.num_swapped for st in homes)
+        out.cpu_cache_usage_perc = sum(st.swap_usage for st in homes) / len(homes) if homes else 0.0
         out.workers_total = len(self.roles)
         out.workers_alive = len(self.roles) - len(self._lost)
         _laps_stats(out, states, self.shell.coord.router)

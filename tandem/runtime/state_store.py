@@ -58,6 +58,8 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     kv_usage: float = 0.0
     num_running: int = 0           # sequences prefilling or decoding
     num_waiting: int = 0           # prefill tasks queued plus remote KV waiting for memory
+    num_swapped: int = 0           # sequences preempted by swap, their KV in host memory
+    swap_usage: float = 0.0        # fraction of the swap space in use
     published_s: float = 0.0       # wall time of this publish: the heartbeat
     alive: bool = True             # False: the worker announced it is going away
 
@@ -82,6 +84,7 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
             free_tokens=core.blocks.num_free * core.cfg.block_size, kv_usage=core.kv_usage,
             num_running=len(core.running) + len(core.active),
             num_waiting=len(core.queue) + len(core.pending_kv),
+            num_swapped=len(core.swapped), swap_usage=core.swap_usage,
             published_s=time.time() if published_s is None else published_s, alive=alive, **laps)
 
 

@@ -27,14 +27,6 @@ STOP_WAIT_S = 5.0          # at shutdown, how long to wait for the running step 
 log = logging.getLogger("tandem.worker")
 
 
-def _cache_config(engine) -> dict[str, str]:
-    """The labels of vllm:cache_config_info for this worker's KV cache."""
-    cfg = engine.config
-    return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(engine.runner.num_blocks),
-            "enable_prefix_caching": str(cfg.enable_prefix_caching),
-            "cache_dtype": str(engine.runner.kv_caches[0].dtype).removeprefix("torch.")}
-
-
 def _kv_bytes_per_token(engine) -> int:
     mc = engine.model_config
     return int(engine.runner.kv_caches[0].element_size() * 2 * mc.num_hidden_layers * mc.num_key_value_heads
@@ -176,7 +168,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                           "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
                           "dllm_block": engine.dllm.block if engine.dllm is not None else None,
                           "dllm_canvas": bool(engine.dllm is not None and engine.dllm.canvas),
-                          "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": _cache_config(engine),
+                          "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": engine.cache_config(),
                           "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
         stepper.start()

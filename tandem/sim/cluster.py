@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from tandem.core.config import (
     DEFAULT_BLOCK_SIZE, DEFAULT_KV_TIMEOUT_S, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_SESSION_TTL_S, DEFAULT_WINDOW_S, SchedulerConfig,
+    DEFAULT_SESSION_TTL_S, DEFAULT_SWAP_SPACE_GIB, DEFAULT_WINDOW_S, SchedulerConfig,
 )
 from tandem.core.coordinator import Coordinator
 from tandem.core.deploy import Deployment, DeploymentError, parse_deploy
@@ -21,7 +21,7 @@ from tandem.perf.dllm_memory import DllmMemory
 from tandem.perf.errors import DoesNotFitError, UnknownNameError
 from tandem.perf.hardware import get_gpu
 from tandem.perf.models import get_model
-from tandem.perf.roofline import Roofline, kv_capacity_tokens
+from tandem.perf.roofline import Roofline, kv_bytes_per_token_per_gpu, kv_capacity_tokens
 from tandem.perf.profile_io import PerfFileError, load_perf
 from tandem.perf.step_model import Profile
 from tandem.policy.presets import POLICIES, PolicySpec
@@ -87,6 +87,8 @@ class SimConfig:
     laps_length_threshold: int | None = None    # LAPS class threshold (None: the roofline's boundary L_m)
     concurrency: int | None = None              # closed loop: this many clients, one session each at a time
                                                 # (sessions' own arrival times ignored); None: open loop
+    preemption_mode: str | None = None          # recompute or swap (None: swap for streaming diffusion windows)
+    swap_space: float = DEFAULT_SWAP_SPACE_GIB  # GiB of host memory per worker for KV preempted by swap
 
     def policy_spec(self) -> PolicySpec:
         """The run's policy with this config's knobs (validated; ConfigError names the bad one)."""
@@ -107,7 +109,8 @@ class SimConfig:
                   dllm_block_length=self.dllm_block_length, dllm_chunk=self.dllm_chunk,
                   dllm_prefill_share=self.dllm_prefill_share, dllm_admission=self.dllm_admission,
                   dllm_delay_step=self.dllm_delay_step, dllm_refresh_interval=self.dllm_refresh_interval,
-                  dllm_refresh_span=self.dllm_refresh_span, dllm_kv_retention=self.dllm_kv_retention)
+                  dllm_refresh_span=self.dllm_refresh_span, dllm_kv_retention=self.dllm_kv_retention,
+                  preemption_mode=self.preemption_mode, swap_space=self.swap_space)
         kw.update(over)
         try:
             return SchedulerConfig(**kw)
@@ -186,7 +189,7 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     tps = tuple(sorted({tp for _, tp in dep.workers()}))
     cost = perf if perf is not None else AMPDCostModel.from_roofline(model.name, gpu.name, tps)
     sched = cfg.scheduler()
-    workers, timers = [], []
+    workers, timers, swaps = [], [], []
     prefill_tps = [tp for role, tp in dep.workers() if role == PREFILL]
     boundary = Roofline(model, gpu, min(prefill_tps)).prefill_boundary() if prefill_tps else None   # LAPS's L_m
     for wid, (role, tp) in enumerate(dep.workers()):
@@ -197,13 +200,16 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
             cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
         def t_pre(h: int, n: int, _tp: int = tp) -> float:
             return cost.t_pre(h, n, _tp)
-        timer = Roofline(model, gpu, tp).step_time
+        roof = Roofline(model, gpu, tp)
+        timer = roof.step_time
         try:
             workers.append(build_worker(wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
-                                        max_num_batched_tokens=budget, boundary=boundary, t_step=timer))
+                                        max_num_batched_tokens=budget, boundary=boundary, t_step=timer,
+                                        kv_block_bytes=kv_bytes_per_token_per_gpu(model, tp) * cfg.block_size))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         timers.append(timer)
+        swaps.append(roof.swap_time)
     state = InProcessState(workers, cost, nodes)
     coord = build_coordinator(state, spec, sched, random.Random(cfg.seed), max_context=model.max_context,
                               boundary=boundary)
@@ -211,6 +217,7 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
                   nvlink_bps=gpu.nvlink_gbs * 1e9 * gpu.link_eff, net_bps=gpu.net_gbs * 1e9 * gpu.link_eff,
                   nvlink_latency_s=gpu.nvlink_latency_s, net_latency_s=gpu.net_latency_s, schedule=None)
     loop = EventLoop(coord, workers, timers, net, model.kv_bytes_per_token)
+    loop.swap_time = swaps
     _shell_options(loop, cfg, state)
     return coord, workers, loop
 
@@ -324,22 +331,36 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     workers, timers = [], []
     boundary = boundary_from_profile(prof)
     latency = _profile_latency(cfg, prof)
+    bw, lat = float(prof.kv_link["bandwidth_bytes_per_s"]), float(prof.kv_link["latency_s"])
+    block_bytes = int(prof.kv_bytes_per_token * prof.block_size)
     for wid, (role, tp) in enumerate(dep.workers()):
-        workers.append(build_worker(wid, role, 1, prof.num_blocks, spec, sched, lambda h, n: cost.t_pre(h, n, 1),
-                                    boundary=boundary, t_step=step_time, latency=latency))
+        try:
+            workers.append(build_worker(wid, role, 1, prof.num_blocks, spec, sched, lambda h, n: cost.t_pre(h, n, 1),
+                                        boundary=boundary, t_step=step_time, latency=latency,
+                                        kv_block_bytes=block_bytes))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         timers.append(step_time)
     nodes = [0] * len(workers)                       # one host: every transfer takes the local link
     state = InProcessState(workers, cost, nodes)
     coord = build_coordinator(state, spec, sched, random.Random(cfg.seed), max_context=prof.max_model_len,
                               boundary=boundary)
-    bw, lat = float(prof.kv_link["bandwidth_bytes_per_s"]), float(prof.kv_link["latency_s"])
     net = Network(nodes, [1] * len(workers), nvlink_bps=bw, net_bps=bw, nvlink_latency_s=lat, net_latency_s=lat,
                   schedule=None)
     # the engines are served by tandem's runtime: messages between steps, KV export/import on the workers,
     # the runtime's latencies and the step slow-down of processes sharing the host (docs/simulator.md)
     loop = HostLoop(coord, workers, timers, net, prof.kv_bytes_per_token, prof.runtime_costs())
+    swap_s = _host_copy_time(prof.kv_bytes_per_token, bw, lat)    # a swap is the same export/import, in one host
+    loop.swap_time = [swap_s] * len(workers)
     _shell_options(loop, cfg, state)
     return coord, workers, loop
+
+
+def _host_copy_time(kv_bytes_per_token: float, bandwidth: float, latency_s: float):
+    """Seconds to copy n positions of KV over the profiled local link (latency + bytes / bandwidth; 0 for none)."""
+    def t(tokens: int) -> float:
+        return latency_s + tokens * kv_bytes_per_token / bandwidth if tokens > 0 else 0.0
+    return t
 
 
 def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResult:

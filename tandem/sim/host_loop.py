@@ -143,7 +143,8 @@ class HostLoop(EventLoop):
 
     def _start_step(self, wid: int, plan: StepPlan) -> None:
         kind = "prefill" if plan.prefill else "decode"
-        solo = self.step_time[wid](plan.shape) * self.costs.step_factor.get(kind, 1.0) + self.costs.step_gap_s
+        solo = (self.step_time[wid](plan.shape) * self.costs.step_factor.get(kind, 1.0) + self.costs.step_gap_s
+                + self._take_swap_s(wid))
         self._reshare()                                    # progress of the others up to now
         self._step[wid] = [solo, self.costs.interference.get(kind, 1.0), 1.0, self.now, -1]
         self._stepping += 1

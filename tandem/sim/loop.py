@@ -16,7 +16,7 @@ from tandem.core.actions import (
     Cancel, Delivered, HistoryReady, KVArrived, Release, RunLocal, Submit, Timer, ToolCall, Transfer,
 )
 from tandem.core.coordinator import Coordinator
-from tandem.core.types import BatchShape, StepPlan, StepResult
+from tandem.core.types import BatchShape, StepPlan, StepResult, Swap
 from tandem.core.worker import WorkerCore
 from tandem.sim.faults import Fate, FaultInjector, FaultSpec
 from tandem.sim.network import Flow, Network
@@ -65,6 +65,8 @@ class EventLoop:
         self.faults: FaultInjector | None = None
         self._state = None                              # the coordinator's view (drops a killed worker)
         self.commit: Callable[[StepPlan], dict[str, int] | None] | None = None   # multi-token commits
+        self.swap_time: list[Callable[[int], float]] | None = None   # per worker: seconds to swap n KV positions
+        self._swap_s: list[float] = [0.0] * len(workers)  # swap copies planned, charged to the worker's next step
         self._done_sessions = 0                         # sessions ended (completed or failed) so far
         self._waiting: deque[Session] | None = None     # closed loop: sessions no client has started yet
         self._clients: list[str] = []                   # closed loop: the session each busy client runs
@@ -161,6 +163,8 @@ class EventLoop:
         if w.busy or self.dead[wid]:
             return
         plan = w.schedule(self.now)
+        if w.swaps:
+            self._charge_swaps(wid, w.take_swaps())
         if plan is not None:
             w.busy = True
             self._plans[wid] = plan
@@ -172,8 +176,20 @@ class EventLoop:
         if w.events:
             self._forward(w)
 
+    def _charge_swaps(self, wid: int, swaps: list[Swap]) -> None:
+        """KV copies of swap preemptions: they run before the worker's next forward, which they lengthen."""
+        if self.swap_time is None:
+            return
+        bs = self.workers[wid].cfg.block_size
+        self._swap_s[wid] += self.swap_time[wid](sum(len(sw.blocks) for sw in swaps) * bs)
+
+    def _take_swap_s(self, wid: int) -> float:
+        """The swap copies charged to the step the worker starts now."""
+        swap_s, self._swap_s[wid] = self._swap_s[wid], 0.0
+        return swap_s
+
     def _start_step(self, wid: int, plan: StepPlan) -> None:
-        self._push(self.now + self.step_time[wid](plan.shape), STEP, wid)
+        self._push(self.now + self._take_swap_s(wid) + self.step_time[wid](plan.shape), STEP, wid)
 
     def _end_step(self, wid: int) -> StepPlan:
         """The worker's step is over: apply its result to the core."""
