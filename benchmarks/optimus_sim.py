@@ -1,18 +1,22 @@
 """Optimus in the simulator (issue 16, deliverable 9b): block-diffusion decoding with an elastic chunk size against
 autoregressive decoding of the base model, plain block diffusion (BD32) and fixed chunks, on ShareGPT lengths.
 
-    python benchmarks/optimus_sim.py                  # SDAR-8B and LLaDA2.0-16B on A100-80G and H100 (~10 min)
+    python benchmarks/optimus_sim.py                  # SDAR-8B and LLaDA2.0-16B on A100-80G and H100 (~15 min)
     python benchmarks/optimus_sim.py --quick --out /tmp/optimus   # SDAR-8B on an A100, a few points (~1 min)
 
 Two experiments per (model, GPU), one co-located tp1 worker (`C:tp1x1`, the `vllm` policy: continuous batching, the
 batch rebuilt every step):
 
 - **throughput against batch size** (Optimus Fig. 8/9): b closed-loop clients, each sending its next ShareGPT
-  request (trace lengths, ../shared/data/traces) when the previous one ends; output tokens/s over the run;
-- **P90 TPOT against request rate** (Fig. 10/13): Poisson arrivals; a request's TPOT is (finish − first token) /
-  (output tokens − 1); the serving capacity is the highest rate whose P90 TPOT stays within the 50 ms SLO and whose
-  P90 TTFT stays within 5 s (linear interpolation between the rates measured on both sides). The TTFT bound is
-  there because TPOT alone plateaus once max_num_seqs caps the batch: past that rate requests queue instead.
+  request (trace lengths, ../shared/data/traces) when the previous one ends, 16 requests per client (at least 256
+  in all), so that the ramp-up and the drain (clients out of requests) are a small share of the run; output
+  tokens/s over the run;
+- **P90 TPOT against request rate** (Fig. 10/13): Poisson arrivals spanning at least 100 s at every rate (rate ×
+  100 requests, at least 300, at most 3,000), so that a rate past capacity shows its queue growing rather than a
+  burst drained; a request's TPOT is (finish − first token) / (output tokens − 1); the serving capacity is the
+  highest rate whose P90 TPOT stays within the 50 ms SLO and whose P90 TTFT stays within 5 s (linear interpolation
+  between the rates measured on both sides). The TTFT bound is there because TPOT alone plateaus once
+  max_num_seqs caps the batch: past that rate requests queue instead.
 
 Systems: `ar` (the AR base model: Qwen3-8B for SDAR-8B, Ling-2.0-16B for LLaDA2.0-16B), `bd32` (the whole block
 every step), `c4`..`c32` (streaming chunked decoding with a fixed window), `elastic` (Optimus's c* per step, the
@@ -36,7 +40,7 @@ import numpy as np
 
 from tandem.bench.parallel import ParallelMap
 from tandem.bench.provenance import report_meta
-from tandem.cli.common import csv_list, positive_int
+from tandem.cli.common import csv_list, positive_float, positive_int
 from tandem.sim.cluster import SimConfig, dllm_summary, simulate
 from tandem.workload.session import SLO, Session
 from tandem.workload.traces import load_sharegpt
@@ -46,6 +50,10 @@ SYSTEMS = ("ar", "bd32", "c4", "c8", "c16", "c32", "elastic", "elastic-paper")
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RATES = (0.25, 0.5, 1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 TPOT_SLO_S = 0.050
+CLIENT_REQUESTS = 16        # closed loop: requests each client sends (at least MIN_CLOSED_REQUESTS in all)
+MIN_CLOSED_REQUESTS = 256
+ARRIVAL_SPAN_S = 100.0      # open loop: the arrivals of a rate point span at least this long ...
+MAX_OPEN_REQUESTS = 3000    # ... within this many requests (past capacity at the highest rates anyway)
 TTFT_BOUND_S = 5.0          # a rate whose P90 TTFT exceeds this is past capacity (its queue grows without bound)
 BLOCK = 32
 PAPER = {"throughput_vs_ar": 2.07, "throughput_vs_bd32": 1.31, "capacity_vs_ar": 1.96, "capacity_vs_bd32": 1.95,
@@ -234,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="SDAR-8B on an A100, a few batch sizes and rates")
     ap.add_argument("--models", type=csv_list(str), default=None, metavar="A,B")
     ap.add_argument("--gpus", type=csv_list(str), default=None, metavar="A,B")
-    ap.add_argument("--sessions", type=positive_int, default=None, help="requests per rate point (default: 300)")
+    ap.add_argument("--sessions", type=positive_int, default=None,
+                    help="fewest requests per rate point (default: 300; rate x the arrival span when more)")
+    ap.add_argument("--arrival-span", type=positive_float, default=None, metavar="S",
+                    help="seconds the arrivals of a rate point span at least (default: 100; --quick: 10)")
     ap.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="processes")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -246,9 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     batches = (1, 8, 64) if args.quick else BATCHES
     rates = (1, 4, 8, 16) if args.quick else RATES
     n = args.sessions or (100 if args.quick else 300)
-    runs = [Run(m, g, s, batch=b, sessions=max(4 * b, 32)) for m in models for g in gpus for s in SYSTEMS
-            for b in batches]
-    runs += [Run(m, g, s, rate=r, sessions=n) for m in models for g in gpus for s in SYSTEMS for r in rates]
+    span = args.arrival_span or (10.0 if args.quick else ARRIVAL_SPAN_S)
+    per_client, closed = (4, 32) if args.quick else (CLIENT_REQUESTS, MIN_CLOSED_REQUESTS)
+    runs = [Run(m, g, s, batch=b, sessions=max(per_client * b, closed)) for m in models for g in gpus
+            for s in SYSTEMS for b in batches]
+    runs += [Run(m, g, s, rate=r, sessions=max(n, min(math.ceil(r * span), MAX_OPEN_REQUESTS))) for m in models
+             for g in gpus for s in SYSTEMS for r in rates]
     runs.sort(key=lambda r: -(r.batch or 0))                 # the longest first
     t0 = time.time()
     try:
