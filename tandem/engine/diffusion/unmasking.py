@@ -61,6 +61,23 @@ class DllmConfig:
         return max(1, block_length // steps)
 
 
+ARGMAX_CHUNKS = (256, 128, 64)      # chunk widths first_argmax tries, widest first (one must divide the vocabulary)
+
+
+def first_argmax(x: Tensor) -> Tensor:
+    """x.argmax(-1) for x [n, V], the same indices (the first maximum of each row, NaN as the largest); on the CPU in
+    two vectorised passes, each chunk's max, then the argmax within the first chunk holding the row's max (aten's CPU
+    argmax reduces the vocabulary one element at a time: about 6x slower for a 32k vocabulary)."""
+    n, V = x.shape
+    c = next((c for c in ARGMAX_CHUNKS if V % c == 0 and V > c), 0)
+    if n == 0 or not c or x.device.type != "cpu" or not x.is_contiguous():
+        return x.argmax(dim=-1)
+    chunks = x.view(n, V // c, c)
+    first = chunks.amax(dim=-1).argmax(dim=-1)
+    rows = torch.arange(n, device=x.device)
+    return first * c + chunks[rows, first].argmax(dim=-1)
+
+
 def sample_tokens(logits: Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     """Tokens [n] and their confidences [n] for logits [n, V]: greedy at temperature 0, else a seeded draw.
@@ -72,7 +89,7 @@ def sample_tokens(logits: Tensor, temperature: float = 0.0, top_k: int = 0, top_
     """
     logits = logits.float()
     if temperature == 0.0:
-        tokens = logits.argmax(dim=-1)
+        tokens = first_argmax(logits)
         conf = torch.softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
         return tokens, conf
     x = logits / float(temperature)
