@@ -142,6 +142,7 @@ class PagedSparseKV:
         slots = torch.arange(capacity, device=dev)
         self.blocks = torch.tensor(table, dtype=torch.long, device=dev)[slots // kv_block_size]
         self.offsets = slots % kv_block_size
+        self.rows = self.blocks * kv_block_size + self.offsets      # each slot's row in a layer's flat pool
         self.lengths = [0] * len(kv_caches)
 
     @property
@@ -161,10 +162,9 @@ class PagedSparseKV:
         if n > self.capacity:
             raise ValueError(f"{n} kept positions exceed the buffer's {self.capacity} slots per head")
         idx = keep[:, :, None].expand(-1, -1, k.shape[2])
-        cache = self.caches[layer]
-        b, o = self.blocks[:n], self.offsets[:n]
-        cache[0, b, o] = k.transpose(0, 1).gather(1, idx).transpose(0, 1).to(cache.dtype)
-        cache[1, b, o] = v.transpose(0, 1).gather(1, idx).transpose(0, 1).to(cache.dtype)
+        pool, rows = _flat_pool(self.caches[layer]), self.rows[:n]
+        pool[0].index_copy_(0, rows, k.transpose(0, 1).gather(1, idx).transpose(0, 1).to(pool.dtype))
+        pool[1].index_copy_(0, rows, v.transpose(0, 1).gather(1, idx).transpose(0, 1).to(pool.dtype))
         self.lengths[layer] = n
 
     def clear(self, layer: int) -> None:
@@ -173,10 +173,14 @@ class PagedSparseKV:
 
     def read(self, layer: int) -> tuple[Tensor, Tensor]:
         """The kept keys and values of a layer, [Hkv, n, D] each (gathered from the pool)."""
-        n = self.lengths[layer]
-        cache = self.caches[layer]
-        b, o = self.blocks[:n], self.offsets[:n]
-        return cache[0, b, o].transpose(0, 1), cache[1, b, o].transpose(0, 1)
+        pool, rows = _flat_pool(self.caches[layer]), self.rows[:self.lengths[layer]]
+        return pool[0].index_select(0, rows).transpose(0, 1), pool[1].index_select(0, rows).transpose(0, 1)
+
+
+def _flat_pool(cache: Tensor) -> Tensor:
+    """A layer's pool [2, blocks, block size, Hkv, D] as a view [2, slots, Hkv, D] (RuntimeError if it is not
+    contiguous), so a request's slots are one index_select or index_copy_ (cheaper than indexing by block and offset)."""
+    return cache.view(2, -1, *cache.shape[3:])
 
 
 def buffer_bytes(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype) -> int:
