@@ -18,7 +18,7 @@ from tandem.engine.diffusion import TINY_SDAR, DllmConfig, generate_cached, gene
 from tandem.engine.diffusion.evaluate import evaluate  # noqa: E402
 from tandem.engine.diffusion.tasks import LETTERS, TASKS, draw, eval_set, held_out  # noqa: E402
 from tandem.engine.diffusion.train import (TrainConfig, block_diffusion_mask, dense_hidden,  # noqa: E402
-                                           diffusion_loss, init_model, make_batch, make_batches, train)
+                                           diffusion_loss, init_model, make_batch, make_batches, ntp_batch, train)
 from tandem.engine.loader import load_model  # noqa: E402
 from tandem.engine.models import BlockDiffusionMetadata  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
@@ -105,6 +105,18 @@ def test_a_few_training_steps_lower_the_loss_and_repeat_exactly():
     assert after < 0.5 * before, (before, after)
     again = train(TrainConfig(seed=7, steps=6, batch_size=16, warmup=5), progress=False)
     assert again.losses == result.losses[:6]
+
+
+def test_next_token_batches_predict_the_following_token_under_a_causal_mask():
+    """Protects SDAR's AR phase: every position but a sequence's last predicts the next token (logit shift), under
+    a causal mask, with EOS padding never a target; a few AR steps then lower that loss."""
+    b = ntp_batch([([5, 6], [7]), ([8], [9, 10, 11])], eos_id=2)
+    assert b.ids.tolist() == [[5, 6, 7, 2, 2], [8, 9, 10, 11, 2]]
+    assert b.mask.tolist() == torch.ones(5, 5, dtype=torch.bool).tril().tolist()
+    assert b.rows.tolist() == [0, 1, 2, 5, 6, 7, 8] and b.targets.tolist() == [6, 7, 2, 9, 10, 11, 2]
+    assert b.weights.tolist() == [1.0] * 7 and b.num_answer == 7 and b.positions.tolist() == [0, 1, 2, 3, 4]
+    losses = train(TrainConfig(seed=7, steps=0, ar_steps=30, batch_size=16, warmup=5), progress=False).losses
+    assert len(losses) == 30 and sum(losses[-5:]) < 0.5 * sum(losses[:5])
 
 
 def test_tasks_are_one_token_per_letter_and_split_by_prompt():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tandem.cli.common import CLIError, positive_int, seed_arg
+from tandem.cli.common import CLIError, nonneg_int, positive_int, seed_arg
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -46,6 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "corpus (seeded by --seed; one thread; a few minutes on two cores), then evaluate it")
     p.add_argument("--train-steps", type=positive_int, default=None, metavar="N",
                    help="training steps with --train (default: the committed checkpoint's)")
+    p.add_argument("--train-ar-steps", type=nonneg_int, default=None, metavar="N",
+                   help="with --train, SDAR's recipe: N next-token-prediction steps (causal, shifted) before the "
+                        "block-diffusion steps convert the model (default: 0, the committed checkpoint's)")
     p.add_argument("--eval-examples", type=int, default=100, metavar="N",
                    help="held-out examples per task evaluated after --train (0: none; default: %(default)s)")
     p.set_defaults(func=cmd_tiny_model)
@@ -63,8 +66,8 @@ def cmd_tiny_model(args) -> int:
         raise CLIError(f"--out {out} is not empty (give --force to write into it)")
     if args.train:
         return _train(args, out)
-    if args.train_steps is not None:
-        raise CLIError("--train-steps needs --train")
+    if args.train_steps is not None or args.train_ar_steps is not None:
+        raise CLIError(f"--train-{'ar-steps' if args.train_steps is None else 'steps'} needs --train")
     dtype = args.dtype or "float32"
     try:
         make_tiny_model(out, arch=args.arch, size=args.size, seed=args.seed, dtype=dtype, shards=args.shards,
@@ -94,12 +97,15 @@ def _train(args, out: Path) -> int:
     cfg = TrainConfig(seed=args.seed)
     if args.train_steps is not None:
         cfg.steps = args.train_steps
+    if args.train_ar_steps is not None:
+        cfg.ar_steps = args.train_ar_steps
     if args.dtype is not None:
         cfg.dtype = args.dtype
     command = "tandem " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
     result = train(cfg)
     save_trained(result, out, cfg, command)
-    print(f"trained tiny SDAR for {cfg.steps} steps in {result.seconds:.0f} s (seed {cfg.seed}, loss of the last "
+    ar = f"{cfg.ar_steps} next-token then " if cfg.ar_steps else ""
+    print(f"trained tiny SDAR for {ar}{cfg.steps} steps in {result.seconds:.0f} s (seed {cfg.seed}, loss of the last "
           f"50 steps {sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}); wrote {out}")
     if args.eval_examples:
         report = evaluate_checkpoint(out, args.eval_examples)

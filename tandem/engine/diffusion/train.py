@@ -14,6 +14,11 @@ rows past U are held at zero (tied embeddings, so their logits are exactly 0 at 
 full-vocabulary softmax exact at the cost of the used rows: log-sum-exp over V ids = logaddexp(lse(used logits),
 log(V - U)). The decoding loops compute all V logits as usual.
 
+SDAR itself converts a trained AR model (next-token prediction, then this objective without logit shift or mask
+annealing); `TrainConfig.ar_steps` runs that recipe: next-token prediction over the whole sequence under a causal
+mask for the first ar_steps steps, then `steps` of the block-diffusion objective (the committed checkpoint has none:
+docs/diffusion.md measures both).
+
 The engine's SDARForCausalLM holds the weights (its inference forward uses in-place and out= ops that autograd does
 not take), so `dense_hidden` is a differentiable forward over the same parameters; a test checks it equals the
 engine's forward.
@@ -60,6 +65,8 @@ class TrainConfig:
     warm_steps: int = 600              # the first steps draw only the warm_tasks (a curriculum: without it, whether
                                        # copy and reverse were learnt in the budget depended on the seed)
     warm_tasks: tuple[str, ...] = ("copy", "reverse")
+    ar_steps: int = 0                  # SDAR's recipe: next-token prediction (causal, shifted) for these steps first,
+                                       # then `steps` of the block-diffusion objective convert the AR model
 
 
 @dataclass
@@ -183,6 +190,21 @@ def make_batches(examples: list[tuple[list[int], list[int]]], B: int, mask_id: i
     return [make_batch(groups[n], B, mask_id, eos_id, eps, g) for n in sorted(groups)]
 
 
+def ntp_batch(examples: list[tuple[list[int], list[int]]], eos_id: int) -> Batch:
+    """Next-token prediction over whole sequences (prompt + answer + EOS, padded with EOS): causal attention, each
+    position's output predicts the next token (the AR base model SDAR converts)."""
+    seqs = [prompt + answer + [eos_id] for prompt, answer in examples]
+    L, N = max(len(s) for s in seqs), len(seqs)
+    ids = torch.full((N, L), eos_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+    n_idx = torch.cat([torch.full((len(s) - 1,), i, dtype=torch.long) for i, s in enumerate(seqs)])
+    p_idx = torch.cat([torch.arange(len(s) - 1) for s in seqs])
+    return Batch(ids=ids, positions=torch.arange(L), mask=torch.ones(L, L, dtype=torch.bool).tril(),
+                 rows=n_idx * L + p_idx, targets=ids[n_idx, p_idx + 1], weights=torch.ones(len(n_idx)),
+                 num_answer=len(n_idx))
+
+
 def diffusion_loss(model: SDARForCausalLM, embed: Tensor, batches: list[Batch], vocab_size: int) -> Tensor:
     """The objective of a step: 1/t-weighted masked cross-entropy summed over its batches / answer positions."""
     total = sum(diffusion_loss_sum(model, embed, b, vocab_size) for b in batches)
@@ -213,10 +235,10 @@ def init_model(seed: int, std: float = 0.1, embed_std: float = 0.5) -> tuple[SDA
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to lr * min_lr_ratio."""
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio over all the steps (AR, then diffusion)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    frac = (step - cfg.warmup) / max(1, cfg.ar_steps + cfg.steps - cfg.warmup)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -232,7 +254,8 @@ class TrainResult:
 
 def train(cfg: TrainConfig, progress: bool = True,
           on_step: Callable[[int, float], None] | None = None) -> TrainResult:
-    """Train a tiny SDAR model on the task corpus for cfg.steps steps (seeded: the same weights on every run)."""
+    """Train a tiny SDAR model on the task corpus: cfg.ar_steps of next-token prediction, then cfg.steps of the
+    block-diffusion objective (seeded: the same weights on every run)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
@@ -277,13 +300,15 @@ def _train(cfg: TrainConfig, progress: bool, on_step: Callable[[int, float], Non
         bar = Progress(TextColumn("training tiny SDAR"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn())
         bar.start()
-        task_id = bar.add_task("train", total=cfg.steps, loss="-")
+        task_id = bar.add_task("train", total=cfg.ar_steps + cfg.steps, loss="-")
     model.train()
     try:
-        for step in range(cfg.steps):
+        for step in range(cfg.ar_steps + cfg.steps):
             pool, w = (list(cfg.warm_tasks), None) if step < cfg.warm_steps else (tasks, weights)
             exs = [draw(rng.choices(pool, w)[0], rng, heldout=False) for _ in range(cfg.batch_size)]
-            batches = make_batches([(enc(e.prompt), enc(e.answer)) for e in exs], B, mask_id, eos_id, cfg.eps, g)
+            pairs = [(enc(e.prompt), enc(e.answer)) for e in exs]
+            batches = ([ntp_batch(pairs, eos_id)] if step < cfg.ar_steps
+                       else make_batches(pairs, B, mask_id, eos_id, cfg.eps, g))
             for group in opt.param_groups:
                 group["lr"] = _lr(step, cfg)
             loss = diffusion_loss(model, embed, batches, V)
