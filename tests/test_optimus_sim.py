@@ -43,8 +43,8 @@ def test_each_system_maps_to_its_model_and_chunk():
 def test_a_tiny_report_is_written(tmp_path):
     """Protects the script end to end on one model and GPU: every run completes its sessions, the report files exist,
     and results.json's headline carries the ratios the table prints."""
-    assert om.main(["--models", "sdar-8b", "--gpus", "a100-80g", "--quick", "--sessions", "24", "--jobs", "1",
-                    "--no-progress", "--out", str(tmp_path)]) == 0
+    assert om.main(["--models", "sdar-8b", "--gpus", "a100-80g", "--quick", "--sessions", "24", "--arrival-span", "1",
+                    "--jobs", "1", "--no-progress", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert all(r["failed"] == 0 for r in data["runs"])
     (head,) = data["headline"]
