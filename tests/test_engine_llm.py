@@ -102,6 +102,33 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(tiny, cold):
     assert swap.engine._swapped == {} and swap.engine.stats.swapped_out_bytes == 0
 
 
+def test_aborting_a_swapped_out_request_drops_its_host_copy_and_frees_the_swap_space(tiny):
+    """No KV is lost or leaked through a swap: a request aborted while its KV waits in host memory leaves no copy
+    behind (the core's Swap(DROP) reaches the engine at its next step), the swap space is whole again, and the other
+    requests finish with the tokens they decode alone."""
+    prompts = _prompts(400, lens=(40, 70, 25, 90, 60, 33), seed=3)
+    eng = LLM(tiny, num_kv_blocks=24, max_model_len=384, max_num_batched_tokens=32, preemption_mode="swap").engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, GREEDY)
+    done: dict[str, list[int]] = {}
+    victim = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        if victim is None and eng.core.swapped:
+            victim = eng.core.swapped[0].session_id
+            rid = next(r for r, q in eng.requests.items() if q.session_id == victim)
+            assert eng._swapped and eng.core.swap_free < eng.core.cfg.swap_blocks
+            eng.abort_request(rid)
+    assert victim is not None
+    assert eng._swapped == {} and eng.core.swap_free == eng.core.cfg.swap_blocks and eng.core.swapped == []
+    assert eng.stats.swapped_out_bytes == 0 and rid not in done
+    alone = LLM(tiny, enable_prefix_caching=False)
+    for r, toks in done.items():
+        assert toks == alone.generate([prompts[int(r)]], GREEDY)[0].token_ids
+
+
 def test_a_five_round_session_prefills_only_new_tokens_and_matches_recomputation(llm, cold):
     vocab = llm.engine.model_config.vocab_size
     appends = _prompts(vocab, lens=(30, 7, 12, 3, 20), seed=5)
