@@ -3,7 +3,9 @@
 One co-located worker process serves the project's trained tiny SDAR model behind the OpenAI API: a streamed
 completion's chunks add up to the non-streamed completion's text and token ids (greedy), usage is exact, the
 per-request diffusion options are honoured or refused with an OpenAI-style 400, and /metrics shows the histograms
-of tokens committed per step and of the chunk size chosen. The CLI refuses what cannot be served with one line.
+of tokens committed per step and of the chunk size chosen. The CLI refuses what cannot be served with one line. On
+a small KV pool the worker preempts streaming windows by swap, counted in vllm:num_preemptions_total, and serves
+what each prompt decodes alone.
 """
 from __future__ import annotations
 
@@ -103,3 +105,46 @@ def test_the_cli_refuses_what_it_cannot_serve_with_one_line(tmp_path):
         p = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--model", *args, "--port", "0"],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and expect in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_worker_process_swaps_streaming_windows_and_serves_what_they_decode_alone():
+    """Through the live server (one worker process): six concurrent completions outgrow a pool of 6 blocks, the
+    worker preempts by swap (the default for streaming windows: cache_config_info says so), and each completion's
+    tokens are what the offline engine decodes for that prompt alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.diffusion.tasks import eval_set
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+
+    tok = Tokenizer.from_file(str(ASSET / "tokenizer.json"))
+    prompts = [tok.encode(e.prompt).ids for e in eval_set(1)]
+    args = {"max_model_len": 96, "num_kv_blocks": 6, "dllm_chunk": "4"}
+    srv = LiveServer(ClusterConfig(str(ASSET), 0, 0, 1, "vllm", served_model_name="sdar", engine_args=args),
+                     api_key=KEY)
+    try:
+        def complete(p: list[int]) -> list[int]:
+            r = _post(srv, {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                            "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            served = list(pool.map(complete, prompts))
+        m = httpx.get(srv.url + "/metrics", timeout=30).text
+    finally:
+        srv.stop()
+    info = next(line for line in m.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert 'preemption_mode="swap"' in info and 'num_gpu_blocks="6"' in info
+    preempted = next(float(line.split()[-1]) for line in m.splitlines()
+                     if line.startswith("vllm:num_preemptions_total{"))
+    assert preempted > 0
+    eng = LLMEngine(EngineConfig(model=str(ASSET), dtype="float32", device="cpu", **args))
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        out = None
+        while eng.has_unfinished_requests():
+            out = next((o for o in eng.step() if o.finished), out)
+        assert out.outputs[0].token_ids == served[i]

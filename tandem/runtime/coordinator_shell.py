@@ -372,6 +372,7 @@ class CoordinatorShell:
         if req.task is not None and req.task.hist_compute:    # recomputed (vllm-pd) was not reused
             cached = max(0, cached - req.task.hist_compute)
         out.num_cached_tokens = out.metrics.num_cached_tokens = cached
+        out.metrics.num_preemptions = d.num_preemptions       # vllm:num_preemptions_total counts finished requests'
         if d.finished:
             comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
             out.error = d.error

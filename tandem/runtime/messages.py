@@ -126,6 +126,7 @@ class Delta(msgspec.Struct):
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None   # once, with the first delta (prompt_logprobs set)
+    num_preemptions: int = 0                                       # the request's preemptions so far (its metrics)
 
 
 class Outputs(msgspec.Struct, tag=True):

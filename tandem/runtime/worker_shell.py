@@ -248,7 +248,7 @@ class WorkerShell:
         d = m.Delta(out.request_id, list(new_ids), comp.text if reset else comp.text[len(text):], reset,
                     out.finished, comp.finish_reason, comp.stop_reason, out.num_cached_tokens, out.error,
                     comp.logprobs[n:] if comp.logprobs is not None else None, comp.cumulative_logprob,
-                    out.prompt_logprobs if n == 0 else None)
+                    out.prompt_logprobs if n == 0 else None, out.metrics.num_preemptions)
         if out.finished:
             self._sent.pop(out.request_id, None)
         else:
