@@ -177,3 +177,20 @@ def _recording_timer(timer, charged: list):
         charged.append(tokens)
         return timer(tokens)
     return f
+
+
+def test_on_a_profiled_host_a_swap_costs_the_engines_kv_export_or_import(tmp_path):
+    """Profiled engines (HostLoop): a swap-out is charged as the profile's KV export of its bytes, a swap-in as its
+    import, and dropping a host copy costs nothing; the charge goes to the worker's next step."""
+    from test_sim import _profile
+    from tandem.core.types import Swap
+    link = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4, "export_s": 2e-5, "export_bytes_per_s": 4e9,
+            "import_s": 3e-5, "import_bytes_per_s": 2e9}
+    path = _profile(tmp_path, kv_link=link)[0]
+    coord, workers, loop = build(SimConfig("x", "x", 1, "C:tp1x1", "vllm", perf=str(path), preemption_mode="swap"))
+    nbytes = 3 * 16 * 1000                           # 3 blocks of 16 positions at 1,000 KV bytes a position
+    loop._charge_swaps(0, [Swap(SwapKind.OUT, "a", (1, 2, 3)), Swap(SwapKind.DROP, "b", ())])
+    assert loop._take_swap_s(0) == pytest.approx(2e-5 + nbytes / 4e9, rel=1e-12)
+    loop._charge_swaps(0, [Swap(SwapKind.IN, "a", (4, 5, 6))])
+    assert loop._take_swap_s(0) == pytest.approx(3e-5 + nbytes / 2e9, rel=1e-12) and loop._take_swap_s(0) == 0.0
+    assert workers[0].cfg.preemption_mode is SWAP and workers[0].cfg.swap_blocks == (4 << 30) // (16 * 1000)

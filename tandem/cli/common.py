@@ -78,6 +78,12 @@ PREEMPTION_MODE_HELP = ("how a running sequence gives up its KV when the pool ru
                         "recompute")
 
 
+def check_preemption(mode: str | None, swap_space: float | None) -> None:
+    """--preemption-mode swap with no swap space is refused before anything starts."""
+    if mode == "swap" and swap_space == 0:
+        raise CLIError("--preemption-mode swap needs --swap-space > 0")
+
+
 def nonneg_float(text: str) -> float:
     return _parse(text, float, "a number", lambda x: math.isfinite(x) and x >= 0, ">= 0")
 

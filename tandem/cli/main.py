@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tandem.cli import bench_cmd, plan_cmd, profile_cmd, serve_cmd, tiny_cmd
 from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, add_ray_args, check_out_path,
-                               PREEMPTION_MODE_HELP, clear_notes, csv_list, flush_notes, gpus_arg, load_workload,
+                               PREEMPTION_MODE_HELP, check_preemption, clear_notes, csv_list, flush_notes, gpus_arg, load_workload,
                                nonneg_float, nonneg_int, note, positive_float, positive_int, ray_executor, seed_arg,
                                unit_fraction)
 from tandem.core.config import DEFAULT_SWAP_SPACE_GIB
@@ -224,9 +224,8 @@ def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, pol
     if args.perf is not None:
         cfg = dataclasses.replace(cfg, perf=args.perf)
     if hasattr(args, "swap_space"):
+        check_preemption(args.preemption_mode, args.swap_space)
         cfg = dataclasses.replace(cfg, preemption_mode=args.preemption_mode, swap_space=args.swap_space)
-        if args.preemption_mode == "swap" and args.swap_space == 0:
-            raise CLIError("--preemption-mode swap needs --swap-space > 0")
     if getattr(args, "dllm_block_length", None):
         from tandem.policy.optimus.chunk import parse_chunk
         try:

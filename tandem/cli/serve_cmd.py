@@ -11,8 +11,9 @@ import signal
 from pathlib import Path
 
 from tandem.cli.bench_table import print_table
-from tandem.cli.common import (PREEMPTION_MODE_HELP, CLIError, byte_size, csv_list, nonneg_float, nonneg_int,
-                               positive_int, ray_address_arg, require_ray, unit_fraction)
+from tandem.cli.common import (PREEMPTION_MODE_HELP, CLIError, byte_size, check_preemption, csv_list, nonneg_float,
+                               nonneg_int, positive_int, ray_address_arg, require_ray, unit_fraction)
+from tandem.core.config import DEFAULT_SWAP_SPACE_GIB
 from tandem.bench.ports import free_port
 from tandem.policy.presets import POLICIES, PrefillSchedKind
 
@@ -96,7 +97,7 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"),
                    help=PREEMPTION_MODE_HELP)
     p.add_argument("--swap-space", type=nonneg_float, default=None, metavar="GIB",
-                   help="GiB of host memory per worker for KV preempted by swap (default: 4)")
+                   help=f"GiB of host memory per worker for KV preempted by swap (default: {DEFAULT_SWAP_SPACE_GIB:g})")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
                    help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
@@ -260,8 +261,7 @@ def _cluster_config(args):
     for name in ("preemption_mode", "swap_space"):
         if getattr(args, name, None) is not None:
             eng[name] = getattr(args, name)
-    if eng.get("preemption_mode") == "swap" and eng.get("swap_space") == 0:
-        raise CLIError("--preemption-mode swap needs --swap-space > 0")
+    check_preemption(eng.get("preemption_mode"), eng.get("swap_space"))
     if args.enforce_eager:
         eng["enforce_eager"] = True
     if args.cuda_graph_sizes is not None:

@@ -79,7 +79,8 @@ class WorkerCore:
         self.idle: dict[str, Seq] = {}              # resident between rounds, oldest first (LRU)
         self.pending_kv: list[PrefillTask] = []     # remote KV that arrived before memory was free
         self.swapped: list[Seq] = []                # preempted by swap, in admission order (resumed first to last)
-        self.swap_free = cfg.swap_blocks if cfg.preemption_mode is PreemptionMode.SWAP else 0
+        self.swap_blocks = cfg.swap_blocks if cfg.preemption_mode is PreemptionMode.SWAP else 0   # host KV blocks
+        self.swap_free = self.swap_blocks
         self.swaps: list[Swap] = []                 # KV copies for the shell to carry out before its next forward
         self.preempted = {m: 0 for m in PreemptionMode}   # preemptions so far, by how they freed the KV
         self.ttft = WindowedMean(cfg.window_s)
@@ -1027,8 +1028,7 @@ class WorkerCore:
     @property
     def swap_usage(self) -> float:
         """Fraction of the swap space holding preempted KV (vLLM's cpu_cache_usage_perc / 100; 0 without one)."""
-        n = self.cfg.swap_blocks
-        return 1.0 - self.swap_free / n if n and self.cfg.preemption_mode is PreemptionMode.SWAP else 0.0
+        return 1.0 - self.swap_free / self.swap_blocks if self.swap_blocks else 0.0
 
     def has_work(self) -> bool:
         return bool(self.queue or self.active or self.running or self.pending_kv or self.swapped)

@@ -331,7 +331,6 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     workers, timers = [], []
     boundary = boundary_from_profile(prof)
     latency = _profile_latency(cfg, prof)
-    bw, lat = float(prof.kv_link["bandwidth_bytes_per_s"]), float(prof.kv_link["latency_s"])
     block_bytes = int(prof.kv_bytes_per_token * prof.block_size)
     for wid, (role, tp) in enumerate(dep.workers()):
         try:
@@ -345,22 +344,14 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     state = InProcessState(workers, cost, nodes)
     coord = build_coordinator(state, spec, sched, random.Random(cfg.seed), max_context=prof.max_model_len,
                               boundary=boundary)
+    bw, lat = float(prof.kv_link["bandwidth_bytes_per_s"]), float(prof.kv_link["latency_s"])
     net = Network(nodes, [1] * len(workers), nvlink_bps=bw, net_bps=bw, nvlink_latency_s=lat, net_latency_s=lat,
                   schedule=None)
     # the engines are served by tandem's runtime: messages between steps, KV export/import on the workers,
     # the runtime's latencies and the step slow-down of processes sharing the host (docs/simulator.md)
     loop = HostLoop(coord, workers, timers, net, prof.kv_bytes_per_token, prof.runtime_costs())
-    swap_s = _host_copy_time(prof.kv_bytes_per_token, bw, lat)    # a swap is the same export/import, in one host
-    loop.swap_time = [swap_s] * len(workers)
     _shell_options(loop, cfg, state)
     return coord, workers, loop
-
-
-def _host_copy_time(kv_bytes_per_token: float, bandwidth: float, latency_s: float):
-    """Seconds to copy n positions of KV over the profiled local link (latency + bytes / bandwidth; 0 for none)."""
-    def t(tokens: int) -> float:
-        return latency_s + tokens * kv_bytes_per_token / bandwidth if tokens > 0 else 0.0
-    return t
 
 
 def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResult:

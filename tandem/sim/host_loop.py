@@ -6,7 +6,7 @@ from typing import Callable
 
 from tandem.core.actions import ToolCall, Transfer
 from tandem.core.coordinator import Coordinator
-from tandem.core.types import BatchShape, PREFILL, StepPlan
+from tandem.core.types import BatchShape, PREFILL, StepPlan, Swap, SwapKind
 from tandem.core.worker import WorkerCore
 from tandem.sim.faults import Fate
 from tandem.sim.loop import (
@@ -140,6 +140,15 @@ class HostLoop(EventLoop):
         if self._handling[wid] or self._inbox[wid]:
             return
         super()._kick(wid)
+
+    def _charge_swaps(self, wid: int, swaps: list[Swap]) -> None:
+        """On one host a swap is the engine's KV export (out) or import (in), at the profile's measured rates."""
+        per_block = self.workers[wid].cfg.block_size * self.kv_bytes
+        for sw in swaps:
+            if sw.blocks:
+                nbytes = len(sw.blocks) * per_block
+                self._swap_s[wid] += (self.costs.export_s(nbytes) if sw.kind is SwapKind.OUT
+                                      else self.costs.import_s(nbytes))
 
     def _start_step(self, wid: int, plan: StepPlan) -> None:
         kind = "prefill" if plan.prefill else "decode"

@@ -141,8 +141,7 @@ class PagedSparseKV:
         dev = kv_caches[0].device
         slots = torch.arange(capacity, device=dev)
         self.blocks = torch.tensor(table, dtype=torch.long, device=dev)[slots // kv_block_size]
-        self.offsets = slots % kv_block_size
-        self.rows = self.blocks * kv_block_size + self.offsets      # each slot's row in a layer's flat pool
+        self.rows = self.blocks * kv_block_size + slots % kv_block_size   # each slot's row in a layer's flat pool
         self.lengths = [0] * len(kv_caches)
 
     @property
