@@ -151,6 +151,53 @@ def test_a_stream_shows_only_committed_prefixes_and_max_tokens_exactly(prompts):
     assert len(seen) > 1 and any(len(a) < len(b) for a, b in zip(seen, seen[1:]))
 
 
+def test_a_streaming_window_is_c_masked_positions_carrying_the_writes_and_the_prompts_tail():
+    """Protects Optimus's window in the decoding state: each step computes the first c masked positions of the
+    block; the K/V writes of the last step's commits and the prompt's leftover tokens ride with it outside c; the
+    leftover tokens are in every window of their block (never read from the cache there) and in none after it; a
+    finished block's last commits are written by the next block's first window. Block 8, a 3-token prompt, c = 2."""
+    s = BlockState([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), DllmConfig(), 8, 99,
+                   frozenset(), 4096, torch.device("cpu"))
+    s.prefilled()
+    V = 128
+
+    def commit(w, offsets):                      # logits making exactly these candidates pass the threshold
+        logits = torch.zeros(len(w.rows), V)
+        for i, j in enumerate(w.candidates):
+            logits[i, 10 + j] = 100.0 if j in offsets else 0.0
+        return s.apply(w, logits)
+
+    w = s.window(2, reuse=True)
+    assert (w.positions, w.writes, w.cached, w.candidates) == ([0, 1, 2, 3, 4], [0, 1, 2], [], [3, 4])
+    assert commit(w, {3, 4}) == 2
+    w = s.window(2, reuse=True)                  # the tail again, the two commits' writes, the next 2 masks
+    assert (w.positions, w.writes, w.cached, w.candidates) == ([0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4], [], [5, 6])
+    assert commit(w, {5}) == 1
+    w = s.window(2, reuse=True)                  # 3, 4 are read from the cache now; the tail is not
+    assert (w.positions, w.writes, w.cached, w.candidates) == ([0, 1, 2, 5, 6, 7], [0, 1, 2, 5], [3, 4], [6, 7])
+    assert commit(w, {6, 7}) == 2 and s.start == 8   # the block is complete
+    w = s.window(2, reuse=True)                  # its last commits first, no tail: 0..5 are cached
+    assert (w.positions, w.writes, w.cached, w.candidates) == ([6, 7, 8, 9], [6, 7], [0, 1, 2, 3, 4, 5], [0, 1])
+    with pytest.raises(ValueError, match="chunk c >= 1"):
+        s.window(0, reuse=True)
+
+
+def test_the_engine_refuses_a_window_other_than_the_one_the_core_planned(prompts):
+    """Protects the one-implementation promise at the engine: the core prices and budgets each window by its rows;
+    a decoding state whose window has other rows is a RuntimeError naming both counts, not a silent other step."""
+    from tandem.engine.diffusion.engine_step import DiffusionBatch
+
+    eng = _engine("4")
+    state = eng.dllm.start("x", list(prompts[0]), SamplingParams(temperature=0.0, max_tokens=8))
+    tail = len(prompts[0]) % 32
+    batch = DiffusionBatch()
+    eng.dllm.decode(batch, "x", state, 4, 4 + tail, [0, 1, 2, 3])       # 4 masked positions + the prompt's tail
+    assert len(batch.windows[0].positions) == 4 + tail
+    with pytest.raises(RuntimeError, match=f"planned a window of {3 + tail} positions, the decoding state has "
+                                           f"{4 + tail}"):
+        eng.dllm.decode(DiffusionBatch(), "x", state, 4, 3 + tail, [0, 1, 2, 3])
+
+
 def test_reusing_decoded_kv_is_exact_where_kv_cannot_depend_on_later_tokens(tmp_path):
     """Streaming mechanics: on a one-layer SDAR a position's K/V depend only on its own token, so the cached-KV
     streaming loop must equal a full recomputation (no cache) over the same windows' positions, token for token,

@@ -83,8 +83,9 @@ def test_elastic_runs_the_block_until_it_has_seen_it_then_takes_the_argmax():
     over m masked positions. One fresh sequence (T flat, 10 ms): c = 16 and 32 both commit 16 per 10 ms, the first
     (16) is kept. 64 sequences: c=16 -> 1024 tokens, T = 10 + 0.02 x 768 = 25.36 ms, 16 x 64 / 25.36 = 40.4 a ms,
     beating c=8 (512 tokens, 15.12 ms: 33.9) and c=32 (2048 tokens, 76.56 ms: 13.4). 256 sequences: c=4 -> 1024
-    tokens, 40.4 a ms, beating c=2 (33.9) and c=8 (26.7). A window first writes the K/V of the last step's commits:
-    one sequence with 1 masked position left and 15 to write commits nothing at c <= 15, one token at c >= 16."""
+    tokens, 40.4 a ms, beating c=2 (33.9) and c=8 (26.7). The K/V writes of the last step's commits ride outside c:
+    one sequence with 1 masked position left and 15 to write has the same 16 rows and 1 commit at every c, so c = 1
+    (the first of equals) is taken."""
     s = sizer()
     assert s.choose(fresh(64)) == 32             # warm-up: the block size until 32 sequence-steps were observed
     s.observe(32, [16] * 32)
@@ -92,8 +93,8 @@ def test_elastic_runs_the_block_until_it_has_seen_it_then_takes_the_argmax():
     assert s.choose(fresh(1)) == 16
     assert s.choose(fresh(64)) == 16
     assert s.choose(fresh(256)) == 4
-    assert s.choose([SeqWindow(1, 15)]) == 16
-    assert s.steps_by_chunk == {32: 1, 16: 3, 4: 1}
+    assert s.choose([SeqWindow(1, 15)]) == 1
+    assert s.steps_by_chunk == {32: 1, 16: 2, 4: 1, 1: 1}
 
 
 def test_elastic_prices_each_window_where_it_is_and_what_it_reads():
@@ -145,10 +146,10 @@ def diffusion_worker(chunk: str, block: int = 8):
 
 def test_windows_stay_inside_blocks_aligned_to_absolute_positions_and_the_first_commit_is_the_first_token():
     """Protects streaming windows in the core: a 6-token prompt leaves 2 positions of the first 8-block, so a fixed
-    chunk of 4 gives a window of 2 (plus the 6 prompt tokens of that block, computed with it); from then on each window first writes the K/V of the positions the previous
-    step committed, and fills the rest of its 4 positions with masked ones, never past the block (8..16) or
-    max_tokens; the prefill emits no token: the first commit (2 tokens at 2 s) is the round's first token, the 8
-    others come with ITL gaps; 10 tokens in 6 steps."""
+    chunk of 4 gives a window of 2 masked positions (plus the 6 prompt tokens of that block, computed with it); from
+    then on each window covers up to 4 masked positions, never past the block (8..16) or max_tokens, and carries
+    besides them the K/V writes of the positions the previous step committed; the prefill emits no token: the first
+    commit (2 tokens at 2 s) is the round's first token, the 8 others come with ITL gaps; 10 tokens in 6 steps."""
     w = diffusion_worker("4")
     w.begin_round("s")
     w.submit(PrefillTask("s", 0, 0, 6, 0.0, output_tokens=10, decode_worker=0, worker=0), 0.0)
@@ -164,16 +165,35 @@ def test_windows_stay_inside_blocks_aligned_to_absolute_positions_and_the_first_
             ev = w.drain()
             assert [type(e) for e in ev] == [FirstToken] and ev[0].time_s == 2.0
     # (positions computed, masked ones among them, decoded ones to write first)
-    assert windows == [(2 + 6, 2, 0), (4, 2, 2), (4, 2, 2), (4, 3, 1), (4, 1, 3), (2, 1, 1)]
+    assert windows == [(2 + 6, 2, 0), (4 + 2, 4, 2), (4 + 2, 4, 2), (4 + 1, 4, 1), (2 + 3, 2, 3), (1 + 1, 1, 1)]
     done = [e for e in w.drain() if isinstance(e, RoundDone)]
     assert len(done) == 1 and done[0].output_tokens == 10 and done[0].itl_count == 1 + 2 + 1 + 3 + 1 + 1
     assert done[0].itl_sum == pytest.approx(5.0)              # gaps of 1 s after the first commit, 5 of them
     assert w.chunker.tokens_per_step() == pytest.approx(10 / 6)
 
 
+def test_the_prompts_leftover_tokens_ride_with_every_window_of_their_block():
+    """Protects the prompt's tail in streaming windows: a 3-token prompt leaves 5 masked positions of the first
+    8-block; with a chunk of 2 every window of that block carries the 3 prompt tokens besides its masked positions
+    and the K/V writes of the previous step's commits (the prompt tokens' K/V are rewritten each step, as the
+    engine's BlockState does); once the block is complete (after D) the next block's windows carry none."""
+    w = diffusion_worker("2")
+    w.begin_round("s")
+    w.submit(PrefillTask("s", 0, 0, 3, 0.0, output_tokens=10, decode_worker=0, worker=0), 0.0)
+    w.on_step_done(w.schedule(0.0), StepResult(1.0), 1.0)
+    windows = []
+    for k, commit in enumerate((2, 1, 1, 1, 1)):
+        plan = w.schedule(1.0 + k)
+        (seq,) = plan.decode
+        windows.append((seq.query_tokens, seq.commit_cap, seq.kv_prompt))
+        w.on_step_done(plan, StepResult(1.0, {"s": commit}), 2.0 + k)
+    # (positions computed: masked + writes + prompt tokens, masked ones, prompt tokens)
+    assert windows == [(2 + 0 + 3, 2, 3), (2 + 2 + 3, 2, 3), (2 + 1 + 3, 2, 3), (1 + 1 + 3, 1, 3), (2 + 1, 2, 0)]
+
+
 def test_a_diffusion_prefill_is_charged_for_its_whole_blocks_only():
-    """Protects the step cost of a diffusion prefill: the prompt's last, partial block is computed with the first
-    window (streaming: Seq.kv_prompt; block mode: every window of that block), as the engine runs it, so the prefill
+    """Protects the step cost of a diffusion prefill: the prompt's last, partial block is computed with the windows
+    of that block (streaming: Seq.kv_prompt; block mode: the whole block), as the engine runs it, so the prefill
     chunk charges only whole blocks: a 20-token prompt with blocks of 8 costs 16 prefill tokens, its 4 leftover
     tokens ride with the first window (4 + its window of 4); a 6-token prompt costs no prefill compute at all."""
     for prompt, charged, first_window in ((20, 16, 4 + 4), (6, 0, 6 + 2)):
@@ -270,25 +290,27 @@ def test_elastic_windows_stay_within_the_budget_and_leave_waiting_prefills_their
             w.begin_round(f"s{i}")
             w.submit(PrefillTask(f"s{i}", 0, 0, 16, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
         t = 0.0
-        while len(w.running) < 4 or any(s.kv_prompt for s in w.running):   # prefill the prompts, then the first
-            plan = w.schedule(t)                 # windows, which carry each prompt's 16 leftover tokens (commits: 0)
-            w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
+        while len(w.running) < 4 or any(s.kv_prompt for s in w.running):   # prefill the prompts, then decode their
+            plan = w.schedule(t)                 # first blocks, whose windows carry the prompts' 16 leftover tokens
+            w.on_step_done(plan, StepResult(1.0, {s.session_id: s.commit_cap for s in plan.decode}), t + 1.0)
             t += 1.0
-        return w
+        plan = w.schedule(t)                     # a step that commits nothing: no K/V left to write
+        w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
+        return w, t + 1.0
 
-    w = worker(0.5)
-    plan = w.schedule(2.0)
+    w, t = worker(0.5)
+    plan = w.schedule(t)
     assert [s.query_tokens for s in plan.decode] == [16] * 4 and not plan.prefill
-    w.on_step_done(plan, StepResult(1.0, {f"s{i}": 0 for i in range(4)}), 3.0)
+    w.on_step_done(plan, StepResult(1.0, {f"s{i}": 0 for i in range(4)}), t + 1.0)
     w.begin_round("p")
-    w.submit(PrefillTask("p", 0, 0, 100, 3.0, output_tokens=5, decode_worker=0, worker=0), 3.0)
-    plan = w.schedule(3.0)
+    w.submit(PrefillTask("p", 0, 0, 100, t + 1.0, output_tokens=5, decode_worker=0, worker=0), t + 1.0)
+    plan = w.schedule(t + 1.0)
     assert [s.query_tokens for s in plan.decode] == [8] * 4 and [n for _, n in plan.prefill] == [32]
     assert plan.shape.num_decode + plan.shape.prefill_tokens == 64
-    w = worker(0.0)
+    w, t = worker(0.0)
     w.begin_round("p")
-    w.submit(PrefillTask("p", 0, 0, 100, 2.0, output_tokens=5, decode_worker=0, worker=0), 2.0)
-    plan = w.schedule(2.0)
+    w.submit(PrefillTask("p", 0, 0, 100, t, output_tokens=5, decode_worker=0, worker=0), t)
+    plan = w.schedule(t)
     assert [s.query_tokens for s in plan.decode] == [16] * 4 and not plan.prefill
     with pytest.raises(ValueError, match="dllm_prefill_share"):
         SchedulerConfig(dllm_prefill_share=1.0)

@@ -48,7 +48,7 @@ class Seq:
     kv_pending: int = 0         # diffusion: committed tokens whose K/V are not written yet (the next window's first
                                 # positions; plain block diffusion: a completed block, written by the next step)
     kv_prompt: int = 0          # streaming diffusion: the prompt's leftover tokens (its last, partial block), computed
-                                # and written with the first window, outside the chunk (they are its fixed inputs)
+                                # and rewritten with every window of that block, outside the chunk (fixed inputs)
     first_due: tuple[float, float | None] | None = None   # diffusion: the round's first token is its first
                                 # commit; (prefill start, enqueue time of a local prefill) until then
     swapped_blocks: int = 0     # preempted by swap: KV blocks it holds in host memory

@@ -622,27 +622,29 @@ class WorkerCore:
         """Block diffusion: this step's window per sequence. The chunk sizer picks c for the batch within the token
         budget, less what waiting prefills keep of it (dllm_prefill_share of the budget at most: the diffusion
         engines Optimus builds on run prefills first, and windows that fill the budget would starve them); a window
-        stays within the active block (blocks are aligned to absolute positions), so it is min(c, positions left in
-        the block), and what it may commit is that window; plain block diffusion (c = B) computes the whole block."""
+        stays within the active block (blocks are aligned to absolute positions), so it is min(c, masked positions
+        left in the block), which it may commit, besides the K/V writes of the last commits and the prompt's leftover
+        tokens it carries (outside c, taken out of the budget first); plain block diffusion (c = B) computes the whole
+        block."""
         B = self.cfg.dllm_block
         budget = self.cfg.max_num_batched_tokens
         waiting = sum(t.work - t.done for t in self.active) + sum(t.work for t in self.queue)
         claim = min(waiting, int(self.cfg.dllm_prefill_share * budget))   # what waiting prefills keep of the step
-        claim += sum(seq.kv_prompt for seq in self.running)   # prompt tokens riding with first windows
+        whole = self.chunker.recomputes_block
+        if not whole:                                # rows riding with the windows: K/V writes, prompts' tails
+            claim += sum(seq.kv_pending + seq.kv_prompt for seq in self.running)
         lefts = [min(B - seq.num_tokens % B, seq.to_decode) for seq in self.running]   # the active blocks' masks
         c = self.chunker.choose([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens)
                                  for left, seq in zip(lefts, self.running)], room=budget - claim)
-        whole = self.chunker.recomputes_block
         for left, seq in zip(lefts, self.running):
             pending = seq.kv_pending
             if whole:                                # the block, plus a completed block's first write
                 seq.commit_cap = left
                 seq.query_tokens = B + pending
-            else:                                    # streaming: the decoded positions to write come first
-                q = c if c < left + pending else left + pending
-                room = q - pending if pending < q else 0
-                seq.query_tokens = q + seq.kv_prompt
-                seq.commit_cap = room if room < left else left
+            else:                                    # streaming: c masked positions, besides the writes and the tail
+                m = c if c < left else left
+                seq.commit_cap = m
+                seq.query_tokens = m + pending + seq.kv_prompt
 
     def _reserve(self, owner, tokens: int, now: float, preempt: bool, headroom: int = 0) -> bool:
         """Ensure `owner` holds blocks for `tokens` with `headroom` blocks left free, evicting idle KV and,
@@ -934,9 +936,9 @@ class WorkerCore:
                 if chunker.recomputes_block:
                     seq.kv_pending = B if c > 0 and seq.num_tokens % B == 0 else 0
                 else:
-                    p, q = seq.kv_pending, seq.query_tokens - seq.kv_prompt
-                    seq.kv_pending = p - (p if p < q else q) + c
-                    seq.kv_prompt = 0
+                    seq.kv_pending = c               # every window writes the last commits' K/V
+                    if seq.num_tokens % B == 0:      # the prompt's tail rides with every window of its block
+                        seq.kv_prompt = 0
             if stopped and seq.session_id in stopped:
                 seq.to_decode = 0
             if seq.to_decode <= 0:
@@ -972,10 +974,11 @@ class WorkerCore:
         seq.state = RUNNING
         seq.query_tokens = seq.commit_cap = 1
         if self.chunker is not None:                 # a prefill writes whole blocks: streaming computes the prompt's
-            # leftover tokens with the first window, outside its chunk; after a recompute the active block's
-            # decoded positions are written first, within it
+            # leftover tokens with every window of their block, outside its chunk; after a recompute the active
+            # block's decoded positions are written first, within it (the prompt's tail, if still in it, outside)
             left = seq.num_tokens % self.cfg.dllm_block if not self.chunker.recomputes_block else 0
-            seq.kv_pending, seq.kv_prompt = (left, 0) if task.recompute else (0, left)
+            tail = seq.kv_prompt if left else 0
+            seq.kv_pending, seq.kv_prompt = (left - tail, tail) if task.recompute else (0, left)
         self._order += 1
         seq.order = self._order
         self.running.append(seq)

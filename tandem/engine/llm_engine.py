@@ -609,8 +609,7 @@ class LLMEngine:
                 continue
             if state is None:
                 state = dllm.start(sid, sess.tokens, sess.request.params)
-            dllm.decode(batch, sid, state, seq.query_tokens - seq.kv_prompt, seq.commit_cap, seq.kv_prompt,
-                        tables[seq])
+            dllm.decode(batch, sid, state, seq.commit_cap, seq.query_tokens, tables[seq])
         self.stats.prefill_tokens += sum(n for _, n in plan.prefill)
         self.stats.decode_tokens += batch.tokens
 

@@ -8,15 +8,18 @@ A step's window, by mode:
 
 - **block** (BD-B, `reuse=False`): the whole active block is recomputed every step; nothing of it is cached until it
   is complete; a completed block's K/V are written by the next step's forward (its positions as leading queries).
-- **streaming chunks** (Optimus §4, `reuse=True`): a decoded position's K/V are written once, by the step after the
-  one that committed it (the token it was committed as is then the input), and read from the cache by every later
-  step of the block; the window is at most `q` positions: first the decoded positions still to write (a finished
-  block's last ones first; the prompt's leftover tokens, with the first window), then the first masked positions of
-  the active block, at most `cap` of them. Masked positions past the window (the block's suffix) are not computed.
+- **streaming chunks** (Optimus §4, `reuse=True`): each step computes the first c undecoded (masked) positions of
+  the active block; the masked suffix past them is not computed. A decoded position's K/V are written once, by the
+  step after the one that committed it (the token it was committed as is then the input; a finished block's last
+  ones by the next block's first step), and read from the cache by every later step of the block: those writes
+  ride with the window, outside c. The prompt's leftover tokens (its last, partial block) are not decoded positions:
+  they ride with every window of their block, outside c, and their K/V are rewritten each time, as a block step
+  recomputes them (written once, by the first window, they would hold a picture of the block before any commit;
+  docs/diffusion.md measures what that costs).
 
-`cap` and `q` come from the scheduler (core/worker.py sizes them the same way), so a step never commits more than
-the core planned. With `q` >= the block length and nothing to write, a streaming step computes the same positions
-as a block step, minus the ones whose K/V it reuses.
+c comes from the scheduler (core/worker.py sizes the same windows: Seq.commit_cap masked positions, kv_pending writes,
+kv_prompt leftover tokens), so a step never commits more than the core planned. With c >= the block length, a
+streaming step computes the same positions as a block step, minus the ones whose K/V it reuses.
 """
 from __future__ import annotations
 
@@ -133,10 +136,9 @@ class BlockState:
         s = self.start
         return self.prefix[p] if p < s else self.block[p - s]
 
-    def window(self, q: int | None = None, cap: int | None = None, reuse: bool = False,
-               free: int | None = None) -> Window:
-        """This step's window (module docstring): the whole block, or q positions with at most cap masked, plus the
-        first `free` positions to write outside q (None: the prompt's leftover tokens still to write)."""
+    def window(self, c: int | None = None, reuse: bool = False) -> Window:
+        """This step's window (module docstring): the whole block, or (streaming) the decoded positions still to
+        write and the prompt's leftover tokens, then the first c masked positions of the block."""
         s, B = self.start, self.B
         cand = self.candidates()
         if not reuse:
@@ -145,16 +147,10 @@ class BlockState:
             tokens = self.prefix[self.n_cached:] + self.block
             rows = [s - self.n_cached + j for j in cand]
             return Window(positions, tokens, writes, [], self.n_cached, cand, rows, False)
-        if q is None or q < 1:
-            raise ValueError(f"a streaming window needs q >= 1 positions, got {q!r}")
-        todo = self.to_write()
-        if free is None:
-            free = sum(1 for p in todo if p < self.P)
-        writes = todo[:free + q]
-        room = free + q - len(writes)
-        if cap is not None and cap < room:
-            room = cap
-        cand = cand[:max(0, room)]
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"a streaming window needs a chunk c >= 1, got {c!r}")
+        writes = self.to_write()
+        cand = cand[:c]
         positions = writes + [s + j for j in cand]
         tokens = [self.token_at(p) for p in writes] + [self.mask_id] * len(cand)
         cached = sorted(self.written)
@@ -177,8 +173,12 @@ class BlockState:
         if not win.candidates:
             self.out.commits_per_step.append(0)
             self.out.masked_per_step.append(0)
-            return 0
-        return self.step(logits, win.candidates)
+            n = 0
+        else:
+            n = self.step(logits, win.candidates)
+        if win.streaming and self.start < self.P:            # the prompt's tail: rewritten by every window of its
+            self.written.difference_update(range(self.start, self.P))   # block, as a block step recomputes it
+        return n
 
     def step(self, logits: Tensor, cand: list[int]) -> int:
         """Sample the candidates' logits [n, V] (changed in place), commit by the strategy; finish a full block.

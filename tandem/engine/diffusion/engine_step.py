@@ -93,11 +93,14 @@ class DiffusionDecoder:
             batch.owners.append(None)
             batch.tokens += end - start
 
-    def decode(self, batch: DiffusionBatch, sid: str, state: BlockState, q: int, cap: int, free: int,
-               table: list[int]) -> None:
-        """A decoding sequence's window of the sizes the core chose (whole block in block mode): q positions, at
-        most cap of them masked, and `free` prompt tokens besides."""
-        w = state.window(q, cap, reuse=self.streaming, free=free)
+    def decode(self, batch: DiffusionBatch, sid: str, state: BlockState, c: int, rows: int, table: list[int]) -> None:
+        """A decoding sequence's window as the core sized it: the whole block in block mode, else c masked positions
+        besides the K/V writes and prompt tokens it carries; `rows`, the core's count of the window's positions, must
+        be the window's (RuntimeError otherwise: the core would price and budget another step than the one run)."""
+        w = state.window(c, reuse=self.streaming)
+        if len(w.positions) != rows:
+            raise RuntimeError(f"session {sid!r}: the core planned a window of {rows} positions, the decoding state "
+                               f"has {len(w.positions)}")
         batch.windows.append(w)
         batch.tables.append(table)
         batch.owners.append(sid)

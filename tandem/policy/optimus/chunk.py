@@ -3,9 +3,10 @@
 `elastic`: c* = argmax_c N_commit(c)·b / T(c, b) over the candidate sizes up to the block length, b the sequences
 decoding this step: the size that commits the most tokens per second at this load. Until the estimator has seen
 enough steps, the step runs at the block size (Optimus observes the largest chunk first). Each sequence is priced
-where it is (`SeqWindow`): a streaming window first writes the K/V of the positions the last step committed, then
-covers masked positions up to c, never past its block, so its commits are N_commit of what is left for the masked
-ones; T is the shell's price of the whole step (its rows, sequences and cached tokens).
+where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block (fewer where the block
+has fewer left), so its commits are N_commit of those, and carries besides them the K/V writes of the positions the
+last step committed and the prompt's leftover tokens; T is the shell's price of the whole step (its rows, sequences
+and cached tokens).
 `N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
 diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded positions' KV within it).
 """
@@ -69,8 +70,8 @@ class SeqWindow(NamedTuple):
     """A sequence as the sizer prices its window: what the window may cover, what it must carry, what it reads."""
 
     left: int            # masked positions of its active block (at most its tokens still to decode)
-    pending: int = 0     # decoded positions whose K/V the window writes first (streaming)
-    extra: int = 0       # rows riding along outside the window (a prompt's leftover tokens)
+    pending: int = 0     # decoded positions whose K/V the window writes (streaming; rows outside c)
+    extra: int = 0       # other rows riding along outside c (a prompt's leftover tokens)
     ctx: int = 0         # cached tokens its rows attend to
 
 
@@ -112,29 +113,27 @@ class ChunkSizer:
 
     def _elastic(self, seqs: Sequence[SeqWindow], room: int | None) -> int:
         """The candidate c committing the most tokens per second (the first of equals). Each sequence's window is
-        min(c, left + pending) (it stays in its active block); its expected commits are N_commit of the masked
-        positions the window has after its K/V writes; the step is priced on all its rows (windows and extra rows),
-        sequences and cached tokens. The windows stay within `room` query rows when given (the step's budget left to
-        them, extra rows already taken out), down to a window of 1. During the warm-up: the largest that fits."""
+        min(c, left) masked positions (it stays in its active block), expected to commit N_commit of them; the step
+        is priced on all its rows (the windows, the K/V writes and the extra rows), sequences and cached tokens. The
+        windows stay within `room` query rows when given (the step's budget left to them, writes and extra rows
+        already taken out), down to a window of 1. During the warm-up: the largest that fits."""
         fits = []                                    # (c, each sequence's window)
         for cand in self.candidates:
-            windows = [cand if cand < s.left + s.pending else s.left + s.pending for s in seqs]
+            windows = [cand if cand < s.left else s.left for s in seqs]
             if room is not None and cand > 1 and sum(windows) > room:
                 break
             fits.append((cand, windows))
         if self.estimator.observations < self.warmup:
             return fits[-1][0]
-        ctx, extra, n_at = sum(s.ctx for s in seqs), sum(s.extra for s in seqs), {}
+        ctx, carried, n_at = sum(s.ctx for s in seqs), sum(s.pending + s.extra for s in seqs), {}
 
         def rate(fit: tuple[int, list[int]]) -> float:
             commits = 0.0
-            for w, s in zip(fit[1], seqs):
-                m = w - s.pending                    # the window's masked positions, after its writes
-                if m > 0:
-                    if m not in n_at:
-                        n_at[m] = self.estimator(m)
-                    commits += n_at[m]
-            return commits / self.latency(sum(fit[1]) + extra, len(seqs), ctx)
+            for m in fit[1]:
+                if m not in n_at:
+                    n_at[m] = self.estimator(m)
+                commits += n_at[m]
+            return commits / self.latency(sum(fit[1]) + carried, len(seqs), ctx)
         return max(fits, key=rate)[0]
 
     def observe(self, c: int, committed: list[int]) -> None:
