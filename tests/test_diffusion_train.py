@@ -134,6 +134,8 @@ def test_tasks_are_one_token_per_letter_and_split_by_prompt():
     share = sum(held_out(f"add:{a}+{b}=") for a in range(100) for b in range(100)) / 10000
     assert 0.08 < share < 0.12
     assert len(eval_set(3)) == 3 * len(TASKS) and eval_set(3) == eval_set(3)
+    with pytest.raises(ValueError, match="task 'add' has only 106 distinct held-out examples, 107 asked"):
+        eval_set(107, tasks=("add",))            # a bounded search, not a hang
 
 
 def test_committed_checkpoint_decodes_copy_with_the_reference_loop(tiny):
@@ -182,3 +184,9 @@ def test_cli_trains_a_checkpoint_that_loads(tmp_path, capsys):
     info = json.loads((out / "training.json").read_text())
     assert info["train_config"]["steps"] == 3 and info["eval"]["examples_per_task"] == 1
     assert main(["tiny-model", "--arch", "qwen3", "--train", "--out", str(tmp_path / "q")]) == 2
+    capsys.readouterr()
+    assert main(["tiny-model", "--arch", "sdar", "--train", "--eval-examples", "400", "--out",
+                 str(tmp_path / "e")]) == 2                 # refused before any training step
+    assert "--eval-examples 400: task 'add' has only 106" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists() or not any((tmp_path / "e").iterdir())
+    assert main(["tiny-model", "--arch", "sdar", "--train-threads", "2", "--out", str(tmp_path / "t")]) == 2

@@ -43,12 +43,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.add_argument("--train", action="store_true",
                    help="(--arch sdar) train the model with the block-diffusion objective on the synthetic task "
-                        "corpus (seeded by --seed; one thread; a few minutes on two cores), then evaluate it")
+                        "corpus (seeded by --seed; one thread unless --train-threads; a few minutes on two cores), "
+                        "then evaluate it")
     p.add_argument("--train-steps", type=positive_int, default=None, metavar="N",
                    help="training steps with --train (default: the committed checkpoint's)")
     p.add_argument("--train-ar-steps", type=nonneg_int, default=None, metavar="N",
                    help="with --train, SDAR's recipe: N next-token-prediction steps (causal, shifted) before the "
                         "block-diffusion steps convert the model (default: 0, the committed checkpoint's)")
+    p.add_argument("--train-threads", type=positive_int, default=None, metavar="N",
+                   help="with --train, torch threads (default: 1; the weights depend on the thread count, as float "
+                        "reductions are split differently)")
     p.add_argument("--eval-examples", type=int, default=100, metavar="N",
                    help="held-out examples per task evaluated after --train (0: none; default: %(default)s)")
     p.set_defaults(func=cmd_tiny_model)
@@ -66,8 +70,10 @@ def cmd_tiny_model(args) -> int:
         raise CLIError(f"--out {out} is not empty (give --force to write into it)")
     if args.train:
         return _train(args, out)
-    if args.train_steps is not None or args.train_ar_steps is not None:
-        raise CLIError(f"--train-{'ar-steps' if args.train_steps is None else 'steps'} needs --train")
+    given = [f for f, v in (("--train-steps", args.train_steps), ("--train-ar-steps", args.train_ar_steps),
+                            ("--train-threads", args.train_threads)) if v is not None]
+    if given:
+        raise CLIError(f"{given[0]} needs --train")
     dtype = args.dtype or "float32"
     try:
         make_tiny_model(out, arch=args.arch, size=args.size, seed=args.seed, dtype=dtype, shards=args.shards,
@@ -92,13 +98,21 @@ def _train(args, out: Path) -> int:
     import sys
 
     from tandem.engine.diffusion.evaluate import evaluate_checkpoint
+    from tandem.engine.diffusion.tasks import eval_set
     from tandem.engine.diffusion.train import TrainConfig, save_trained, train
+
+    try:                                         # before minutes of training: the held-out set must have them
+        eval_set(args.eval_examples)
+    except ValueError as e:
+        raise CLIError(f"--eval-examples {args.eval_examples}: {e}") from None
 
     cfg = TrainConfig(seed=args.seed)
     if args.train_steps is not None:
         cfg.steps = args.train_steps
     if args.train_ar_steps is not None:
         cfg.ar_steps = args.train_ar_steps
+    if args.train_threads is not None:
+        cfg.threads = args.train_threads
     if args.dtype is not None:
         cfg.dtype = args.dtype
     command = "tandem " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None

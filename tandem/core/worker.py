@@ -331,7 +331,7 @@ class WorkerCore:
             plan.prefill.append((t, n))
             cost = n                                 # the tokens this chunk computes
             if self.chunker is not None and t.done + n == t.work:   # the prompt's last, partial block is computed
-                cost -= (t.first + t.work) % self.cfg.dllm_block   # with the first window (Seq.kv_prompt), not here
+                cost -= (t.first + t.work) % self.cfg.dllm_block   # with the windows (Seq.kv_prompt), not here
             budget -= cost
             if cost > 0:
                 shape.prefill_tokens += cost
@@ -931,7 +931,7 @@ class WorkerCore:
                 n_tok += c
                 seq.last_token_s = now
                 seq.to_decode -= c
-            if chunker is not None:                  # what the next window writes first (block_state.py)
+            if chunker is not None:                  # what the next window writes (block_state.py)
                 B = self.cfg.dllm_block
                 if chunker.recomputes_block:
                     seq.kv_pending = B if c > 0 and seq.num_tokens % B == 0 else 0
@@ -975,7 +975,7 @@ class WorkerCore:
         seq.query_tokens = seq.commit_cap = 1
         if self.chunker is not None:                 # a prefill writes whole blocks: streaming computes the prompt's
             # leftover tokens with every window of their block, outside its chunk; after a recompute the active
-            # block's decoded positions are written first, within it (the prompt's tail, if still in it, outside)
+            # block's decoded positions are written by the first window, outside it too
             left = seq.num_tokens % self.cfg.dllm_block if not self.chunker.recomputes_block else 0
             tail = seq.kv_prompt if left else 0
             seq.kv_pending, seq.kv_prompt = (left - tail, tail) if task.recompute else (0, left)

@@ -83,7 +83,7 @@ class DiffusionDecoder:
     def prefill(self, batch: DiffusionBatch, tokens: list[int], start: int, n: int, final: bool,
                 table: list[int]) -> None:
         """A prefill chunk [start, start+n) of a sequence, whole blocks only: the last, partial block is the first
-        block to decode (its tokens are computed with its first window)."""
+        block to decode (its tokens are computed with its windows)."""
         end = start + n
         if final:
             end = end // self.block * self.block

@@ -80,15 +80,26 @@ def draw(task: str, rng: random.Random, heldout: bool) -> Example:
             return ex
 
 
+MAX_STALE_DRAWS = 20_000   # draws without a new example before eval_set concludes a task has no more
+
+
 def eval_set(n_per_task: int, seed: int = 1234, tasks: tuple[str, ...] = TASKS) -> list[Example]:
-    """n_per_task distinct held-out examples of each task, the same for a seed."""
+    """n_per_task distinct held-out examples of each task, the same for a seed; ValueError when a task has fewer
+    (`add` has about a hundred held-out prompts)."""
     rng = random.Random(seed)
     out: list[Example] = []
     for task in tasks:
         seen: set[tuple[str, str]] = set()
+        stale = 0
         while len(seen) < n_per_task:
             ex = draw(task, rng, heldout=True)
-            if (ex.prompt, ex.answer) not in seen:
-                seen.add((ex.prompt, ex.answer))
-                out.append(ex)
+            if (ex.prompt, ex.answer) in seen:
+                stale += 1
+                if stale > MAX_STALE_DRAWS:
+                    raise ValueError(f"task {task!r} has only {len(seen)} distinct held-out examples, "
+                                     f"{n_per_task} asked")
+                continue
+            stale = 0
+            seen.add((ex.prompt, ex.answer))
+            out.append(ex)
     return out
