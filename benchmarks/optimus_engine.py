@@ -8,8 +8,9 @@ chunk, and the held-out accuracy of each decoding mode.
 Systems (one LLMEngine each, float32, co-located, the same checkpoint; the core sizes every window):
 
 - `ar`: one token a step, left to right (`dllm_unmasking_strategy=sequential`, 32 denoising steps per block, a
-  streaming chunk of 2: the previous token's K/V write and the next position) - autoregressive decoding of the same
-  model, at its minimum feasible chunk (Optimus §6: 2, not 1);
+  streaming chunk of 1: the next position, with the previous token's K/V write riding along) - autoregressive
+  decoding of the same model, 2 rows a step (Optimus §6 counts that as its minimum feasible chunk, 2 not 1: it
+  counts the write in the chunk, tandem's c counts the masked positions and its T(c, b) every row);
 - `bd32`: the whole 32-position block recomputed every step (`dllm_chunk=block`);
 - `c4`, `c8`, `c16`: streaming chunks of fixed size; `elastic`: Optimus's c* each step, T(c, b) fitted on the
   engine's own forward at start and N_commit learnt from the commits.
@@ -38,7 +39,7 @@ from tandem.cli.common import csv_list, positive_int
 
 ASSET = Path(__file__).resolve().parents[1] / "tandem" / "engine" / "diffusion" / "assets" / "tiny-sdar"
 SYSTEMS = {                       # name -> (dllm_chunk, extra EngineConfig fields)
-    "ar": ("2", {"dllm_unmasking_strategy": "sequential", "dllm_denoising_steps": 32}),
+    "ar": ("1", {"dllm_unmasking_strategy": "sequential", "dllm_denoising_steps": 32}),
     "bd32": ("block", {}),
     "c4": ("4", {}),
     "c8": ("8", {}),
@@ -114,7 +115,7 @@ def accuracy(n_per_task: int) -> dict:
         return run
     runs = [(n, DllmConfig(dllm_confidence_threshold=0.9), c) for n, c in
             (("bd32", None), ("c32", 32), ("c16", 16), ("c8", 8), ("c4", 4), ("c2", 2))]
-    runs.append(("ar", DllmConfig(32, "sequential", 32, 0.9), 2))
+    runs.append(("ar", DllmConfig(32, "sequential", 32, 0.9), 1))
     for name, cfg, chunk in runs:
         windows[name] = []
         rep = evaluate(model, tok, ex, cfg, decode=recording(name, chunk))

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Optimus's: sdar-8b, llada2.0-16b); default: autoregressive")
     s.add_argument("--dllm-chunk", default="elastic", metavar="elastic|block|N",
                    help="each diffusion step's window: elastic (Optimus: chosen per step from the load), block "
-                        "(plain block diffusion, the whole block every step) or a fixed N (default: %(default)s)")
+                        "(plain block diffusion, the whole block every step) or a fixed N (N masked positions a "
+                        "step, besides the K/V writes of the last commits; default: %(default)s)")
     s.add_argument("--dllm-prefill-share", type=float, default=0.5, metavar="F",
                    help="elastic windows leave waiting prefills up to this share of the step's token budget, in "
                         "[0, 1); 0: the windows may take all of it, as the paper's c* (default: %(default)s)")

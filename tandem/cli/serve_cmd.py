@@ -64,7 +64,8 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
                         "LLaDA: any >= 2 (default: 32)")
     p.add_argument("--dllm-chunk", default=None, metavar="elastic|block|N",
                    help="block-diffusion models: each step's window: elastic (Optimus), block (the whole block "
-                        "recomputed), or a fixed streaming chunk N (default: elastic)")
+                        "recomputed), or a fixed streaming chunk N (N masked positions a step, besides the K/V "
+                        "writes of the last commits; default: elastic)")
     p.add_argument("--dllm-unmasking-strategy", default=None,
                    choices=("low_confidence_dynamic", "low_confidence_static", "sequential"),
                    help="block-diffusion models: which positions a step commits (default: low_confidence_dynamic)")
