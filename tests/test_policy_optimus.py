@@ -252,6 +252,23 @@ def test_sampled_commits_match_the_model_per_window():
         assert sum(got) / len(got) == pytest.approx(model.mean(c), rel=0.03)
 
 
+def test_sampled_commits_are_common_random_numbers_across_policies():
+    """Protects the simulator's comparison of policies: a session's π and its k-th stretch depend only on the seed
+    and its id, not on which other sessions stepped in between (another policy's schedule), so policies compared on
+    the same sessions differ by their choices alone; another seed draws other stretches."""
+    model = commit_model("sdar-8b", "sharegpt")
+    alone = StretchCommit(model, seed=5)
+    a = [alone.stretch("a") for _ in range(200)]
+    mixed = StretchCommit(model, seed=5)
+    b = []
+    for k in range(200):
+        for other in range(k % 3):
+            mixed.stretch(f"x{other}")
+        b.append(mixed.stretch("a"))
+    assert a == b and alone.session_pi("a") == mixed.session_pi("a")
+    assert StretchCommit(model, seed=6).session_pi("a") != alone.session_pi("a")
+
+
 def test_a_diffusion_simulation_beats_plain_block_diffusion_under_load_and_reports_its_steps():
     """Protects the simulator end to end: SDAR-8B on one A100 at 6 sessions/s of 300-token answers; every session
     completes; elastic chunking's mean TPOT is below plain block diffusion's (which recomputes 32 rows per sequence

@@ -27,28 +27,39 @@ class UniformCommit:
 
 class StretchCommit:
     """Block-diffusion commits drawn from a StretchModel (tandem.perf.dllm): each session draws how predictable it
-    is (π_r ~ Beta around the dataset's π), each step a stretch L, and a window commits min(L, its commit cap)."""
+    is (π_r ~ Beta around the dataset's π), each step a stretch L, and a window commits min(L, its commit cap).
+
+    Common random numbers: every session draws its π and its stretches from its own stream, seeded by the run's
+    seed and its id, so two policies simulated on the same sessions give each session the same π and the same k-th
+    stretch; their difference is the policy's, not the luck of the draw (with one shared stream, a policy that took
+    other steps handed the sessions other π's: the same fixed chunk moved by 3% between seeds, elastic by 11%)."""
 
     def __init__(self, model: StretchModel, seed: int = 0, concentration: float = REQUEST_CONCENTRATION) -> None:
         self.model = model
         self.kappa = concentration
-        self.rng = random.Random(seed ^ 0x57E7C4)
-        self._pi: dict[str, float] = {}
+        self.seed = seed
+        self._sessions: dict[str, tuple[float, random.Random]] = {}
         self._log_q = math.log(1.0 - model.p) if model.p < 1.0 else -math.inf
+
+    def _session(self, sid: str) -> tuple[float, random.Random]:
+        """The session's π and its stream of stretches (drawn once, from its own seeded stream)."""
+        st = self._sessions.get(sid)
+        if st is None:
+            rng = random.Random(f"stretch:{self.seed}:{sid}")
+            m = self.model.pi
+            pi = (rng.betavariate(self.kappa * m, self.kappa * (1.0 - m)) if 0.0 < m < 1.0
+                  else m)                 # π = 0: one token every step; π = 1: always a stretch
+            st = self._sessions[sid] = (pi, rng)
+        return st
 
     def session_pi(self, sid: str) -> float:
         """The session's chance of a predictable stretch at a step (drawn once)."""
-        pi = self._pi.get(sid)
-        if pi is None:
-            m = self.model.pi
-            pi = self._pi[sid] = (self.rng.betavariate(self.kappa * m, self.kappa * (1.0 - m)) if 0.0 < m < 1.0
-                                  else m)         # π = 0: one token every step; π = 1: always a stretch
-        return pi
+        return self._session(sid)[0]
 
     def stretch(self, sid: str) -> int:
         """Positions the session's next step could commit with an unbounded window."""
-        rng = self.rng
-        if rng.random() >= self.session_pi(sid):
+        pi, rng = self._session(sid)
+        if rng.random() >= pi:
             return 1
         if self._log_q == -math.inf:
             return 1
