@@ -68,6 +68,23 @@ def test_the_commit_estimate_is_the_kaplan_meier_mapping_of_every_windows_commit
     assert cens(8) == pytest.approx(10 / 3 + 2 / 3 * sum(0.8 ** i for i in range(1, 5)), rel=1e-3)
 
 
+def test_a_run_of_small_windows_does_not_hand_the_far_positions_to_the_last_large_window():
+    """Protects the estimate's memory per position: 100 block-size windows show stretches of 8 (N(32) = 8); then
+    5,000 windows of 2, all full (evidence about position 1 only), then one block-size window committing 3.
+    Positions 3..8 weigh that one against the 100 (decayed once: 100 x 2^(-1/256) = 99.73), so h(3) = 1 / 100.73
+    and N(32) = 3 + 5 (1 - h(3)) = 7.950. (With one decay clock for every position, the one late window outweighed
+    the 100 by 2^(5000/256) and N(32) fell to 3: in the simulator the sizer then ran windows of 1 and 2 and never
+    looked past them again.)"""
+    est = CommitEstimator(32)
+    est.observe(32, [8] * 100)
+    assert est(32) == pytest.approx(8.0, abs=1e-9)
+    for _ in range(2500):
+        est.observe(2, [2, 2])
+    est.observe(32, [3])
+    h3 = 1 / (1 + 100 * 2 ** (-1 / 256))
+    assert est(32) == pytest.approx(3 + 5 * (1 - h3), abs=1e-6) and est(2) == pytest.approx(2.0, abs=1e-6)
+
+
 # ---------------------------------------------------------------------------- c*
 def sizer(mode="elastic", block=32, size=0):
     return ChunkSizer(ChunkSpec(ChunkMode(mode), size), block, lambda rows, seqs, ctx: three_regimes(rows))

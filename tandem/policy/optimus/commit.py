@@ -7,9 +7,15 @@ whatever window it ran:
 
 - a step is read as finding a stretch of L positions it can commit, of which a window of c commits min(L, c): a
   sequence that committed k < c positions shows L = k; one that committed all c shows only L >= c (censored);
-- the distribution of L is the Kaplan-Meier estimate over those (decayed) observations: hazard h(j) = (stretches
-  ending at j) / (stretches whose fate at j is known: ending at j or later, or censored past j; a window full at c
-  says nothing about position c itself), survival S(j) = P(L >= j) = Π_{i<j} (1 − h(i));
+- the distribution of L is the Kaplan-Meier estimate over those observations: hazard h(j) = (stretches ending at j)
+  / (stretches whose fate at j is known: ending at j, or known to go past it; a window full at c says nothing about
+  position c itself), survival S(j) = P(L >= j) = Π_{i<j} (1 − h(i));
+- old observations fade position by position: the evidence about position j is decayed by each new observation
+  whose fate at j is known (a half-life of DEFAULT_HALFLIFE of them), not by every observation. So a run of small
+  windows, which say nothing about the far positions, leaves what larger windows showed there as it was; with one
+  clock for all positions (before) the far positions' evidence shrank to the last few large windows seen, whose
+  noise the sizer then followed down to windows of 1, where it stayed (LLaDA2.0-16B in the simulator: N(32)
+  estimated 1.1 against 2.5);
 - N(c) = E[min(L, c)] = Σ_{j=1..c} S(j). Past the longest window observed, the hazard is the pooled one of the
   observed positions beyond the first (a geometric tail); with nothing observed past the first position, no stretch is
   assumed (N(c) = 1).
@@ -37,7 +43,7 @@ class CommitEstimator:
         self.block = block
         self._decay = math.exp(-math.log(2) / halflife)
         self._ended = [0.0] * (block + 2)      # decayed weight of stretches seen to end at j (k = j < window)
-        self._reached = [0.0] * (block + 2)    # decayed weight of stretches seen to reach at least j (censored at j)
+        self._passed = [0.0] * (block + 2)     # decayed weight of stretches seen to go past j (k > j)
         self.observations = 0                  # sequence-steps observed (undecayed)
         self._cache: list[float] | None = None
 
@@ -49,14 +55,20 @@ class CommitEstimator:
         got = [k for k in got if k > 0]          # a step that committed nothing says nothing about stretches
         if not got:
             return
-        d = self._decay ** len(got)
-        self._ended = [w * d for w in self._ended]
-        self._reached = [w * d for w in self._reached]
+        ended = [0] * (self.block + 2)           # stretches of this step ending at j (k = j < c)
+        beyond = [0] * (self.block + 2)          # ... with k = j (ending at j or censored there)
         for k in got:
+            beyond[k] += 1
             if k < c:
-                self._ended[k] += 1.0
-            else:
-                self._reached[k] += 1.0
+                ended[k] += 1
+        passed = 0                               # stretches of this step going past j: k > j
+        for j in range(c, 0, -1):
+            n = ended[j] + passed                # observations whose fate at j is known
+            if n:
+                d = self._decay ** n
+                self._ended[j] = self._ended[j] * d + ended[j]
+                self._passed[j] = self._passed[j] * d + passed
+            passed += beyond[j]
         self.observations += len(got)
         self._cache = None
 
@@ -65,9 +77,7 @@ class CommitEstimator:
         if self._cache is not None:
             return self._cache
         B = self.block
-        at_risk = [0.0] * (B + 2)                # weight of stretches whose fate at j is known: they end at j or
-        for j in range(B, 0, -1):                # later, or are known to go past j (censored beyond it)
-            at_risk[j] = at_risk[j + 1] + self._ended[j] + self._reached[j + 1]
+        at_risk = [e + p for e, p in zip(self._ended, self._passed)]   # weight whose fate at j is known
         ended_beyond = sum(self._ended[2:B + 1])
         exposure_beyond = sum(at_risk[2:B + 1])
         tail = ended_beyond / exposure_beyond if exposure_beyond > 0 else 1.0   # nothing seen past 1: no stretch
