@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
 
 import msgspec
@@ -159,9 +160,10 @@ def test_a_kv_send_to_a_peer_that_takes_nothing_raises_instead_of_hanging():
     forever once the queue was full, stalling every later KV send of that worker. It now raises PeerUnreachable
     after send_timeout_s, forgets the socket, and the next send to a live inbox at that address goes through."""
     async def main():
-        inbox = PeerInbox(CODEC)
-        address = inbox.address
-        inbox.close()                                          # nobody reads at this address any more
+        squatter = socket.socket()                             # a listener that accepts nothing: the peer is
+        squatter.bind(("127.0.0.1", 0))                        # there and takes nothing, and while it holds the
+        squatter.listen(0)                                     # port no other test's socket can bind it and
+        address = "tcp://127.0.0.1:%d" % squatter.getsockname()[1]   # read our sends (an xdist flake)
         out = PeerOutbox(CODEC, sndhwm=1, send_timeout_s=0.2)
         try:
             raised_at = None
@@ -175,6 +177,7 @@ def test_a_kv_send_to_a_peer_that_takes_nothing_raises_instead_of_hanging():
                     break
             assert raised_at is not None and 0.15 <= took < 2.0
             assert address not in out._socks                   # forgotten: the next send connects afresh
+            squatter.close()
             back = PeerInbox(CODEC, address=address)           # a live inbox at that address again
             try:
                 await out.send(address, KvChunk(0, 9), b"kv")
@@ -183,6 +186,7 @@ def test_a_kv_send_to_a_peer_that_takes_nothing_raises_instead_of_hanging():
             finally:
                 back.close()
         finally:
+            squatter.close()
             out.close(0.0)
     run(main())
 
