@@ -27,6 +27,7 @@ observations come in as numbers.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable
 
 DEFAULT_HALFLIFE = 256      # sequence-steps after which an observation weighs half as much
@@ -55,20 +56,16 @@ class CommitEstimator:
         got = [k for k in got if k > 0]          # a step that committed nothing says nothing about stretches
         if not got:
             return
-        ended = [0] * (self.block + 2)           # stretches of this step ending at j (k = j < c)
-        beyond = [0] * (self.block + 2)          # ... with k = j (ending at j or censored there)
-        for k in got:
-            beyond[k] += 1
-            if k < c:
-                ended[k] += 1
+        at = Counter(got)                        # this step's commits k: a stretch ended at k (censored if k = c)
         passed = 0                               # stretches of this step going past j: k > j
         for j in range(c, 0, -1):
-            n = ended[j] + passed                # observations whose fate at j is known
+            ended = at[j] if j < c else 0
+            n = ended + passed                   # observations whose fate at j is known
             if n:
                 d = self._decay ** n
-                self._ended[j] = self._ended[j] * d + ended[j]
+                self._ended[j] = self._ended[j] * d + ended
                 self._passed[j] = self._passed[j] * d + passed
-            passed += beyond[j]
+            passed += at[j]
         self.observations += len(got)
         self._cache = None
 
