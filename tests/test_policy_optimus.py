@@ -43,46 +43,56 @@ def test_the_latency_model_recovers_three_affine_regimes_in_b_times_c():
 
 
 # ---------------------------------------------------------------------------- N_commit(c)
-def test_the_commit_estimate_is_the_kaplan_meier_mapping_of_every_windows_commits():
-    """Protects §5.3's online estimate: 1 before any observation. After block-size steps committing 6, 10, 8 and 8
-    (stretches that ended there), N(c) = E[min(L, c)]: N(8) = (6 + 8 + 8 + 8) / 4 = 7.5, N(4) = 4, N(32) = 8.
-    A window of 4 committing 4, 4 and 2 shows L = 2 once and L >= 4 twice: S = 1, 1, 2/3, 2/3 at 1..4, so N(4) =
-    3.33 (the window's mean); position 4's fate is unknown (both full windows stop there), so from 4 on the hazard
-    is the pooled one past the first position, 1 / (3 + 2) (stretches at risk at 2 and 3), and N(8) = 3.33 +
-    2/3 (4/5 + (4/5)^2 + (4/5)^3 + (4/5)^4) = 4.91. Windows of 1 say nothing (their position's fate is unknown)
-    and do not erase what a large one showed."""
+def test_the_commit_estimate_starts_at_one_and_a_size_never_run_looks_as_good_as_the_best():
+    """Protects §5.3's online mapping (commit.py): 1 before any observation. Block-size windows (the rest of a
+    fresh block) committing 6, 10, 8, 8 give N(32) = 8 exactly (one entry in its group: the group's mean, its 4
+    optimistic pseudo-windows of min(32, 8) included); a full window never run is min(c, 8): N(8) = 8, N(4) = 4; a
+    window of 1 commits 1. Windows of 2 committing 1 and 2, 5,000 of them (the sizer's AR-like end state), leave
+    N(32) at 8: a window fades only its own entry."""
     est = CommitEstimator(32)
     assert est(32) == est(8) == 1.0
     est.observe(32, [6, 10])
     est.observe(32, [8, 8])
-    assert est(32) == pytest.approx(8.0, rel=1e-2)
-    assert est(8) == pytest.approx(7.5, rel=1e-2)
-    assert est(4) == 4.0 and est(1) == 1.0
-    est.observe(1, [1] * 50)                     # windows of 1 say only L >= 1
-    assert est(8) == pytest.approx(7.5, rel=1e-2)
-    with pytest.raises(ValueError, match="cannot commit"):
-        est.observe(4, [5])
-    cens = CommitEstimator(32)
-    cens.observe(4, [4, 4, 2])
-    assert cens(4) == pytest.approx(10 / 3, rel=1e-3)
-    assert cens(8) == pytest.approx(10 / 3 + 2 / 3 * sum(0.8 ** i for i in range(1, 5)), rel=1e-3)
-
-
-def test_a_run_of_small_windows_does_not_hand_the_far_positions_to_the_last_large_window():
-    """Protects the estimate's memory per position: 100 block-size windows show stretches of 8 (N(32) = 8); then
-    5,000 windows of 2, all full (evidence about position 1 only), then one block-size window committing 3.
-    Positions 3..8 weigh that one against the 100 (decayed once: 100 x 2^(-1/256) = 99.73), so h(3) = 1 / 100.73
-    and N(32) = 3 + 5 (1 - h(3)) = 7.950. (With one decay clock for every position, the one late window outweighed
-    the 100 by 2^(5000/256) and N(32) fell to 3: in the simulator the sizer then ran windows of 1 and 2 and never
-    looked past them again.)"""
-    est = CommitEstimator(32)
-    est.observe(32, [8] * 100)
-    assert est(32) == pytest.approx(8.0, abs=1e-9)
+    assert est(32) == pytest.approx(8.0, abs=1e-12)
+    assert (est(8), est(4), est(1)) == (8.0, 4.0, 1.0)
+    w = s = 0.0
     for _ in range(2500):
-        est.observe(2, [2, 2])
-    est.observe(32, [3])
-    h3 = 1 / (1 + 100 * 2 ** (-1 / 256))
-    assert est(32) == pytest.approx(3 + 5 * (1 - h3), abs=1e-6) and est(2) == pytest.approx(2.0, abs=1e-6)
+        est.observe(2, [1, 2], left=32)
+        w, s = w * 2 ** (-2 / 256) + 2, s * 2 ** (-2 / 256) + 3     # the entry's decayed weight and sum
+    assert est(32) == pytest.approx(8.0, abs=1e-12) and est(2) == pytest.approx((s + 4 * 2) / (w + 4), abs=1e-12)
+    with pytest.raises(ValueError, match="cannot commit"):
+        est.observe(4, [5], left=32)
+    with pytest.raises(ValueError, match="cannot commit"):
+        est.observe(8, [1], left=4)
+    with pytest.raises(ValueError, match="masked positions"):
+        est.estimate(8, 4)
+
+
+def test_bands_that_differ_only_by_noise_are_pooled_and_bands_that_differ_are_kept_apart():
+    """Protects the empirical-Bayes pooling of full windows across bands of masked positions left (commit.py):
+
+    - windows of 8 committing 2 and 4 alternately with 20 left and with 30 left: the same mean, so τ² <= 0, w0 is
+      infinite and both read the group's (120 + 4 x min(8, 3)) / (40 + 4) = 3;
+    - 6 every time with 20 left and 1 with 30 left (the tiny model's mid-block against its block-start windows): no
+      spread within, w0 = 0, each its own mean, 6 and 1;
+    - 5/7 with 20 left and 0/2 with 30 left, 10 each: σ² = 20 / 18, τ² = (125 - σ²) / 10, w0 = σ² / τ², the group's
+      mean (70 + 4 x 6) / 24, and each entry (its sum + w0 x that) / (10 + w0)."""
+    alike = CommitEstimator(32)
+    alike.observe(8, [2, 4] * 10, left=20)
+    alike.observe(8, [4, 2] * 10, left=30)
+    assert alike(8, 20) == alike(8, 30) == pytest.approx(3.0, abs=1e-12)
+    apart = CommitEstimator(32)
+    apart.observe(8, [6] * 10, left=20)
+    apart.observe(8, [1] * 10, left=30)
+    assert (apart(8, 20), apart(8, 30)) == (pytest.approx(6.0, abs=1e-12), pytest.approx(1.0, abs=1e-12))
+    noisy = CommitEstimator(32)
+    noisy.observe(8, [5, 7] * 5, left=20)
+    noisy.observe(8, [0, 2] * 5, left=30)
+    var = 20 / 18
+    w0 = var / ((125 - var) / 10)
+    prior = (70 + 4 * 6) / 24
+    assert noisy(8, 20) == pytest.approx((60 + w0 * prior) / (10 + w0), abs=1e-12)
+    assert noisy(8, 30) == pytest.approx(max(1.0, (10 + w0 * prior) / (10 + w0)), abs=1e-12)
 
 
 # ---------------------------------------------------------------------------- c*
@@ -330,6 +340,8 @@ def test_elastic_windows_stay_within_the_budget_and_leave_waiting_prefills_their
             t += 1.0
         plan = w.schedule(t)                     # a step that commits nothing: no K/V left to write
         w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
+        w.chunker.estimator = CommitEstimator(32)   # what the set-up's steps taught it, forgotten
+        w.chunker.observe(32, [16] * 32)
         return w, t + 1.0
 
     w, t = worker(0.5)

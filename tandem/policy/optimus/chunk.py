@@ -3,8 +3,9 @@
 `elastic`: c* = argmax_c N_commit(c)·b / T(c, b) over the candidate sizes up to the block length, b the sequences
 decoding this step: the size that commits the most tokens per second at this load. Until the estimator has seen
 enough steps, the step runs at the block size (Optimus observes the largest chunk first). Each sequence is priced
-where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block (fewer where the block
-has fewer left), so its commits are N_commit of those, and carries besides them the K/V writes of the positions the
+where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block, or the rest of the
+block where it has no more than c left, and commits N_commit of that window (commit.py: learnt by window and by how
+much of the block is left), and carries besides them the K/V writes of the positions the
 last step committed and the prompt's leftover tokens; T is the shell's price of the whole step (its rows, sequences
 and cached tokens).
 `N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
@@ -126,19 +127,22 @@ class ChunkSizer:
         if self.estimator.observations < self.warmup:
             return fits[-1][0]
         ctx, carried, n_at = sum(s.ctx for s in seqs), sum(s.pending + s.extra for s in seqs), {}
+        lefts = [s.left for s in seqs]
 
         def rate(fit: tuple[int, list[int]]) -> float:
             commits = 0.0
-            for m in fit[1]:
-                if m not in n_at:
-                    n_at[m] = self.estimator(m)
-                commits += n_at[m]
+            for m, left in zip(fit[1], lefts):
+                key = (m, left)
+                if key not in n_at:
+                    n_at[key] = self.estimator.estimate(m, left)
+                commits += n_at[key]
             return commits / self.latency(sum(fit[1]) + carried, len(seqs), ctx)
         return max(fits, key=rate)[0]
 
-    def observe(self, c: int, committed: list[int]) -> None:
-        """The commits of the sequences a step at window c decoded (those not cut short by max_tokens)."""
-        self.estimator.observe(c, committed)
+    def observe(self, m: int, committed: list[int], left: int | None = None) -> None:
+        """The commits of windows of m masked positions in blocks with `left` masked (the rest of the block when not
+        given) a step decoded (those not cut short by max_tokens)."""
+        self.estimator.observe(m, committed, left)
 
     def count(self, committed: int) -> None:
         """One sequence-step committed this many tokens (every step, for the histogram)."""
