@@ -51,12 +51,12 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 OUTPUT_TOKENS = 64
 
 
-def _prompts(n: int) -> list[list[int]]:
+def _prompts(n: int, seed: int = 99) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     from tandem.engine.diffusion.tasks import eval_set
     tok = Tokenizer.from_file(str(ASSET / "tokenizer.json"))
-    pool = [tok.encode(e.prompt).ids for e in eval_set(max(1, -(-n // 6)), seed=99)]
+    pool = [tok.encode(e.prompt).ids for e in eval_set(max(1, -(-n // 6)), seed=seed)]
     return [pool[i % len(pool)] for i in range(n)]
 
 
@@ -69,11 +69,19 @@ def _engine(system: str, max_num_seqs: int):
                                   num_kv_blocks=max(64, max_num_seqs * 8), **extra))
 
 
-def throughput(system: str, b: int) -> dict:
-    """One run: b requests of OUTPUT_TOKENS tokens on a fresh engine; tokens/s, steps and mean commits a step."""
+def throughput(system: str, b: int, warmup: bool = False) -> dict:
+    """One run: b requests of OUTPUT_TOKENS tokens on a fresh engine (`warmup`: after an untimed batch of b other
+    held-out prompts, as on a server already running); tokens/s, steps and mean commits a step."""
     from tandem.engine.sampling_params import SamplingParams
     eng = _engine(system, b)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    if warmup:
+        for i, p in enumerate(_prompts(b, seed=98)):
+            eng.add_request(f"warm{i}", p, params)
+        while eng.has_unfinished_requests():
+            eng.step()
+        eng.stats.dllm_commits.clear()
+        eng.stats.dllm_chunks.clear()
     for i, p in enumerate(_prompts(b)):
         eng.add_request(str(i), p, params)
     t0 = time.perf_counter()
@@ -183,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (default: 1)")
     ap.add_argument("--eval-per-task", type=int, default=100, help="held-out examples per task (0: skip)")
     ap.add_argument("--quick", action="store_true", help="batches 1, 8, 32; one run; 30 examples per task")
+    ap.add_argument("--warmup", action="store_true",
+                    help="each engine first serves an untimed batch of b other held-out prompts (a server already "
+                         "running: elastic's N_commit has seen windows before the timed batch)")
     ap.add_argument("--accuracy-only", action="store_true",
                     help="keep --out's throughput results, measure accuracy and the commit model again")
     a = ap.parse_args(argv)
@@ -204,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(a.reps):
             for b in a.batches:
                 for system in SYSTEMS:                 # alternating: every system once per (repetition, batch)
-                    runs[system][str(b)].append(throughput(system, b))
+                    runs[system][str(b)].append(throughput(system, b, a.warmup))
                     bar.advance(task)
-    res: dict = {"batches": a.batches, "output_tokens": OUTPUT_TOKENS, "threads": a.threads, "throughput": {}}
+    res: dict = {"batches": a.batches, "output_tokens": OUTPUT_TOKENS, "threads": a.threads, "warmup": a.warmup,
+                 "throughput": {}}
     for system in SYSTEMS:
         res["throughput"][system] = {}
         for b in a.batches:
