@@ -74,7 +74,7 @@ def test_bands_that_differ_only_by_noise_are_pooled_and_bands_that_differ_are_ke
     - windows of 8 committing 2 and 4 alternately with 20 left and with 30 left: the same mean, so τ² <= 0, w0 is
       infinite and both read the group's (120 + 4 x min(8, 3)) / (40 + 4) = 3;
     - 6 every time with 20 left and 1 with 30 left (the tiny model's mid-block against its block-start windows): no
-      spread within, w0 = 0, each its own mean, 6 and 1; the same for a block's first windows against later ones;
+      spread within, w0 = 0, each its own mean, 6 and 1;
     - 5/7 with 20 left and 0/2 with 30 left, 10 each: σ² = 20 / 18, τ² = (125 - σ²) / 10, w0 = σ² / τ², the group's
       mean (70 + 4 x 6) / 24, and each entry (its sum + w0 x that) / (10 + w0)."""
     alike = CommitEstimator(32)
@@ -85,10 +85,6 @@ def test_bands_that_differ_only_by_noise_are_pooled_and_bands_that_differ_are_ke
     apart.observe(8, [6] * 10, left=20)
     apart.observe(8, [1] * 10, left=30)
     assert (apart(8, 20), apart(8, 30)) == (pytest.approx(6.0, abs=1e-12), pytest.approx(1.0, abs=1e-12))
-    start = CommitEstimator(32)                  # a block's first window (1.2 on the tiny model) is its own kind
-    start.observe(16, [1] * 10, left=32, first=True)
-    start.observe(16, [8] * 10, left=32)
-    assert (start(16, 32, first=True), start(16, 32)) == (pytest.approx(1.0, abs=1e-12), pytest.approx(8.0, abs=1e-12))
     noisy = CommitEstimator(32)
     noisy.observe(8, [5, 7] * 5, left=20)
     noisy.observe(8, [0, 2] * 5, left=30)

@@ -888,7 +888,7 @@ class WorkerCore:
         finished = False
         chunker = self.chunker
         dllm = self.dllm
-        seen: dict[tuple[int, int, bool], list[int]] = {}  # (window, masked left, block's first) -> commits
+        seen: dict[tuple[int, int], list[int]] = {}  # (window, masked left in its block) -> commits (N_commit's)
         first = 0                                    # first tokens of diffusion rounds (TTFT, not ITL)
         for seq in plan.decode:
             if seq.state is not RUNNING:
@@ -903,9 +903,8 @@ class WorkerCore:
             if chunker is not None:
                 chunker.count(c)
                 if seq.to_decode >= seq.commit_cap > 0:   # not cut short by max_tokens: N_commit's evidence
-                    into = seq.num_tokens % self.cfg.dllm_block          # the block's prompt tail and commits
-                    left = min(self.cfg.dllm_block - into, seq.to_decode)
-                    seen.setdefault((seq.commit_cap, left, into == seq.kv_prompt), []).append(c)
+                    left = min(self.cfg.dllm_block - seq.num_tokens % self.cfg.dllm_block, seq.to_decode)
+                    seen.setdefault((seq.commit_cap, left), []).append(c)
             if c > seq.to_decode:
                 c = seq.to_decode
             if dllm is not None:
@@ -947,8 +946,8 @@ class WorkerCore:
                 finished = True
         self._ctx += n_tok + first
         self.itl.add(now, itl_sum, n_tok)
-        for (window, left, first), got in seen.items():
-            chunker.observe(window, got, left, first)
+        for (window, left), got in seen.items():
+            chunker.observe(window, got, left)
         if finished:
             self._retire(now)
 

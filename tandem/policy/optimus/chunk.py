@@ -127,22 +127,22 @@ class ChunkSizer:
         if self.estimator.observations < self.warmup:
             return fits[-1][0]
         ctx, carried, n_at = sum(s.ctx for s in seqs), sum(s.pending + s.extra for s in seqs), {}
-        where = [(s.left, s.ctx % self.block == s.extra) for s in seqs]   # masked left; its block's first window
+        lefts = [s.left for s in seqs]
 
         def rate(fit: tuple[int, list[int]]) -> float:
             commits = 0.0
-            for m, (left, first) in zip(fit[1], where):
-                key = (m, left, first)
+            for m, left in zip(fit[1], lefts):
+                key = (m, left)
                 if key not in n_at:
-                    n_at[key] = self.estimator.estimate(m, left, first)
+                    n_at[key] = self.estimator.estimate(m, left)
                 commits += n_at[key]
             return commits / self.latency(sum(fit[1]) + carried, len(seqs), ctx)
         return max(fits, key=rate)[0]
 
-    def observe(self, m: int, committed: list[int], left: int | None = None, first: bool = False) -> None:
+    def observe(self, m: int, committed: list[int], left: int | None = None) -> None:
         """The commits of windows of m masked positions in blocks with `left` masked (the rest of the block when not
-        given; `first`: the block's first window) a step decoded (those not cut short by max_tokens)."""
-        self.estimator.observe(m, committed, left, first)
+        given) a step decoded (those not cut short by max_tokens)."""
+        self.estimator.observe(m, committed, left)
 
     def count(self, committed: int) -> None:
         """One sequence-step committed this many tokens (every step, for the histogram)."""

@@ -8,8 +8,7 @@ block, 7.9 with 17-24 masked positions left; the last 8 positions of a block, 1.
 
 - a window covering the *rest* of its block (m masked positions left, which any chunk c >= m leaves as they are) is
   an entry of its own by m; a *full* window of c (its block has more masked after it) by c and by the band of
-  masked positions left in its block (DEPTH_BUCKETS bands); either kind apart when it is its block's first window
-  (nothing of the block decoded yet: the block's first position is the one the model is least sure of);
+  masked positions left in its block (DEPTH_BUCKETS bands);
 - each entry keeps the decayed mean and spread of its own windows' commits (a half-life of DEFAULT_HALFLIFE of them:
   a window run elsewhere fades nothing there, so a run of windows of 1 leaves what larger ones showed as it was);
 - an entry is pooled with its group (full windows of its size in every band; rest windows of its band of m) by
@@ -79,18 +78,17 @@ class CommitEstimator:
         self._groups: dict[tuple, tuple[float, float, float]] = {}   # until the next observation
         self._best: float | None = None
 
-    def _entry(self, m: int, left: int, first: bool) -> tuple:
-        """Where a window's commits are kept: the rest of its block by m, a full window by m and its band of left;
-        either apart when it is its block's first."""
-        return ("rest", m, first) if m >= left else ("full", m, (left - 1) // self._band, first)
+    def _entry(self, m: int, left: int) -> tuple:
+        """Where a window's commits are kept: the rest of its block by m, a full window by m and its band of left."""
+        return ("rest", m) if m >= left else ("full", m, (left - 1) // self._band)
 
     def _group(self, key: tuple) -> tuple:
         """The entries an entry is pooled with: full windows of its size; rest windows of its band of m."""
         return ("full", key[1]) if key[0] == "full" else ("rest", (key[1] - 1) // self._band)
 
-    def observe(self, m: int, committed: Iterable[int], left: int | None = None, first: bool = False) -> None:
-        """Windows of m masked positions, in blocks with `left` masked positions (m: the rest of the block; `first`:
-        nothing of it decoded yet), committed these counts (one per sequence)."""
+    def observe(self, m: int, committed: Iterable[int], left: int | None = None) -> None:
+        """Windows of m masked positions, in blocks with `left` masked positions (m: the rest of the block),
+        committed these counts (one per sequence)."""
         got = [int(k) for k in committed]
         left = m if left is None else left
         if not 1 <= m <= min(left, self.block) or left > self.block or any(k < 0 or k > m for k in got):
@@ -98,7 +96,7 @@ class CommitEstimator:
                              f"{got}")
         if not got:
             return
-        key = self._entry(m, left, first)
+        key = self._entry(m, left)
         e = self._seen.get(key)
         if e is None:
             e = self._seen[key] = _Entry()
@@ -129,13 +127,13 @@ class CommitEstimator:
         got = self._groups[group] = (w, s, w0)
         return got
 
-    def estimate(self, m: int, left: int | None = None, first: bool = False) -> float:
+    def estimate(self, m: int, left: int | None = None) -> float:
         """Expected commits of a window of m masked positions in a block with `left` masked (the rest of the block
-        when not given or m >= left; `first`: its block's first window), within [1, m]."""
+        when not given or m >= left), within [1, m]."""
         left = m if left is None else left
         if not 1 <= m <= self.block or left < m or left > self.block:
             raise ValueError(f"a window has 1..{self.block} masked positions of the block's left, got {m} of {left}")
-        key = self._entry(m, left, first)
+        key = self._entry(m, left)
         got = self._cache.get(key)
         if got is not None:
             return got
@@ -149,13 +147,13 @@ class CommitEstimator:
         self._cache[key] = est
         return est
 
-    def __call__(self, c: int, left: int | None = None, first: bool = False) -> float:
+    def __call__(self, c: int, left: int | None = None) -> float:
         """Estimated commits of a step at chunk c for a sequence with `left` masked positions in its block (a fresh
         block when not given): a full window of c, or the rest of the block when c >= left."""
         if c < 1:
             raise ValueError(f"chunk size must be >= 1, got {c}")
         left = self.block if left is None else left
-        return self.estimate(min(c, left), left, first)
+        return self.estimate(min(c, left), left)
 
 
 __all__ = ["CommitEstimator"]
