@@ -216,11 +216,10 @@ def test_the_prompts_leftover_tokens_ride_with_every_window_of_their_block():
         w.on_step_done(plan, StepResult(1.0, {"s": commit}), 2.0 + k)
     # (positions computed: masked + writes + prompt tokens, masked ones, prompt tokens)
     assert windows == [(2 + 0 + 3, 2, 3), (2 + 2 + 3, 2, 3), (2 + 1 + 3, 2, 3), (1 + 1 + 3, 1, 3), (2 + 1, 2, 0)]
-    # N_commit's evidence, keyed as the sizer prices it: the block's first window (2 of 5 left, after the prompt's
-    # 3 tokens) apart from the next (2 of 3 left); then the rest of the block (2 left; 1 left); the next block's
-    # first window is 2 of the 5 tokens left to decode, the first one's kind again
-    assert set(w.chunker.estimator._seen) == {("full", 2, 4, True), ("full", 2, 2, False), ("rest", 2, False),
-                                              ("rest", 1, False)}
+    # N_commit's evidence, keyed as the sizer prices it: full windows of 2 by the band of masked positions left (5,
+    # then 3; the next block's first window is 2 of the 5 tokens left to decode, the first one's band again), and
+    # the rest of the block by m (2 left; 1 left)
+    assert set(w.chunker.estimator._seen) == {("full", 2, 4), ("full", 2, 2), ("rest", 2), ("rest", 1)}
 
 
 def test_a_diffusion_prefill_is_charged_for_its_whole_blocks_only():
