@@ -70,6 +70,7 @@ def _stop_for(pid: int, seconds: float) -> None:
         pass
 
 
+@pytest.mark.serial            # times /health's return against 10 s: 10.8 s once beside the parallel suite; alone on the CPU
 def test_a_short_stop_is_ridden_out_and_a_long_one_is_replaced_with_health_back_within_10s(server):
     """Protects 2.6: SIGSTOP of the decode worker for 1 s (< the 2 s timeout) under load: nobody is declared dead
     and every request completes; for 3 s: it is declared dead and fenced, every request in flight ends (output or
