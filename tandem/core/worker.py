@@ -633,7 +633,7 @@ class WorkerCore:
         whole = self.chunker.recomputes_block
         if not whole:                                # rows riding with the windows: K/V writes, prompts' tails
             claim += sum(seq.kv_pending + seq.kv_prompt for seq in self.running)
-        lefts = [min(B - seq.num_tokens % B, seq.to_decode) for seq in self.running]   # the active blocks' masks
+        lefts = [self._masked_left(seq) for seq in self.running]
         c = self.chunker.choose([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens)
                                  for left, seq in zip(lefts, self.running)], room=budget - claim)
         for left, seq in zip(lefts, self.running):
@@ -645,6 +645,12 @@ class WorkerCore:
                 m = c if c < left else left
                 seq.commit_cap = m
                 seq.query_tokens = m + pending + seq.kv_prompt
+
+    def _masked_left(self, seq: Seq) -> int:
+        """Masked positions of a diffusion sequence's active block, at most its tokens still to decode: what a window
+        may cover (the sizer prices it, N_commit learns by it)."""
+        B = self.cfg.dllm_block
+        return min(B - seq.num_tokens % B, seq.to_decode)
 
     def _reserve(self, owner, tokens: int, now: float, preempt: bool, headroom: int = 0) -> bool:
         """Ensure `owner` holds blocks for `tokens` with `headroom` blocks left free, evicting idle KV and,
@@ -903,8 +909,7 @@ class WorkerCore:
             if chunker is not None:
                 chunker.count(c)
                 if seq.to_decode >= seq.commit_cap > 0:   # not cut short by max_tokens: N_commit's evidence
-                    left = min(self.cfg.dllm_block - seq.num_tokens % self.cfg.dllm_block, seq.to_decode)
-                    seen.setdefault((seq.commit_cap, left), []).append(c)
+                    seen.setdefault((seq.commit_cap, self._masked_left(seq)), []).append(c)
             if c > seq.to_decode:
                 c = seq.to_decode
             if dllm is not None:

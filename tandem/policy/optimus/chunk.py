@@ -5,9 +5,8 @@ decoding this step: the size that commits the most tokens per second at this loa
 enough steps, the step runs at the block size (Optimus observes the largest chunk first). Each sequence is priced
 where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block, or the rest of the
 block where it has no more than c left, and commits N_commit of that window (commit.py: learnt by window and by how
-much of the block is left), and carries besides them the K/V writes of the positions the
-last step committed and the prompt's leftover tokens; T is the shell's price of the whole step (its rows, sequences
-and cached tokens).
+much of the block is left); it carries besides them the K/V writes of the positions the last step committed and the
+prompt's leftover tokens; T is the shell's price of the whole step (its rows, sequences and cached tokens).
 `N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
 diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded positions' KV within it).
 """
@@ -127,14 +126,13 @@ class ChunkSizer:
         if self.estimator.observations < self.warmup:
             return fits[-1][0]
         ctx, carried, n_at = sum(s.ctx for s in seqs), sum(s.pending + s.extra for s in seqs), {}
-        lefts = [s.left for s in seqs]
 
         def rate(fit: tuple[int, list[int]]) -> float:
             commits = 0.0
-            for m, left in zip(fit[1], lefts):
-                key = (m, left)
+            for m, s in zip(fit[1], seqs):
+                key = (m, s.left)
                 if key not in n_at:
-                    n_at[key] = self.estimator.estimate(m, left)
+                    n_at[key] = self.estimator.estimate(m, s.left)
                 commits += n_at[key]
             return commits / self.latency(sum(fit[1]) + carried, len(seqs), ctx)
         return max(fits, key=rate)[0]
