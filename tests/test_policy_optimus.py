@@ -13,6 +13,7 @@ from tandem.core.factory import build_worker
 from tandem.core.types import COLOCATED, FirstToken, PrefillTask, RoundDone, StepResult
 from tandem.perf.dllm import OPTIMUS_TABLE2, StretchModel, commit_model
 from tandem.policy.optimus import ChunkLatency, ChunkMode, ChunkSizer, ChunkSpec, CommitEstimator, SeqWindow, parse_chunk
+from tandem.policy.optimus.latency import StepOverhead
 
 from tandem.sim.cluster import ConfigError, SimConfig, dllm_summary, simulate
 from tandem.sim.commit import StretchCommit
@@ -40,6 +41,51 @@ def test_the_latency_model_recovers_three_affine_regimes_in_b_times_c():
     assert 192 <= lo <= 384 and 768 <= hi <= 1536
     with pytest.raises(ValueError, match="two or more distinct"):
         ChunkLatency.fit([8, 8], [0.1, 0.1])
+
+
+def test_the_head_is_charged_per_sampled_row_only():
+    """Protects the price of a streaming step's unsampled rows (its K/V writes, a prompt's leftover tokens): with the
+    LM head timed apart (head_s), they pay the forward's regimes alone. 100 rows of which 40 sampled at 1 ms + 10 µs
+    a row and 50 µs a sampled row: 2 + 2 = 4 ms; all of them sampled (the paper's b·c form): 7 ms."""
+    lat = ChunkLatency((), ((0.001, 10e-6),), head_s=50e-6)
+    assert lat.rows(100, 1, 0, 40) == pytest.approx(0.004, abs=1e-15)
+    assert lat.rows(100) == lat(100, 1) == pytest.approx(0.007, abs=1e-15)
+    with pytest.raises(ValueError, match="head_s"):
+        ChunkLatency((), ((0.001, 10e-6),), head_s=-1.0)
+
+
+def test_the_step_overhead_learns_what_steps_take_beyond_t():
+    """Protects StepOverhead, the online correction of T by the steps' measured times (latency.py): nothing before
+    a step; steps of one size put their whole residual in the per-step term; steps of 4 and 16 sequences taking
+    3.2 and 6.8 ms more than T give 2 ms a step and 0.3 ms a sequence exactly; a per-sequence slope is never
+    negative (steps of 16 sequences closer to T than steps of 4: all of it per step, the weighted mean); a step weighs half
+    as much after `halflife` more."""
+    ov = StepOverhead()
+    assert ov.coefs == (0.0, 0.0) and ov(16) == 0.0
+    for _ in range(3):
+        ov.add(16, 0.004)
+    assert ov.coefs == (pytest.approx(0.004, abs=1e-15), 0.0)
+    ov = StepOverhead()
+    for _ in range(5):
+        ov.add(4, 0.0032)
+        ov.add(16, 0.0068)
+    a, b = ov.coefs
+    assert (a, b) == (pytest.approx(0.002, abs=1e-12), pytest.approx(0.0003, abs=1e-12))
+    assert ov(100) == pytest.approx(0.032, abs=1e-12)
+    neg = StepOverhead()
+    neg.add(4, 0.003)
+    neg.add(16, 0.001)
+    d = 2 ** (-1 / 64)                       # the first step's weight after the second (halflife 64 steps)
+    assert neg.coefs == (pytest.approx((0.003 * d + 0.001) / (d + 1), abs=1e-15), 0.0)
+    half = StepOverhead(halflife=1)
+    half.add(8, 0.004)
+    half.add(8, 0.001)                       # weights 1/2 and 1: (0.002 + 0.001) / 1.5
+    assert half(8) == pytest.approx(0.002, abs=1e-15)
+    for bad in ((0, 0.1), (4, math.nan), (True, 0.1)):
+        with pytest.raises(ValueError, match="step overhead"):
+            ov.add(*bad)
+    with pytest.raises(ValueError, match="halflife"):
+        StepOverhead(0)
 
 
 # ---------------------------------------------------------------------------- N_commit(c)
@@ -97,7 +143,7 @@ def test_bands_that_differ_only_by_noise_are_pooled_and_bands_that_differ_are_ke
 
 # ---------------------------------------------------------------------------- c*
 def sizer(mode="elastic", block=32, size=0):
-    return ChunkSizer(ChunkSpec(ChunkMode(mode), size), block, lambda rows, seqs, ctx: three_regimes(rows))
+    return ChunkSizer(ChunkSpec(ChunkMode(mode), size), block, lambda rows, seqs, ctx, sampled: three_regimes(rows))
 
 
 def fresh(b: int, block: int = 32) -> list[SeqWindow]:
@@ -138,11 +184,34 @@ def test_elastic_prices_each_window_where_it_is_and_what_it_reads():
     s = sizer()
     s.observe(32, [16] * 32)
     assert s.choose([SeqWindow(4)] * 64) == 4
-    kv = ChunkSizer(ChunkSpec(), 32, lambda rows, seqs, ctx: three_regimes(rows) + 1e-6 * ctx)
+    kv = ChunkSizer(ChunkSpec(), 32, lambda rows, seqs, ctx, sampled: three_regimes(rows) + 1e-6 * ctx)
     kv.observe(32, [32] * 32)                    # every masked position commits: N(m) = m
     assert kv.choose(fresh(64)) == 16
     assert kv.choose([SeqWindow(32, 0, 0, 1_000_000 // 64)] * 64) == 32
     assert s.choose(fresh(64), room=300) == 4
+
+
+def test_elastic_adds_what_its_steps_took_beyond_t_to_their_price():
+    """Protects the sizer's use of the measured step times: 256 fresh sequences with N(m) = min(16, m) take c = 4
+    on T alone (1,024 rows in 25.36 ms: 40.4 a ms). Told that step took 100 ms more than T priced it, the sizer
+    charges every step 100 ms more: c = 4 makes 1,024 in 125.36 ms (8.2 a ms), c = 8 2,048 in 176.56 ms (11.6),
+    c = 16 4,096 in 279.0 ms (14.7; T = 10 + 15.36 + 0.05 x 3,072 ms), c = 32 4,096 in 483.8 ms (8.5): c = 16. A step
+    that also ran a prefill chunk (None) teaches nothing; a fixed chunk prices nothing, so its steps teach nothing."""
+    s = sizer()
+    s.observe(32, [16] * 32)
+    assert s.choose(fresh(256)) == 4
+    s.observe_step(three_regimes(1024) + 0.1)
+    assert s.overhead.coefs[0] == pytest.approx(0.1, abs=1e-12)
+    assert s.choose(fresh(256)) == 16
+    s.observe_step(None)
+    assert s.overhead.coefs[0] == pytest.approx(0.1, abs=1e-12)
+    fixed = sizer("fixed", size=8)
+    fixed.choose(fresh(4))
+    fixed.observe_step(5.0)
+    assert fixed.overhead.coefs == (0.0, 0.0)
+    s.choose(fresh(4))
+    with pytest.raises(ValueError, match="seconds"):
+        s.observe_step(-1.0)
 
 
 def test_fixed_and_block_chunks_do_not_depend_on_the_load():

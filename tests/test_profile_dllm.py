@@ -6,6 +6,7 @@ every test."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -17,6 +18,7 @@ pytest.importorskip("torch")
 from tandem.cli.main import main  # noqa: E402
 from tandem.engine.config import EngineConfig, EngineError  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.engine.profiling.windows import HEAD_FLOOR  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.perf.step_model import Profile, rel_errors  # noqa: E402
 from tandem.perf.window_profile import SECTION_VERSION, WindowLatencyProfile  # noqa: E402
@@ -74,12 +76,16 @@ def test_profile_writes_the_window_section_and_reports_its_held_out_error(profil
 
 
 def test_the_fit_reproduces_its_own_samples(profiled):
-    """Protects: the stored fit is ChunkLatency.fit of the stored training samples (bit for bit), every sample's
-    `predicted` is that fit's value, and it reproduces its samples to a median relative error within the bound."""
+    """Protects: the stored fit is ChunkLatency.fit of the stored training samples less the LM head timed apart
+    (bit for bit), with that head charged per sampled row; every sample's `predicted` is that fit's value, and it
+    reproduces its samples to a median relative error within the bound."""
     w = Profile.from_json(profiled[0]).dllm_latency
     m = _latency(w)
     c, b, y = w.points("train")
-    assert ChunkLatency.fit([ci * bi for ci, bi in zip(c, b)], y, seqs=b) == m
+    assert w.head_s > 0
+    fwd = [max(yi - w.head_s * ci * bi, HEAD_FLOOR * yi) for ci, bi, yi in zip(c, b, y)]
+    assert dataclasses.replace(ChunkLatency.fit([ci * bi for ci, bi in zip(c, b)], fwd, seqs=b), head_s=w.head_s) == m
+    assert m.rows(64, 4, 0, 0) == pytest.approx(m.rows(64, 4, 0, 64) - 64 * w.head_s, rel=1e-12)  # writes: no head
     for s in w.samples:
         assert s["predicted"] == m(s["c"], s["b"])
     assert rel_errors([m(ci, bi) for ci, bi in zip(c, b)], y) == w.train_error

@@ -132,7 +132,8 @@ def window_latency_rows(prof) -> list[tuple[str, str]]:
     bps = " / ".join(f"{b:g}" for b in w.breakpoints) or "none"
     he, te = w.heldout_error, w.train_error
     return [("diffusion T(c, b)", f"{len(w.coefs)} regimes in b*c, breakpoints {bps}, "
-                                  f"{w.per_seq_s * 1e3:.3f} ms a sequence; fitted to {n_train} window "
+                                  f"{w.per_seq_s * 1e3:.3f} ms a sequence, {w.head_s * 1e6:.2f} us a sampled "
+                                  f"row's LM head; fitted to {n_train} window "
                                   f"steps (block {w.block}, {w.context} cached tokens each), training median "
                                   f"{_pct(te.get('median'))}"),
             ("T(c, b) held-out error", f"median {_pct(he.get('median'))}, p90 {_pct(he.get('p90'))} "

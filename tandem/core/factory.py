@@ -146,7 +146,7 @@ def chunk_latency(t_step: Callable[[BatchShape], float] | None,
     if t_step is None:
         return ChunkLatency.sample(lambda x: t_pre(0, x) if t_pre is not None else 1e-3 * x).rows
 
-    def priced(rows: int, seqs: int, ctx: int) -> float:
+    def priced(rows: int, seqs: int, ctx: int, sampled: int) -> float:
         shape = BatchShape()
         shape.add_windows(seqs, ctx, rows)
         return t_step(shape)

@@ -846,6 +846,8 @@ class WorkerCore:
                             t.output_tokens = 1             # the first token already ended the round
                         self._start_decoding(seq, t, now)
         if plan.decode:
+            if self.chunker is not None:             # a step of windows alone times them (the sizer's overhead)
+                self.chunker.observe_step(None if plan.prefill else result.elapsed_s)
             if result.committed is None and self.cfg.decode_query_tokens == 1 and not self.cfg.dllm_block:
                 self._commit_one_each(plan, stopped, now)
             else:

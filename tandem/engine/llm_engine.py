@@ -158,7 +158,7 @@ class LLMEngine:
         latency = None
         if self.dllm is not None and not phased:   # Optimus's T(c, b): a profile's, or fitted on this engine's own
             latency = self._window_latency(config, profiled)  # forward (also its prefill estimate: the same steps)
-            t_pre = lambda h, n: latency(n, 1)              # noqa: E731 - the window latency of n query tokens
+            t_pre = lambda h, n: latency.rows(n, 1, 0, 0)   # noqa: E731 - n query tokens' forward, none sampled
         try:
             self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre,
                                      latency=latency, kv_block_bytes=self.runner.kv_block_bytes)

@@ -24,7 +24,8 @@ def _num(v: Any, what: str) -> float:
 
 @dataclass
 class WindowLatencyProfile:
-    """T(c, b) ≈ β1_k·b·c + β0_k + α·b in regime k (breakpoints in b·c), floored, with the samples it was fitted to."""
+    """T(c, b) ≈ β1_k·b·c + β0_k + α·b in regime k (breakpoints in b·c), floored, plus the head per sampled row, with
+    the samples it was fitted to."""
 
     breakpoints: tuple[float, ...]
     coefs: tuple[tuple[float, float], ...]
@@ -35,12 +36,14 @@ class WindowLatencyProfile:
     train_error: dict = field(default_factory=dict)
     heldout_error: dict = field(default_factory=dict)
     per_seq_s: float = 0.0                      # α: seconds per sequence in a step (absent in older sections: 0)
+    head_s: float = 0.0                         # LM head and sampling per sampled row, outside the regimes (absent
+                                                # in older sections: 0, the regimes include it for every row)
 
     def to_dict(self) -> dict:
         """The JSON section."""
         return {"version": SECTION_VERSION, "block": self.block, "context": self.context,
                 "fit": {"breakpoints": list(self.breakpoints), "coefs": [list(c) for c in self.coefs],
-                        "floor_s": self.floor_s, "per_seq_s": self.per_seq_s},
+                        "floor_s": self.floor_s, "per_seq_s": self.per_seq_s, "head_s": self.head_s},
                 "train_error": self.train_error, "heldout_error": self.heldout_error, "samples": self.samples}
 
     @classmethod
@@ -74,6 +77,9 @@ class WindowLatencyProfile:
         per_seq = _num(fit.get("per_seq_s", 0.0), "fit.per_seq_s")
         if per_seq < 0:
             raise ValueError(f"fit.per_seq_s must be >= 0, got {per_seq}")
+        head = _num(fit.get("head_s", 0.0), "fit.head_s")
+        if head < 0:
+            raise ValueError(f"fit.head_s must be >= 0, got {head}")
         block, context = d["block"], d["context"]
         if not (isinstance(block, int) and block >= 1 and isinstance(context, int) and context >= 0):
             raise ValueError(f"block must be an integer >= 1 and context >= 0, got {block!r} and {context!r}")
@@ -83,7 +89,7 @@ class WindowLatencyProfile:
                 if _num(s[k], f"samples[].{k}") <= 0:
                     raise ValueError(f"samples[].{k} must be > 0, got {s[k]!r}")
         return cls(bps, coefs, floor, block, context, samples, dict(d.get("train_error") or {}),
-                   dict(d.get("heldout_error") or {}), per_seq)
+                   dict(d.get("heldout_error") or {}), per_seq, head)
 
     def points(self, split: str) -> tuple[list[int], list[int], list[float]]:
         """(c, b, seconds) of the samples of one split (train or heldout)."""

@@ -1,10 +1,11 @@
 """Timing a block-diffusion model's window steps: Optimus's T(c, b) measured on the engine's own forward.
 
 One implementation serves both places that measure it: the engine at start-up (`measure_window_latency`: a quick fit
-over windows of the block size, no cache, the LM head timed once and charged per row, and a cost per sequence from a
-few whole steps) and `tandem profile`
+of the forward over windows of the block size, no cache, the LM head and sampling timed once and charged per sampled
+row apart from it, and a cost per sequence from a few whole steps) and `tandem profile`
 (`WindowTimer` in whole-step mode: b windows of c positions over a cached context read from the KV pool, the step's
-inputs built, the forward, the LM head and greedy sampling over every row, as the engine's step runs them).
+inputs built, the forward, the LM head and greedy sampling over every row, as the engine's step runs them; the head's
+share per row is timed apart too, since a step's K/V writes run the forward but are not sampled).
 """
 from __future__ import annotations
 
@@ -64,31 +65,51 @@ class WindowTimer:
             best = min(best, self.clock() - t0)
         return best
 
-    def _head(self, hidden: torch.Tensor) -> None:
-        """The LM head and greedy sampling over every row, `head_rows` at a time (each group's logits freed)."""
+    def _head(self, hidden: torch.Tensor, sizes: Sequence[int]) -> None:
+        """The LM head over every row, `head_rows` at a time (each group's logits freed), and greedy sampling of each
+        window's rows apart, as the engine's step samples each sequence."""
+        ends = [0]
+        for c in sizes:
+            ends.append(ends[-1] + c)
+        w = 0
         for s in range(0, hidden.shape[0], self.head_rows):
-            sample_tokens(self.model.compute_logits(hidden[s:s + self.head_rows]))
+            logits = self.model.compute_logits(hidden[s:s + self.head_rows])
+            while w < len(sizes) and ends[w] < s + logits.shape[0]:
+                lo, hi = max(ends[w], s), min(ends[w + 1], s + logits.shape[0])
+                sample_tokens(logits[lo - s:hi - s])
+                if ends[w + 1] > hi:
+                    break
+                w += 1
 
+    @torch.inference_mode()
     def per_row(self) -> float:
-        """Seconds of the LM head per row, timed once on `head_rows` rows (the start-up fit's charge)."""
+        """Seconds of the LM head and greedy sampling per sampled row, timed once on `head_rows` rows in windows of
+        the block."""
         if self._per_row is None:
-            ids, meta, _ = self._inputs(_split(self.head_rows, self.block))
+            sizes = _split(self.head_rows, self.block)
+            ids, meta, _ = self._inputs(sizes)
             hidden = self.model(ids, None, self.kv_caches if self.context else None, meta)
-            self._per_row = self._timed(lambda: self.model.compute_logits(hidden)) / self.head_rows
+            self._per_row = self._timed(lambda: self._head(hidden, sizes)) / self.head_rows
         return self._per_row
 
     @torch.inference_mode()
-    def __call__(self, sizes: Sequence[int]) -> float:
-        """Seconds of a step of windows of these sizes (at least 1 µs)."""
+    def forward(self, sizes: Sequence[int]) -> float:
+        """Seconds of the forward alone of a step of windows of these sizes (at least 1 µs)."""
+        ids, meta, _ = self._inputs(sizes)
         kv = self.kv_caches if self.context else None
+        return max(self._timed(lambda: self.model(ids, None, kv, meta)), 1e-6)
+
+    @torch.inference_mode()
+    def __call__(self, sizes: Sequence[int]) -> float:
+        """Seconds of a step of windows of these sizes, every row sampled (at least 1 µs)."""
         if self.whole_step:
+            kv = self.kv_caches if self.context else None
+
             def step() -> None:
                 ids, meta, _ = self._inputs(sizes)
-                self._head(self.model(ids, None, kv, meta))
+                self._head(self.model(ids, None, kv, meta), sizes)
             return max(self._timed(step), 1e-6)
-        ids, meta, _ = self._inputs(sizes)
-        rows = sum(sizes)
-        return max(self._timed(lambda: self.model(ids, None, kv, meta)) + self.per_row() * rows, 1e-6)
+        return self.forward(sizes) + self.per_row() * sum(sizes)
 
 
 def _split(x: int, block: int) -> list[int]:
@@ -104,16 +125,17 @@ def measure_window_latency(model: torch.nn.Module, block: int, max_tokens: int, 
                            clock: Clock = time.perf_counter, repeats: int = 2, head_rows: int = 256,
                            context: int = 0, kv_caches: list[torch.Tensor] | None = None, kv_block_size: int = 1,
                            num_blocks: int = 0, max_seqs: int = 0) -> ChunkLatency:
-    """Optimus's T(c, b) fitted on this engine's own step: windows of `block` positions (over `context` cached tokens
-    from the KV pool when given, else no cache), b·c query tokens at the sizes ChunkLatency samples, plus the LM head
-    over every row (linear in the rows, timed once on `head_rows`); best of `repeats`. With `max_seqs`, also the
-    cost per sequence b·c does not see (building its window's inputs, sampling it, its attention): the median over
-    a few row counts of whole steps (WindowTimer's whole_step) of windows of one position against windows of the
-    block, per extra sequence."""
+    """Optimus's T(c, b) fitted on this engine's own step: the forward over windows of `block` positions (over
+    `context` cached tokens from the KV pool when given, else no cache), b·c query tokens at the sizes ChunkLatency
+    samples, and apart from it the LM head and sampling per sampled row (timed once on `head_rows`); best of
+    `repeats`. With `max_seqs`, also the cost per sequence b·c does not see (building its window's inputs, sampling
+    it, its attention): the median over a few row counts of whole steps (WindowTimer's whole_step) of windows of one
+    position against windows of the block, per extra sequence."""
     kw = dict(context=context, kv_caches=kv_caches, kv_block_size=kv_block_size, num_blocks=num_blocks, clock=clock,
               repeats=repeats, head_rows=max(1, min(head_rows, max_tokens)))
     timer = WindowTimer(model, block, device, **kw)
-    fit = ChunkLatency.sample(lambda x: timer(_split(x, block)), max_tokens=max(2, max_tokens))
+    fit = ChunkLatency.sample(lambda x: timer.forward(_split(x, block)), max_tokens=max(2, max_tokens))
+    fit = dataclasses.replace(fit, head_s=timer.per_row())
     whole = WindowTimer(model, block, device, whole_step=True, **kw)
     extra = [(whole([1] * (k * block)) - whole([block] * k)) / (k * block - k)
              for k in PER_SEQ_PROBES if k * block <= min(max_tokens, max_seqs)]

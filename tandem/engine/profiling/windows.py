@@ -3,7 +3,9 @@
 A window step is b sequences computing c positions each over a cached context (whole blocks read from the KV pool),
 its inputs built, the forward run and every row through the LM head and greedy sampling (WindowTimer, whole-step
 mode: the same code as the engine's start-up measurement). The training grid crosses window sizes with batch sizes
-up to the token budget; a random held-out set of (c, b) off the grid gives the fit's error.
+up to the token budget; a random held-out set of (c, b) off the grid gives the fit's error. The head's share per row
+is timed apart and taken out before the fit, so that T prices a step's unsampled rows (its K/V writes) by their
+forward alone.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tandem.policy.optimus.latency import ChunkLatency
 
 CONTEXT = 512               # cached tokens per window (ShareGPT's prompt and half an answer), within max_len
 QUICK_TOKENS = 256          # --quick: the largest step b·c
+HEAD_FLOOR = 0.05           # a sample's forward, its head taken out, is at least this share of it (timing noise)
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def measure_window_latency_profile(runner: ModelRunner, block: int, budget: int,
     runs = measure_rounds(lambda p: timer([p.c] * p.b), [p for _, p in jobs], repeats, 1.0, rng, progress)
     samples = [{"split": split, "c": p.c, "b": p.b, "tokens": p.tokens, "seconds": statistics.median(rs), "runs": rs}
                for (split, p), rs in zip(jobs, runs)]
-    section = fit_window_latency(samples, block, context)
+    section = fit_window_latency(samples, block, context, head_s=timer.per_row())
     rows = [{"split": s["split"], "kind": "window", "prefills": [], "decodes": [],
              "window": {"c": s["c"], "b": s["b"], "context": context},
              **dataclasses.asdict(WindowPoint(s["c"], s["b"]).shape(context)), "seconds": s["seconds"], "runs": s["runs"]}
@@ -106,15 +109,18 @@ def measure_window_latency_profile(runner: ModelRunner, block: int, budget: int,
     return section, rows
 
 
-def fit_window_latency(samples: list[dict], block: int, context: int) -> WindowLatencyProfile:
-    """ChunkLatency fitted to the training samples, each sample's prediction, and the train and held-out errors."""
+def fit_window_latency(samples: list[dict], block: int, context: int, head_s: float = 0.0) -> WindowLatencyProfile:
+    """ChunkLatency fitted to the training samples (whole steps, every row sampled) less `head_s` per row, with that
+    head charge apart; each sample's prediction, and the train and held-out errors."""
     sec = WindowLatencyProfile((), ((0.0, 0.0),), 0.0, block, context, samples)
     c, b, y = sec.points("train")
-    m = ChunkLatency.fit([ci * bi for ci, bi in zip(c, b)], y, seqs=b)
+    fwd = [max(yi - head_s * ci * bi, HEAD_FLOOR * yi) for ci, bi, yi in zip(c, b, y)]
+    m = dataclasses.replace(ChunkLatency.fit([ci * bi for ci, bi in zip(c, b)], fwd, seqs=b), head_s=head_s)
     for s in samples:
         s["predicted"] = m(int(s["c"]), int(s["b"]))
     hc, hb, hy = sec.points("heldout")
     sec.breakpoints, sec.coefs, sec.floor_s, sec.per_seq_s = m.breakpoints, m.coefs, m.floor_s, m.per_seq_s
+    sec.head_s = m.head_s
     sec.train_error = rel_errors([m(ci, bi) for ci, bi in zip(c, b)], y)
     sec.heldout_error = rel_errors([m(ci, bi) for ci, bi in zip(hc, hb)], hy)
     return sec

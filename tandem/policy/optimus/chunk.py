@@ -6,21 +6,26 @@ enough steps, the step runs at the block size (Optimus observes the largest chun
 where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block, or the rest of the
 block where it has no more than c left, and commits N_commit of that window (commit.py: learnt by window and by how
 much of the block is left); it carries besides them the K/V writes of the positions the last step committed and the
-prompt's leftover tokens; T is the shell's price of the whole step (its rows, sequences and cached tokens).
+prompt's leftover tokens; T is the shell's price of the whole step (its rows, of which the windows' are sampled,
+sequences and cached tokens), plus what the shell's steps took beyond that price so far (`StepOverhead`, learnt from
+the steps' measured times: the work around the forward, per step and per sequence, that T's timing leaves out).
 `N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
 diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded positions' KV within it).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
 
 from tandem.policy.optimus.commit import CommitEstimator
+from tandem.policy.optimus.latency import StepOverhead
 
 CHUNK_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)   # window sizes the elastic policy chooses among (up to the block)
 WARMUP_OBSERVATIONS = 32                    # sequence-steps observed (at the block size) before the elastic choice
+MIN_PRICE_SHARE = 0.1                       # a learnt overhead below zero takes a step's price down to this share
 
 
 class ChunkMode(StrEnum):
@@ -63,7 +68,8 @@ def parse_chunk(value: str | int | ChunkSpec) -> ChunkSpec:
     raise ValueError(f"a diffusion chunk is 'elastic', 'block' or a positive integer, got {value!r}")
 
 
-StepLatency = Callable[[int, int, int], float]   # (query rows, sequences, cached tokens they read) -> seconds
+StepLatency = Callable[[int, int, int, int], float]   # (query rows, sequences, cached tokens they read, rows
+                                                      # sampled: the windows') -> seconds
 
 
 class SeqWindow(NamedTuple):
@@ -91,6 +97,8 @@ class ChunkSizer:
         self.last = block
         self.steps_by_chunk: dict[int, int] = {}     # steps run at each chosen window (what /metrics shows)
         self.commit_counts: dict[int, int] = {}      # sequence-steps that committed k tokens
+        self.overhead = StepOverhead()               # what the shell's steps take beyond `latency`, learnt online
+        self._priced: tuple[int, int, int, int] | None = None   # the last elastic step as priced, until timed
 
     @property
     def recomputes_block(self) -> bool:
@@ -114,7 +122,8 @@ class ChunkSizer:
     def _elastic(self, seqs: Sequence[SeqWindow], room: int | None) -> int:
         """The candidate c committing the most tokens per second (the first of equals). Each sequence's window is
         min(c, left) masked positions (it stays in its active block), expected to commit N_commit of them; the step
-        is priced on all its rows (the windows, the K/V writes and the extra rows), sequences and cached tokens. The
+        is priced on all its rows (the windows, the K/V writes and the extra rows, of which only the windows' are
+        sampled), sequences and cached tokens. The
         windows stay within `room` query rows when given (the step's budget left to them, writes and extra rows
         already taken out), down to a window of 1. During the warm-up: the largest that fits."""
         fits = []                                    # (c, each sequence's window)
@@ -123,19 +132,36 @@ class ChunkSizer:
             if room is not None and cand > 1 and sum(windows) > room:
                 break
             fits.append((cand, windows))
-        if self.estimator.observations < self.warmup:
-            return fits[-1][0]
         ctx, carried, n_at = sum(s.ctx for s in seqs), sum(s.pending + s.extra for s in seqs), {}
+        if self.estimator.observations < self.warmup:
+            best = fits[-1]
+        else:
+            extra = self.overhead(len(seqs))
 
-        def rate(fit: tuple[int, list[int]]) -> float:
-            commits = 0.0
-            for m, s in zip(fit[1], seqs):
-                key = (m, s.left)
-                if key not in n_at:
-                    n_at[key] = self.estimator.estimate(m, s.left)
-                commits += n_at[key]
-            return commits / self.latency(sum(fit[1]) + carried, len(seqs), ctx)
-        return max(fits, key=rate)[0]
+            def rate(fit: tuple[int, list[int]]) -> float:
+                commits = 0.0
+                for m, s in zip(fit[1], seqs):
+                    key = (m, s.left)
+                    if key not in n_at:
+                        n_at[key] = self.estimator.estimate(m, s.left)
+                    commits += n_at[key]
+                sampled = sum(fit[1])
+                t = self.latency(sampled + carried, len(seqs), ctx, sampled)
+                return commits / max(t + extra, MIN_PRICE_SHARE * t)
+            best = max(fits, key=rate)
+        sampled = sum(best[1])
+        self._priced = (sampled + carried, len(seqs), ctx, sampled)
+        return best[0]
+
+    def observe_step(self, seconds: float | None) -> None:
+        """The last step the sizer chose took `seconds` (None: it also ran other work, a prefill chunk, whose time
+        is not the windows'): what it took beyond `latency`'s price feeds the overhead."""
+        priced, self._priced = self._priced, None
+        if priced is None or seconds is None:
+            return
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"a step's seconds must be finite and >= 0, got {seconds!r}")
+        self.overhead.add(priced[1], seconds - self.latency(*priced))
 
     def observe(self, m: int, committed: list[int], left: int | None = None) -> None:
         """The commits of windows of m masked positions in blocks with `left` masked (the rest of the block when not

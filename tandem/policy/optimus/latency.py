@@ -4,7 +4,9 @@ The fully connected layers dominate a decode step and their work is the b·c que
 c positions each); as b·c grows they go from memory-bound (flat: the weights are read once whatever the rows) through
 a transition to compute-bound (linear). T(c, b) ≈ β1_k·b·c + β0_k in regime k of three, with the two regime
 boundaries and the six coefficients fitted to (b·c, seconds) samples: the real engine's (`tandem profile`) or a
-roofline's. The fit is least squares on relative error, every pair of boundaries between samples tried; an affine
+roofline's. Where the LM head and sampling were timed apart (`head_s`), the regimes price the forward of every query
+row and the head is charged per sampled row only: a streaming step's K/V writes and a prompt's leftover tokens run
+the forward but are not sampled, and on a small model with a large vocabulary the head is most of a sampled row. The fit is least squares on relative error, every pair of boundaries between samples tried; an affine
 piece of a later regime may have a negative intercept (a steeper line that starts later), so, unlike tandem.perf.fit,
 the coefficients are not constrained; predictions are floored at the smallest sample.
 """
@@ -21,6 +23,7 @@ import numpy as np
 from tandem.perf.window_profile import WindowLatencyProfile
 
 REGIMES = 3
+OVERHEAD_HALFLIFE = 64      # steps after which a measured step's overhead weighs half as much
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,29 +35,35 @@ class ChunkLatency:
     coefs: tuple[tuple[float, float], ...]      # per regime (β0, β1)
     floor_s: float = 0.0
     per_seq_s: float = 0.0                      # seconds per sequence in the step, whatever its window
+    head_s: float = 0.0                         # seconds per sampled row (LM head, sampling) outside the regimes;
+                                                # 0: the regimes include it for every row
 
     def __post_init__(self) -> None:
         if len(self.coefs) != len(self.breakpoints) + 1 or list(self.breakpoints) != sorted(self.breakpoints):
             raise ValueError("a chunk latency model has one more regime than sorted breakpoints")
-        if not (math.isfinite(self.per_seq_s) and self.per_seq_s >= 0):
-            raise ValueError(f"a chunk latency's cost per sequence must be finite and >= 0, got {self.per_seq_s!r}")
+        for name in ("per_seq_s", "head_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"a chunk latency's {name} must be finite and >= 0, got {v!r}")
 
     def __call__(self, c: int, b: int) -> float:
-        """Seconds of a step of b windows of c positions."""
+        """Seconds of a step of b windows of c positions, every one sampled."""
         return self.rows(c * b, b)
 
-    def rows(self, rows: int, seqs: int = 1, ctx: int = 0) -> float:
-        """The sizer's StepLatency: seconds of a step of `rows` query rows in all over `seqs` sequences (the cached
-        tokens are not part of this model)."""
+    def rows(self, rows: int, seqs: int = 1, ctx: int = 0, sampled: int | None = None) -> float:
+        """The sizer's StepLatency: seconds of a step of `rows` query rows in all over `seqs` sequences, `sampled` of
+        them through the LM head (all when not given); the cached tokens are not part of this model."""
         x = float(rows)
         b0, b1 = self.coefs[bisect_right(self.breakpoints, x)]
         t = b0 + b1 * x + self.per_seq_s * seqs
-        return t if t > self.floor_s else self.floor_s
+        if t < self.floor_s:
+            t = self.floor_s
+        return t + self.head_s * (rows if sampled is None else sampled)
 
     @classmethod
     def from_profile(cls, w: WindowLatencyProfile) -> ChunkLatency:
         """The fit a profile's `dllm_latency` section stores (`tandem profile` on a block-diffusion checkpoint)."""
-        return cls(tuple(w.breakpoints), tuple(w.coefs), w.floor_s, w.per_seq_s)
+        return cls(tuple(w.breakpoints), tuple(w.coefs), w.floor_s, w.per_seq_s, w.head_s)
 
     @classmethod
     def fit(cls, tokens: Iterable[float], seconds: Iterable[float], regimes: int = REGIMES,
@@ -98,6 +107,51 @@ class ChunkLatency:
         return cls.fit(xs, [step_s(x) for x in xs], regimes)
 
 
+class StepOverhead:
+    """What a shell's steps take beyond T: the measured step time less T's price of it, fitted online as a + b·seqs
+    (a per step, b >= 0 per sequence: building the windows, sampling each sequence's rows and committing them, which
+    a timing of the forward and the LM head alone does not see), by least squares with each step weighing half as
+    much after `halflife` more (b = 0 until steps of different sizes were seen). Sans-I/O: the sizer is told each
+    step's seconds."""
+
+    __slots__ = ("_decay", "_w", "_sx", "_sxx", "_sy", "_sxy", "_fit")
+
+    def __init__(self, halflife: float = OVERHEAD_HALFLIFE) -> None:
+        if not (isinstance(halflife, (int, float)) and not isinstance(halflife, bool) and halflife > 0):
+            raise ValueError(f"halflife must be > 0, got {halflife!r}")
+        self._decay = math.exp(-math.log(2) / halflife)
+        self._w = self._sx = self._sxx = self._sy = self._sxy = 0.0
+        self._fit: tuple[float, float] | None = (0.0, 0.0)   # (a, b), until the next step
+
+    def add(self, seqs: int, residual_s: float) -> None:
+        """One step of `seqs` sequences took `residual_s` seconds more than T priced it (less when negative)."""
+        if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1 or not math.isfinite(residual_s):
+            raise ValueError(f"a step overhead needs seqs >= 1 and a finite residual, got {seqs!r}, {residual_s!r}")
+        d, x, y = self._decay, float(seqs), float(residual_s)
+        self._w = self._w * d + 1.0
+        self._sx = self._sx * d + x
+        self._sxx = self._sxx * d + x * x
+        self._sy = self._sy * d + y
+        self._sxy = self._sxy * d + x * y
+        self._fit = None
+
+    @property
+    def coefs(self) -> tuple[float, float]:
+        """(a, b): seconds per step and per sequence."""
+        if self._fit is None:
+            w = self._w
+            mx, my = self._sx / w, self._sy / w
+            var = self._sxx / w - mx * mx
+            b = max(0.0, (self._sxy / w - mx * my) / var) if var > 1e-9 * (1.0 + mx * mx) else 0.0
+            self._fit = (my - b * mx, b)
+        return self._fit
+
+    def __call__(self, seqs: int) -> float:
+        """Seconds a step of `seqs` sequences takes beyond T."""
+        a, b = self.coefs
+        return a + b * seqs
+
+
 def sample_sizes(max_tokens: int) -> list[int]:
     """The b·c a step-time function is sampled at: powers of two and halfway between, up to max_tokens."""
     if max_tokens < 2:
@@ -126,4 +180,4 @@ def _pieces(x: np.ndarray, y: np.ndarray, b: np.ndarray | None, bounds: Sequence
     return coefs, float(sol[-1]) if b is not None else 0.0, float(resid @ resid)
 
 
-__all__ = ["ChunkLatency", "REGIMES", "sample_sizes"]
+__all__ = ["ChunkLatency", "OVERHEAD_HALFLIFE", "REGIMES", "StepOverhead", "sample_sizes"]
