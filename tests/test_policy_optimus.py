@@ -393,6 +393,31 @@ def test_a_diffusion_simulation_beats_plain_block_diffusion_under_load_and_repor
     assert math.isfinite(out["elastic"][0])
 
 
+def test_the_core_times_steps_of_windows_alone_for_the_sizer():
+    """Protects the core's report of step times to the elastic sizer (WorkerCore.on_step_done): a step of windows
+    alone passes its elapsed_s, a step that also ran a prefill chunk passes None (its time is not the windows'), and
+    a prefill alone passes nothing."""
+    w = build_worker(0, COLOCATED, 1, 256, "vllm", SchedulerConfig(dllm_block_length=32, max_num_batched_tokens=64),
+                     t_pre=lambda h, n: 0.01)
+    seen: list[float | None] = []
+    real = w.chunker.observe_step
+    w.chunker.observe_step = lambda s: (seen.append(s), real(s))[1]
+    w.begin_round("a")
+    w.submit(PrefillTask("a", 0, 0, 40, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
+    plan = w.schedule(0.0)                       # the prompt's whole block; its 8 leftover tokens ride with the
+    assert plan.prefill and not plan.decode      # first window
+    w.on_step_done(plan, StepResult(0.5, {}), 0.5)
+    plan = w.schedule(0.5)
+    assert plan.decode and not plan.prefill
+    w.on_step_done(plan, StepResult(0.25, {"a": 0}), 0.75)
+    w.begin_round("b")
+    w.submit(PrefillTask("b", 0, 0, 100, 0.75, output_tokens=5, decode_worker=0, worker=0), 0.75)
+    plan = w.schedule(0.75)
+    assert plan.decode and plan.prefill
+    w.on_step_done(plan, StepResult(0.125, {"a": 0}), 0.875)
+    assert seen == [0.25, None]
+
+
 def test_elastic_windows_stay_within_the_budget_and_leave_waiting_prefills_their_share():
     """Protects the token budget of a diffusion step: 4 sequences decoding with a budget of 64 tokens and flat step
     times (so the largest useful window wins: N(c) = min(16, c)) take windows of 16 (4 x 16 = 64) when nothing

@@ -162,3 +162,26 @@ def test_simulator_sizes_windows_with_the_profiles_t(profiled, monkeypatch):
     monkeypatch.setattr("tandem.core.factory.chunk_latency", refit)
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["simulate", "--perf", str(path), *SIM]) == 0
+
+
+def test_the_head_is_timed_as_the_engine_samples_each_window_apart(monkeypatch):
+    """Protects head_s's timing (window_timing.WindowTimer): the LM head runs over groups of head_rows rows and each
+    window's rows are sampled apart, as the engine's step samples each sequence, also where a window straddles two
+    groups: windows of 3, 5 and 2 rows in groups of 4 are sampled as 3 | 1 + 4 | 2; the start-up fit charges that
+    head per sampled row, apart from the forward's regimes."""
+    import torch
+
+    from tandem.engine.diffusion import window_timing
+    from tandem.engine.loader import load_model
+
+    model, _ = load_model(ASSET, dtype="float32")
+    timer = window_timing.WindowTimer(model, 32, torch.device("cpu"), head_rows=4, repeats=1)
+    sampled: list[int] = []
+    real = window_timing.sample_tokens
+    monkeypatch.setattr(window_timing, "sample_tokens", lambda logits: (sampled.append(len(logits)), real(logits))[1])
+    with torch.inference_mode():
+        ids, meta, _ = timer._inputs([3, 5, 2])
+        timer._head(model(ids, None, None, meta), [3, 5, 2])
+    assert sampled == [3, 1, 4, 2]
+    lat = window_timing.measure_window_latency(model, 32, 64, torch.device("cpu"), repeats=1, head_rows=16)
+    assert lat.head_s > 0 and lat.rows(40, 1, 0, 0) == pytest.approx(lat.rows(40, 1, 0, 8) - 8 * lat.head_s)
