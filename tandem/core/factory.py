@@ -142,7 +142,9 @@ def chunk_latency(t_step: Callable[[BatchShape], float] | None,
     """Optimus's T for a diffusion step of `rows` query rows in `seqs` windows over `ctx` cached tokens in all: the
     shell's step timer (the roofline's or a profile's) priced on that batch, which also charges the cached keys the
     windows read (once per sequence, whatever the window: at long contexts they decide the step); with no step
-    timer, ChunkLatency fitted to the prefill estimate of b·c tokens (the paper's form, piecewise affine in b·c)."""
+    timer, ChunkLatency fitted to the prefill estimate of b·c tokens (the paper's form, piecewise affine in b·c).
+    The step timer charges the LM head on every window row, as the simulated step it times does, so the rows
+    sampled (the sizer's fourth argument) do not change its price."""
     if t_step is None:
         return ChunkLatency.sample(lambda x: t_pre(0, x) if t_pre is not None else 1e-3 * x).rows
 

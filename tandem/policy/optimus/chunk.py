@@ -123,9 +123,9 @@ class ChunkSizer:
         """The candidate c committing the most tokens per second (the first of equals). Each sequence's window is
         min(c, left) masked positions (it stays in its active block), expected to commit N_commit of them; the step
         is priced on all its rows (the windows, the K/V writes and the extra rows, of which only the windows' are
-        sampled), sequences and cached tokens. The
-        windows stay within `room` query rows when given (the step's budget left to them, writes and extra rows
-        already taken out), down to a window of 1. During the warm-up: the largest that fits."""
+        sampled), sequences and cached tokens, plus the overhead learnt so far. The windows stay within `room` query
+        rows when given (the step's budget left to them, writes and extra rows already taken out), down to a window
+        of 1. During the warm-up: the largest that fits. Either way the step is kept as priced until it is timed."""
         fits = []                                    # (c, each sequence's window)
         for cand in self.candidates:
             windows = [cand if cand < s.left else s.left for s in seqs]

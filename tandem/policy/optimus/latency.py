@@ -6,9 +6,11 @@ a transition to compute-bound (linear). T(c, b) ≈ β1_k·b·c + β0_k in regim
 boundaries and the six coefficients fitted to (b·c, seconds) samples: the real engine's (`tandem profile`) or a
 roofline's. Where the LM head and sampling were timed apart (`head_s`), the regimes price the forward of every query
 row and the head is charged per sampled row only: a streaming step's K/V writes and a prompt's leftover tokens run
-the forward but are not sampled, and on a small model with a large vocabulary the head is most of a sampled row. The fit is least squares on relative error, every pair of boundaries between samples tried; an affine
-piece of a later regime may have a negative intercept (a steeper line that starts later), so, unlike tandem.perf.fit,
-the coefficients are not constrained; predictions are floored at the smallest sample.
+the forward but are not sampled, and on a small model with a large vocabulary the head is most of a sampled row.
+The fit is least squares on relative error, every pair of boundaries between samples tried; an affine piece of a
+later regime may have a negative intercept (a steeper line that starts later), so, unlike tandem.perf.fit, the
+coefficients are not constrained; predictions are floored at the smallest sample. `StepOverhead` learns online what
+a shell's steps take beyond that price.
 """
 from __future__ import annotations
 
