@@ -4,6 +4,7 @@ chunk, and the held-out accuracy of each decoding mode.
 
     python benchmarks/optimus_engine.py                       # batch 1..64, 3 alternating runs each (~15 min)
     python benchmarks/optimus_engine.py --quick --out /tmp/o  # batch 1, 8, 32, one run (~2 min)
+    python benchmarks/optimus_engine.py --requests-per-slot 4 --eval-per-task 0 --out /tmp/o   # closed loop at b
 
 Systems (one LLMEngine each, float32, co-located, the same checkpoint; the core sizes every window):
 
@@ -17,7 +18,8 @@ Systems (one LLMEngine each, float32, co-located, the same checkpoint; the core 
 
 Throughput: b requests (held-out prompts of the six tasks, cycled), 64 output tokens each (ignore_eos, so every
 system makes the same number of tokens), submitted together; output tokens / wall time of the run (prefill
-included, a few % of it). The systems alternate within each repetition; the median of the repetitions is reported.
+included, a few % of it). With `--requests-per-slot K`, a closed loop instead: b slots each send K requests back to
+back (the next when the last ends), so the batch stays at b but for the last wave's drain. The systems alternate within each repetition; the median of the repetitions is reported.
 Accuracy: greedy exact match on the held-out examples with one right answer, decoded by each system's engine path
 (block_state.py windows through generate_cached, which the engine equals token for token - tests/test_engine_
 diffusion.py), default threshold 0.9. Writes results.json, table.md and throughput.png to --out.
@@ -69,9 +71,11 @@ def _engine(system: str, max_num_seqs: int):
                                   num_kv_blocks=max(64, max_num_seqs * 8), **extra))
 
 
-def throughput(system: str, b: int, warmup: bool = False) -> dict:
-    """One run: b requests of OUTPUT_TOKENS tokens on a fresh engine (`warmup`: after an untimed batch of b other
-    held-out prompts, as on a server already running); tokens/s, steps and mean commits a step."""
+def throughput(system: str, b: int, warmup: bool = False, per_slot: int = 1) -> dict:
+    """One run: b requests of OUTPUT_TOKENS tokens on a fresh engine, or with `per_slot` K > 1 a closed loop of b
+    slots each sending its next request when its last one ends, K each (b·K in all: the batch stays at b until the
+    last wave drains); `warmup`: after an untimed batch of b other held-out prompts, as on a server already running.
+    Tokens/s, steps and mean commits a step."""
     from tandem.engine.sampling_params import SamplingParams
     eng = _engine(system, b)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -82,14 +86,19 @@ def throughput(system: str, b: int, warmup: bool = False) -> dict:
             eng.step()
         eng.stats.dllm_commits.clear()
         eng.stats.dllm_chunks.clear()
-    for i, p in enumerate(_prompts(b)):
-        eng.add_request(str(i), p, params)
+    queue = _prompts(b * per_slot)
+    for i in range(b):
+        eng.add_request(str(i), queue[i], params)
+    sent = b
     t0 = time.perf_counter()
     tokens = steps = 0
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
                 tokens += len(o.outputs[0].token_ids)
+                if sent < len(queue):            # the slot's next request
+                    eng.add_request(str(sent), queue[sent], params)
+                    sent += 1
         steps += 1
     wall = time.perf_counter() - t0
     commits = eng.stats.dllm_commits
@@ -194,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", action="store_true",
                     help="each engine first serves an untimed batch of b other held-out prompts (a server already "
                          "running: elastic's N_commit has seen windows before the timed batch)")
+    ap.add_argument("--requests-per-slot", type=positive_int, default=1, metavar="K",
+                    help="closed loop: each of the b slots sends K requests back to back, the next when its last ends "
+                         "(default 1: b requests submitted together)")
     ap.add_argument("--accuracy-only", action="store_true",
                     help="keep --out's throughput results, measure accuracy and the commit model again")
     a = ap.parse_args(argv)
@@ -215,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(a.reps):
             for b in a.batches:
                 for system in SYSTEMS:                 # alternating: every system once per (repetition, batch)
-                    runs[system][str(b)].append(throughput(system, b, a.warmup))
+                    runs[system][str(b)].append(throughput(system, b, a.warmup, a.requests_per_slot))
                     bar.advance(task)
     res: dict = {"batches": a.batches, "output_tokens": OUTPUT_TOKENS, "threads": a.threads, "warmup": a.warmup,
-                 "throughput": {}}
+                 "requests_per_slot": a.requests_per_slot, "throughput": {}}
     for system in SYSTEMS:
         res["throughput"][system] = {}
         for b in a.batches:
