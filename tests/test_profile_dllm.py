@@ -94,7 +94,8 @@ def test_the_fit_reproduces_its_own_samples(profiled):
 
 def test_round_trip_old_profiles_and_a_corrupt_section(profiled, tmp_path):
     """Protects the file format: a profile re-serialises to the same JSON, one without the section (every older or
-    AR profile) loads with none, and a corrupt section is one line naming the section, in the loader and the CLI."""
+    AR profile) loads with none, a section without head_s (from before it) loads with 0, and a corrupt section (a
+    negative or non-numeric head_s among them) is one line naming the section, in the loader and the CLI."""
     path = profiled[0]
     d = json.loads(path.read_text())
     assert Profile.from_dict(d).to_dict() == d
@@ -106,6 +107,14 @@ def test_round_trip_old_profiles_and_a_corrupt_section(profiled, tmp_path):
     with pytest.raises(ValueError) as e:
         Profile.from_json(bad)
     assert str(e.value) == ("profile section dllm_latency: fit.coefs must be [beta0, beta1] pairs")
+    for head, why in ((-1e-4, "fit.head_s must be >= 0, got -0.0001"), ("fast", "fit.head_s must be a finite number")):
+        hostile = json.loads(path.read_text())
+        hostile["dllm_latency"]["fit"]["head_s"] = head
+        with pytest.raises(ValueError, match=r"^profile section dllm_latency: " + why):
+            Profile.from_dict(hostile)
+    no_head = json.loads(path.read_text())
+    del no_head["dllm_latency"]["fit"]["head_s"]            # a section from before head_s: the head in the regimes
+    assert Profile.from_dict(no_head).dllm_latency.head_s == 0.0
     d["dllm_latency"]["version"] = 99
     with pytest.raises(ValueError, match=r"^profile section dllm_latency: version 99 is not supported; expected 1$"):
         Profile.from_dict(d)
