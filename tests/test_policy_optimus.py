@@ -196,7 +196,8 @@ def test_elastic_adds_what_its_steps_took_beyond_t_to_their_price():
     on T alone (1,024 rows in 25.36 ms: 40.4 a ms). Told that step took 100 ms more than T priced it, the sizer
     charges every step 100 ms more: c = 4 makes 1,024 in 125.36 ms (8.2 a ms), c = 8 2,048 in 176.56 ms (11.6),
     c = 16 4,096 in 279.0 ms (14.7; T = 10 + 15.36 + 0.05 x 3,072 ms), c = 32 4,096 in 483.8 ms (8.5): c = 16. A step
-    that also ran a prefill chunk (None) teaches nothing; a fixed chunk prices nothing, so its steps teach nothing."""
+    that also ran a prefill chunk (None) teaches nothing; a stalled step counts at most 4 times its price; a fixed
+    chunk prices nothing, so its steps teach nothing."""
     s = sizer()
     s.observe(32, [16] * 32)
     assert s.choose(fresh(256)) == 4
@@ -205,6 +206,11 @@ def test_elastic_adds_what_its_steps_took_beyond_t_to_their_price():
     assert s.choose(fresh(256)) == 16
     s.observe_step(None)
     assert s.overhead.coefs[0] == pytest.approx(0.1, abs=1e-12)
+    stalled = sizer()                            # a 10 s stall counts as 4 prices (4 x 25.36 ms), not 10 s
+    stalled.observe(32, [16] * 32)
+    stalled.choose(fresh(256))
+    stalled.observe_step(10.0)
+    assert stalled.overhead.coefs[0] == pytest.approx(4 * three_regimes(1024), abs=1e-12)
     fixed = sizer("fixed", size=8)
     fixed.choose(fresh(4))
     fixed.observe_step(5.0)

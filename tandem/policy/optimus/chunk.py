@@ -26,6 +26,8 @@ from tandem.policy.optimus.latency import StepOverhead
 CHUNK_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)   # window sizes the elastic policy chooses among (up to the block)
 WARMUP_OBSERVATIONS = 32                    # sequence-steps observed (at the block size) before the elastic choice
 MIN_PRICE_SHARE = 0.1                       # a learnt overhead below zero takes a step's price down to this share
+STALL_PRICES = 4.0                          # a step's overhead counts at most this many times its price (beyond: a
+                                            # stall, a GC pause, not the step's work)
 
 
 class ChunkMode(StrEnum):
@@ -155,13 +157,15 @@ class ChunkSizer:
 
     def observe_step(self, seconds: float | None) -> None:
         """The last step the sizer chose took `seconds` (None: it also ran other work, a prefill chunk, whose time
-        is not the windows'): what it took beyond `latency`'s price feeds the overhead."""
+        is not the windows'): what it took beyond `latency`'s price feeds the overhead, at most STALL_PRICES times
+        that price (one stalled step would otherwise tilt the next hundred choices)."""
         priced, self._priced = self._priced, None
         if priced is None or seconds is None:
             return
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"a step's seconds must be finite and >= 0, got {seconds!r}")
-        self.overhead.add(priced[1], seconds - self.latency(*priced))
+        t = self.latency(*priced)
+        self.overhead.add(priced[1], min(seconds - t, STALL_PRICES * t))
 
     def observe(self, m: int, committed: list[int], left: int | None = None) -> None:
         """The commits of windows of m masked positions in blocks with `left` masked (the rest of the block when not
