@@ -3,7 +3,7 @@
 One implementation serves both places that measure it: the engine at start-up (`measure_window_latency`: a quick fit
 of the forward over windows of the block size, no cache, the LM head and sampling timed once and charged per sampled
 row apart from it, and a cost per sequence from a few whole steps) and `tandem profile`
-(`WindowTimer` in whole-step mode: b windows of c positions over a cached context read from the KV pool, the step's
+(`WindowTimer`'s whole steps: b windows of c positions over a cached context read from the KV pool, the step's
 inputs built, the forward, the LM head and greedy sampling over every row, as the engine's step runs them; the head's
 share per row is timed apart too, since a step's K/V writes run the forward but are not sampled).
 """
@@ -28,19 +28,17 @@ class WindowTimer:
 
     def __init__(self, model: torch.nn.Module, block: int, device: torch.device, *, context: int = 0,
                  kv_caches: list[torch.Tensor] | None = None, kv_block_size: int = 1, num_blocks: int = 0,
-                 clock: Clock = time.perf_counter, repeats: int = 2, head_rows: int = 256,
-                 whole_step: bool = False) -> None:
+                 clock: Clock = time.perf_counter, repeats: int = 2, head_rows: int = 256) -> None:
         """`context` cached tokens per window (whole diffusion blocks, read from `kv_caches`, each sequence on its own
-        KV blocks cycling through the `num_blocks` of the pool); `whole_step` times the inputs' build, the forward and
-        the LM head with greedy sampling over every row in groups of `head_rows`, else the forward only plus the LM
-        head timed once on `head_rows` rows and charged per row; the best of `repeats`."""
+        KV blocks cycling through the `num_blocks` of the pool); the LM head runs `head_rows` rows at a time; every
+        timing is the best of `repeats`."""
         if context % block or context < 0:
             raise ValueError(f"a window's cached context is whole blocks of {block}, got {context}")
         if context and (kv_caches is None or num_blocks < 1):
             raise ValueError("a cached context needs the KV pool (kv_caches, num_blocks)")
         self.model, self.block, self.device, self.context = model, block, device, context
         self.kv_caches, self.kv_block_size, self.num_blocks = kv_caches, kv_block_size, num_blocks
-        self.clock, self.repeats, self.head_rows, self.whole_step = clock, repeats, max(1, head_rows), whole_step
+        self.clock, self.repeats, self.head_rows = clock, repeats, max(1, head_rows)
         self._per_row: float | None = None
 
     def _inputs(self, sizes: Sequence[int]):
@@ -101,15 +99,14 @@ class WindowTimer:
 
     @torch.inference_mode()
     def __call__(self, sizes: Sequence[int]) -> float:
-        """Seconds of a step of windows of these sizes, every row sampled (at least 1 µs)."""
-        if self.whole_step:
-            kv = self.kv_caches if self.context else None
+        """Seconds of a whole step of windows of these sizes, as the engine's runs: the inputs built, the forward, the
+        LM head and greedy sampling of every row (at least 1 µs)."""
+        kv = self.kv_caches if self.context else None
 
-            def step() -> None:
-                ids, meta, _ = self._inputs(sizes)
-                self._head(self.model(ids, None, kv, meta), sizes)
-            return max(self._timed(step), 1e-6)
-        return self.forward(sizes) + self.per_row() * sum(sizes)
+        def step() -> None:
+            ids, meta, _ = self._inputs(sizes)
+            self._head(self.model(ids, None, kv, meta), sizes)
+        return max(self._timed(step), 1e-6)
 
 
 def _split(x: int, block: int) -> list[int]:
@@ -129,15 +126,14 @@ def measure_window_latency(model: torch.nn.Module, block: int, max_tokens: int, 
     `context` cached tokens from the KV pool when given, else no cache), b·c query tokens at the sizes ChunkLatency
     samples, and apart from it the LM head and sampling per sampled row (timed once on `head_rows`); best of
     `repeats`. With `max_seqs`, also the cost per sequence b·c does not see (building its window's inputs, sampling
-    it, its attention): the median over a few row counts of whole steps (WindowTimer's whole_step) of windows of one
-    position against windows of the block, per extra sequence."""
+    it, its attention): the median over a few row counts of whole steps of windows of one position against windows of
+    the block, per extra sequence."""
     kw = dict(context=context, kv_caches=kv_caches, kv_block_size=kv_block_size, num_blocks=num_blocks, clock=clock,
               repeats=repeats, head_rows=max(1, min(head_rows, max_tokens)))
     timer = WindowTimer(model, block, device, **kw)
     fit = ChunkLatency.sample(lambda x: timer.forward(_split(x, block)), max_tokens=max(2, max_tokens))
     fit = dataclasses.replace(fit, head_s=timer.per_row())
-    whole = WindowTimer(model, block, device, whole_step=True, **kw)
-    extra = [(whole([1] * (k * block)) - whole([block] * k)) / (k * block - k)
+    extra = [(timer([1] * (k * block)) - timer([block] * k)) / (k * block - k)
              for k in PER_SEQ_PROBES if k * block <= min(max_tokens, max_seqs)]
     return dataclasses.replace(fit, per_seq_s=max(0.0, statistics.median(extra))) if extra else fit
 

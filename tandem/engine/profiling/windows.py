@@ -1,8 +1,8 @@
 """The diffusion windows `tandem profile` times on a block-diffusion checkpoint, and Optimus's T(c, b) fitted to them.
 
 A window step is b sequences computing c positions each over a cached context (whole blocks read from the KV pool),
-its inputs built, the forward run and every row through the LM head and greedy sampling (WindowTimer, whole-step
-mode: the same code as the engine's start-up measurement). The training grid crosses window sizes with batch sizes
+its inputs built, the forward run and every row through the LM head and greedy sampling (WindowTimer's whole
+steps: the same code as the engine's start-up measurement). The training grid crosses window sizes with batch sizes
 up to the token budget; a random held-out set of (c, b) off the grid gives the fit's error. The head's share per row
 is timed apart and taken out before the fit, so that T prices a step's unsampled rows (its K/V writes) by their
 forward alone.
@@ -91,7 +91,7 @@ def measure_window_latency_profile(runner: ModelRunner, block: int, budget: int,
     `window`, with their BatchShape fields) the step-time model is also fitted to."""
     context = window_context(block, max_len)
     timer = WindowTimer(runner.model, block, runner.device, context=context, kv_caches=runner.kv_caches,
-                        kv_block_size=runner.block_size, num_blocks=runner.num_blocks, repeats=1, whole_step=True)
+                        kv_block_size=runner.block_size, num_blocks=runner.num_blocks, repeats=1)
     train = window_grid(block, budget, max_seqs, quick)
     held = window_heldout(heldout, block, budget, max_seqs, rng, quick, frozenset(train))
     jobs = [("train", p) for p in train] + [("heldout", p) for p in held]
