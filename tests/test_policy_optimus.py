@@ -143,7 +143,7 @@ def test_bands_that_differ_only_by_noise_are_pooled_and_bands_that_differ_are_ke
 
 # ---------------------------------------------------------------------------- c*
 def sizer(mode="elastic", block=32, size=0):
-    return ChunkSizer(ChunkSpec(ChunkMode(mode), size), block, lambda rows, seqs, ctx, sampled: three_regimes(rows))
+    return ChunkSizer(ChunkSpec(ChunkMode(mode), size), block, lambda rows, seqs, ctx, sampled, prefill: three_regimes(rows + prefill))
 
 
 def fresh(b: int, block: int = 32) -> list[SeqWindow]:
@@ -184,11 +184,60 @@ def test_elastic_prices_each_window_where_it_is_and_what_it_reads():
     s = sizer()
     s.observe(32, [16] * 32)
     assert s.choose([SeqWindow(4)] * 64) == 4
-    kv = ChunkSizer(ChunkSpec(), 32, lambda rows, seqs, ctx, sampled: three_regimes(rows) + 1e-6 * ctx)
+    kv = ChunkSizer(ChunkSpec(), 32, lambda rows, seqs, ctx, sampled, prefill: three_regimes(rows + prefill) + 1e-6 * ctx)
     kv.observe(32, [32] * 32)                    # every masked position commits: N(m) = m
     assert kv.choose(fresh(64)) == 16
     assert kv.choose([SeqWindow(32, 0, 0, 1_000_000 // 64)] * 64) == 32
     assert s.choose(fresh(64), room=300) == 4
+
+
+def test_elastic_prices_windows_at_the_prompt_rows_they_displace():
+    """Protects c* when prompts wait beyond the step: with N = 1 / 1.53 / 3.06 / 4.24 / 6.12 / 8 for c = 1..32
+    (windows seen), 64 fresh sequences alone take c = 4 (195.8 commits in 10 ms, 19.6 a ms, against c = 8's 271.1 in
+    15.12 ms). When 2,048 prompt rows fill the step whatever its windows, each window row displaces a prompt row
+    (50 µs in that regime): c = 1 adds 3.2 ms for 64 commits (20.0 a ms), c = 4 12.8 ms for 195.8 (15.3 a ms), so
+    c = 1; 4 sequences go from c = 32 (the flat regime) to c = 1. The per-step overhead is the prompts' then: a
+    learnt 100 ms a step changes nothing there."""
+    s = sizer()
+    s.observe(32, [8] * 64)
+    for m, got in ((1, [1] * 64), (2, [1, 2] * 32), (4, [3] * 64), (8, [4] * 64), (16, [6] * 64)):
+        s.observe(m, got, 32)
+    assert [round(s.estimator(c), 4) for c in (1, 2, 4, 8, 16, 32)] == [1.0, 1.5294, 3.0588, 4.2353, 6.1176, 8.0]
+    assert s.choose(fresh(64)) == 4 and s.choose(fresh(4)) == 32
+    assert s.choose(fresh(64), prompts=2048) == 1 and s.choose(fresh(4), prompts=2048) == 1
+    s.overhead.add(64, 0.1)
+    assert s.overhead(64) == pytest.approx(0.1) and s.choose(fresh(64), prompts=2048) == 1
+
+
+def test_the_core_tells_the_sizer_when_ready_prompts_overflow_the_step():
+    """Protects what the core passes as `prompts`: 4 sequences decoding under a budget of 64 rows, nothing to carry;
+    a ready 100-token prompt is more than the 60 rows the smallest windows leave, so the step is full of prompt rows
+    (64); a 20-token prompt fits beside any window (0)."""
+    w = build_worker(0, COLOCATED, 1, 256, "vllm", SchedulerConfig(dllm_block_length=32, max_num_batched_tokens=64),
+                     t_pre=lambda h, n: 0.01)
+    told: list[int] = []
+    real = w.chunker.choose
+    w.chunker.choose = lambda seqs, room=None, prompts=0: (told.append(prompts), real(seqs, room, prompts))[1]
+    for i in range(4):
+        w.begin_round(f"s{i}")
+        w.submit(PrefillTask(f"s{i}", 0, 0, 32, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
+    t = 0.0
+    while len(w.running) < 4 or any(s.kv_pending or s.kv_prompt for s in w.running):
+        plan = w.schedule(t)
+        w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
+        t += 1.0
+    for sid, n, want in (("p", 100, 64), ("q", 20, 0)):
+        told.clear()
+        w.begin_round(sid)
+        w.submit(PrefillTask(sid, 0, 0, n, t, output_tokens=5, decode_worker=0, worker=0), t)
+        plan = w.schedule(t)
+        assert told == [want] and plan.prefill and plan.decode
+        w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
+        t += 1.0
+        while w.active:                          # the rest of the prompt
+            plan = w.schedule(t)
+            w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
+            t += 1.0
 
 
 def test_elastic_adds_what_its_steps_took_beyond_t_to_their_price():

@@ -139,7 +139,8 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
 
 def chunk_latency(t_step: Callable[[BatchShape], float] | None,
                   t_pre: Callable[[int, int], float] | None) -> StepLatency:
-    """Optimus's T for a diffusion step of `rows` query rows in `seqs` windows over `ctx` cached tokens in all: the
+    """Optimus's T for a diffusion step of `rows` query rows in `seqs` windows over `ctx` cached tokens in all, beside
+    `prefill` prompt rows (one chunk with no history: the sizer prices what its windows add to them): the
     shell's step timer (the roofline's or a profile's) priced on that batch, which also charges the cached keys the
     windows read (once per sequence, whatever the window: at long contexts they decide the step); with no step
     timer, ChunkLatency fitted to the prefill estimate of b·c tokens (the paper's form, piecewise affine in b·c).
@@ -148,9 +149,11 @@ def chunk_latency(t_step: Callable[[BatchShape], float] | None,
     if t_step is None:
         return ChunkLatency.sample(lambda x: t_pre(0, x) if t_pre is not None else 1e-3 * x).rows
 
-    def priced(rows: int, seqs: int, ctx: int, sampled: int) -> float:
+    def priced(rows: int, seqs: int, ctx: int, sampled: int, prefill: int) -> float:
         shape = BatchShape()
         shape.add_windows(seqs, ctx, rows)
+        if prefill:
+            shape.add_prefill(0, prefill)
         return t_step(shape)
     return priced
 

@@ -625,17 +625,23 @@ class WorkerCore:
         stays within the active block (blocks are aligned to absolute positions), so it is min(c, masked positions
         left in the block), which it may commit, besides the K/V writes of the last commits and the prompt's leftover
         tokens it carries (outside c, taken out of the budget first); plain block diffusion (c = B) computes the whole
-        block."""
+        block. When more prompts are ready than fit beside the smallest windows, the sizer is told the rows they fill:
+        the windows then displace prompt rows, and it prices them so."""
         B = self.cfg.dllm_block
         budget = self.cfg.max_num_batched_tokens
         waiting = sum(t.work - t.done for t in self.active) + sum(t.work for t in self.queue)
+        ready = sum(t.work - t.done for t in self.active if t.kv_ready)   # prompts this step runs beside the windows
+        # (windows are sized only when the step mixes, or when no prompt is ready)
         claim = min(waiting, int(self.cfg.dllm_prefill_share * budget))   # what waiting prefills keep of the step
         whole = self.chunker.recomputes_block
+        carried = 0
         if not whole:                                # rows riding with the windows: K/V writes, prompts' tails
-            claim += sum(seq.kv_pending + seq.kv_prompt for seq in self.running)
-        lefts = [self._masked_left(seq) for seq in self.running]
+            carried = sum(seq.kv_pending + seq.kv_prompt for seq in self.running)
+        full = budget - carried                      # the prompt rows that fill the step, when more are ready than
+        lefts = [self._masked_left(seq) for seq in self.running]   # fit beside the smallest windows
         c = self.chunker.choose([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens)
-                                 for left, seq in zip(lefts, self.running)], room=budget - claim)
+                                 for left, seq in zip(lefts, self.running)], room=full - claim,
+                                prompts=full if 0 < full < ready + len(self.running) else 0)
         for left, seq in zip(lefts, self.running):
             pending = seq.kv_pending
             if whole:                                # the block, plus a completed block's first write

@@ -26,6 +26,7 @@ from tandem.policy.optimus.latency import StepOverhead
 CHUNK_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)   # window sizes the elastic policy chooses among (up to the block)
 WARMUP_OBSERVATIONS = 32                    # sequence-steps observed (at the block size) before the elastic choice
 MIN_PRICE_SHARE = 0.1                       # a learnt overhead below zero takes a step's price down to this share
+MIN_PRICE_S = 1e-9                          # a price never reaches 0 (windows added to prompts in a flat regime)
 STALL_PRICES = 4.0                          # a step's overhead counts at most this many times its price (beyond: a
                                             # stall, a GC pause, not the step's work)
 
@@ -70,8 +71,8 @@ def parse_chunk(value: str | int | ChunkSpec) -> ChunkSpec:
     raise ValueError(f"a diffusion chunk is 'elastic', 'block' or a positive integer, got {value!r}")
 
 
-StepLatency = Callable[[int, int, int, int], float]   # (query rows, sequences, cached tokens they read, rows
-                                                      # sampled: the windows') -> seconds
+StepLatency = Callable[[int, int, int, int, int], float]   # (window rows, sequences, cached tokens they read, rows
+                                                           # sampled: the windows', prefill rows beside them) -> seconds
 
 
 class SeqWindow(NamedTuple):
@@ -100,34 +101,40 @@ class ChunkSizer:
         self.steps_by_chunk: dict[int, int] = {}     # steps run at each chosen window (what /metrics shows)
         self.commit_counts: dict[int, int] = {}      # sequence-steps that committed k tokens
         self.overhead = StepOverhead()               # what the shell's steps take beyond `latency`, learnt online
-        self._priced: tuple[int, int, int, int] | None = None   # the last elastic step as priced, until timed
+        self._priced: tuple[int, int, int, int, int] | None = None   # the last elastic step as priced, until timed
 
     @property
     def recomputes_block(self) -> bool:
         """Plain block diffusion: every step computes the whole block (no reuse of its decoded positions)."""
         return self.spec.mode is ChunkMode.BLOCK
 
-    def choose(self, seqs: Sequence[SeqWindow], room: int | None = None) -> int:
-        """The window of a step decoding `seqs` (at most the block length); elastic: see `_elastic`."""
+    def choose(self, seqs: Sequence[SeqWindow], room: int | None = None, prompts: int = 0) -> int:
+        """The window of a step decoding `seqs` (at most the block length); `prompts`: the prompt rows that fill the
+        step whatever its windows, because more wait than it holds (0: the waiting prompts fit beside any window);
+        elastic: see `_elastic`."""
         mode = self.spec.mode
         if mode is ChunkMode.BLOCK or not seqs:
             c = self.block
         elif mode is ChunkMode.FIXED:
             c = min(self.spec.size, self.block)
         else:
-            c = self._elastic(seqs, room)
+            c = self._elastic(seqs, room, prompts)
         self.last = c
         if seqs:
             self.steps_by_chunk[c] = self.steps_by_chunk.get(c, 0) + 1
         return c
 
-    def _elastic(self, seqs: Sequence[SeqWindow], room: int | None) -> int:
+    def _elastic(self, seqs: Sequence[SeqWindow], room: int | None, prompts: int) -> int:
         """The candidate c committing the most tokens per second (the first of equals). Each sequence's window is
         min(c, left) masked positions (it stays in its active block), expected to commit N_commit of them; the step
         is priced on all its rows (the windows, the K/V writes and the extra rows, of which only the windows' are
-        sampled), sequences and cached tokens, plus the overhead learnt so far. The windows stay within `room` query
-        rows when given (the step's budget left to them, writes and extra rows already taken out), down to a window
-        of 1. During the warm-up: the largest that fits. Either way the step is kept as priced until it is timed."""
+        sampled), sequences and cached tokens, plus the overhead learnt so far. When prompts wait beyond the step
+        (`prompts` > 0 rows fill it), every window row displaces a prompt row that will run later at the same cost:
+        the windows are priced at what they add to a step of those prompts, less the per-step overhead (the prompts
+        pay it anyway), so c* falls to the windows that commit the most per row where steps are compute-bound
+        (serving capacity is then the total work per request). The windows stay within `room` query rows when given
+        (the step's budget left to them, writes and extra rows already taken out), down to a window of 1. During the
+        warm-up: the largest that fits. Either way the step is kept as priced until it is timed."""
         fits = []                                    # (c, each sequence's window)
         for cand in self.candidates:
             windows = [cand if cand < s.left else s.left for s in seqs]
@@ -138,7 +145,11 @@ class ChunkSizer:
         if self.estimator.observations < self.warmup:
             best = fits[-1]
         else:
-            extra = self.overhead(len(seqs))
+            if prompts:
+                base = self.latency(0, 0, 0, 0, prompts)
+                extra = self.overhead(len(seqs)) - self.overhead(0)
+            else:
+                base, extra = 0.0, self.overhead(len(seqs))
 
             def rate(fit: tuple[int, list[int]]) -> float:
                 commits = 0.0
@@ -148,11 +159,11 @@ class ChunkSizer:
                         n_at[key] = self.estimator.estimate(m, s.left)
                     commits += n_at[key]
                 sampled = sum(fit[1])
-                t = self.latency(sampled + carried, len(seqs), ctx, sampled)
-                return commits / max(t + extra, MIN_PRICE_SHARE * t)
+                t = self.latency(sampled + carried, len(seqs), ctx, sampled, prompts) - base
+                return commits / max(t + extra, MIN_PRICE_SHARE * t, MIN_PRICE_S)
             best = max(fits, key=rate)
         sampled = sum(best[1])
-        self._priced = (sampled + carried, len(seqs), ctx, sampled)
+        self._priced = (sampled + carried, len(seqs), ctx, sampled, 0)
         return best[0]
 
     def observe_step(self, seconds: float | None) -> None:

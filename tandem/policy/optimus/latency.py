@@ -52,10 +52,11 @@ class ChunkLatency:
         """Seconds of a step of b windows of c positions, every one sampled."""
         return self.rows(c * b, b)
 
-    def rows(self, rows: int, seqs: int = 1, ctx: int = 0, sampled: int | None = None) -> float:
-        """The sizer's StepLatency: seconds of a step of `rows` query rows in all over `seqs` sequences, `sampled` of
-        them through the LM head (all when not given); the cached tokens are not part of this model."""
-        x = float(rows)
+    def rows(self, rows: int, seqs: int = 1, ctx: int = 0, sampled: int | None = None, prefill: int = 0) -> float:
+        """The sizer's StepLatency: seconds of a step of `rows` window rows in all over `seqs` sequences, `sampled` of
+        them through the LM head (all when not given), beside `prefill` prompt rows (the forward only); the cached
+        tokens are not part of this model."""
+        x = float(rows + prefill)
         b0, b1 = self.coefs[bisect_right(self.breakpoints, x)]
         t = b0 + b1 * x + self.per_seq_s * seqs
         if t < self.floor_s:
