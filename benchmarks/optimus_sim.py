@@ -20,8 +20,9 @@ batch rebuilt every step):
 
 Systems: `ar` (the AR base model: Qwen3-8B for SDAR-8B, Ling-2.0-16B for LLaDA2.0-16B), `bd32` (the whole block
 every step), `c4`..`c32` (streaming chunked decoding with a fixed window), `elastic` (Optimus's c* per step, the
-windows leaving waiting prefills up to half the step's token budget: tandem's default) and `elastic-paper` (c* as
-the paper states it, only within the token budget).
+windows leaving waiting prefills up to half the step's token budget: tandem's default) and `elastic-paper` (the
+windows may take the whole token budget, as the paper's c* does under decode-first batching; where ready prompts
+overflow the step, its windows are priced at the prompt rows they displace, as elastic's are).
 Diffusion commits follow tandem.perf.dllm's distribution for the model's ShareGPT row of Optimus Table 2; step
 times are the roofline's. Writes table.md, results.json, fig8.png and fig10.png to --out.
 """
