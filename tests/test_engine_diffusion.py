@@ -151,6 +151,38 @@ def test_a_stream_shows_only_committed_prefixes_and_max_tokens_exactly(prompts):
     assert len(seen) > 1 and any(len(a) < len(b) for a, b in zip(seen, seen[1:]))
 
 
+def test_elastic_windows_beside_overflowing_prompts_finish_every_request_exactly(prompts):
+    """Protects the engine's side of the displacement price: under a 64-token budget, four prompts arriving while two
+    requests decode are more than fit beside the smallest windows, so the sizer is told the rows they fill; every
+    request still ends with exactly max_tokens, and the windows stay within the room the budget leaves them (down
+    to one position each; the K/V writes and the prompts' leftover tokens ride outside it)."""
+    eng = _engine("elastic", max_num_batched_tokens=64)
+    told, fits = [], []
+    choose = eng.core.chunker.choose
+
+    def spy(seqs, room=None, prompts=0):
+        c = choose(seqs, room, prompts)
+        told.append(prompts)
+        fits.append(sum(min(c, s.left) for s in seqs) <= max(room, len(seqs)))
+        return c
+    eng.core.chunker.choose = spy
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i in range(2):
+        eng.add_request(f"early{i}", prompts[i], params)
+    eng.step()
+    eng.step()
+    for i in range(4):
+        eng.add_request(f"late{i}", prompts[2 + i] * 3, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert sorted(done) == ["early0", "early1", "late0", "late1", "late2", "late3"]
+    assert all(len(t) == 24 for t in done.values())
+    assert any(p > 0 for p in told) and all(fits)
+
+
 def test_a_streaming_window_is_c_masked_positions_carrying_the_writes_and_the_prompts_tail():
     """Protects Optimus's window in the decoding state: each step computes the first c masked positions of the
     block; the K/V writes of the last step's commits and the prompt's leftover tokens ride with it outside c; the

@@ -50,6 +50,7 @@ def test_the_head_is_charged_per_sampled_row_only():
     lat = ChunkLatency((), ((0.001, 10e-6),), head_s=50e-6)
     assert lat.rows(100, 1, 0, 40) == pytest.approx(0.004, abs=1e-15)
     assert lat.rows(100) == lat(100, 1) == pytest.approx(0.007, abs=1e-15)
+    assert lat.rows(60, 1, 0, 40, 40) == lat.rows(100, 1, 0, 40)   # prompt rows: the forward, no head
     with pytest.raises(ValueError, match="head_s"):
         ChunkLatency((), ((0.001, 10e-6),), head_s=-1.0)
 
