@@ -154,18 +154,19 @@ def test_a_stream_shows_only_committed_prefixes_and_max_tokens_exactly(prompts):
 def test_elastic_windows_beside_overflowing_prompts_finish_every_request_exactly(prompts):
     """Protects the engine's side of the displacement price: under a 64-token budget, four prompts arriving while two
     requests decode are more than fit beside the smallest windows, so the sizer is told the rows they fill; every
-    request still ends with exactly max_tokens, and the windows stay within the room the budget leaves them (down
-    to one position each; the K/V writes and the prompts' leftover tokens ride outside it)."""
+    request still ends with exactly max_tokens, and the rows of the sequences decoding in a step (their windows, K/V
+    writes and prompts' leftover tokens) stay within the budget the prompts leave them, or one sequence decodes."""
     eng = _engine("elastic", max_num_batched_tokens=64)
     told, fits = [], []
-    choose = eng.core.chunker.choose
+    plan = eng.core.chunker.plan
 
     def spy(seqs, room=None, prompts=0):
-        c = choose(seqs, room, prompts)
+        c, n = plan(seqs, room, prompts)
         told.append(prompts)
-        fits.append(sum(min(c, s.left) for s in seqs) <= max(room, len(seqs)))
-        return c
-    eng.core.chunker.choose = spy
+        rows = sum(min(c, s.left) + s.pending + s.extra for s in seqs[:n])
+        fits.append(n == 1 or rows <= room + sum(s.pending + s.extra for s in seqs))
+        return c, n
+    eng.core.chunker.plan = spy
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for i in range(2):
         eng.add_request(f"early{i}", prompts[i], params)

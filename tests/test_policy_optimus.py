@@ -217,8 +217,8 @@ def test_the_core_tells_the_sizer_when_ready_prompts_overflow_the_step():
     w = build_worker(0, COLOCATED, 1, 256, "vllm", SchedulerConfig(dllm_block_length=32, max_num_batched_tokens=64),
                      t_pre=lambda h, n: 0.01)
     told: list[int] = []
-    real = w.chunker.choose
-    w.chunker.choose = lambda seqs, room=None, prompts=0: (told.append(prompts), real(seqs, room, prompts))[1]
+    real = w.chunker.plan
+    w.chunker.plan = lambda seqs, room=None, prompts=0: (told.append(prompts), real(seqs, room, prompts))[1]
     for i in range(4):
         w.begin_round(f"s{i}")
         w.submit(PrefillTask(f"s{i}", 0, 0, 32, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
@@ -239,6 +239,48 @@ def test_the_core_tells_the_sizer_when_ready_prompts_overflow_the_step():
             plan = w.schedule(t)
             w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
             t += 1.0
+
+
+def test_elastic_runs_the_sequences_that_fit_when_windows_of_one_overflow_the_budget():
+    """Protects the sit-out: 8 fresh sequences each carrying 10 rows (a prompt's leftover tokens) leave windows no
+    room in a 64-row budget (80 carried). Each c is then run by the first sequences whose rows fit the 64: c = 1 by
+    5 (55 rows, 5 commits), 2 by 5 (10), 4 by 4 (16), 8 by 3 (24), 16 by 2 (32), 32 by 1 (its rest window: 16); the
+    step is flat (10 ms), so c = 16 for the first 2. With room for windows of 1 every sequence decodes, as before."""
+    s = sizer()
+    s.observe(32, [16] * 32)
+    carrying = [SeqWindow(32, 0, 10)] * 8
+    assert s.plan(carrying, room=64 - 80) == (16, 2)
+    assert s.plan(carrying, room=8) == (1, 8) and s.plan(fresh(8), room=64) == (8, 8)
+    assert s.choose(carrying, room=-16) == 16 and sizer("fixed", size=4).plan(carrying, room=-16) == (4, 8)
+
+
+def test_sequences_that_sit_a_step_out_go_first_in_the_next():
+    """Protects the core's side of the sit-out: 4 sequences whose first-block windows carry their prompts' 16
+    leftover tokens fill a 64-token budget by those alone, so only some decode in a step; the ones that sat out
+    decode first in the next, every sequence decodes within two steps, and no step holds more rows than the budget
+    unless one sequence alone does."""
+    w = build_worker(0, COLOCATED, 1, 256, "vllm", SchedulerConfig(dllm_block_length=32, max_num_batched_tokens=64),
+                     t_pre=lambda h, n: 0.01)
+    w.chunker.observe(32, [16] * 32)
+    for i in range(4):
+        w.begin_round(f"s{i}")
+        w.submit(PrefillTask(f"s{i}", 0, 0, 16, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
+    t = 0.0
+    while len(w.running) < 4:
+        plan = w.schedule(t)
+        w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
+        t += 1.0
+    sat: set[str] = set()
+    for _ in range(6):
+        plan = w.schedule(t)
+        ran = [s.session_id for s in plan.decode]
+        rows = sum(s.query_tokens for s in plan.decode)
+        assert len(ran) < 4 and (rows <= 64 or len(ran) == 1)
+        assert sat <= set(ran) or set(ran) <= sat    # who sat out goes first
+        sat = {f"s{i}" for i in range(4)} - set(ran)
+        w.on_step_done(plan, StepResult(1.0, {sid: 0 for sid in ran}), t + 1.0)
+        t += 1.0
+    assert w._sat_out and set(w._sat_out) == sat
 
 
 def test_elastic_adds_what_its_steps_took_beyond_t_to_their_price():
@@ -486,11 +528,11 @@ def test_elastic_windows_stay_within_the_budget_and_leave_waiting_prefills_their
         w.chunker.observe(32, [16] * 32)         # warm-up done: stretches of 16
         for i in range(4):
             w.begin_round(f"s{i}")
-            w.submit(PrefillTask(f"s{i}", 0, 0, 16, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
+            w.submit(PrefillTask(f"s{i}", 0, 0, 32, 0.0, output_tokens=100, decode_worker=0, worker=0), 0.0)
         t = 0.0
-        while len(w.running) < 4 or any(s.kv_prompt for s in w.running):   # prefill the prompts, then decode their
-            plan = w.schedule(t)                 # first blocks, whose windows carry the prompts' 16 leftover tokens
-            w.on_step_done(plan, StepResult(1.0, {s.session_id: s.commit_cap for s in plan.decode}), t + 1.0)
+        while len(w.running) < 4:                # prefill the prompts (a whole block each: no leftover tokens)
+            plan = w.schedule(t)
+            w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)
             t += 1.0
         plan = w.schedule(t)                     # a step that commits nothing: no K/V left to write
         w.on_step_done(plan, StepResult(1.0, {s.session_id: 0 for s in plan.decode}), t + 1.0)

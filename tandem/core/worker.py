@@ -101,6 +101,7 @@ class WorkerCore:
         self._phase: dict[str, PhaseState] = {}             # dLLM-Serve: each running request's phase state
         self.last_phases: dict[str, Phase] = {}             # dLLM-Serve: the phase of each request of the last plan
         self.chunker = chunker if cfg.dllm_block and self.dllm is None else None  # Optimus: each step's window
+        self._sat_out: dict[str, int] = {}           # diffusion: steps a running sequence has sat out in a row
         if cfg.dllm_admission:
             if self.dllm is None or self.dllm.mode != cfg.dllm_admission:
                 raise ValueError(f"a dLLM-Serve worker ({cfg.dllm_admission!r} admission) needs its DllmServe "
@@ -285,6 +286,8 @@ class WorkerCore:
                     self._admit(now)                 # growth preempted everything: the freed pool goes to the queue
                 if self.running:
                     plan.decode = list(self.running)
+                    if self._sat_out:                # diffusion: those sitting this step out (elastic, a full budget)
+                        plan.decode = [seq for seq in plan.decode if seq.query_tokens]
                     if self.cfg.decode_query_tokens == 1 and not self.cfg.dllm_block:
                         n = len(plan.decode)
                         shape.num_decode = n
@@ -626,7 +629,9 @@ class WorkerCore:
         left in the block), which it may commit, besides the K/V writes of the last commits and the prompt's leftover
         tokens it carries (outside c, taken out of the budget first); plain block diffusion (c = B) computes the whole
         block. When more prompts are ready than fit beside the smallest windows, the sizer is told the rows they fill:
-        the windows then displace prompt rows, and it prices them so."""
+        the windows then displace prompt rows, and it prices them so. When even windows of one position do not fit
+        the budget (elastic; the carried rows fill it), the sizer runs the first sequences that fit and the others
+        sit the step out, those that sat out longest going first next time."""
         B = self.cfg.dllm_block
         budget = self.cfg.max_num_batched_tokens
         waiting = sum(t.work - t.done for t in self.active) + sum(t.work for t in self.queue)
@@ -638,13 +643,20 @@ class WorkerCore:
         if not whole:                                # rows riding with the windows: K/V writes, prompts' tails
             carried = sum(seq.kv_pending + seq.kv_prompt for seq in self.running)
         full = budget - carried                      # the prompt rows that fill the step, when more are ready than
-        lefts = [self._masked_left(seq) for seq in self.running]   # fit beside the smallest windows
-        c = self.chunker.choose([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens)
-                                 for left, seq in zip(lefts, self.running)], room=full - claim,
-                                prompts=full if 0 < full < ready + len(self.running) else 0)
-        for left, seq in zip(lefts, self.running):
+        # fit beside the smallest windows
+        sat = self._sat_out                          # longest sat out first, else in running order
+        order = sorted(self.running, key=lambda q: -sat.get(q.session_id, 0)) if sat else self.running
+        lefts = [self._masked_left(seq) for seq in order]
+        c, n = self.chunker.plan([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens)
+                                  for left, seq in zip(lefts, order)], room=full - claim,
+                                 prompts=full if 0 < full < ready + len(self.running) else 0)
+        if n < len(order) or sat:
+            self._sat_out = {seq.session_id: sat.get(seq.session_id, 0) + 1 for seq in order[n:]}
+        for i, (left, seq) in enumerate(zip(lefts, order)):
             pending = seq.kv_pending
-            if whole:                                # the block, plus a completed block's first write
+            if i >= n:                               # sits this step out (elastic: the budget holds the first n)
+                seq.commit_cap = seq.query_tokens = 0
+            elif whole:                              # the block, plus a completed block's first write
                 seq.commit_cap = left
                 seq.query_tokens = B + pending
             else:                                    # streaming: c masked positions, besides the writes and the tail

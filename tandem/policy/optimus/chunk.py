@@ -109,62 +109,96 @@ class ChunkSizer:
         return self.spec.mode is ChunkMode.BLOCK
 
     def choose(self, seqs: Sequence[SeqWindow], room: int | None = None, prompts: int = 0) -> int:
-        """The window of a step decoding `seqs` (at most the block length); `prompts`: the prompt rows that fill the
-        step whatever its windows, because more wait than it holds (0: the waiting prompts fit beside any window);
-        elastic: see `_elastic`."""
+        """The window of a step decoding `seqs` (at most the block length); see `plan`."""
+        return self.plan(seqs, room, prompts)[0]
+
+    def plan(self, seqs: Sequence[SeqWindow], room: int | None = None, prompts: int = 0) -> tuple[int, int]:
+        """(c, n): the window of a step and how many of `seqs`, the first n in the order given, decode in it.
+        `room`: the query rows the step's budget leaves the windows (their K/V writes and extra rows already taken
+        out; None: no limit); `prompts`: the prompt rows that fill the step whatever its windows, because more wait
+        than it holds (0: the waiting prompts fit beside any window). Every sequence decodes (n = len(seqs)) but
+        when elastic's windows of one position each overflow the room: then the first sequences that fit the
+        budget decode and the others sit the step out (see `_elastic`)."""
         mode = self.spec.mode
+        n = len(seqs)
         if mode is ChunkMode.BLOCK or not seqs:
             c = self.block
         elif mode is ChunkMode.FIXED:
             c = min(self.spec.size, self.block)
         else:
-            c = self._elastic(seqs, room, prompts)
+            c, n = self._elastic(seqs, room, prompts)
         self.last = c
         if seqs:
             self.steps_by_chunk[c] = self.steps_by_chunk.get(c, 0) + 1
-        return c
+        return c, n
 
-    def _elastic(self, seqs: Sequence[SeqWindow], room: int | None, prompts: int) -> int:
-        """The candidate c committing the most tokens per second (the first of equals). Each sequence's window is
-        min(c, left) masked positions (it stays in its active block), expected to commit N_commit of them; the step
-        is priced on all its rows (the windows, the K/V writes and the extra rows, of which only the windows' are
-        sampled), sequences and cached tokens, plus the overhead learnt so far. When prompts wait beyond the step
-        (`prompts` > 0 rows fill it), every window row displaces a prompt row that will run later at the same cost:
-        the windows are priced at what they add to a step of those prompts, less the per-step overhead (the prompts
-        pay it anyway), so c* falls to the windows that commit the most per row where steps are compute-bound
-        (serving capacity is then the total work per request). The windows stay within `room` query rows when given
-        (the step's budget left to them, writes and extra rows already taken out), down to a window of 1. During the
-        warm-up: the largest that fits. Either way the step is kept as priced until it is timed."""
-        fits = []                                    # (c, each sequence's window)
-        for cand in self.candidates:
-            windows = [cand if cand < s.left else s.left for s in seqs]
-            if room is not None and cand > 1 and sum(windows) > room:
-                break
-            fits.append((cand, windows))
-        ctx, carried, n_at = sum(s.ctx for s in seqs), sum(s.pending + s.extra for s in seqs), {}
+    def _elastic(self, seqs: Sequence[SeqWindow], room: int | None, prompts: int) -> tuple[int, int]:
+        """(c, n): the candidate c committing the most tokens per second (the first of equals), run by the first n
+        sequences. Each sequence's window is min(c, left) masked positions (it stays in its active block), expected
+        to commit N_commit of them; the step is priced on all its rows (the windows, the K/V writes and the extra
+        rows, of which only the windows' are sampled), sequences and cached tokens, plus the overhead learnt so far.
+        When prompts wait beyond the step (`prompts` > 0 rows fill it), every window row displaces a prompt row that
+        will run later at the same cost: the windows are priced at what they add to a step of those prompts, less the
+        per-step overhead (the prompts pay it anyway), so c* falls to the windows that commit the most per row where
+        steps are compute-bound (serving capacity is then the total work per request). The windows stay within `room`
+        query rows when given (the step's budget left to them), down to a window of 1; when even windows of 1 do not
+        fit (the rows every window carries fill the budget: prompts' leftover tokens, K/V writes), each candidate c
+        is run by the first sequences whose rows, carried ones included, fit the budget, the others sit the step out
+        (shrinking every window to 1 would pay each sequence's carried rows for one commit). During the warm-up: the
+        largest that fits. Either way the step is kept as priced until it is timed."""
+        fits = []                                    # (c, the windows of the sequences that decode)
+        if room is None or room >= len(seqs):
+            for cand in self.candidates:
+                windows = [cand if cand < s.left else s.left for s in seqs]
+                if room is not None and cand > 1 and sum(windows) > room:
+                    break
+                fits.append((cand, windows))
+        else:                                        # windows of 1 overflow: a prefix of the sequences decodes
+            budget = room + sum(s.pending + s.extra for s in seqs)
+            for cand in self.candidates:
+                windows, used = [], 0
+                for s in seqs:
+                    w = cand if cand < s.left else s.left
+                    used += w + s.pending + s.extra
+                    if windows and used > budget:
+                        break
+                    windows.append(w)
+                fits.append((cand, windows))
+        n_at: dict[tuple[int, int], float] = {}
+        of_n: dict[int, tuple[int, int]] = {}        # n -> cached tokens and carried rows of the first n sequences
+
+        def first(n: int) -> tuple[int, int]:
+            if n not in of_n:
+                of_n[n] = (sum(s.ctx for s in seqs[:n]), sum(s.pending + s.extra for s in seqs[:n]))
+            return of_n[n]
         if self.estimator.observations < self.warmup:
             best = fits[-1]
         else:
-            if prompts:
-                base = self.latency(0, 0, 0, 0, prompts)
-                extra = self.overhead(len(seqs)) - self.overhead(0)
-            else:
-                base, extra = 0.0, self.overhead(len(seqs))
-
+            base = self.latency(0, 0, 0, 0, prompts) if prompts else 0.0
+            over: dict[int, float] = {}              # overhead by sequences decoding (per-step: the prompts' when
+                                                     # they fill the step)
             def rate(fit: tuple[int, list[int]]) -> float:
+                windows = fit[1]
+                n = len(windows)
                 commits = 0.0
-                for m, s in zip(fit[1], seqs):
+                for m, s in zip(windows, seqs):
                     key = (m, s.left)
                     if key not in n_at:
                         n_at[key] = self.estimator.estimate(m, s.left)
                     commits += n_at[key]
-                sampled = sum(fit[1])
-                t = self.latency(sampled + carried, len(seqs), ctx, sampled, prompts) - base
-                return commits / max(t + extra, MIN_PRICE_SHARE * t, MIN_PRICE_S)
+                if n not in over:
+                    over[n] = self.overhead(n) - self.overhead(0) if prompts else self.overhead(n)
+                ctx, carried = first(n)
+                sampled = sum(windows)
+                t = self.latency(sampled + carried, n, ctx, sampled, prompts) - base
+                return commits / max(t + over[n], MIN_PRICE_SHARE * t, MIN_PRICE_S)
             best = max(fits, key=rate)
-        sampled = sum(best[1])
-        self._priced = (sampled + carried, len(seqs), ctx, sampled, 0)
-        return best[0]
+        c, windows = best
+        n = len(windows)
+        ctx, carried = first(n)
+        sampled = sum(windows)
+        self._priced = (sampled + carried, n, ctx, sampled, 0)
+        return c, n
 
     def observe_step(self, seconds: float | None) -> None:
         """The last step the sizer chose took `seconds` (None: it also ran other work, a prefill chunk, whose time
