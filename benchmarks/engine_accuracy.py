@@ -1,7 +1,7 @@
 """Held-out accuracy of the engine's own decoding at each batch size (issue 16, acceptance 2): what a server running
 the elastic chunk gives, against plain block diffusion and fixed streaming chunks.
 
-    python benchmarks/engine_accuracy.py                          # b = 1, 4, 16, 64, 256; 400 a task (~3 min)
+    python benchmarks/engine_accuracy.py                          # b = 1-256; 400 a task (~4.5 min)
     python benchmarks/engine_accuracy.py --batches 1,64 --per-task 100 --out /tmp/acc
 
 chunk_accuracy.py measures each decoding mode apart (generate_cached, which the engine equals token for token);
@@ -31,7 +31,7 @@ from tandem.bench.provenance import report_meta  # noqa: E402
 from tandem.cli.common import csv_list, positive_int  # noqa: E402
 
 SYSTEMS = ("bd32", "c4", "c8", "c16", "elastic")
-BATCHES = (1, 4, 16, 64, 256)
+BATCHES = (1, 4, 16, 64, 128, 256)
 MAX_TOKENS = 64
 
 
