@@ -116,9 +116,9 @@ class ChunkSizer:
         """(c, n): the window of a step and how many of `seqs`, the first n in the order given, decode in it.
         `room`: the query rows the step's budget leaves the windows (their K/V writes and extra rows already taken
         out; None: no limit); `prompts`: the prompt rows that fill the step whatever its windows, because more wait
-        than it holds (0: the waiting prompts fit beside any window). Every sequence decodes (n = len(seqs)) but
-        when elastic's windows of one position each overflow the room: then the first sequences that fit the
-        budget decode and the others sit the step out (see `_elastic`)."""
+        than it holds (0: the waiting prompts fit beside any window). Every sequence decodes (n = len(seqs)) except
+        when elastic's windows of one position each overflow the room: then the first sequences that fit the budget
+        decode and the others sit the step out (see `_elastic`)."""
         mode = self.spec.mode
         n = len(seqs)
         if mode is ChunkMode.BLOCK or not seqs:
@@ -168,6 +168,7 @@ class ChunkSizer:
         of_n: dict[int, tuple[int, int]] = {}        # n -> cached tokens and carried rows of the first n sequences
 
         def first(n: int) -> tuple[int, int]:
+            """The cached tokens and carried rows of the first n sequences (cached by n)."""
             if n not in of_n:
                 of_n[n] = (sum(s.ctx for s in seqs[:n]), sum(s.pending + s.extra for s in seqs[:n]))
             return of_n[n]
@@ -175,9 +176,11 @@ class ChunkSizer:
             best = fits[-1]
         else:
             base = self.latency(0, 0, 0, 0, prompts) if prompts else 0.0
-            over: dict[int, float] = {}              # overhead by sequences decoding (per-step: the prompts' when
-                                                     # they fill the step)
+            over: dict[int, float] = {}              # overhead by sequences decoding (the per-step part is the
+                                                     # prompts' when they fill the step)
+
             def rate(fit: tuple[int, list[int]]) -> float:
+                """Expected commits per second of the step `fit` plans."""
                 windows = fit[1]
                 n = len(windows)
                 commits = 0.0
