@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tandem.bench.provenance import report_meta
+from tandem.bench.report import write_report
 from tandem.cli.common import csv_list, positive_int
 
 ASSET = Path(__file__).resolve().parents[1] / "tandem" / "engine" / "diffusion" / "assets" / "tiny-sdar"
@@ -137,13 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         models = [measure(d, a.per_task, a.chunks, lambda: bar.advance(task)) for d in dirs]
     res = {"chunks": a.chunks, "per_task": a.per_task, "tasks": list(TASKS), "models": models,
            "meta": report_meta("benchmarks/chunk_accuracy.py", argv, time.perf_counter() - t0)}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    text = table(res)
-    (out / "table.md").write_text(text + "\n")
-    plot(res, out / "accuracy.png")
-    print(text)
+    write_report(a.out, res, table(res), plot, "accuracy.png")
     return 0
 
 

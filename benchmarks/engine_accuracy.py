@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chunk_accuracy import TASKS, mcnemar_p  # noqa: E402
 from optimus_engine import _engine, ASSET  # noqa: E402
 
-from tandem.bench.provenance import report_meta  # noqa: E402
+from tandem.bench.provenance import report_meta
+from tandem.bench.report import write_report  # noqa: E402
 from tandem.cli.common import csv_list, positive_int  # noqa: E402
 
 SYSTEMS = ("bd32", "c4", "c8", "c16", "elastic")
@@ -136,13 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         acc = measure(a.per_task, a.batches, lambda: bar.advance(task))
     res = {"batches": a.batches, "per_task": a.per_task, "tasks": list(TASKS), "systems": list(SYSTEMS),
            "accuracy": acc, "meta": report_meta("benchmarks/engine_accuracy.py", argv, time.perf_counter() - t0)}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=1))
-    text = table(res)
-    (out / "table.md").write_text(text + "\n")
-    plot(res, out / "accuracy.png")
-    print(text)
+    write_report(a.out, res, table(res), plot, "accuracy.png")
     return 0
 
 
