@@ -155,14 +155,16 @@ def test_elastic_windows_beside_overflowing_prompts_finish_every_request_exactly
     """Protects the engine's side of the displacement price: under a 64-token budget, four prompts arriving while two
     requests decode are more than fit beside the smallest windows, so the sizer is told the rows they fill; every
     request still ends with exactly max_tokens, and the rows of the sequences decoding in a step (their windows, K/V
-    writes and prompts' leftover tokens) stay within the budget the prompts leave them, or one sequence decodes."""
+    writes and prompts' leftover tokens) stay within the budget the prompts leave them, or one sequence decodes: the
+    late prompts' leftover tokens fill the budget, so some steps run while others sit out."""
     eng = _engine("elastic", max_num_batched_tokens=64)
-    told, fits = [], []
+    told, fits, sat = [], [], []
     plan = eng.core.chunker.plan
 
     def spy(seqs, room=None, prompts=0):
         c, n = plan(seqs, room, prompts)
         told.append(prompts)
+        sat.append(len(seqs) - n)
         rows = sum(min(c, s.left) + s.pending + s.extra for s in seqs[:n])
         fits.append(n == 1 or rows <= room + sum(s.pending + s.extra for s in seqs))
         return c, n
@@ -181,7 +183,7 @@ def test_elastic_windows_beside_overflowing_prompts_finish_every_request_exactly
                 done[o.request_id] = o.outputs[0].token_ids
     assert sorted(done) == ["early0", "early1", "late0", "late1", "late2", "late3"]
     assert all(len(t) == 24 for t in done.values())
-    assert any(p > 0 for p in told) and all(fits)
+    assert any(p > 0 for p in told) and all(fits) and any(sat)   # some steps ran while others sat out
 
 
 def test_a_streaming_window_is_c_masked_positions_carrying_the_writes_and_the_prompts_tail():
