@@ -144,8 +144,8 @@ class ChunkSizer:
         query rows when given (the step's budget left to them), down to a window of 1; when even windows of 1 do not
         fit (the rows every window carries fill the budget: prompts' leftover tokens, K/V writes), each candidate c
         is run by the first sequences whose rows, carried ones included, fit the budget, the others sit the step out
-        (shrinking every window to 1 would pay each sequence's carried rows for one commit). During the warm-up: the
-        largest that fits. Either way the step is kept as priced until it is timed."""
+        (rather than every window shrinking to 1, whatever c* would choose). During the warm-up: the largest that
+        fits. Either way the step is kept as priced until it is timed."""
         fits = []                                    # (c, the windows of the sequences that decode)
         if room is None or room >= len(seqs):
             for cand in self.candidates:
