@@ -634,9 +634,13 @@ class WorkerCore:
         sit the step out, those that sat out longest going first next time."""
         B = self.cfg.dllm_block
         budget = self.cfg.max_num_batched_tokens
-        waiting = sum(t.work - t.done for t in self.active) + sum(t.work for t in self.queue)
-        ready = sum(t.work - t.done for t in self.active if t.kv_ready)   # prompts this step runs beside the windows
-        # (windows are sized only when the step mixes, or when no prompt is ready)
+        admitted = ready = 0                         # prompt rows admitted; of those, the ones this step runs beside
+        for t in self.active:                        # the windows (sized only when the step mixes, or when no
+            left = t.work - t.done                   # prompt is ready)
+            admitted += left
+            if t.kv_ready:
+                ready += left
+        waiting = admitted + sum(t.work for t in self.queue)
         claim = min(waiting, int(self.cfg.dllm_prefill_share * budget))   # what waiting prefills keep of the step
         whole = self.chunker.recomputes_block
         carried = 0
