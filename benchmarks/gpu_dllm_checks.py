@@ -11,6 +11,9 @@
    vocabulary, profiled monolithic and with max_num_logits, the KV pool each leaves under gpu_memory_utilization;
    then the worst-case batch is run again on the live engine and its allocator peak compared with the profile's
    reserved activation memory (acceptance 1: measured peak <= profiled peak + guard).
+4. The token budget as a hard cap (`budget`): block, chunk 16 and elastic at 128 sequences under 1,024 rows a step
+   (uncapped, the block would run 4,224): the most rows a step held, and the allocator's peak over the run against
+   the activation memory the profile reserved.
 Runs on CPU too (then it only checks the code runs); one GPU, about a minute.
 """
 from __future__ import annotations
@@ -78,6 +81,17 @@ def sdar_checks(device: torch.device, n: int) -> dict:
     return out
 
 
+def _drain(eng) -> tuple[int, float]:  # noqa: ANN001 - an LLMEngine
+    """Step the engine until every request ends: the output tokens and the seconds it took."""
+    t0 = time.perf_counter()
+    toks = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                toks += len(o.outputs[0].token_ids)
+    return toks, time.perf_counter() - t0
+
+
 def engine_checks(device: torch.device, n: int) -> dict:
     """The diffusion engine (through the worker core) on `device`: each mode's tokens against the cached loop's on
     the same device, and output tokens/s at a few batch sizes (64 tokens each, ignore_eos)."""
@@ -113,15 +127,52 @@ def engine_checks(device: torch.device, n: int) -> dict:
             fixed = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
             for i in range(b):
                 eng.add_request(str(i), prompts[i % len(prompts)], fixed)
-            t0 = time.perf_counter()
-            toks = 0
-            while eng.has_unfinished_requests():
-                for o in eng.step():
-                    if o.finished:
-                        toks += len(o.outputs[0].token_ids)
-            speed[str(b)] = round(toks / (time.perf_counter() - t0), 1)
+            toks, secs = _drain(eng)
+            speed[str(b)] = round(toks / secs, 1)
         entry["tokens_per_s"] = speed
         out[chunk] = entry
+    return out
+
+
+def budget_checks(device: torch.device, seqs: int, tokens: int, sampled: bool = False) -> dict:
+    """max_num_batched_tokens caps every diffusion step (issue 16's modes under the issue 17 profile): `seqs`
+    requests (64 tokens, ignore_eos) decoded by the block (BD32), chunk 16 and elastic under a budget of `tokens`
+    rows, the most rows any step held, and on CUDA the allocator's peak over the whole run on top of what the engine
+    held after start, against the activation memory its memory profile reserved (peak + guard). `sampled`: every
+    request samples (temperature 1, top-k 50, top-p 0.9, seeded), the profile's assumption, instead of greedy."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tandem.engine.llm_engine import LLMEngine
+    tok = HFTokenizer.from_file(str(ASSET / "tokenizer.json"))
+    prompts = [tok.encode(e.prompt).ids for e in eval_set(max(1, seqs // 6))]
+    fixed = (SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0, max_tokens=64, ignore_eos=True) if sampled
+             else SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    cuda = device.type == "cuda"
+    out: dict = {"seqs": seqs, "max_num_batched_tokens": tokens, "sampled": sampled}
+    for chunk in ("block", "16", "elastic"):
+        extra = dict(memory_profile=True, gpu_memory_utilization=0.1) if cuda else dict(num_kv_blocks=seqs * 8)
+        eng = LLMEngine(EngineConfig(model=str(ASSET), dtype="float32", device=str(device), dllm_chunk=chunk,
+                                     max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=512,
+                                     enforce_eager=True, **extra))
+        for i in range(seqs):
+            eng.add_request(str(i), prompts[i % len(prompts)], fixed)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        toks, secs = _drain(eng)
+        entry = {"output_tokens": toks, "seconds": round(secs, 2),
+                 "max_step_rows": max(eng.stats.iteration_tokens), "steps": eng.stats.steps,
+                 "within_budget": max(eng.stats.iteration_tokens) <= tokens}
+        if cuda:
+            prof = eng.runner.memory
+            peak = torch.cuda.max_memory_allocated() - base
+            entry.update(run_peak_mib=round(peak / MIB, 1), reserved_mib=round(prof.reserved_bytes / MIB, 1),
+                         within_reserved=peak <= prof.reserved_bytes)
+        out[chunk] = entry
+        del eng
+        if cuda:
+            torch.cuda.empty_cache()
     return out
 
 
@@ -160,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-logits", type=int, default=32)
-    ap.add_argument("--checks", default="sdar,engine,memory", help="which checks, comma-separated")
+    ap.add_argument("--budget-seqs", type=int, default=128)
+    ap.add_argument("--budget-tokens", type=int, default=1024)
+    ap.add_argument("--budget-sampled", action="store_true", help="the budget check's requests sample (top-k/p)")
+    ap.add_argument("--checks", default="sdar,engine,budget,memory", help="which checks, comma-separated")
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     res: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -169,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name, fn in (("sdar", lambda: sdar_checks(device, a.prompts)),
                      ("engine", lambda: engine_checks(device, a.prompts)),
+                     ("budget", lambda: budget_checks(device, a.budget_seqs, a.budget_tokens,
+                                                                 a.budget_sampled)),
                      ("memory", lambda: memory_checks(device, Path(tempfile.mkdtemp()), a.tokens, a.max_num_seqs,
                                                       a.max_num_logits))):
         if name not in a.checks.split(","):

@@ -251,15 +251,33 @@ def test_elastic_runs_the_sequences_that_fit_when_windows_of_one_overflow_the_bu
     carrying = [SeqWindow(32, 0, 10)] * 8
     assert s.plan(carrying, room=64 - 80) == (16, 2)
     assert s.plan(carrying, room=8) == (1, 8) and s.plan(fresh(8), room=64) == (8, 8)
-    assert s.choose(carrying, room=-16) == 16 and sizer("fixed", size=4).plan(carrying, room=-16) == (4, 8)
+    assert s.choose(carrying, room=-16) == 16
 
 
-def test_sequences_that_sit_a_step_out_go_first_in_the_next():
-    """Protects the core's side of the sit-out: 4 sequences whose first-block windows carry their prompts' 16
-    leftover tokens fill a 64-token budget by those alone, so only some decode in a step; the ones that sat out
-    decode first in the next, every sequence decodes within two steps, and no step holds more rows than the budget
-    unless one sequence alone does."""
-    w = build_worker(0, COLOCATED, 1, 256, "vllm", SchedulerConfig(dllm_block_length=32, max_num_batched_tokens=64),
+def test_the_budget_caps_fixed_chunks_and_the_block_by_sitting_sequences_out():
+    """Protects max_num_batched_tokens as a hard cap on every mode's step (vLLM's meaning; the memory profile sizes
+    activations on it): 8 sequences carrying 10 rows each under a 64-row budget run chunk 4 for the first 4 (14 rows
+    each: 56; a fifth would make 70) and the block (32 rows each, 2 with a completed block's 32 writes) for the first
+    2, then 1 when the first has a block to write (64 rows alone), and a single sequence always runs, even over the
+    budget. With room for all, every sequence decodes at its window, and without a budget (None) too."""
+    carrying = [SeqWindow(32, 0, 10)] * 8
+    assert sizer("fixed", size=4).plan(carrying, room=64 - 80) == (4, 4)
+    assert sizer("fixed", size=4).plan(carrying, room=64) == (4, 8)
+    assert sizer("fixed", size=4).plan(carrying) == (4, 8)
+    block = sizer("block")
+    assert block.plan(fresh(8), room=64) == (32, 2) and block.plan(fresh(8), room=256) == (32, 8)
+    assert block.plan([SeqWindow(32, 32)] + fresh(7), room=64) == (32, 1)
+    assert block.plan([SeqWindow(32, 32)], room=16) == (32, 1) and block.plan(fresh(8)) == (32, 8)
+
+
+@pytest.mark.parametrize("chunk", ["elastic", "8", "block"])
+def test_sequences_that_sit_a_step_out_go_first_in_the_next(chunk):
+    """Protects the core's side of the sit-out, in every mode: 4 sequences whose first-block windows carry their
+    prompts' 16 leftover tokens (the block: its 32 positions) fill a 64-token budget, so only some decode in a step;
+    the ones that sat out decode first in the next, every sequence decodes within two steps, and no step holds more
+    rows than the budget unless one sequence alone does."""
+    w = build_worker(0, COLOCATED, 1, 256, "vllm", SchedulerConfig(dllm_block_length=32, max_num_batched_tokens=64,
+                                                                   dllm_chunk=chunk),
                      t_pre=lambda h, n: 0.01)
     w.chunker.observe(32, [16] * 32)
     for i in range(4):

@@ -286,7 +286,7 @@ class WorkerCore:
                     self._admit(now)                 # growth preempted everything: the freed pool goes to the queue
                 if self.running:
                     plan.decode = list(self.running)
-                    if self._sat_out:                # diffusion: those sitting this step out (elastic, a full budget)
+                    if self._sat_out:                # diffusion: those sitting this step out (a full budget)
                         plan.decode = [seq for seq in plan.decode if seq.query_tokens]
                     if self.cfg.decode_query_tokens == 1 and not self.cfg.dllm_block:
                         n = len(plan.decode)
@@ -630,8 +630,9 @@ class WorkerCore:
         tokens it carries (outside c, taken out of the budget first); plain block diffusion (c = B) computes the whole
         block. When more prompts are ready than fit beside the smallest windows, the sizer is told the rows they fill:
         the windows then displace prompt rows, and it prices them so. When even windows of one position do not fit
-        the budget (elastic; the carried rows fill it), the sizer runs the first sequences that fit and the others
-        sit the step out, those that sat out longest going first next time."""
+        the budget (elastic; the carried rows fill it), or a fixed chunk's or the block's windows overflow it (the
+        budget caps every step, as in vLLM; a fixed chunk leaves no share to waiting prefills), the sizer runs the
+        first sequences that fit and the others sit the step out, those that sat out longest going first next time."""
         B = self.cfg.dllm_block
         budget = self.cfg.max_num_batched_tokens
         admitted = ready = 0                         # prompt rows admitted; of those, the ones this step runs beside
@@ -652,13 +653,14 @@ class WorkerCore:
         order = sorted(self.running, key=lambda q: -sat.get(q.session_id, 0)) if sat else self.running
         lefts = [self._masked_left(seq) for seq in order]
         c, n = self.chunker.plan([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens)
-                                  for left, seq in zip(lefts, order)], room=full - claim,
+                                  for left, seq in zip(lefts, order)],
+                                 room=full - claim if self.chunker.elastic else full,
                                  prompts=full if 0 < full < ready + len(self.running) else 0)
         if n < len(order) or sat:
             self._sat_out = {seq.session_id: sat.get(seq.session_id, 0) + 1 for seq in order[n:]}
         for i, (left, seq) in enumerate(zip(lefts, order)):
             pending = seq.kv_pending
-            if i >= n:                               # sits this step out (elastic: the budget holds the first n)
+            if i >= n:                               # sits this step out (the budget holds the first n)
                 seq.commit_cap = seq.query_tokens = 0
             elif whole:                              # the block, plus a completed block's first write
                 seq.commit_cap = left

@@ -15,7 +15,7 @@ diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
@@ -84,6 +84,18 @@ class SeqWindow(NamedTuple):
     ctx: int = 0         # cached tokens its rows attend to
 
 
+def fitting(rows: Iterable[int], budget: int) -> int:
+    """How many of the sequences, in order, run within `budget` rows, each taking the rows given; at least one
+    (a sequence whose step alone exceeds the budget still runs, or it would never decode)."""
+    n = used = 0
+    for r in rows:
+        used += r
+        if n and used > budget:
+            break
+        n += 1
+    return n
+
+
 class ChunkSizer:
     """Picks each diffusion step's window; learns N_commit from the commits it is told of."""
 
@@ -104,6 +116,11 @@ class ChunkSizer:
         self._priced: tuple[int, int, int, int, int] | None = None   # the last elastic step as priced, until timed
 
     @property
+    def elastic(self) -> bool:
+        """Optimus's c*: the window is chosen each step from the load."""
+        return self.spec.mode is ChunkMode.ELASTIC
+
+    @property
     def recomputes_block(self) -> bool:
         """Plain block diffusion: every step computes the whole block (no reuse of its decoded positions)."""
         return self.spec.mode is ChunkMode.BLOCK
@@ -116,17 +133,22 @@ class ChunkSizer:
         """(c, n): the window of a step and how many of `seqs`, the first n in the order given, decode in it.
         `room`: the query rows the step's budget leaves the windows (their K/V writes and extra rows already taken
         out; None: no limit); `prompts`: the prompt rows that fill the step whatever its windows, because more wait
-        than it holds (0: the waiting prompts fit beside any window). Every sequence decodes (n = len(seqs)) except
-        when elastic's windows of one position each overflow the room: then the first sequences that fit the budget
-        decode and the others sit the step out (see `_elastic`)."""
+        than it holds (0: the waiting prompts fit beside any window). The token budget is a hard cap on a step's
+        rows, as in vLLM, whatever the mode: when the windows overflow the room, the first sequences whose rows fit
+        decode and the others sit the step out (always at least one). A fixed chunk or the block keeps its window
+        and runs fewer sequences; elastic weighs that against smaller windows for all (see `_elastic`)."""
         mode = self.spec.mode
         n = len(seqs)
-        if mode is ChunkMode.BLOCK or not seqs:
-            c = self.block
-        elif mode is ChunkMode.FIXED:
-            c = min(self.spec.size, self.block)
-        else:
+        if mode is ChunkMode.ELASTIC and seqs:
             c, n = self._elastic(seqs, room, prompts)
+        else:
+            c = min(self.spec.size, self.block) if mode is ChunkMode.FIXED and seqs else self.block
+            if room is not None and seqs:
+                if mode is ChunkMode.BLOCK:          # the whole block and a completed block's first write
+                    n = fitting(((self.block + s.pending) for s in seqs), room)
+                else:
+                    n = fitting(((min(c, s.left) + s.pending + s.extra) for s in seqs),
+                                room + sum(s.pending + s.extra for s in seqs))
         self.last = c
         if seqs:
             self.steps_by_chunk[c] = self.steps_by_chunk.get(c, 0) + 1
@@ -156,14 +178,9 @@ class ChunkSizer:
         else:                                        # windows of 1 overflow: a prefix of the sequences decodes
             budget = room + sum(s.pending + s.extra for s in seqs)
             for cand in self.candidates:
-                windows, used = [], 0
-                for s in seqs:
-                    w = cand if cand < s.left else s.left
-                    used += w + s.pending + s.extra
-                    if windows and used > budget:
-                        break
-                    windows.append(w)
-                fits.append((cand, windows))
+                windows = [cand if cand < s.left else s.left for s in seqs]
+                n = fitting((w + s.pending + s.extra for w, s in zip(windows, seqs)), budget)
+                fits.append((cand, windows[:n]))
         n_at: dict[tuple[int, int], float] = {}
         of_n: dict[int, tuple[int, int]] = {}        # n -> cached tokens and carried rows of the first n sequences
 
@@ -230,4 +247,5 @@ class ChunkSizer:
         return sum(k * v for k, v in self.commit_counts.items()) / n if n else 0.0
 
 
-__all__ = ["CHUNK_CANDIDATES", "ChunkMode", "ChunkSizer", "ChunkSpec", "SeqWindow", "StepLatency", "parse_chunk"]
+__all__ = ["CHUNK_CANDIDATES", "ChunkMode", "ChunkSizer", "ChunkSpec", "SeqWindow", "StepLatency", "fitting",
+           "parse_chunk"]
