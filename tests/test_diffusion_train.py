@@ -107,6 +107,34 @@ def test_a_few_training_steps_lower_the_loss_and_repeat_exactly():
     assert again.losses == result.losses[:6]
 
 
+def test_training_with_mixed_block_sizes_draws_a_size_per_step_reproducibly(monkeypatch):
+    """Protects --train-block-sizes: each diffusion step's batches are noised with a block size drawn from the set
+    (its own seeded stream, so the same seed gives the same sizes and losses), every size divides the model's 32,
+    and with an empty set every step uses the model's block size."""
+    from tandem.engine.diffusion import train as tr
+    seen: list[int] = []
+    real = tr.make_batches
+
+    def spy(pairs, B, *rest):
+        seen.append(B)
+        return real(pairs, B, *rest)
+    monkeypatch.setattr(tr, "make_batches", spy)
+    cfg = TrainConfig(seed=7, steps=8, batch_size=4, warmup=2, block_sizes=(4, 32))
+    first = train(cfg, progress=False)
+    sizes, seen[:] = list(seen), []
+    again = train(TrainConfig(seed=7, steps=8, batch_size=4, warmup=2, block_sizes=[4, 32]), progress=False)
+    stream = random.Random(tr.SIZE_STREAM + 7)
+    assert sizes == seen == [stream.choice((4, 32)) for _ in range(8)] and set(sizes) == {4, 32}
+    assert again.losses == first.losses
+    seen[:] = []
+    train(TrainConfig(seed=7, steps=3, batch_size=4, warmup=2, block_sizes=()), progress=False)
+    assert seen == [32, 32, 32]
+    assert TrainConfig().block_sizes == (1, 2, 4, 8, 16, 32)      # the committed checkpoint's recipe
+    for bad in ((5,), (0,), (64,), (True,)):
+        with pytest.raises(ValueError, match="divide the model's block size 32"):
+            TrainConfig(block_sizes=bad)
+
+
 def test_next_token_batches_predict_the_following_token_under_a_causal_mask():
     """Protects SDAR's AR phase: every position but a sequence's last predicts the next token (logit shift), under
     a causal mask, with EOS padding never a target; a few AR steps then lower that loss."""
@@ -190,3 +218,10 @@ def test_cli_trains_a_checkpoint_that_loads(tmp_path, capsys):
     assert "--eval-examples 400: task 'add' has only 106" in capsys.readouterr().err
     assert not (tmp_path / "e").exists() or not any((tmp_path / "e").iterdir())
     assert main(["tiny-model", "--arch", "sdar", "--train-threads", "2", "--out", str(tmp_path / "t")]) == 2
+    capsys.readouterr()
+    assert main(["tiny-model", "--arch", "sdar", "--train-block-sizes", "4,8", "--out", str(tmp_path / "t")]) == 2
+    assert "--train-block-sizes needs --train" in capsys.readouterr().err
+    assert main(["tiny-model", "--arch", "sdar", "--train", "--train-block-sizes", "4,12", "--out",
+                 str(tmp_path / "b")]) == 2
+    assert "--train-block-sizes: training block sizes must divide the model's block size 32, got 12" in \
+        capsys.readouterr().err

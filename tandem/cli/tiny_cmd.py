@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tandem.cli.common import CLIError, nonneg_int, positive_int, seed_arg
+from tandem.cli.common import CLIError, csv_list, nonneg_int, positive_int, seed_arg
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -43,15 +43,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.add_argument("--train", action="store_true",
                    help="(--arch sdar) train the model with the block-diffusion objective on the synthetic task "
-                        "corpus (seeded by --seed; one thread unless --train-threads; a few minutes on two cores), "
+                        "corpus (seeded by --seed; two threads unless --train-threads; a few minutes on two cores), "
                         "then evaluate it")
     p.add_argument("--train-steps", type=positive_int, default=None, metavar="N",
                    help="training steps with --train (default: the committed checkpoint's)")
     p.add_argument("--train-ar-steps", type=nonneg_int, default=None, metavar="N",
                    help="with --train, SDAR's recipe: N next-token-prediction steps (causal, shifted) before the "
                         "block-diffusion steps convert the model (default: 0, the committed checkpoint's)")
+    p.add_argument("--train-block-sizes", type=csv_list(positive_int), default=None, metavar="B[,B...]",
+                   help="with --train, draw each step's noisy-block size from these divisors of the model's block "
+                        "size 32 (default: 1,2,4,8,16,32, the committed checkpoint's; 32: blocks of 32 alone)")
     p.add_argument("--train-threads", type=positive_int, default=None, metavar="N",
-                   help="with --train, torch threads (default: 1; the weights depend on the thread count, as float "
+                   help="with --train, torch threads (default: 2; the weights depend on the thread count, as float "
                         "reductions are split differently)")
     p.add_argument("--eval-examples", type=int, default=100, metavar="N",
                    help="held-out examples per task evaluated after --train (0: none; default: %(default)s)")
@@ -71,7 +74,8 @@ def cmd_tiny_model(args) -> int:
     if args.train:
         return _train(args, out)
     given = [f for f, v in (("--train-steps", args.train_steps), ("--train-ar-steps", args.train_ar_steps),
-                            ("--train-threads", args.train_threads)) if v is not None]
+                            ("--train-threads", args.train_threads), ("--train-block-sizes", args.train_block_sizes))
+             if v is not None]
     if given:
         raise CLIError(f"{given[0]} needs --train")
     dtype = args.dtype or "float32"
@@ -106,7 +110,12 @@ def _train(args, out: Path) -> int:
     except ValueError as e:
         raise CLIError(f"--eval-examples {args.eval_examples}: {e}") from None
 
-    cfg = TrainConfig(seed=args.seed)
+    try:
+        cfg = TrainConfig(seed=args.seed)
+        if args.train_block_sizes is not None:
+            cfg = TrainConfig(seed=args.seed, block_sizes=tuple(args.train_block_sizes))
+    except ValueError as e:
+        raise CLIError(f"--train-block-sizes: {e}") from None
     if args.train_steps is not None:
         cfg.steps = args.train_steps
     if args.train_ar_steps is not None:
@@ -119,7 +128,8 @@ def _train(args, out: Path) -> int:
     result = train(cfg)
     save_trained(result, out, cfg, command)
     ar = f"{cfg.ar_steps} next-token then " if cfg.ar_steps else ""
-    print(f"trained tiny SDAR for {ar}{cfg.steps} steps in {result.seconds:.0f} s (seed {cfg.seed}, loss of the last "
+    sizes = f", blocks of {'/'.join(map(str, cfg.block_sizes))}" if cfg.block_sizes else ""
+    print(f"trained tiny SDAR for {ar}{cfg.steps} steps in {result.seconds:.0f} s (seed {cfg.seed}{sizes}, loss of the last "
           f"50 steps {sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}); wrote {out}")
     if args.eval_examples:
         report = evaluate_checkpoint(out, args.eval_examples)
