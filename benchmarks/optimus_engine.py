@@ -16,7 +16,7 @@ Systems (one LLMEngine each, float32, co-located, the same checkpoint; the core 
 - `c4`, `c8`, `c16`: streaming chunks of fixed size; `elastic`: Optimus's c* each step, T(c, b) fitted on the
   engine's own forward at start and N_commit learnt from the commits.
 
-Throughput: b requests (held-out prompts of the six tasks, cycled), 64 output tokens each (ignore_eos, so every
+Throughput: b requests (held-out prompts of the six tasks, taken round-robin across the tasks), 64 output tokens each (ignore_eos, so every
 system makes the same number of tokens), submitted together; output tokens / wall time of the run (prefill
 included, a few % of it). With `--requests-per-slot K`, a closed loop instead: b slots each send K requests back to
 back (the next when the last ends), so the batch stays at b but for the last wave's drain. The systems alternate
@@ -59,7 +59,10 @@ def _prompts(n: int, seed: int = 99) -> list[list[int]]:
 
     from tandem.engine.diffusion.tasks import eval_set
     tok = Tokenizer.from_file(str(ASSET / "tokenizer.json"))
-    pool = [tok.encode(e.prompt).ids for e in eval_set(max(1, -(-n // 6)), seed=seed)]
+    by_task: dict[str, list] = {}
+    for e in eval_set(max(1, -(-n // 6)), seed=seed):       # grouped by task: taken round-robin, so every b and
+        by_task.setdefault(e.task, []).append(e)             # every stretch of a run sees the same mix of tasks
+    pool = [tok.encode(e.prompt).ids for group in zip(*by_task.values()) for e in group]
     return [pool[i % len(pool)] for i in range(n)]
 
 
