@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tandem.bench.provenance import report_meta
-from tandem.bench.report import write_report
+from tandem.bench.report import save_log2_plot, write_report
 from tandem.cli.common import csv_list, positive_int
 
 ASSET = Path(__file__).resolve().parents[1] / "tandem" / "engine" / "diffusion" / "assets" / "tiny-sdar"
@@ -103,14 +103,17 @@ def plot(res: dict, path: Path) -> None:
         ax.plot(res["chunks"], [r[f"c{c}"]["accuracy"] for c in res["chunks"]], "o-", color=colour,
                 label=Path(m["model"]).name)
         ax.axhline(r["bd32"]["accuracy"], color=colour, ls="--", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(res["chunks"], [str(c) for c in res["chunks"]])
-    ax.set_xlabel("streaming chunk c (dashed: BD32)")
-    ax.set_ylabel("held-out exact match")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_log2_plot(fig, ax, res["chunks"], "streaming chunk c (dashed: BD32)", "held-out exact match", path,
+                   legend_size=7)
+
+
+def check_per_task(ap: argparse.ArgumentParser, per_task: int) -> None:
+    """A one-line usage error (exit 2) when the held-out set has fewer than `per_task` examples of a task."""
+    from tandem.engine.diffusion.tasks import eval_set
+    try:
+        eval_set(per_task, tasks=TASKS)
+    except ValueError as e:
+        ap.error(f"--per-task {per_task}: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in dirs:
         if not (d / "config.json").is_file():
             ap.error(f"--models: {d} is not a checkpoint (no config.json)")
-    from tandem.engine.diffusion.tasks import eval_set
-    try:
-        eval_set(a.per_task, tasks=TASKS)
-    except ValueError as e:
-        ap.error(f"--per-task {a.per_task}: {e}")
+    check_per_task(ap, a.per_task)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     from rich.progress import Progress

@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chunk_accuracy import TASKS, mcnemar_p  # noqa: E402
+from chunk_accuracy import TASKS, check_per_task, mcnemar_p  # noqa: E402
 from optimus_engine import _engine, ASSET  # noqa: E402
 
 from tandem.bench.provenance import report_meta
-from tandem.bench.report import write_report  # noqa: E402
+from tandem.bench.report import save_log2_plot, write_report  # noqa: E402
 from tandem.cli.common import csv_list, positive_int  # noqa: E402
 
 SYSTEMS = ("bd32", "c4", "c8", "c16", "elastic")
@@ -106,16 +106,10 @@ def plot(res: dict, path: Path) -> None:
     for system in SYSTEMS:
         ax.plot(res["batches"], [res["accuracy"][str(b)][system]["accuracy"] for b in res["batches"]], "o-",
                 label=system, lw=2.2 if system == "elastic" else 1.2)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(res["batches"], [str(b) for b in res["batches"]])
-    ax.set_xlabel("batch size (max_num_seqs; all prompts submitted)")
-    ax.set_ylabel("held-out exact match")
     ax.set_title("tiny SDAR on the engine: accuracy under load")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_log2_plot(fig, ax, res["batches"], "batch size (max_num_seqs; all prompts submitted)",
+                   "held-out exact match", path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-task", type=positive_int, default=400, help="held-out examples per task")
     ap.add_argument("--out", default="docs/results/engine_accuracy")
     a = ap.parse_args(argv)
-    from tandem.engine.diffusion.tasks import eval_set
-    try:
-        eval_set(a.per_task, tasks=TASKS)
-    except ValueError as e:
-        ap.error(f"--per-task {a.per_task}: {e}")
+    check_per_task(ap, a.per_task)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     from rich.progress import Progress

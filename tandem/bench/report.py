@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def write_report(out: str | Path, results: dict, table: str, plot: Callable[[dict, Path], None] | None = None,
@@ -18,3 +19,18 @@ def write_report(out: str | Path, results: dict, table: str, plot: Callable[[dic
         plot(results, folder / plot_name)
     print(table)
     return folder
+
+
+def save_log2_plot(fig: Any, ax: Any, xs: Sequence[int], xlabel: str, ylabel: str, path: str | Path,
+                   legend_size: int = 8) -> None:
+    """Finish a plot against powers of two (x on a log2 axis ticked at `xs`, labels, legend) and save it to `path`."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(xs), [str(x) for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -110,10 +110,9 @@ def _train(args, out: Path) -> int:
     except ValueError as e:
         raise CLIError(f"--eval-examples {args.eval_examples}: {e}") from None
 
+    given_sizes = {} if args.train_block_sizes is None else {"block_sizes": tuple(args.train_block_sizes)}
     try:
-        cfg = TrainConfig(seed=args.seed)
-        if args.train_block_sizes is not None:
-            cfg = TrainConfig(seed=args.seed, block_sizes=tuple(args.train_block_sizes))
+        cfg = TrainConfig(seed=args.seed, **given_sizes)
     except ValueError as e:
         raise CLIError(f"--train-block-sizes: {e}") from None
     if args.train_steps is not None:
