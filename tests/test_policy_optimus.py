@@ -13,6 +13,7 @@ from tandem.core.factory import build_worker
 from tandem.core.types import COLOCATED, FirstToken, PrefillTask, RoundDone, StepResult
 from tandem.perf.dllm import OPTIMUS_TABLE2, StretchModel, commit_model
 from tandem.policy.optimus import ChunkLatency, ChunkMode, ChunkSizer, ChunkSpec, CommitEstimator, SeqWindow, parse_chunk
+from tandem.policy.optimus.commit import Tried
 from tandem.policy.optimus.latency import StepOverhead
 
 from tandem.sim.cluster import ConfigError, SimConfig, dllm_summary, simulate
@@ -393,18 +394,24 @@ def test_the_prompts_leftover_tokens_ride_with_every_window_of_their_block():
     w.begin_round("s")
     w.submit(PrefillTask("s", 0, 0, 3, 0.0, output_tokens=10, decode_worker=0, worker=0), 0.0)
     w.on_step_done(w.schedule(0.0), StepResult(1.0), 1.0)
-    windows = []
+    windows, tried = [], []
     for k, commit in enumerate((2, 1, 1, 1, 1)):
         plan = w.schedule(1.0 + k)
         (seq,) = plan.decode
         windows.append((seq.query_tokens, seq.commit_cap, seq.kv_prompt))
         w.on_step_done(plan, StepResult(1.0, {"s": commit}), 2.0 + k)
+        tried.append(seq.tried)
     # (positions computed: masked + writes + prompt tokens, masked ones, prompt tokens)
     assert windows == [(2 + 0 + 3, 2, 3), (2 + 2 + 3, 2, 3), (2 + 1 + 3, 2, 3), (1 + 1 + 3, 1, 3), (2 + 1, 2, 0)]
+    # masked positions a window covered and left masked (tried): none, 1 of 2, the window covers it and 1 new one and
+    # commits 1, the last one commits the block's last (a new block: none), 1 of 2 again
+    assert tried == [0, 1, 1, 0, 1]
     # N_commit's evidence, keyed as the sizer prices it: full windows of 2 by the band of masked positions left (5,
     # then 3; the next block's first window is 2 of the 5 tokens left to decode, the first one's band again), and
-    # the rest of the block by m (2 left; 1 left)
-    assert set(w.chunker.estimator._seen) == {("full", 2, 4), ("full", 2, 2), ("rest", 2), ("rest", 1)}
+    # the rest of the block by m (2 left; 1 left); each by how much of it an earlier window covered: the second
+    # window left 1 of its 2 masked, so the third covers 1 tried position of 2 and the fourth its last one
+    assert set(w.chunker.estimator._seen) == {("full", 2, 4, Tried.NONE), ("full", 2, 2, Tried.NONE),
+                                              ("rest", 2, Tried.SOME), ("rest", 1, Tried.ALL)}
 
 
 def test_a_diffusion_prefill_is_charged_for_its_whole_blocks_only():

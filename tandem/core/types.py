@@ -49,6 +49,8 @@ class Seq:
                                 # positions; plain block diffusion: a completed block, written by the next step)
     kv_prompt: int = 0          # streaming diffusion: the prompt's leftover tokens (its last, partial block), computed
                                 # and rewritten with every window of that block, outside the chunk (fixed inputs)
+    tried: int = 0              # diffusion: masked positions of the active block some window has covered (they stayed
+                                # below the threshold then: N_commit learns them apart from untried ones)
     first_due: tuple[float, float | None] | None = None   # diffusion: the round's first token is its first
                                 # commit; (prefill start, enqueue time of a local prefill) until then
     swapped_blocks: int = 0     # preempted by swap: KV blocks it holds in host memory

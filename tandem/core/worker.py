@@ -652,7 +652,7 @@ class WorkerCore:
         sat = self._sat_out                          # longest sat out first, else in running order
         order = sorted(self.running, key=lambda q: -sat.get(q.session_id, 0)) if sat else self.running
         lefts = [self._masked_left(seq) for seq in order]
-        c, n = self.chunker.plan([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens)
+        c, n = self.chunker.plan([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens, seq.tried)
                                   for left, seq in zip(lefts, order)],
                                  room=full - claim if self.chunker.elastic else full,
                                  prompts=full if 0 < full < ready + len(self.running) else 0)
@@ -935,7 +935,7 @@ class WorkerCore:
             if chunker is not None:
                 chunker.count(c)
                 if seq.to_decode >= seq.commit_cap > 0:   # not cut short by max_tokens: N_commit's evidence
-                    seen.setdefault((seq.commit_cap, self._masked_left(seq)), []).append(c)
+                    seen.setdefault((seq.commit_cap, self._masked_left(seq), seq.tried), []).append(c)
             if c > seq.to_decode:
                 c = seq.to_decode
             if dllm is not None:
@@ -971,14 +971,18 @@ class WorkerCore:
                     seq.kv_pending = c               # every window writes the last commits' K/V
                     if seq.num_tokens % B == 0:      # the prompt's tail rides with every window of its block
                         seq.kv_prompt = 0
+                if seq.num_tokens % B == 0:          # a new block: nothing of it tried yet
+                    seq.tried = 0
+                elif seq.commit_cap:                 # the window covered the first commit_cap masked positions
+                    seq.tried = max(seq.tried, seq.commit_cap) - c
             if stopped and seq.session_id in stopped:
                 seq.to_decode = 0
             if seq.to_decode <= 0:
                 finished = True
         self._ctx += n_tok + first
         self.itl.add(now, itl_sum, n_tok)
-        for (window, left), got in seen.items():
-            chunker.observe(window, got, left)
+        for (window, left, tried), got in seen.items():
+            chunker.observe(window, got, left, tried)
         if finished:
             self._retire(now)
 
@@ -1005,6 +1009,7 @@ class WorkerCore:
             return
         seq.state = RUNNING
         seq.query_tokens = seq.commit_cap = 1
+        seq.tried = 0
         if self.chunker is not None:                 # a prefill writes whole blocks: streaming computes the prompt's
             # leftover tokens with every window of their block, outside its chunk; after a recompute the active
             # block's decoded positions are written by the first window, outside it too

@@ -1,11 +1,13 @@
 """Optimus §5.4: the chunk size c of each block-diffusion step (elastic), or a fixed one, or the whole block.
 
 `elastic`: c* = argmax_c N_commit(c)·b / T(c, b) over the candidate sizes up to the block length, b the sequences
-decoding this step: the size that commits the most tokens per second at this load. Until the estimator has seen
+decoding this step: the size that commits the most tokens per second at this load, each window's commits less λ per
+untried position it covers (value.py: what a position left tried costs to finish beyond an untried one, learnt
+online; 0 where they cost the same, and until it is learnt, which is Optimus's rule). Until the estimator has seen
 enough steps, the step runs at the block size (Optimus observes the largest chunk first). Each sequence is priced
 where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block, or the rest of the
-block where it has no more than c left, and commits N_commit of that window (commit.py: learnt by window and by how
-much of the block is left); it carries besides them the K/V writes of the positions the last step committed and the
+block where it has no more than c left, and commits N_commit of that window (commit.py: learnt by window, by how
+much of the block is left and by how much of the window was tried); it carries besides them the K/V writes of the positions the last step committed and the
 prompt's leftover tokens; T is the shell's price of the whole step (its rows, of which the windows' are sampled,
 sequences and cached tokens), plus what the shell's steps took beyond that price so far (`StepOverhead`, learnt from
 the steps' measured times: the work around the forward, per step and per sequence, that T's timing leaves out).
@@ -22,6 +24,7 @@ from typing import NamedTuple
 
 from tandem.policy.optimus.commit import CommitEstimator
 from tandem.policy.optimus.latency import StepOverhead
+from tandem.policy.optimus.value import BlockValue
 
 CHUNK_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)   # window sizes the elastic policy chooses among (up to the block)
 WARMUP_OBSERVATIONS = 32                    # sequence-steps observed (at the block size) before the elastic choice
@@ -82,6 +85,7 @@ class SeqWindow(NamedTuple):
     pending: int = 0     # decoded positions whose K/V the window writes (streaming; rows outside c)
     extra: int = 0       # other rows riding along outside c (a prompt's leftover tokens)
     ctx: int = 0         # cached tokens its rows attend to
+    tried: int = 0       # masked positions of its block an earlier window covered (the first ones)
 
 
 def fitting(rows: Iterable[int], budget: int) -> int:
@@ -114,6 +118,8 @@ class ChunkSizer:
         self.commit_counts: dict[int, int] = {}      # sequence-steps that committed k tokens
         self.overhead = StepOverhead()               # what the shell's steps take beyond `latency`, learnt online
         self._priced: tuple[int, int, int, int, int] | None = None   # the last elastic step as priced, until timed
+        self.value = BlockValue()                    # what tried positions cost to finish (λ), learnt online
+        self._share: tuple[float, float] | None = None             # the last elastic step's price per sequence decoding
 
     @property
     def elastic(self) -> bool:
@@ -189,35 +195,42 @@ class ChunkSizer:
             if n not in of_n:
                 of_n[n] = (sum(s.ctx for s in seqs[:n]), sum(s.pending + s.extra for s in seqs[:n]))
             return of_n[n]
+        base = self.latency(0, 0, 0, 0, prompts) if prompts else 0.0
+        over: dict[int, float] = {}                  # overhead by sequences decoding (the per-step part is the
+                                                     # prompts' when they fill the step)
+
+        def price(windows: list[int]) -> float:
+            """Seconds the step of these windows adds."""
+            n = len(windows)
+            if n not in over:
+                over[n] = self.overhead(n) - self.overhead(0) if prompts else self.overhead(n)
+            ctx, carried = first(n)
+            sampled = sum(windows)
+            t = self.latency(sampled + carried, n, ctx, sampled, prompts) - base
+            return max(t + over[n], MIN_PRICE_SHARE * t, MIN_PRICE_S)
         if self.estimator.observations < self.warmup:
             best = fits[-1]
         else:
-            base = self.latency(0, 0, 0, 0, prompts) if prompts else 0.0
-            over: dict[int, float] = {}              # overhead by sequences decoding (the per-step part is the
-                                                     # prompts' when they fill the step)
+            lam = self.value.penalty()
 
             def rate(fit: tuple[int, list[int]]) -> float:
-                """Expected commits per second of the step `fit` plans."""
-                windows = fit[1]
-                n = len(windows)
-                commits = 0.0
-                for m, s in zip(windows, seqs):
-                    key = (m, s.left)
+                """Expected progress per second of the step `fit` plans: its commits, less λ per untried position
+                its windows cover (value.py)."""
+                gain = 0.0
+                for m, s in zip(fit[1], seqs):
+                    key = (m, s.left, s.tried)
                     if key not in n_at:
-                        n_at[key] = self.estimator.estimate(m, s.left)
-                    commits += n_at[key]
-                if n not in over:
-                    over[n] = self.overhead(n) - self.overhead(0) if prompts else self.overhead(n)
-                ctx, carried = first(n)
-                sampled = sum(windows)
-                t = self.latency(sampled + carried, n, ctx, sampled, prompts) - base
-                return commits / max(t + over[n], MIN_PRICE_SHARE * t, MIN_PRICE_S)
+                        n_at[key] = self.estimator.estimate(m, s.left, s.tried) - lam * max(0, m - s.tried)
+                    gain += n_at[key]
+                return gain / price(fit[1])
             best = max(fits, key=rate)
         c, windows = best
         n = len(windows)
         ctx, carried = first(n)
         sampled = sum(windows)
         self._priced = (sampled + carried, n, ctx, sampled, 0)
+        whole, ones = price(windows), price([1] * n)
+        self._share = (ones / n, (whole - ones) / max(1, sampled - n))   # a sequence's price: per sequence, per row
         return c, n
 
     def observe_step(self, seconds: float | None) -> None:
@@ -232,10 +245,12 @@ class ChunkSizer:
         t = self.latency(*priced)
         self.overhead.add(priced[1], min(seconds - t, STALL_PRICES * t))
 
-    def observe(self, m: int, committed: list[int], left: int | None = None) -> None:
+    def observe(self, m: int, committed: list[int], left: int | None = None, tried: int = 0) -> None:
         """The commits of windows of m masked positions in blocks with `left` masked (the rest of the block when not
-        given) a step decoded (those not cut short by max_tokens)."""
-        self.estimator.observe(m, committed, left)
+        given), `tried` of them covered by an earlier window, a step decoded (those not cut short by max_tokens)."""
+        self.estimator.observe(m, committed, left, tried)
+        if self.elastic and self._share is not None:
+            self.value.observe(m, m if left is None else left, tried, committed, self._share[0] + self._share[1] * (m - 1))
 
     def count(self, committed: int) -> None:
         """One sequence-step committed this many tokens (every step, for the histogram)."""
