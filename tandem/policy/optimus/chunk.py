@@ -187,7 +187,7 @@ class ChunkSizer:
                 windows = [cand if cand < s.left else s.left for s in seqs]
                 n = fitting((w + s.pending + s.extra for w, s in zip(windows, seqs)), budget)
                 fits.append((cand, windows[:n]))
-        n_at: dict[tuple[int, int], float] = {}
+        n_at: dict[tuple[int, int, int], float] = {}
         of_n: dict[int, tuple[int, int]] = {}        # n -> cached tokens and carried rows of the first n sequences
 
         def first(n: int) -> tuple[int, int]:
@@ -218,10 +218,11 @@ class ChunkSizer:
                 its windows cover (value.py)."""
                 gain = 0.0
                 for m, s in zip(fit[1], seqs):
-                    key = (m, s.left, s.tried)
+                    t = s.tried
+                    key = (m, s.left, 0 if t == 0 else 2 if t >= m else 1)    # what the estimate depends on
                     if key not in n_at:
-                        n_at[key] = self.estimator.estimate(m, s.left, s.tried) - lam * max(0, m - s.tried)
-                    gain += n_at[key]
+                        n_at[key] = self.estimator.estimate(m, s.left, t)
+                    gain += n_at[key] - lam * (m - t) if m > t else n_at[key]
                 return gain / price(fit[1])
             best = max(fits, key=rate)
         c, windows = best
