@@ -86,3 +86,15 @@ def test_elastic_charges_a_window_the_untried_positions_it_leaves_tried():
     assert _sizer(0.5).choose(fresh) == 8
     tried = [SeqWindow(32, tried=32)] * 4
     assert _sizer(0.0).choose(tried) == _sizer(0.5).choose(tried) == 16
+
+
+def test_a_step_priced_below_its_windows_of_one_still_charges_its_windows_a_cost_of_zero_or_more():
+    """Protects the value's inputs against a latency that falls with rows (a fitted regime may start lower than the
+    one before it): the per-row share is floored at 0, so the sequences' costs stay >= 0 and the step is learnt from,
+    not refused."""
+    s = ChunkSizer(ChunkSpec(), 32, lambda rows, seqs, ctx, sampled, prefill: 0.010 if rows < 64 else 0.004,
+                   warmup=0)
+    c, n = s.plan([SeqWindow(32)] * 4)               # nothing seen: one commit each; 16 is the first window at 4 ms
+    assert (c, n) == (16, 4) and s._share[1] == 0.0 and s._share[0] > 0
+    s.observe(c, [10] * 4, 32, 0)
+    assert s.value.transitions == 4

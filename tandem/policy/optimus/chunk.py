@@ -231,7 +231,7 @@ class ChunkSizer:
         sampled = sum(windows)
         self._priced = (sampled + carried, n, ctx, sampled, 0)
         whole, ones = price(windows), price([1] * n)
-        self._share = (ones / n, (whole - ones) / max(1, sampled - n))   # a sequence's price: per sequence, per row
+        self._share = (ones / n, max(0.0, whole - ones) / max(1, sampled - n))   # a sequence's price: per sequence, per row
         return c, n
 
     def observe_step(self, seconds: float | None) -> None:
