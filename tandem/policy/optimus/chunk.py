@@ -7,8 +7,8 @@ online; 0 where they cost the same, and until it is learnt, which is Optimus's r
 enough steps, the step runs at the block size (Optimus observes the largest chunk first). Each sequence is priced
 where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block, or the rest of the
 block where it has no more than c left, and commits N_commit of that window (commit.py: learnt by window, by how
-much of the block is left and by how much of the window was tried); it carries besides them the K/V writes of the positions the last step committed and the
-prompt's leftover tokens; T is the shell's price of the whole step (its rows, of which the windows' are sampled,
+much of the block is left and by how much of the window was tried); it carries besides them the K/V writes of the
+positions the last step committed and the prompt's leftover tokens; T is the shell's price of the whole step (its rows, of which the windows' are sampled,
 sequences and cached tokens), plus what the shell's steps took beyond that price so far (`StepOverhead`, learnt from
 the steps' measured times: the work around the forward, per step and per sequence, that T's timing leaves out).
 `N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
 
-from tandem.policy.optimus.commit import CommitEstimator
+from tandem.policy.optimus.commit import CommitEstimator, tried_kind
 from tandem.policy.optimus.latency import StepOverhead
 from tandem.policy.optimus.value import BlockValue
 
@@ -119,7 +119,8 @@ class ChunkSizer:
         self.overhead = StepOverhead()               # what the shell's steps take beyond `latency`, learnt online
         self._priced: tuple[int, int, int, int, int] | None = None   # the last elastic step as priced, until timed
         self.value = BlockValue()                    # what tried positions cost to finish (λ), learnt online
-        self._share: tuple[float, float] | None = None             # the last elastic step's price per sequence decoding
+        self._share: tuple[float, float] | None = None   # the last elastic step's price of a sequence: per
+                                                           # sequence, and per window row beyond its first
 
     @property
     def elastic(self) -> bool:
@@ -219,7 +220,7 @@ class ChunkSizer:
                 gain = 0.0
                 for m, s in zip(fit[1], seqs):
                     t = s.tried
-                    key = (m, s.left, 0 if t == 0 else 2 if t >= m else 1)    # what the estimate depends on
+                    key = (m, s.left, tried_kind(m, t))   # what the estimate depends on
                     if key not in n_at:
                         n_at[key] = self.estimator.estimate(m, s.left, t)
                     gain += n_at[key] - lam * (m - t) if m > t else n_at[key]

@@ -58,6 +58,11 @@ class Tried(IntEnum):
     ALL = 2
 
 
+def tried_kind(m: int, tried: int) -> Tried:
+    """Whether none, some or all of a window of m positions were tried (the block's first `tried` masked were)."""
+    return Tried.NONE if tried == 0 else Tried.ALL if tried >= m else Tried.SOME
+
+
 def _check_tried(tried: int, left: int) -> None:
     """A window's tried positions are 0..left of its block's masked ones (ValueError otherwise)."""
     if isinstance(tried, bool) or not isinstance(tried, int) or not 0 <= tried <= left:
@@ -103,8 +108,7 @@ class CommitEstimator:
     def _entry(self, m: int, left: int, tried: int) -> tuple:
         """Where a window's commits are kept: the rest of its block by m, a full window by m and its band of left;
         either by whether none, some or all of its positions were tried before (`Tried`)."""
-        t = min(tried, m)
-        kind = Tried.NONE if t == 0 else Tried.ALL if t == m else Tried.SOME
+        kind = tried_kind(m, tried)
         return ("rest", m, kind) if m >= left else ("full", m, (left - 1) // self._band, kind)
 
     def _group(self, key: tuple) -> tuple:
@@ -184,4 +188,4 @@ class CommitEstimator:
         return self.estimate(min(c, left), left, tried)
 
 
-__all__ = ["CommitEstimator", "Tried"]
+__all__ = ["CommitEstimator", "Tried", "tried_kind"]
