@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections import Counter
 from collections.abc import Iterable
 
 VALUE_HALFLIFE = 2048        # transitions after which one weighs half as much
@@ -48,26 +47,21 @@ class BlockValue:
         committed these counts (one per sequence), each at a cost of `cost_s` seconds (a sequence's share of the
         step)."""
         try:
-            counts = Counter(operator.index(k) for k in committed)
+            got = [operator.index(k) for k in committed]
         except TypeError:
-            counts = Counter({-1: 1})                # not an integer: refused below
-        if not (1 <= m <= left and 0 <= tried <= left and all(0 <= k <= m for k in counts)) \
+            got = [-1]                               # not an integer: refused below
+        if not (1 <= m <= left and 0 <= tried <= left and (not got or (min(got) >= 0 and max(got) <= m))) \
                 or not (math.isfinite(cost_s) and cost_s >= 0):
-            raise ValueError(f"no window of {m} of {left} masked ({tried} tried) commits {list(counts)} in "
-                             f"{cost_s!r} s")
-        n = sum(counts.values())
+            raise ValueError(f"no window of {m} of {left} masked ({tried} tried) commits {got} in {cost_s!r} s")
+        n = len(got)
         if not n:
             return
         x1, x2 = float(left - tried), float(tried)
         reach = max(tried, m)
-        d1 = d2 = 0.0                                # the windows' mean drop in untried and tried positions
-        for k, w in counts.items():
-            if left - k > 0:
-                d1 += w * (x1 - (left - reach))
-                d2 += w * (x2 - (reach - k))
-            else:                                    # the block is done: nothing more to pay
-                d1 += w * x1
-                d2 += w * x2
+        # the windows' drops in untried and tried positions, summed: each goes to (left - reach, reach - k), which is
+        # (0, 0) when it ends the block (k = left forces reach = left)
+        d1 = float(n * (reach - tried))
+        d2 = float(n * (tried - reach) + sum(got))
         d = self._decay ** n
         self._a11 = self._a11 * d + x1 * d1
         self._a12 = self._a12 * d + x1 * d2
