@@ -7,6 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from tandem.core.config import SchedulerConfig
+from tandem.core.factory import build_worker
+from tandem.core.types import COLOCATED, PrefillTask, RoundDone, StepResult
 from tandem.policy.optimus import ChunkSizer, ChunkSpec, CommitEstimator, SeqWindow
 from tandem.policy.optimus.commit import OPTIMISM_WEIGHT, Tried
 from tandem.policy.optimus.value import MAX_PENALTY, MIN_TRANSITIONS, BlockValue
@@ -98,3 +101,26 @@ def test_a_step_priced_below_its_windows_of_one_still_charges_its_windows_a_cost
     assert (c, n) == (16, 4) and s._share[1] == 0.0 and s._share[0] > 0
     s.observe(c, [10] * 4, 32, 0)
     assert s.value.transitions == 4
+
+
+def test_a_round_that_stops_with_tried_positions_starts_the_next_one_untried():
+    """Protects Seq.tried across rounds: a stop rule ends a round while its window left a position tried; the next
+    round's prompt is prefilled anew (its block's masked positions are new ones), so its first window has none tried.
+    A 3-token prompt, chunk 2, block 8: the second window commits 1 of 2 and the round stops there."""
+    w = build_worker(0, COLOCATED, 1, 64, "vllm", SchedulerConfig(dllm_block_length=8, dllm_chunk="2"),
+                     t_pre=lambda h, n: 0.01)
+    w.begin_round("s")
+    w.submit(PrefillTask("s", 0, 0, 3, 0.0, output_tokens=10, decode_worker=0, worker=0), 0.0)
+    w.on_step_done(w.schedule(0.0), StepResult(1.0), 1.0)
+    w.on_step_done(w.schedule(1.0), StepResult(1.0, {"s": 2}), 2.0)
+    plan = w.schedule(2.0)
+    (seq,) = plan.decode
+    w.on_step_done(plan, StepResult(1.0, {"s": 1}, frozenset({"s"})), 3.0)
+    assert seq.tried == 1 and any(isinstance(e, RoundDone) for e in w.drain())
+    w.begin_round("s")
+    w.submit(PrefillTask("s", 0, 5, 4, 3.0, output_tokens=6, decode_worker=0, worker=0), 3.0)
+    plan = w.schedule(3.0)
+    while not plan.decode:
+        w.on_step_done(plan, StepResult(1.0), 4.0)
+        plan = w.schedule(4.0)
+    assert plan.decode[0] is seq and seq.tried == 0
