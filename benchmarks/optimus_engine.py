@@ -16,11 +16,11 @@ Systems (one LLMEngine each, float32, co-located, the same checkpoint; the core 
 - `c4`, `c8`, `c16`: streaming chunks of fixed size; `elastic`: Optimus's c* each step, T(c, b) fitted on the
   engine's own forward at start and N_commit learnt from the commits.
 
-Throughput: b requests (held-out prompts of the six tasks, taken round-robin across the tasks), 64 output tokens each (ignore_eos, so every
-system makes the same number of tokens), submitted together; output tokens / wall time of the run (prefill
-included, a few % of it). With `--requests-per-slot K`, a closed loop instead: b slots each send K requests back to
-back (the next when the last ends), so the batch stays at b but for the last wave's drain. The systems alternate
-within each repetition; the median of the repetitions is reported.
+Throughput: b requests (held-out prompts of the six tasks, taken round-robin across the tasks), 64 output tokens
+each (ignore_eos, so every system makes the same number of tokens), submitted together; output tokens / wall time of
+the run (prefill included, a few % of it). With `--requests-per-slot K`, a closed loop instead: b slots each send K
+requests back to back (the next when the last ends), so the batch stays at b but for the last wave's drain. The
+systems alternate within each repetition; the median of the repetitions is reported.
 Accuracy: greedy exact match on the held-out examples with one right answer, decoded by each system's engine path
 (block_state.py windows through generate_cached, which the engine equals token for token - tests/test_engine_
 diffusion.py), default threshold 0.9. Writes results.json, table.md and throughput.png to --out.

@@ -128,8 +128,8 @@ def _train(args, out: Path) -> int:
     save_trained(result, out, cfg, command)
     ar = f"{cfg.ar_steps} next-token then " if cfg.ar_steps else ""
     sizes = f", blocks of {'/'.join(map(str, cfg.block_sizes))}" if cfg.block_sizes else ""
-    print(f"trained tiny SDAR for {ar}{cfg.steps} steps in {result.seconds:.0f} s (seed {cfg.seed}{sizes}, loss of the last "
-          f"50 steps {sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}); wrote {out}")
+    print(f"trained tiny SDAR for {ar}{cfg.steps} steps in {result.seconds:.0f} s (seed {cfg.seed}{sizes}, loss of "
+          f"the last 50 steps {sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}); wrote {out}")
     if args.eval_examples:
         report = evaluate_checkpoint(out, args.eval_examples)
         print(f"held-out exact match and tokens per step ({args.eval_examples} examples a task, greedy, block "

@@ -82,7 +82,8 @@ class TrainConfig:
         bad = [b for b in self.block_sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1
                or SDAR_BLOCK_SIZE % b]
         if bad:
-            raise ValueError(f"training block sizes must divide the model's block size {SDAR_BLOCK_SIZE}, got {bad[0]!r}")
+            raise ValueError(f"training block sizes must divide the model's block size {SDAR_BLOCK_SIZE}, "
+                             f"got {bad[0]!r}")
 
 
 @dataclass
@@ -298,7 +299,7 @@ def _train(cfg: TrainConfig, progress: bool, on_step: Callable[[int, float], Non
     rng = random.Random(cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed + 1)
     sizes = cfg.block_sizes or (B,)
-    size_rng = random.Random(SIZE_STREAM + cfg.seed)   # its own stream: a single size draws nothing
+    size_rng = random.Random(SIZE_STREAM + cfg.seed)   # its own stream: the other draws do not depend on the sizes
     tasks = [t for t in TASKS if cfg.mix.get(t, 0) > 0]
     weights = [cfg.mix[t] for t in tasks]
     cache: dict[str, list[int]] = {}
@@ -326,8 +327,7 @@ def _train(cfg: TrainConfig, progress: bool, on_step: Callable[[int, float], Non
             exs = [draw(rng.choices(pool, w)[0], rng, heldout=False) for _ in range(cfg.batch_size)]
             pairs = [(enc(e.prompt), enc(e.answer)) for e in exs]
             batches = ([ntp_batch(pairs, eos_id)] if step < cfg.ar_steps
-                       else make_batches(pairs, sizes[0] if len(sizes) == 1 else size_rng.choice(sizes), mask_id,
-                                         eos_id, cfg.eps, g))
+                       else make_batches(pairs, size_rng.choice(sizes), mask_id, eos_id, cfg.eps, g))
             for group in opt.param_groups:
                 group["lr"] = _lr(step, cfg)
             loss = diffusion_loss(model, embed, batches, V)

@@ -8,9 +8,10 @@ enough steps, the step runs at the block size (Optimus observes the largest chun
 where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block, or the rest of the
 block where it has no more than c left, and commits N_commit of that window (commit.py: learnt by window, by how
 much of the block is left and by how much of the window was tried); it carries besides them the K/V writes of the
-positions the last step committed and the prompt's leftover tokens; T is the shell's price of the whole step (its rows, of which the windows' are sampled,
-sequences and cached tokens), plus what the shell's steps took beyond that price so far (`StepOverhead`, learnt from
-the steps' measured times: the work around the forward, per step and per sequence, that T's timing leaves out).
+positions the last step committed and the prompt's leftover tokens; T is the shell's price of the whole step (its
+rows, of which the windows' are sampled, sequences and cached tokens), plus what the shell's steps took beyond that
+price so far (`StepOverhead`, learnt from the steps' measured times: the work around the forward, per step and per
+sequence, that T's timing leaves out).
 `N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
 diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded positions' KV within it).
 """
@@ -232,7 +233,7 @@ class ChunkSizer:
         sampled = sum(windows)
         self._priced = (sampled + carried, n, ctx, sampled, 0)
         whole, ones = price(windows), price([1] * n)
-        self._share = (ones / n, max(0.0, whole - ones) / max(1, sampled - n))   # a sequence's price: per sequence, per row
+        self._share = (ones / n, max(0.0, whole - ones) / max(1, sampled - n))   # per sequence, per row beyond one
         return c, n
 
     def observe_step(self, seconds: float | None) -> None:
@@ -252,7 +253,8 @@ class ChunkSizer:
         given), `tried` of them covered by an earlier window, a step decoded (those not cut short by max_tokens)."""
         self.estimator.observe(m, committed, left, tried)
         if self.elastic and self._share is not None:
-            self.value.observe(m, m if left is None else left, tried, committed, self._share[0] + self._share[1] * (m - 1))
+            per_seq, per_row = self._share
+            self.value.observe(m, m if left is None else left, tried, committed, per_seq + per_row * (m - 1))
 
     def count(self, committed: int) -> None:
         """One sequence-step committed this many tokens (every step, for the histogram)."""

@@ -29,10 +29,10 @@ chunk-32 steps):
 Why not infer small windows from a large one (the positions a block-size step committed among its first c, or the
 stretch reading tandem used before: a window of c commits min(L, c) of a stretch L, Kaplan-Meier over all windows):
 on the tiny model (as committed before stop 33) a window of c commits far more than the first c positions of a
-larger window did (c = 4: 2.10 against 1.39 from chunk-32 steps; c = 8: 3.48 against 2.25), because positions past the window are absent, not
-masked, and the model is surer without them; read as stretches, windows 2-8 were undervalued by a third, elastic
-fell to windows of 1, which show nothing beyond themselves, and stayed there (0.905x chunk 16 at 64 sequences on the
-CPU engine).
+larger window did (c = 4: 2.10 against 1.39 from chunk-32 steps; c = 8: 3.48 against 2.25), because positions past
+the window are absent, not masked, and the model is surer without them; read as stretches, windows 2-8 were
+undervalued by a third, elastic fell to windows of 1, which show nothing beyond themselves, and stayed there (0.905x
+chunk 16 at 64 sequences on the CPU engine).
 
 Before any observation N(c) = 1 (a diffusion step commits at least one token), which is why the sizer starts at the
 block size. Sans-I/O: observations come in as numbers.
