@@ -3,7 +3,7 @@
 A `PiecewiseLinear` splits the input space on one *key* feature at sorted breakpoints; inside
 each segment the prediction is a linear form y = sum_j coef_j * x_j over a feature vector whose
 first entry is usually the constant 1 (the alpha term) and whose others are the beta terms
-(tokens, token pairs, ...). Coefficients are non-negative (scipy.optimize.nnls): every feature
+(tokens, token pairs, ...). Coefficients are non-negative (tandem.perf.nonneg): every feature
 used here is a count of work, so non-negative coefficients keep predictions non-negative and
 monotone in the work, which is what schedulers comparing costs rely on.
 
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import nnls
+
+from tandem.perf.nonneg import nonneg_lstsq
 
 # With at most this many distinct key values every boundary between them is a candidate
 # breakpoint; above it, candidates are this many quantiles of the key.
@@ -82,14 +83,6 @@ def _weights(y: np.ndarray) -> np.ndarray:
     return 1.0 / np.maximum(np.abs(y), floor)
 
 
-def _nnls_segment(Xw: np.ndarray, yw: np.ndarray) -> tuple[np.ndarray, float]:
-    """NNLS on pre-weighted rows; returns coefficients and the squared residual norm."""
-    if len(yw) == 0:
-        return np.zeros(Xw.shape[1]), 0.0
-    coef, rnorm = nnls(Xw, yw)
-    return coef, rnorm * rnorm
-
-
 def fit(X, y, key: int, breakpoints: Sequence[float] | int = 1) -> PiecewiseLinear:
     """Fit a PiecewiseLinear by non-negative least squares on relative error.
 
@@ -122,7 +115,7 @@ def fit(X, y, key: int, breakpoints: Sequence[float] | int = 1) -> PiecewiseLine
     coefs: list[list[float] | None] = []
     for s in range(len(bps) + 1):
         lo, hi = bounds[s], bounds[s + 1]
-        coefs.append(_nnls_segment(Xw[lo:hi], yw[lo:hi])[0].tolist() if hi > lo else None)
+        coefs.append(nonneg_lstsq(Xw[lo:hi], yw[lo:hi])[0].tolist() if hi > lo else None)
     filled = [i for i, c in enumerate(coefs) if c is not None]
     if not filled:
         raise ValueError("fit needs at least one sample")
@@ -155,7 +148,7 @@ def _choose_breakpoints(Xw: np.ndarray, yw: np.ndarray, keys: np.ndarray, segmen
     def cost(lo: int, hi: int) -> float:  # rows [lo, hi)
         got = cache.get((lo, hi))
         if got is None:
-            got = _nnls_segment(Xw[lo:hi], yw[lo:hi])[1] if hi - lo >= min_rows else INF
+            got = nonneg_lstsq(Xw[lo:hi], yw[lo:hi])[1] if hi - lo >= min_rows else INF
             cache[(lo, hi)] = got
         return got
 

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import nnls
+
+from tandem.perf.nonneg import nonneg_lstsq
 
 __all__ = ["PrefillCostModel", "boundary_from_profile"]
 
@@ -31,7 +32,7 @@ def _check_lh(L: float, H: float) -> None:
 def _nnls_scaled(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares with unit-norm columns (the columns span many orders of magnitude)."""
     norms = np.linalg.norm(a, axis=0)
-    x, _ = nnls(a / norms, b)
+    x, _ = nonneg_lstsq(a / norms, b)
     return x / norms
 
 
