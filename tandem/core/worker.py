@@ -622,11 +622,11 @@ class WorkerCore:
         return end if end < limit else limit
 
     def _size_windows(self) -> None:
-        """Block diffusion: this step's window per sequence. The chunk sizer picks c for the batch within the token
-        budget, less what waiting prefills keep of it (dllm_prefill_share of the budget at most: the diffusion
+        """Block diffusion: this step's window per sequence. The chunk sizer picks each sequence's window within the
+        token budget, less what waiting prefills keep of it (dllm_prefill_share of the budget at most: the diffusion
         engines Optimus builds on run prefills first, and windows that fill the budget would starve them); a window
-        stays within the active block (blocks are aligned to absolute positions), so it is min(c, masked positions
-        left in the block), which it may commit, besides the K/V writes of the last commits and the prompt's leftover
+        stays within the active block (blocks are aligned to absolute positions): min(c, masked positions left in
+        the block) for a fixed chunk c, a size of its own for elastic, which it may commit, besides the K/V writes of the last commits and the prompt's leftover
         tokens it carries (outside c, taken out of the budget first); plain block diffusion (c = B) computes the whole
         block. When more prompts are ready than fit beside the smallest windows, the sizer is told the rows they fill:
         the windows then displace prompt rows, and it prices them so. When even windows of one position do not fit
@@ -652,10 +652,11 @@ class WorkerCore:
         sat = self._sat_out                          # longest sat out first, else in running order
         order = sorted(self.running, key=lambda q: -sat.get(q.session_id, 0)) if sat else self.running
         lefts = [self._masked_left(seq) for seq in order]
-        c, n = self.chunker.plan([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens, seq.tried)
-                                  for left, seq in zip(lefts, order)],
-                                 room=full - claim if self.chunker.elastic else full,
-                                 prompts=full if 0 < full < ready + len(self.running) else 0)
+        windows = self.chunker.plan([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens, seq.tried)
+                                     for left, seq in zip(lefts, order)],
+                                    room=full - claim if self.chunker.elastic else full,
+                                    prompts=full if 0 < full < ready + len(self.running) else 0).windows
+        n = len(windows)
         if n < len(order) or sat:
             self._sat_out = {seq.session_id: sat.get(seq.session_id, 0) + 1 for seq in order[n:]}
         for i, (left, seq) in enumerate(zip(lefts, order)):
@@ -665,8 +666,8 @@ class WorkerCore:
             elif whole:                              # the block, plus a completed block's first write
                 seq.commit_cap = left
                 seq.query_tokens = B + pending
-            else:                                    # streaming: c masked positions, besides the writes and the tail
-                m = c if c < left else left
+            else:                                    # streaming: its window, besides the writes and the tail
+                m = windows[i]
                 seq.commit_cap = m
                 seq.query_tokens = m + pending + seq.kv_prompt
 

@@ -1,9 +1,9 @@
 """Optimus §5.4: the chunk size c of each block-diffusion step (elastic), or a fixed one, or the whole block.
 
 `elastic`: c* = argmax_c N_commit(c)·b / T(c, b) over the candidate sizes up to the block length, b the sequences
-decoding this step: the size that commits the most tokens per second at this load, each window's commits less λ per
-untried position it covers (value.py: what a position left tried costs to finish beyond an untried one, learnt
-online; 0 where they cost the same, and until it is learnt, which is Optimus's rule). Until the estimator has seen
+decoding this step: the size that commits the most tokens per second at this load; then each sequence's own c*, the
+size committing the most per second of its own share of that step (a block whose positions were all tried commits one
+token whatever its window, a fresh block beside it many: one size cannot serve both). Until the estimator has seen
 enough steps, the step runs at the block size (Optimus observes the largest chunk first). Each sequence is priced
 where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block, or the rest of the
 block where it has no more than c left, and commits N_commit of that window (commit.py: learnt by window, by how
@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 from tandem.policy.optimus.commit import CommitEstimator, tried_kind
 from tandem.policy.optimus.latency import StepOverhead
-from tandem.policy.optimus.value import BlockValue
 
 CHUNK_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)   # window sizes the elastic policy chooses among (up to the block)
 WARMUP_OBSERVATIONS = 32                    # sequence-steps observed (at the block size) before the elastic choice
@@ -89,6 +88,13 @@ class SeqWindow(NamedTuple):
     tried: int = 0       # masked positions of its block an earlier window covered (the first ones)
 
 
+class StepWindows(NamedTuple):
+    """A diffusion step as the sizer plans it: its chunk, and the window of each sequence that decodes in it."""
+
+    chunk: int           # the step's chunk size: the candidate its largest window was cut from (what /metrics shows)
+    windows: list[int]   # masked positions each of the first len(windows) sequences covers; the others sit out
+
+
 def fitting(rows: Iterable[int], budget: int) -> int:
     """How many of the sequences, in order, run within `budget` rows, each taking the rows given; at least one
     (a sequence whose step alone exceeds the budget still runs, or it would never decode)."""
@@ -119,9 +125,6 @@ class ChunkSizer:
         self.commit_counts: dict[int, int] = {}      # sequence-steps that committed k tokens
         self.overhead = StepOverhead()               # what the shell's steps take beyond `latency`, learnt online
         self._priced: tuple[int, int, int, int, int] | None = None   # the last elastic step as priced, until timed
-        self.value = BlockValue()                    # what tried positions cost to finish (λ), learnt online
-        self._share: tuple[float, float] | None = None   # the last elastic step's price of a sequence: per
-                                                           # sequence, and per window row beyond its first
 
     @property
     def elastic(self) -> bool:
@@ -134,37 +137,40 @@ class ChunkSizer:
         return self.spec.mode is ChunkMode.BLOCK
 
     def choose(self, seqs: Sequence[SeqWindow], room: int | None = None, prompts: int = 0) -> int:
-        """The window of a step decoding `seqs` (at most the block length); see `plan`."""
-        return self.plan(seqs, room, prompts)[0]
+        """The chunk of a step decoding `seqs` (at most the block length); see `plan`."""
+        return self.plan(seqs, room, prompts).chunk
 
-    def plan(self, seqs: Sequence[SeqWindow], room: int | None = None, prompts: int = 0) -> tuple[int, int]:
-        """(c, n): the window of a step and how many of `seqs`, the first n in the order given, decode in it.
-        `room`: the query rows the step's budget leaves the windows (their K/V writes and extra rows already taken
-        out; None: no limit); `prompts`: the prompt rows that fill the step whatever its windows, because more wait
-        than it holds (0: the waiting prompts fit beside any window). The token budget is a hard cap on a step's
-        rows, as in vLLM, whatever the mode: when the windows overflow the room, the first sequences whose rows fit
-        decode and the others sit the step out (always at least one). A fixed chunk or the block keeps its window
-        and runs fewer sequences; elastic weighs that against smaller windows for all (see `_elastic`)."""
+    def plan(self, seqs: Sequence[SeqWindow], room: int | None = None, prompts: int = 0) -> StepWindows:
+        """The step's chunk and the windows of the sequences that decode in it: the first n of `seqs` in the order
+        given, n = len(windows). `room`: the query rows the step's budget leaves the windows (their K/V writes and
+        extra rows already taken out; None: no limit); `prompts`: the prompt rows that fill the step whatever its
+        windows, because more wait than it holds (0: the waiting prompts fit beside any window). The token budget is
+        a hard cap on a step's rows, as in vLLM, whatever the mode: when the windows overflow the room, the first
+        sequences whose rows fit decode and the others sit the step out (always at least one). A fixed chunk c gives
+        each sequence min(c, left) and runs fewer sequences; the block gives each the rest of its block; elastic
+        weighs smaller windows for all against fewer sequences and sizes each sequence's window (see `_elastic`)."""
         mode = self.spec.mode
-        n = len(seqs)
         if mode is ChunkMode.ELASTIC and seqs:
-            c, n = self._elastic(seqs, room, prompts)
+            c, windows = self._elastic(seqs, room, prompts)
         else:
             c = min(self.spec.size, self.block) if mode is ChunkMode.FIXED and seqs else self.block
+            n = len(seqs)
             if room is not None and seqs:
                 if mode is ChunkMode.BLOCK:          # the whole block and a completed block's first write
                     n = fitting(((self.block + s.pending) for s in seqs), room)
                 else:
                     n = fitting(((min(c, s.left) + s.pending + s.extra) for s in seqs),
                                 room + sum(s.pending + s.extra for s in seqs))
+            windows = [s.left if s.left < c else c for s in seqs[:n]]
         self.last = c
         if seqs:
             self.steps_by_chunk[c] = self.steps_by_chunk.get(c, 0) + 1
-        return c, n
+        return StepWindows(c, windows)
 
-    def _elastic(self, seqs: Sequence[SeqWindow], room: int | None, prompts: int) -> tuple[int, int]:
-        """(c, n): the candidate c committing the most tokens per second (the first of equals), run by the first n
-        sequences. Each sequence's window is min(c, left) masked positions (it stays in its active block), expected
+    def _elastic(self, seqs: Sequence[SeqWindow], room: int | None, prompts: int) -> tuple[int, list[int]]:
+        """(c, windows): the candidate c committing the most tokens per second (the first of equals), run by the
+        first len(windows) sequences, then each sequence's window sized on its own where that raises the step's rate
+        (`_per_sequence`; c is then the candidate of the largest window). Each sequence's window is min(c, left) masked positions (it stays in its active block), expected
         to commit N_commit of them; the step is priced on all its rows (the windows, the K/V writes and the extra
         rows, of which only the windows' are sampled), sequences and cached tokens, plus the overhead learnt so far.
         When prompts wait beyond the step (`prompts` > 0 rows fill it), every window row displaces a prompt row that
@@ -201,40 +207,66 @@ class ChunkSizer:
         over: dict[int, float] = {}                  # overhead by sequences decoding (the per-step part is the
                                                      # prompts' when they fill the step)
 
-        def price(windows: list[int]) -> float:
-            """Seconds the step of these windows adds."""
-            n = len(windows)
+        def cost(n: int, sampled: int) -> float:
+            """Seconds a step of the first n sequences' windows, `sampled` rows in all, adds."""
             if n not in over:
                 over[n] = self.overhead(n) - self.overhead(0) if prompts else self.overhead(n)
             ctx, carried = first(n)
-            sampled = sum(windows)
             t = self.latency(sampled + carried, n, ctx, sampled, prompts) - base
             return max(t + over[n], MIN_PRICE_SHARE * t, MIN_PRICE_S)
-        if self.estimator.observations < self.warmup:
-            best = fits[-1]
-        else:
-            lam = self.value.penalty()
 
-            def rate(fit: tuple[int, list[int]]) -> float:
-                """Expected progress per second of the step `fit` plans: its commits, less λ per untried position
-                its windows cover (value.py)."""
-                gain = 0.0
-                for m, s in zip(fit[1], seqs):
-                    t = s.tried
-                    key = (m, s.left, tried_kind(m, t))   # what the estimate depends on
-                    if key not in n_at:
-                        n_at[key] = self.estimator.estimate(m, s.left, t)
-                    gain += n_at[key] - lam * (m - t) if m > t else n_at[key]
-                return gain / price(fit[1])
-            best = max(fits, key=rate)
-        c, windows = best
+        def price(windows: list[int]) -> float:
+            """Seconds the step of these windows adds."""
+            return cost(len(windows), sum(windows))
+        if self.estimator.observations < self.warmup:
+            c, windows = fits[-1]
+        else:
+            def gain(m: int, s: SeqWindow) -> float:
+                """A window of m's expected commits (N_commit where the sequence is)."""
+                key = (m, s.left, tried_kind(m, s.tried))   # what the estimate depends on
+                got = n_at.get(key)
+                if got is None:
+                    got = n_at[key] = self.estimator.estimate(m, s.left, s.tried)
+                return got
+
+            def rate(windows: list[int]) -> float:
+                """Expected commits per second of a step of these windows (the first sequences')."""
+                return sum(gain(m, s) for m, s in zip(windows, seqs)) / price(windows)
+            c, windows = max(fits, key=lambda fit: rate(fit[1]))
+            if len(windows) == len(seqs):
+                windows = self._per_sequence(seqs, windows, room, gain, cost)
+                c = next(cand for cand in self.candidates if cand >= max(windows))
         n = len(windows)
         ctx, carried = first(n)
         sampled = sum(windows)
         self._priced = (sampled + carried, n, ctx, sampled, 0)
-        whole, ones = price(windows), price([1] * n)
-        self._share = (ones / n, max(0.0, whole - ones) / max(1, sampled - n))   # per sequence, per row beyond one
-        return c, n
+        return c, windows
+
+    def _per_sequence(self, seqs: Sequence[SeqWindow], windows: list[int], room: int | None,
+                      gain: Callable[[int, SeqWindow], float], cost: Callable[[int, int], float]) -> list[int]:
+        """Each sequence's own c*: from the common c's windows, the window (a candidate size, up to the rest of its
+        block) committing the most per second of the sequence's own share of the step: the step's price split evenly,
+        plus what the step's price moves by with this sequence's window at that size instead, and never below its
+        share of a step of windows of one (ties: the size nearest the common c's). Where the sequences are alike this
+        is the common c* (the step's rate and each share peak at the same size); where they differ, a block whose
+        positions were tried, which commits one token whatever its window, takes a small one and a fresh block
+        beside it a large one, which one size cannot give both. Each is priced at its own rate, not the step's: a
+        sequence committing little per row keeps the window its own progress wants, rather than being cut to the
+        rows the others use best and finishing last, alone. The common c's windows when these would overflow `room`."""
+        n, rows = len(windows), sum(windows)
+        whole = cost(n, rows)
+        least = cost(n, n) / n
+        moved: dict[int, float] = {}                 # rows added (or dropped) -> what the step's price moves by
+
+        def share(m: int, w: int) -> float:
+            if m - w not in moved:
+                moved[m - w] = cost(n, rows + m - w) - whole
+            return max(whole / n + moved[m - w], least)
+        own = []
+        for s, w in zip(seqs, windows):
+            options = {cand if cand < s.left else s.left for cand in self.candidates}
+            own.append(max(options, key=lambda m, s=s, w=w: (gain(m, s) / share(m, w), -abs(m - w))))
+        return windows if room is not None and sum(own) > room else own
 
     def observe_step(self, seconds: float | None) -> None:
         """The last step the sizer chose took `seconds` (None: it also ran other work, a prefill chunk, whose time
@@ -252,9 +284,6 @@ class ChunkSizer:
         """The commits of windows of m masked positions in blocks with `left` masked (the rest of the block when not
         given), `tried` of them covered by an earlier window, a step decoded (those not cut short by max_tokens)."""
         self.estimator.observe(m, committed, left, tried)
-        if self.elastic and self._share is not None:
-            per_seq, per_row = self._share
-            self.value.observe(m, m if left is None else left, tried, committed, per_seq + per_row * (m - 1))
 
     def count(self, committed: int) -> None:
         """One sequence-step committed this many tokens (every step, for the histogram)."""
@@ -266,5 +295,5 @@ class ChunkSizer:
         return sum(k * v for k, v in self.commit_counts.items()) / n if n else 0.0
 
 
-__all__ = ["CHUNK_CANDIDATES", "ChunkMode", "ChunkSizer", "ChunkSpec", "SeqWindow", "StepLatency", "fitting",
-           "parse_chunk"]
+__all__ = ["CHUNK_CANDIDATES", "ChunkMode", "ChunkSizer", "ChunkSpec", "SeqWindow", "StepLatency", "StepWindows",
+           "fitting", "parse_chunk"]
