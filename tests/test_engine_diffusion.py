@@ -162,12 +162,13 @@ def test_elastic_windows_beside_overflowing_prompts_finish_every_request_exactly
     plan = eng.core.chunker.plan
 
     def spy(seqs, room=None, prompts=0):
-        c, n = plan(seqs, room, prompts)
+        got = plan(seqs, room, prompts)
+        n = len(got.windows)
         told.append(prompts)
         sat.append(len(seqs) - n)
-        rows = sum(min(c, s.left) + s.pending + s.extra for s in seqs[:n])
+        rows = sum(w + s.pending + s.extra for w, s in zip(got.windows, seqs))
         fits.append(n == 1 or rows <= room + sum(s.pending + s.extra for s in seqs))
-        return c, n
+        return got
     eng.core.chunker.plan = spy
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for i in range(2):
