@@ -12,8 +12,8 @@ from tandem.core.config import SchedulerConfig
 from tandem.core.factory import build_worker
 from tandem.core.types import COLOCATED, FirstToken, PrefillTask, RoundDone, StepResult
 from tandem.perf.dllm import OPTIMUS_TABLE2, StretchModel, commit_model
-from tandem.policy.optimus import (ChunkLatency, ChunkMode, ChunkSizer, ChunkSpec, CommitEstimator, SeqWindow, StepWindows,
-                                  parse_chunk)
+from tandem.policy.optimus import (ChunkLatency, ChunkMode, ChunkSizer, ChunkSpec, CommitEstimator, SeqWindow,
+                                  StepWindows, parse_chunk)
 from tandem.policy.optimus.commit import Tried
 from tandem.policy.optimus.latency import StepOverhead
 

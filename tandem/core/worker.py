@@ -626,9 +626,9 @@ class WorkerCore:
         token budget, less what waiting prefills keep of it (dllm_prefill_share of the budget at most: the diffusion
         engines Optimus builds on run prefills first, and windows that fill the budget would starve them); a window
         stays within the active block (blocks are aligned to absolute positions): min(c, masked positions left in
-        the block) for a fixed chunk c, a size of its own for elastic, which it may commit, besides the K/V writes of the last commits and the prompt's leftover
-        tokens it carries (outside c, taken out of the budget first); plain block diffusion (c = B) computes the whole
-        block. When more prompts are ready than fit beside the smallest windows, the sizer is told the rows they fill:
+        the block) for a fixed chunk c, a size of its own for elastic, which it may commit, besides the K/V writes of
+        the last commits and the prompt's leftover tokens it carries (outside c, taken out of the budget first);
+        plain block diffusion (c = B) computes the whole block. When more prompts are ready than fit beside the smallest windows, the sizer is told the rows they fill:
         the windows then displace prompt rows, and it prices them so. When even windows of one position do not fit
         the budget (elastic; the carried rows fill it), or a fixed chunk's or the block's windows overflow it (the
         budget caps every step, as in vLLM; a fixed chunk leaves no share to waiting prefills), the sizer runs the

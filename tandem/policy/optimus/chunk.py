@@ -169,8 +169,9 @@ class ChunkSizer:
 
     def _elastic(self, seqs: Sequence[SeqWindow], room: int | None, prompts: int) -> tuple[int, list[int]]:
         """(c, windows): the candidate c committing the most tokens per second (the first of equals), run by the
-        first len(windows) sequences, then each sequence's window sized on its own where that raises the step's rate
-        (`_per_sequence`; c is then the candidate of the largest window). Each sequence's window is min(c, left) masked positions (it stays in its active block), expected
+        first len(windows) sequences; when all of them decode, each then takes its own window (`_per_sequence`; c is
+        then the smallest candidate holding the largest window). At the common c each sequence's window is min(c,
+        left) masked positions (it stays in its active block), expected
         to commit N_commit of them; the step is priced on all its rows (the windows, the K/V writes and the extra
         rows, of which only the windows' are sampled), sequences and cached tokens, plus the overhead learnt so far.
         When prompts wait beyond the step (`prompts` > 0 rows fill it), every window row displaces a prompt row that
