@@ -144,6 +144,21 @@ def test_bands_that_differ_only_by_noise_are_pooled_and_bands_that_differ_are_ke
     assert noisy(8, 30) == pytest.approx(max(1.0, (10 + w0 * prior) / (10 + w0)), abs=1e-12)
 
 
+def test_the_commit_estimate_knows_its_standard_error():
+    """Protects `CommitEstimator.error`, which per-sequence windows test their deviations with: rest windows of 20
+    committing 18, 20, 19, 19 (one entry, its group's mean with 4 optimistic pseudo-windows of min(20, 19): 19)
+    spread by σ² = 2 / 3 within, over the 4 + 4 windows the estimate stands on: √(1 / 12). A group never observed
+    counts the widest spread on [1, m], (m - 1) / 2, over its 4 pseudo-windows: 3.5 / 2 for a window of 8; a
+    window of one, always committing 1, has no error once seen."""
+    est = CommitEstimator(32)
+    assert est.error(8, 32) == pytest.approx(3.5 / 2, abs=1e-12)
+    est.observe(20, [18, 20, 19, 19], left=20)
+    assert est.estimate(20, 20) == pytest.approx(19.0, abs=1e-12)
+    assert est.error(20, 20) == pytest.approx(math.sqrt(1 / 12), abs=1e-12)
+    est.observe(1, [1, 1], left=32)
+    assert est.error(1, 32) == 0.0
+
+
 # ---------------------------------------------------------------------------- c*
 def sizer(mode="elastic", block=32, size=0):
     return ChunkSizer(ChunkSpec(ChunkMode(mode), size), block, lambda rows, seqs, ctx, sampled, prefill: three_regimes(rows + prefill))
@@ -193,6 +208,38 @@ def test_elastic_sizes_each_sequences_window_where_one_size_cannot_serve_the_bat
     assert s.plan(batch) == StepWindows(32, [32, 32, 1, 1])
     assert s.plan(batch[:2]) == StepWindows(32, [32, 32]) and s.plan(batch[2:]) == StepWindows(1, [1, 1])
     assert s.steps_by_chunk == {32: 2, 1: 1}
+
+
+class _Known:
+    """A commit estimator whose estimates are given: fresh blocks' windows of c commit FRESH[c], tried ones 1, every
+    estimate `sigma` uncertain (standard error)."""
+
+    FRESH = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 10.0, 32: 28.0}
+
+    def __init__(self, sigma: float) -> None:
+        self.sigma, self.observations = sigma, 10**6
+
+    def estimate(self, m: int, left: int | None = None, tried: int = 0) -> float:
+        return 1.0 if tried else self.FRESH[m]
+
+    def error(self, m: int, left: int | None = None, tried: int = 0) -> float:
+        return self.sigma
+
+
+@pytest.mark.parametrize("sigma, windows", [(0.0, [32, 32, 1, 1]), (0.2, [32, 32, 1, 1]), (0.28, [8, 8, 1, 1]),
+                                            (0.4, [8, 8, 8, 8])])
+def test_a_sequence_leaves_the_common_window_only_for_a_rate_the_commits_seen_tell_apart(sigma, windows):
+    """Protects the significance test of per-sequence windows (a sequence's own rate must beat the common c's by two
+    standard errors of the difference): in the simulator, per-sequence windows chasing estimates 2% apart, and
+    windows never run again once their entry looked low, cost 6% at 4-16 sequences. The batch of the test above
+    (common c = 8; 10 ms + 1 ms a row): a fresh block's own rate at 32 is 28 / 34.5 ms against 8 / 10.5 ms at 8, a
+    difference of 0.0497 a ms, with an error of σ·√(1 / 34.5² + 1 / 10.5²): it moves while σ < 0.249; a tried block
+    at 1, 1 / 3.5 ms against 1 / 10.5 ms, 0.190 a ms apart with an error of σ·√(1 / 3.5² + 1 / 10.5²): while
+    σ < 0.316."""
+    s = ChunkSizer(ChunkSpec(), 32, lambda rows, seqs, ctx, sampled, prefill: 0.010 + 0.001 * (rows + prefill),
+                   estimator=_Known(sigma))
+    batch = [SeqWindow(32), SeqWindow(32), SeqWindow(32, tried=32), SeqWindow(32, tried=32)]
+    assert s.plan(batch) == StepWindows(max(windows), windows)
 
 
 def test_elastic_prices_each_window_where_it_is_and_what_it_reads():

@@ -3,7 +3,8 @@
 `elastic`: c* = argmax_c N_commit(c)·b / T(c, b) over the candidate sizes up to the block length, b the sequences
 decoding this step: the size that commits the most tokens per second at this load; then each sequence's own c*, the
 size committing the most per second of its own share of that step (a block whose positions were all tried commits one
-token whatever its window, a fresh block beside it many: one size cannot serve both). Until the estimator has seen
+token whatever its window, a fresh block beside it many: one size cannot serve both), where the commits seen tell it
+apart from the common c's (by DEVIATION_ERRORS standard errors). Until the estimator has seen
 enough steps, the step runs at the block size (Optimus observes the largest chunk first). Each sequence is priced
 where it is (`SeqWindow`): a streaming window covers the first c masked positions of its block, or the rest of the
 block where it has no more than c left, and commits N_commit of that window (commit.py: learnt by window, by how
@@ -32,6 +33,8 @@ MIN_PRICE_SHARE = 0.1                       # a learnt overhead below zero takes
 MIN_PRICE_S = 1e-9                          # a price never reaches 0 (windows added to prompts in a flat regime)
 STALL_PRICES = 4.0                          # a step's overhead counts at most this many times its price (beyond: a
                                             # stall, a GC pause, not the step's work)
+DEVIATION_ERRORS = 2.0                      # a sequence leaves the common c's window only for a size whose rate beats
+                                            # it by this many standard errors of the difference (about 95%)
 
 
 class ChunkMode(StrEnum):
@@ -196,7 +199,7 @@ class ChunkSizer:
                 windows = [cand if cand < s.left else s.left for s in seqs]
                 n = fitting((w + s.pending + s.extra for w, s in zip(windows, seqs)), budget)
                 fits.append((cand, windows[:n]))
-        n_at: dict[tuple[int, int, int], float] = {}
+        n_at: dict[tuple[int, int, int], tuple[float, float]] = {}
         of_n: dict[int, tuple[int, int]] = {}        # n -> cached tokens and carried rows of the first n sequences
 
         def first(n: int) -> tuple[int, int]:
@@ -222,20 +225,25 @@ class ChunkSizer:
         if self.estimator.observations < self.warmup:
             c, windows = fits[-1]
         else:
-            def gain(m: int, s: SeqWindow) -> float:
-                """A window of m's expected commits (N_commit where the sequence is)."""
+            def judged(m: int, s: SeqWindow) -> tuple[float, float]:
+                """A window of m's expected commits (N_commit where the sequence is) and that estimate's error."""
                 key = (m, s.left, tried_kind(m, s.tried))   # what the estimate depends on
                 got = n_at.get(key)
                 if got is None:
-                    got = n_at[key] = self.estimator.estimate(m, s.left, s.tried)
+                    est = self.estimator
+                    got = n_at[key] = (est.estimate(m, s.left, s.tried), est.error(m, s.left, s.tried))
                 return got
+
+            def gain(m: int, s: SeqWindow) -> float:
+                """A window of m's expected commits."""
+                return judged(m, s)[0]
 
             def rate(windows: list[int]) -> float:
                 """Expected commits per second of a step of these windows (the first sequences')."""
                 return sum(gain(m, s) for m, s in zip(windows, seqs)) / price(windows)
             c, windows = max(fits, key=lambda fit: rate(fit[1]))
             if len(windows) == len(seqs):
-                windows = self._per_sequence(seqs, windows, room, gain, cost)
+                windows = self._per_sequence(seqs, windows, room, judged, cost)
                 c = next(cand for cand in self.candidates if cand >= max(windows))
         n = len(windows)
         ctx, carried = first(n)
@@ -244,7 +252,8 @@ class ChunkSizer:
         return c, windows
 
     def _per_sequence(self, seqs: Sequence[SeqWindow], windows: list[int], room: int | None,
-                      gain: Callable[[int, SeqWindow], float], cost: Callable[[int, int], float]) -> list[int]:
+                      judged: Callable[[int, SeqWindow], tuple[float, float]],
+                      cost: Callable[[int, int], float]) -> list[int]:
         """Each sequence's own c*: from the common c's windows, the window (a candidate size, up to the rest of its
         block) committing the most per second of the sequence's own share of the step: the step's price split evenly,
         plus what the step's price moves by with this sequence's window at that size instead, and never below its
@@ -253,7 +262,12 @@ class ChunkSizer:
         positions were tried, which commits one token whatever its window, takes a small one and a fresh block
         beside it a large one, which one size cannot give both. Each is priced at its own rate, not the step's: a
         sequence committing little per row keeps the window its own progress wants, rather than being cut to the
-        rows the others use best and finishing last, alone. The common c's windows when these would overflow `room`."""
+        rows the others use best and finishing last, alone. A sequence keeps the common c's window unless its own
+        size's rate beats it by DEVIATION_ERRORS standard errors of the difference (the estimates' errors, over the
+        shares): the estimates are means of whichever sequences ran each kind of window, and windows whose estimates
+        differ by noise alone, taken per sequence, cost 6% in the simulator at 4-16 sequences (SDAR-8B on an H100,
+        where one size serves all); a window a sequence left for a size that looked better is not run there again,
+        so a low estimate of it was never corrected. The common c's windows when these would overflow `room`."""
         n, rows = len(windows), sum(windows)
         whole = cost(n, rows)
         least = cost(n, n) / n
@@ -263,10 +277,16 @@ class ChunkSizer:
             if m - w not in moved:
                 moved[m - w] = cost(n, rows + m - w) - whole
             return max(whole / n + moved[m - w], least)
+        def rate(m: int, s: SeqWindow, w: int) -> float:
+            return judged(m, s)[0] / share(m, w)
         own = []
         for s, w in zip(seqs, windows):
             options = {cand if cand < s.left else s.left for cand in self.candidates}
-            own.append(max(options, key=lambda m, s=s, w=w: (gain(m, s) / share(m, w), -abs(m - w))))
+            m = max(options, key=lambda m, s=s, w=w: (rate(m, s, w), -abs(m - w)))
+            if m != w and rate(m, s, w) - rate(w, s, w) <= DEVIATION_ERRORS * math.hypot(
+                    judged(m, s)[1] / share(m, w), judged(w, s)[1] / share(w, w)):
+                m = w                                # not told apart from the common window by the commits seen
+            own.append(m)
         return windows if room is not None and sum(own) > room else own
 
     def observe_step(self, seconds: float | None) -> None:

@@ -104,8 +104,9 @@ class CommitEstimator:
         self._seen: dict[tuple, _Entry] = {}
         self._members: dict[tuple, list[_Entry]] = {}     # group -> its entries
         self.observations = 0                              # windows observed (undecayed)
-        self._cache: dict[tuple, float] = {}               # estimates, groups' pooling and the best mean seen,
-        self._groups: dict[tuple, tuple[float, float, float]] = {}   # until the next observation
+        self._cache: dict[tuple, tuple[float, float]] = {}   # estimates and their errors, groups' pooling and the
+        self._groups: dict[tuple, tuple[float, float, float, float | None]] = {}   # best mean seen, until the next
+                                                                                   # observation
         self._best: dict[Tried | None, float] | None = None     # the best mean of each kind of tried, and of all (None)
 
     def _entry(self, m: int, left: int, tried: int) -> tuple:
@@ -140,10 +141,11 @@ class CommitEstimator:
         self._groups.clear()
         self._best = None
 
-    def _pooling(self, group: tuple) -> tuple[float, float, float]:
-        """A group's decayed windows and commits, and how many windows of its own an entry needs to outweigh the
+    def _pooling(self, group: tuple) -> tuple[float, float, float, float | None]:
+        """A group's decayed windows and commits, how many windows of its own an entry needs to outweigh the
         group's mean: w0 = σ² / τ², one window's variance over the variance of the entries' true means (method of
-        moments; infinite while the entries look alike). Cached until the next observation."""
+        moments; infinite while the entries look alike), and σ² (None while the group has no more windows than
+        entries). Cached until the next observation."""
         got = self._groups.get(group)
         if got is not None:
             return got
@@ -151,18 +153,30 @@ class CommitEstimator:
         w = sum(e.w for e in members)
         s = sum(e.s for e in members)
         w0 = math.inf
+        squares = sum(max(0.0, e.ss - e.s * e.s / e.w) for e in members)
+        var = squares / (w - len(members)) if w > len(members) else None   # one window's variance
         if len(members) >= 2:
-            within = sum(max(0.0, e.ss - e.s * e.s / e.w) for e in members) / max(1e-9, w - len(members))
+            within = squares / max(1e-9, w - len(members))
             q = sum(e.w * (e.mean - s / w) ** 2 for e in members)
             spread = (q - (len(members) - 1) * within) / (w - sum(e.w * e.w for e in members) / w)
             if spread > 0:
                 w0 = within / spread
-        got = self._groups[group] = (w, s, w0)
+        got = self._groups[group] = (w, s, w0, var)
         return got
 
     def estimate(self, m: int, left: int | None = None, tried: int = 0) -> float:
         """Expected commits of a window of m masked positions in a block with `left` masked (the rest of the block
         when not given or m >= left), the first `tried` of them covered by an earlier window, within [1, m]."""
+        return self._estimated(m, left, tried)[0]
+
+    def error(self, m: int, left: int | None = None, tried: int = 0) -> float:
+        """The standard error of `estimate`: one window's spread in its group over the square root of the windows
+        the estimate stands on (its own and its share of the group's, or the group's and the optimism's); a group
+        of fewer than two windows counts the widest spread on [1, m]."""
+        return self._estimated(m, left, tried)[1]
+
+    def _estimated(self, m: int, left: int | None, tried: int) -> tuple[float, float]:
+        """(estimate, standard error) of a window, cached until the next observation."""
         left = m if left is None else left
         if not 1 <= m <= self.block or left < m or left > self.block:
             raise ValueError(f"a window has 1..{self.block} masked positions of the block's left, got {m} of {left}")
@@ -177,13 +191,16 @@ class CommitEstimator:
             for k, e in self._seen.items():
                 best[k[-1]] = max(best.get(k[-1], 1.0), e.mean)
                 best[None] = max(best[None], e.mean)
-        gw, gs, w0 = self._pooling(self._group(key))
+        gw, gs, w0, within = self._pooling(self._group(key))
         prior = (gs + OPTIMISM_WEIGHT * min(float(m), best.get(key[-1], best[None]))) / (gw + OPTIMISM_WEIGHT)
         e = self._seen.get(key)
-        est = prior if e is None or math.isinf(w0) else (e.s + w0 * prior) / (e.w + w0)
-        est = min(float(m), max(1.0, est))
-        self._cache[key] = est
-        return est
+        if e is None or math.isinf(w0):
+            est, windows = prior, gw + OPTIMISM_WEIGHT
+        else:
+            est, windows = (e.s + w0 * prior) / (e.w + w0), e.w + w0
+        var = within if within is not None else ((m - 1) / 2) ** 2
+        got = self._cache[key] = (min(float(m), max(1.0, est)), math.sqrt(var / windows))
+        return got
 
     def __call__(self, c: int, left: int | None = None, tried: int = 0) -> float:
         """Estimated commits of a step at chunk c for a sequence with `left` masked positions in its block (a fresh
