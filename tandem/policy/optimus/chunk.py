@@ -280,12 +280,16 @@ class ChunkSizer:
         def rate(m: int, s: SeqWindow, w: int) -> float:
             return judged(m, s)[0] / share(m, w)
         own = []
+        chosen: dict[tuple[int, int, int], int] = {}   # (left, tried, common window) -> own window: all it depends on
         for s, w in zip(seqs, windows):
-            options = {cand if cand < s.left else s.left for cand in self.candidates}
-            m = max(options, key=lambda m, s=s, w=w: (rate(m, s, w), -abs(m - w)))
-            if m != w and rate(m, s, w) - rate(w, s, w) <= DEVIATION_ERRORS * math.hypot(
-                    judged(m, s)[1] / share(m, w), judged(w, s)[1] / share(w, w)):
-                m = w                                # not told apart from the common window by the commits seen
+            m = chosen.get((s.left, s.tried, w))
+            if m is None:
+                options = {cand if cand < s.left else s.left for cand in self.candidates}
+                m = max(options, key=lambda m, s=s, w=w: (rate(m, s, w), -abs(m - w)))
+                if m != w and rate(m, s, w) - rate(w, s, w) <= DEVIATION_ERRORS * math.hypot(
+                        judged(m, s)[1] / share(m, w), judged(w, s)[1] / share(w, w)):
+                    m = w                            # not told apart from the common window by the commits seen
+                chosen[(s.left, s.tried, w)] = m
             own.append(m)
         return windows if room is not None and sum(own) > room else own
 
