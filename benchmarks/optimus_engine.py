@@ -2,7 +2,7 @@
 tokens/s against batch size for AR-like decoding, plain block diffusion, fixed streaming chunks and the elastic
 chunk, and the held-out accuracy of each decoding mode.
 
-    python benchmarks/optimus_engine.py                       # batch 1..64, 3 alternating runs each (~15 min)
+    python benchmarks/optimus_engine.py                       # batch 1..64, 3+ alternating runs each (~20 min)
     python benchmarks/optimus_engine.py --quick --out /tmp/o  # batch 1, 8, 32, one run (~2 min)
     python benchmarks/optimus_engine.py --requests-per-slot 4 --eval-per-task 0 --out /tmp/o   # closed loop at b
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from tandem.bench.provenance import report_meta
-from tandem.cli.common import csv_list, positive_int
+from tandem.cli.common import csv_list, nonneg_float, positive_int
 
 ASSET = Path(__file__).resolve().parents[1] / "tandem" / "engine" / "diffusion" / "assets" / "tiny-sdar"
 SYSTEMS = {                       # name -> (dllm_chunk, extra EngineConfig fields)
@@ -52,6 +52,8 @@ SYSTEMS = {                       # name -> (dllm_chunk, extra EngineConfig fiel
 FIXED = ("c4", "c8", "c16")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 OUTPUT_TOKENS = 64
+MIN_SECONDS = 1.5           # measured time each system's runs at a batch size total at least (short runs repeat)
+MAX_REPS = 40
 
 
 def _prompts(n: int, seed: int = 99) -> list[list[int]]:
@@ -196,11 +198,35 @@ def _table(res: dict) -> str:
     return "\n".join(rows)
 
 
+def _measure(batches: list[int], reps: int, min_seconds: float, warmup: bool, per_slot: int) -> dict:
+    """Each system's runs at each batch size: `reps` repetitions, then more while any system's runs at that b total
+    under `min_seconds` of measured time (at most MAX_REPS): a run at one sequence lasts 50 ms, and the median of
+    five such runs moved by 5-10% between benchmark runs. The systems alternate within every repetition."""
+    from rich.progress import Progress
+    runs: dict[str, dict[str, list[dict]]] = {s: {str(b): [] for b in batches} for s in SYSTEMS}
+    with Progress() as bar:
+        task = bar.add_task("engine runs", total=reps * len(batches) * len(SYSTEMS))
+        for b in batches:
+            done = 0
+            while done < reps or (done < MAX_REPS and min(sum(r["wall_s"] for r in runs[s][str(b)])
+                                                           for s in SYSTEMS) < min_seconds):
+                if done >= reps:
+                    bar.update(task, total=bar.tasks[0].total + len(SYSTEMS))
+                for system in SYSTEMS:                 # alternating: every system once per (repetition, batch)
+                    runs[system][str(b)].append(throughput(system, b, warmup, per_slot))
+                    bar.advance(task)
+                done += 1
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/results/optimus_engine")
     ap.add_argument("--batches", type=csv_list(positive_int), default=list(BATCHES))
-    ap.add_argument("--reps", type=positive_int, default=3)
+    ap.add_argument("--reps", type=positive_int, default=3, help="repetitions at each batch size, at least")
+    ap.add_argument("--min-seconds", type=nonneg_float, default=MIN_SECONDS,
+                    help=f"more repetitions (up to {MAX_REPS}) until each system's runs at a batch size total this "
+                         f"much measured time (default: {MIN_SECONDS:g}; 0: --reps only)")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (default: 1)")
     ap.add_argument("--eval-per-task", type=int, default=100, help="held-out examples per task (0: skip)")
     ap.add_argument("--quick", action="store_true", help="batches 1, 8, 32; one run; 30 examples per task")
@@ -214,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep --out's throughput results, measure accuracy and the commit model again")
     a = ap.parse_args(argv)
     if a.quick:
-        a.batches, a.reps, a.eval_per_task = [1, 8, 32], 1, 30
+        a.batches, a.reps, a.eval_per_task, a.min_seconds = [1, 8, 32], 1, 30, 0.0
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,24 +250,16 @@ def main(argv: list[str] | None = None) -> int:
         res.update(accuracy(a.eval_per_task))
         res["meta_accuracy"] = report_meta("benchmarks/optimus_engine.py", argv, time.perf_counter() - t_start)
         return _write(res, out)
-    from rich.progress import Progress
-    runs: dict[str, dict[str, list[dict]]] = {s: {str(b): [] for b in a.batches} for s in SYSTEMS}
-    with Progress() as bar:
-        task = bar.add_task("engine runs", total=a.reps * len(a.batches) * len(SYSTEMS))
-        for _ in range(a.reps):
-            for b in a.batches:
-                for system in SYSTEMS:                 # alternating: every system once per (repetition, batch)
-                    runs[system][str(b)].append(throughput(system, b, a.warmup, a.requests_per_slot))
-                    bar.advance(task)
+    runs = _measure(a.batches, a.reps, a.min_seconds, a.warmup, a.requests_per_slot)
     res: dict = {"batches": a.batches, "output_tokens": OUTPUT_TOKENS, "threads": a.threads, "warmup": a.warmup,
-                 "requests_per_slot": a.requests_per_slot, "throughput": {}}
+                 "requests_per_slot": a.requests_per_slot, "min_seconds": a.min_seconds, "throughput": {}}
     for system in SYSTEMS:
         res["throughput"][system] = {}
         for b in a.batches:
             xs = runs[system][str(b)]
             tps = [r["tokens_per_s"] for r in xs]
             res["throughput"][system][str(b)] = {"median": statistics.median(tps), "min": min(tps), "max": max(tps),
-                                                 "steps": xs[0]["steps"],
+                                                 "reps": len(tps), "steps": xs[0]["steps"],
                                                  "commits_per_window": xs[0]["commits_per_window"],
                                                  "mean_chunk": xs[0]["mean_chunk"]}
     res["geomean"] = {s: math.exp(statistics.fmean(math.log(res["throughput"][s][str(b)]["median"])
