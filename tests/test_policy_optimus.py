@@ -219,11 +219,8 @@ class _Known:
     def __init__(self, sigma: float) -> None:
         self.sigma, self.observations = sigma, 10**6
 
-    def estimate(self, m: int, left: int | None = None, tried: int = 0) -> float:
-        return 1.0 if tried else self.FRESH[m]
-
-    def error(self, m: int, left: int | None = None, tried: int = 0) -> float:
-        return self.sigma
+    def judged(self, m: int, left: int | None = None, tried: int = 0) -> tuple[float, float]:
+        return (1.0 if tried else self.FRESH[m]), self.sigma
 
 
 @pytest.mark.parametrize("sigma, windows", [(0.0, [32, 32, 1, 1]), (0.2, [32, 32, 1, 1]), (0.28, [8, 8, 1, 1]),

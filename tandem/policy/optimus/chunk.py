@@ -230,8 +230,7 @@ class ChunkSizer:
                 key = (m, s.left, tried_kind(m, s.tried))   # what the estimate depends on
                 got = n_at.get(key)
                 if got is None:
-                    est = self.estimator
-                    got = n_at[key] = (est.estimate(m, s.left, s.tried), est.error(m, s.left, s.tried))
+                    got = n_at[key] = self.estimator.judged(m, s.left, s.tried)
                 return got
 
             def gain(m: int, s: SeqWindow) -> float:
@@ -277,7 +276,9 @@ class ChunkSizer:
             if m - w not in moved:
                 moved[m - w] = cost(n, rows + m - w) - whole
             return max(whole / n + moved[m - w], least)
+
         def rate(m: int, s: SeqWindow, w: int) -> float:
+            """The sequence's expected commits per second of its share at a window of m."""
             return judged(m, s)[0] / share(m, w)
         own = []
         chosen: dict[tuple[int, int, int], int] = {}   # (left, tried, common window) -> own window: all it depends on

@@ -167,16 +167,16 @@ class CommitEstimator:
     def estimate(self, m: int, left: int | None = None, tried: int = 0) -> float:
         """Expected commits of a window of m masked positions in a block with `left` masked (the rest of the block
         when not given or m >= left), the first `tried` of them covered by an earlier window, within [1, m]."""
-        return self._estimated(m, left, tried)[0]
+        return self.judged(m, left, tried)[0]
 
     def error(self, m: int, left: int | None = None, tried: int = 0) -> float:
         """The standard error of `estimate`: one window's spread in its group over the square root of the windows
         the estimate stands on (its own and its share of the group's, or the group's and the optimism's); a group
-        of fewer than two windows counts the widest spread on [1, m]."""
-        return self._estimated(m, left, tried)[1]
+        with no more windows than entries counts the widest spread on [1, m]."""
+        return self.judged(m, left, tried)[1]
 
-    def _estimated(self, m: int, left: int | None, tried: int) -> tuple[float, float]:
-        """(estimate, standard error) of a window, cached until the next observation."""
+    def judged(self, m: int, left: int | None = None, tried: int = 0) -> tuple[float, float]:
+        """(`estimate`, `error`) of a window in one lookup, cached until the next observation."""
         left = m if left is None else left
         if not 1 <= m <= self.block or left < m or left > self.block:
             raise ValueError(f"a window has 1..{self.block} masked positions of the block's left, got {m} of {left}")
@@ -191,14 +191,15 @@ class CommitEstimator:
             for k, e in self._seen.items():
                 best[k[-1]] = max(best.get(k[-1], 1.0), e.mean)
                 best[None] = max(best[None], e.mean)
-        gw, gs, w0, within = self._pooling(self._group(key))
+        gw, gs, w0, var = self._pooling(self._group(key))
         prior = (gs + OPTIMISM_WEIGHT * min(float(m), best.get(key[-1], best[None]))) / (gw + OPTIMISM_WEIGHT)
         e = self._seen.get(key)
         if e is None or math.isinf(w0):
             est, windows = prior, gw + OPTIMISM_WEIGHT
         else:
             est, windows = (e.s + w0 * prior) / (e.w + w0), e.w + w0
-        var = within if within is not None else ((m - 1) / 2) ** 2
+        if var is None:
+            var = ((m - 1) / 2) ** 2
         got = self._cache[key] = (min(float(m), max(1.0, est)), math.sqrt(var / windows))
         return got
 
