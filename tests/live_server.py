@@ -17,6 +17,7 @@ from tandem.engine.llm import LLM
 from tandem.runtime.cluster import ClusterConfig
 
 METRICS = ("tandem:local_prefills_total", "tandem:remote_prefills_total", "tandem:kv_transfer_timeouts_total",
+           "tandem:lost_requests_total",
            "tandem:workers_alive", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
            "vllm:generation_tokens_total")
 

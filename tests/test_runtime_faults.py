@@ -382,3 +382,37 @@ def test_lost_or_late_kv_transfers_time_out_and_the_round_is_recomputed_locally(
     assert transfers == 5
     print(f"\nlost/late KV transfers: rounds took {', '.join(f'{t:.2f}' for t in took)} s "
           f"(kv_timeout_s {timeout_s}, late by {late_s} s)")
+
+
+# ---------------------------------------------------------------------------- (e) a lost control message
+@pytest.mark.parametrize("worker,dropped", [(DECODE, ["AddRequest", "Audit"]), (PREFILL, ["AddPrefill"])],
+                         ids=["decode-AddRequest-and-the-first-Audit", "prefill-AddPrefill"])
+def test_a_round_whose_message_is_lost_fails_with_the_reason_and_serving_goes_on(ckpt, offline, worker, dropped):
+    """Protects the coordinator's audit (CoordinatorShell.audit): a round whose AddRequest (decode worker) or
+    AddPrefill (prefill worker) is lost on the wire would wait forever; every audit_interval_s each worker is asked
+    which requests it holds, and the round it should hold and does not ends with a 500 naming the worker and the
+    loss, counted in tandem:lost_requests_total. A lost Audit is asked again after AUDIT_RETRY intervals. The next
+    round on the same server completes with the offline engine's output, and nothing else is failed."""
+    from tandem.runtime.coordinator_shell import AUDIT_RETRY
+    audit_s = 0.2
+    srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE,
+                                   audit_interval_s=audit_s, worker_kwargs={worker: {"drop_control": dropped}},
+                                   **NO_RESTART))
+    prompt = list(range(10, 90))
+    try:
+        t0 = time.monotonic()
+        lost = asyncio.run(_with_client(srv, lambda c: _complete(c, prompt, 6)))
+        took = time.monotonic() - t0
+        after = asyncio.run(_with_client(srv, lambda c: _complete(c, prompt, 6, stream=True)))
+        metrics = srv.metrics()
+    finally:
+        srv.stop()
+    assert lost["status"] == 500 and lost["error"]["code"] == "request_failed", lost
+    assert lost["error"]["message"].startswith(f"lost: worker {worker} no longer holds request "), lost
+    asked = AUDIT_RETRY + 2 if "Audit" in dropped else 2       # intervals until an answer can show the loss
+    assert took < (asked + 3) * audit_s + 2.0, took
+    assert after["status"] == 200 and after["error"] is None
+    assert after["token_ids"] == offline.generate([prompt], _greedy(6))[0].token_ids
+    assert metrics["tandem:lost_requests_total"] == 1
+    assert metrics["tandem:remote_prefills_total"] == 2
+    print(f"\nlost {dropped[0]}: the round failed after {took:.2f} s (audit every {audit_s} s)")

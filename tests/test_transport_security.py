@@ -303,8 +303,16 @@ def test_serving_cluster_survives_hostile_peers_and_garbage(tiny):
     async def one_round(c, rid: str, first: int):
         t0 = time.monotonic()
         last = None
-        async for o in c.generate(list(range(first, first + 80)), greedy, rid):
-            last = o
+        try:                                 # a round that hangs fails here, saying where it stood
+            async with asyncio.timeout(30):
+                async for o in c.generate(list(range(first, first + 80)), greedy, rid):
+                    last = o
+        except TimeoutError:
+            req = c.shell.reqs.get(rid)
+            where = req and {k: getattr(req, k) for k in ("worker", "prefill_worker", "sent_to_decode", "kv_arrived",
+                                                           "transfers", "done")}
+            pytest.fail(f"round {rid} hung: {where}, audits {c.shell._audits}, "
+                        f"workers alive {c.hub.alive(0), c.hub.alive(1)}")
         return last, time.monotonic() - t0
 
     async def main():
@@ -363,7 +371,7 @@ def test_serving_cluster_survives_hostile_peers_and_garbage(tiny):
         finally:
             for s in socks:
                 s.close(linger=0)
-            await c.shutdown()
+            await asyncio.wait_for(c.shutdown(), 60)
 
     results, alive, stats, refused, dropped = asyncio.run(main())
     print(f"rounds after garbage: {[round(t, 3) for _, t in results]} s; hub refused {refused} handshakes")

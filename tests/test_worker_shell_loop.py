@@ -25,6 +25,7 @@ class ScriptedEngine:
         self.fail: BaseException | None = None
         self.core_events: list = []
         self.core = SimpleNamespace(has_work=lambda: self.steps_left > 0)
+        self.requests: dict[str, object] = {}
 
     def prepare_step(self):
         self.log.append("prepare")
@@ -50,15 +51,16 @@ class ScriptedEngine:
 
     def add_request(self, request_id, *args, **kw):
         self.log.append(f"add {request_id}")
+        self.requests[request_id] = object()
 
     def abort_request(self, request_id):
         self.log.append(f"abort {request_id}")
 
 
-def _shell(eng: ScriptedEngine):
+def _shell(eng: ScriptedEngine, **faults):
     sent: list = []
     wakes = threading.Semaphore(0)
-    shell = WorkerShell(eng, 0, lambda msg, *b: sent.append(msg), lambda *a, **k: None)
+    shell = WorkerShell(eng, 0, lambda msg, *b: sent.append(msg), lambda *a, **k: None, **faults)
     errors: list[BaseException] = []
 
     def body():
@@ -136,3 +138,37 @@ def test_a_failing_model_run_ends_the_thread_with_its_error():
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+def test_an_audit_is_answered_beside_the_model_with_the_requests_held_and_delays_nothing_after_it():
+    """An Audit during a model run is answered at once (Holding: the engine's requests, the running step's
+    included), and an AddRequest after it still runs beside the model: an audit never costs a request a step."""
+    eng = ScriptedEngine(steps=2)
+    shell, sent, thread, errors = _shell(eng)
+    assert eng.running.acquire(timeout=WAIT_S)
+    assert shell.post(_add("r0")) is True
+    assert shell.post(m.Audit(7)) is True
+    assert shell.post(_add("r1")) is True
+    assert sent == [m.Holding(7, ["r0"])]
+    assert eng.log == ["prepare", "execute", "add r0", "add r1"]
+    eng.release.set()
+    assert eng.running.acquire(timeout=WAIT_S)
+    eng.release.set()
+    shell.stop()
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and not errors
+
+
+def test_drop_control_loses_the_next_message_of_each_named_type_once_and_refuses_unknown_names():
+    """Fault injection (docs/runtime.md): drop_control=["AddRequest"] loses the next AddRequest only; a name that
+    is not a control message is refused when the worker starts."""
+    eng = ScriptedEngine(steps=0)
+    shell, _, thread, errors = _shell(eng, drop_control=["AddRequest"])
+    assert shell.post(_add("r0")) is False
+    assert shell.post(_add("r1")) is True
+    assert eng.log == ["add r1"]
+    shell.stop()
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and not errors
+    with pytest.raises(ValueError, match=r"drop_control names control messages .*got \['AddRequests'\]"):
+        WorkerShell(eng, 0, lambda *a: None, lambda *a, **k: None, drop_control=["AddRequests"])

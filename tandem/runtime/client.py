@@ -39,6 +39,8 @@ class BackendStats:
     kv_transfer_seconds: list[float] = field(default_factory=list)   # new observations since the last call
     kv_transfer_bytes: int = 0
     kv_transfer_timeouts: int = 0                  # transfers that fell back to local recompute
+    lost_requests: int = 0                         # tandem: requests failed because their worker no longer held
+                                                   # them (a message between them was lost; coordinator_shell.audit)
     workers_alive: int = 0
     workers_total: int = 0
     iteration_tokens: dict[int, int] = field(default_factory=dict)   # tokens per engine step -> steps (cumulative)

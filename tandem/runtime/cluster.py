@@ -23,7 +23,7 @@ from tandem.policy.laps.cost import boundary_from_profile
 from tandem.policy.presets import PolicySpec, PrefillSchedKind, get_policy
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError, add_memory_reports
-from tandem.runtime.coordinator_shell import CoordinatorShell
+from tandem.runtime.coordinator_shell import AUDIT_S, CoordinatorShell
 from tandem.runtime.costs import serving_cost_model
 from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError
 from tandem.runtime.state_store import open_store
@@ -63,6 +63,9 @@ class ClusterConfig:
     worker_kwargs: dict[int, dict] = field(default_factory=dict)
     # a request whose client reads none of this many queued outputs is aborted (coordinator_shell MAX_UNREAD)
     max_unread_outputs: int = 4096
+    # every worker is asked this often which requests it holds; one it should hold and does not fails (a message
+    # between them was lost) instead of waiting forever (coordinator_shell.CoordinatorShell.audit)
+    audit_interval_s: float = AUDIT_S
     # a ready worker silent this long (no heartbeat: stopped, hung, or its host gone) is declared dead and fenced
     worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S
     # a dead worker is replaced (same id and role) at most this many times per RESTART_WINDOW_S; 0: never
@@ -209,7 +212,8 @@ class ServingCluster:
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
                                       block_size=int(first["block_size"]), slo=self._slo(),
                                       vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs,
-                                      dllm_block=first.get("dllm_block"), dllm_canvas=first.get("dllm_canvas") is True)
+                                      dllm_block=first.get("dllm_block"), dllm_canvas=first.get("dllm_canvas") is True,
+                                      audit_s=cfg.audit_interval_s)
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump(), name="coordinator-pump"),
                        asyncio.create_task(self._tick(), name="coordinator-tick")]

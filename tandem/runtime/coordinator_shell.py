@@ -30,6 +30,8 @@ log = logging.getLogger("tandem.coordinator")
 MAX_UNREAD = 4096          # outputs a request may have queued unread before it is cancelled (a stalled client)
 MAX_KV_SAMPLES = 10_000    # kv_transfer_seconds kept between two /metrics scrapes (the oldest go first)
 MAX_STEP_TOKENS = 1 << 20  # a StepCounts key beyond this (tokens in one engine step) is not a real step: dropped
+AUDIT_S = 5.0             # how often each worker is asked which requests it holds (a lost message fails its round)
+AUDIT_RETRY = 4            # an Audit unanswered for this many intervals is asked again (it may be what was lost)
 
 
 @dataclass
@@ -72,7 +74,7 @@ class CoordinatorShell:
                  max_model_len: int, block_size: int = 16,
                  clock: Callable[[], float] = time.monotonic, slo: SLO | None = None,
                  vocab_size: int | None = None, max_unread: int = MAX_UNREAD, dllm_block: int | None = None,
-                 dllm_canvas: bool = False) -> None:
+                 dllm_canvas: bool = False, audit_s: float = AUDIT_S) -> None:
         self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
         self.dllm_block = dllm_block                         # a block-diffusion model's block length (None: AR)
         self.dllm_canvas = dllm_canvas                       # a LLaDA canvas: whole blocks of masks after the prompt
@@ -87,6 +89,12 @@ class CoordinatorShell:
         self._begun: dict[str, tuple[asyncio.Future, int]] = {}    # request -> (RoundBegun answer, its worker)
         self._ids = itertools.count()
         self.stats = BackendStats()
+        if not audit_s > 0:
+            raise ValueError(f"the audit interval must be > 0 s, got {audit_s}")
+        self.audit_s = audit_s
+        self._next_audit = clock() + audit_s
+        # worker -> (Audit nonce, the requests it must hold, when asked)
+        self._audits: dict[int, tuple[int, list[_Req], float]] = {}
 
     # ------------------------------------------------------------------ requests in
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
@@ -323,6 +331,8 @@ class CoordinatorShell:
             fut, _ = self._begun.pop(msg.request_id, (None, -1))
             if fut is not None and not fut.done():             # BeginRound failed: generate() raises it
                 fut.set_exception(RequestError(msg.reason, 500))
+        elif isinstance(msg, m.Holding):
+            self._holding(worker, msg)
         elif isinstance(msg, m.Stats):
             self.store.publish(msg.state)
 
@@ -429,6 +439,7 @@ class CoordinatorShell:
     def on_worker_joined(self, worker: int, kv_address: str) -> None:
         """A replacement for a lost worker is up: its new KV inbox, and the core may route to it again."""
         self.kv_addr[worker] = kv_address
+        self._audits.pop(worker, None)
         self._apply(self.coord.on_worker_joined(worker, self.clock()))
 
     def on_send_failed(self, worker: int, msg, reason: str, lost: bool = False) -> None:
@@ -452,12 +463,60 @@ class CoordinatorShell:
         decode worker) and ends sessions idle longer than its session_ttl_s. Called every 0.1 s."""
         now = self.clock()
         self._apply(self.coord.on_tick(now))
+        if now >= self._next_audit:
+            self._next_audit = now + self.audit_s
+            self.audit()
         coord = self.coord
         if len(coord.records) > 2 * len(coord.live) + 1000:  # live serving keeps records of live sessions only
             coord.records = [r for r in coord.records if r.session_id in coord.live]
 
+    def _holders(self, req: _Req) -> list[int]:
+        """The workers that must hold `req` now, by the messages sent them: its decode worker from AddRequest to its
+        last output, its prefill worker from AddPrefill until Delivered (sent with KVArrived) or RunLocal."""
+        out = [req.worker] if req.sent_to_decode and req.worker >= 0 else []
+        if req.prefill_worker >= 0 and not req.kv_arrived:
+            out.append(req.prefill_worker)
+        return out
+
+    def audit(self) -> None:
+        """Ask each worker that must hold running requests which ones it holds (Audit). Messages between two
+        processes arrive in order, so its answer (Holding) follows everything sent before the question and every
+        output it sent before the answer: a request it should hold and does not was lost on the way (a dropped
+        message, a worker that forgot it), and fails with that reason instead of waiting forever. One question
+        per worker at a time (a worker busy with a long step answers after it), asked again after AUDIT_RETRY
+        intervals unanswered (the question itself may be the message lost)."""
+        now = self.clock()
+        expect: dict[int, list[_Req]] = {}
+        for req in self.reqs.values():
+            if not req.done:
+                for w in self._holders(req):
+                    expect.setdefault(w, []).append(req)
+        for w, reqs in expect.items():
+            asked = self._audits.get(w)
+            if asked is None or now - asked[2] > AUDIT_RETRY * self.audit_s:
+                nonce = next(self._ids)
+                self._audits[w] = (nonce, reqs, now)
+                self.send(w, m.Audit(nonce))
+
+    def _holding(self, worker: int, msg: m.Holding) -> None:
+        """A worker's answer to audit(): fail the requests it should hold and does not."""
+        nonce, expected, _ = self._audits.get(worker, (None, [], 0.0))
+        if nonce != msg.nonce:
+            return                                             # not the question outstanding (a stale answer)
+        del self._audits[worker]
+        held = set(msg.request_ids)
+        for req in expected:
+            rid = req.request_id
+            if rid in held or req.done or self.reqs.get(rid) is not req or worker not in self._holders(req):
+                continue                                       # held, or finished, failed or moved since the question
+            self.stats.lost_requests += 1
+            log.error("request %s: worker %d no longer holds it; failing it", rid, worker)
+            self._abort(req, f"lost: worker {worker} no longer holds request {rid!r} (a message between the "
+                             f"coordinator and the worker was lost)")
+
     def on_worker_lost(self, worker: int) -> None:
         """A worker died: fail its sessions' requests, re-route prefills it was running."""
+        self._audits.pop(worker, None)
         for req in list(self.reqs.values()):
             if req.prefill_worker == worker and not req.kv_arrived:    # its prefill is lost: re-routed below
                 req.transfers.clear()

@@ -87,6 +87,13 @@ class Abort(msgspec.Struct, tag=True):
     request_id: str
 
 
+class Audit(msgspec.Struct, tag=True):
+    """Which requests do you hold? Answered by Holding, after every message sent before it (the coordinator's
+    check that no message of a running request was lost)."""
+
+    nonce: int
+
+
 # ------------------------------------------------------------------ worker -> worker (KV plane)
 
 class KVData(msgspec.Struct, tag=True):
@@ -184,6 +191,14 @@ class KVReceived(msgspec.Struct, tag=True):
     elapsed_s: float
 
 
+class Holding(msgspec.Struct, tag=True):
+    """The answer to Audit `nonce`: the requests this worker's engine holds now (queued, running, or waiting
+    for KV, on a decode worker; prefilling or waiting for Delivered, on a prefill worker)."""
+
+    nonce: int
+    request_ids: list[str]
+
+
 class WorkerFailure(msgspec.Struct, tag=True):
     """A message the worker could not carry out; the coordinator fails the request with the reason."""
 
@@ -192,13 +207,14 @@ class WorkerFailure(msgspec.Struct, tag=True):
 
 
 CONTROL = [BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered, RunLocal, Release,
-           Abort]
+           Abort, Audit]
 # Control messages a worker carries out while its model runs a step, in arrival order, as long as no message
 # before them waits for the step's end. They queue work, pin KV, or move the KV of requests the running step
 # does not include (a finished prefill's new KV, an idle session's history, a waiting task's): the step reads
 # and writes only its own batch's blocks, and new blocks are handed out only when the next step is planned.
-# RunLocal, Release and Abort may concern a request of the running batch, so they wait for the step's end.
-EARLY_CONTROL = (BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered)
+# Audit only reads which requests the engine holds (those of the running step included). RunLocal, Release and
+# Abort may concern a request of the running batch, so they wait for the step's end.
+EARLY_CONTROL = (BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered, Audit)
 
 class StepCounts(msgspec.Struct, tag=True):
     """Worker -> coordinator, with its state: engine steps by tokens per step since the last StepCounts (the
@@ -212,7 +228,7 @@ class StepCounts(msgspec.Struct, tag=True):
     rejected_handshakes: int = 0      # connections its KV inbox refused (no or wrong CURVE keys), likewise
 
 
-UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure, StepCounts]
+UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure, StepCounts, Holding]
 KV = [KVData]
 EARLY = (*EARLY_CONTROL, KVData)      # a peer's KV is kept for its request at once too (placed later)
 

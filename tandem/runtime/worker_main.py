@@ -37,12 +37,14 @@ STEP_COUNTS = ("iteration_tokens", "dllm_commits", "dllm_chunks", "dllm_serve") 
 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
                publish_s: float = 0.02, perf: str | None = None, threads: int | None = None,
-               drop_kv_sends: int = 0, kv_send_faults: list | None = None, step_sleep_s: float = 0.0) -> None:
+               drop_kv_sends: int = 0, kv_send_faults: list | None = None, step_sleep_s: float = 0.0,
+               drop_control: list[str] | None = None) -> None:
     """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process).
 
     Fault injection (tests, docs/runtime.md): `drop_kv_sends=N` silently drops this worker's next N KV sends, as
     a lost transfer; `kv_send_faults` gives one entry per later KV send: "drop", a delay in seconds, or None;
-    `step_sleep_s` makes every engine step that long slower (a loaded machine's long prefill step)."""
+    `step_sleep_s` makes every engine step that long slower (a loaded machine's long prefill step);
+    `drop_control` names coordinator messages (e.g. ["AddRequest"]) whose next one is lost, once per entry."""
     import torch
 
     from tandem.engine.config import EngineConfig
@@ -81,7 +83,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             peer.append((addr, msg, bufs))
 
     shell = WorkerShell(engine, env.worker_id, lambda msg, *b: up.append((msg, b)), send_peer,
-                        drop_kv_sends=drop_kv_sends, kv_send_faults=kv_send_faults or (), step_sleep_s=step_sleep_s)
+                        drop_kv_sends=drop_kv_sends, kv_send_faults=kv_send_faults or (), step_sleep_s=step_sleep_s,
+                        drop_control=drop_control or ())
 
     def run_steps() -> None:
         try:

@@ -27,7 +27,8 @@ class WorkerShell:
 
     def __init__(self, engine: LLMEngine, worker_id: int, send_up: Callable, send_peer: Callable,
                  wall: Callable[[], float] = time.time, drop_kv_sends: int = 0,
-                 kv_send_faults: Sequence[str | float | None] = (), step_sleep_s: float = 0.0) -> None:
+                 kv_send_faults: Sequence[str | float | None] = (), step_sleep_s: float = 0.0,
+                 drop_control: Sequence[str] = ()) -> None:
         self.engine, self.id = engine, worker_id
         self.step_sleep_s = step_sleep_s                      # fault injection: every model run that much longer
         # fault injection, one entry per KV send from now on: "drop" (lost), seconds (delayed), None (normal);
@@ -36,6 +37,12 @@ class WorkerShell:
         for f in self.kv_send_faults:
             if not (f is None or f == "drop" or (isinstance(f, (int, float)) and f >= 0)):
                 raise ValueError(f"a KV send fault is 'drop', a delay in seconds >= 0 or None, got {f!r}")
+        # fault injection: the next control message of each type named here is lost on the wire, once per entry
+        names = {t.__name__ for t in m.CONTROL}
+        bad = sorted(set(drop_control) - names)
+        if bad:
+            raise ValueError(f"drop_control names control messages ({', '.join(sorted(names))}), got {bad}")
+        self.drop_control: list[str] = list(drop_control)
         self.send_up, self.send_peer, self.wall = send_up, send_peer, wall
         self._sent: dict[str, tuple[int, str]] = {}          # request -> (tokens, text) streamed so far
         self._first: dict[str, tuple[int, dict | None]] = {}  # remote request -> first token from its prefill
@@ -54,6 +61,11 @@ class WorkerShell:
         carried out at once when the running step allows it (no step runs, or it is one of m.EARLY and nothing
         waits before it), else queued for the step thread, which carries it out at the step's end.
         True when carried out now (its replies are then queued for sending)."""
+        if frames is None and type(msg).__name__ in self.drop_control:     # fault injection: lost on the wire
+            self.drop_control.remove(type(msg).__name__)
+            log.warning("worker %d: dropped %s of %s (fault injection)", self.id, type(msg).__name__,
+                        getattr(msg, "request_id", "?"))
+            return False
         with self.lock:
             now = not self._pending and (not self._in_step or isinstance(msg, m.EARLY))
             if now:
@@ -117,6 +129,8 @@ class WorkerShell:
                 self._first.pop(msg.request_id, None)
                 eng.abort_request(msg.request_id)
                 self._sent.pop(msg.request_id, None)
+            elif isinstance(msg, m.Audit):
+                self.send_up(m.Holding(msg.nonce, list(eng.requests)))
             else:
                 raise TypeError(f"unexpected control message {type(msg).__name__}")
         except (EngineError, SamplingParamsError, KVTransferError, KeyError, TypeError, ValueError) as e:

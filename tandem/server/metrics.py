@@ -87,6 +87,8 @@ class _BackendCollector:
                     ("tandem:remote_prefills", "Prefills run on a prefill worker.", s.remote_prefills),
                     ("tandem:kv_transfer_timeouts", "KV transfers that fell back to local recompute.",
                      s.kv_transfer_timeouts),
+                    ("tandem:lost_requests", "Requests failed because the worker they ran on no longer held them "
+                     "(a message between them was lost).", s.lost_requests),
                     ("tandem:transport_rejected_frames", "Messages dropped as malformed or from an unknown peer "
                      "(coordinator and workers).", s.rejected_frames),
                     ("tandem:transport_rejected_handshakes", "Connections refused at the CURVE handshake "
