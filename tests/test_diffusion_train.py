@@ -86,7 +86,7 @@ def test_training_forward_equals_the_engine_forward(tiny):
 def test_a_few_training_steps_lower_the_loss_and_repeat_exactly():
     """Protects: the training code learns (40 steps at least halve the loss on a fixed held-out batch) and is
     reproducible (the same seed gives the same losses)."""
-    cfg = TrainConfig(seed=7, steps=40, batch_size=16, warmup=5)
+    cfg = TrainConfig(seed=7, steps=40, batch_size=16, warmup=5, threads=1)
     tok = arch_tokenizer("sdar")
     rng = random.Random(3)
     pairs = [(tok.encode(e.prompt).ids, tok.encode(e.answer).ids)
@@ -103,7 +103,7 @@ def test_a_few_training_steps_lower_the_loss_and_repeat_exactly():
     result = train(cfg, progress=False)
     after = held_loss(result.model, result.model.model.embed_tokens.weight[:embed0.shape[0]])
     assert after < 0.5 * before, (before, after)
-    again = train(TrainConfig(seed=7, steps=6, batch_size=16, warmup=5), progress=False)
+    again = train(TrainConfig(seed=7, steps=6, batch_size=16, warmup=5, threads=1), progress=False)
     assert again.losses == result.losses[:6]
 
 
@@ -119,15 +119,15 @@ def test_training_with_mixed_block_sizes_draws_a_size_per_step_reproducibly(monk
         seen.append(B)
         return real(pairs, B, *rest)
     monkeypatch.setattr(tr, "make_batches", spy)
-    cfg = TrainConfig(seed=7, steps=8, batch_size=4, warmup=2, block_sizes=(4, 32))
+    cfg = TrainConfig(seed=7, steps=8, batch_size=4, warmup=2, block_sizes=(4, 32), threads=1)
     first = train(cfg, progress=False)
     sizes, seen[:] = list(seen), []
-    again = train(TrainConfig(seed=7, steps=8, batch_size=4, warmup=2, block_sizes=[4, 32]), progress=False)
+    again = train(TrainConfig(seed=7, steps=8, batch_size=4, warmup=2, block_sizes=[4, 32], threads=1), progress=False)
     stream = random.Random(tr.SIZE_STREAM + 7)
     assert sizes == seen == [stream.choice((4, 32)) for _ in range(8)] and set(sizes) == {4, 32}
     assert again.losses == first.losses
     seen[:] = []
-    train(TrainConfig(seed=7, steps=3, batch_size=4, warmup=2, block_sizes=()), progress=False)
+    train(TrainConfig(seed=7, steps=3, batch_size=4, warmup=2, block_sizes=(), threads=1), progress=False)
     assert seen == [32, 32, 32]
     assert TrainConfig().block_sizes == (1, 2, 4, 8, 16, 32)      # the committed checkpoint's recipe
     for bad in ((5,), (0,), (64,), (True,)):
@@ -143,7 +143,7 @@ def test_next_token_batches_predict_the_following_token_under_a_causal_mask():
     assert b.mask.tolist() == torch.ones(5, 5, dtype=torch.bool).tril().tolist()
     assert b.rows.tolist() == [0, 1, 2, 5, 6, 7, 8] and b.targets.tolist() == [6, 7, 2, 9, 10, 11, 2]
     assert b.weights.tolist() == [1.0] * 7 and b.num_answer == 7 and b.positions.tolist() == [0, 1, 2, 3, 4]
-    losses = train(TrainConfig(seed=7, steps=0, ar_steps=20, batch_size=8, warmup=5), progress=False).losses
+    losses = train(TrainConfig(seed=7, steps=0, ar_steps=20, batch_size=8, warmup=5, threads=1), progress=False).losses
     assert len(losses) == 20 and sum(losses[-5:]) < 0.5 * sum(losses[:5])
 
 
@@ -204,7 +204,7 @@ def test_cli_trains_a_checkpoint_that_loads(tmp_path, capsys):
     record and evaluation, and prints the table; --train refuses other archs."""
     out = tmp_path / "sdar"
     assert main(["tiny-model", "--arch", "sdar", "--train", "--train-steps", "3", "--eval-examples", "1",
-                 "--out", str(out)]) == 0
+                 "--train-threads", "1", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "trained tiny SDAR for 3 steps" in text and "copy" in text
     model, cfg = load_model(out, dtype="float32")
