@@ -283,3 +283,20 @@ def test_workers_exit_when_the_coordinator_is_killed():
         if parent.poll() is None:
             parent.kill()
         parent.stdout.close()
+
+
+def test_the_worker_start_method_follows_tandem_worker_multiproc_method_and_refuses_others():
+    """Protects TANDEM_WORKER_MULTIPROC_METHOD (docs/runtime-transport.md): the fork server by default, spawn when
+    asked, and a clear error for anything else."""
+    import subprocess
+    import sys
+    code = "import tandem.runtime.launcher as L; print(L._SPAWN.get_start_method())"
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_WORKER_MULTIPROC_METHOD"}
+    for method, want in ((None, "forkserver"), ("spawn", "spawn"), ("forkserver", "forkserver")):
+        e = env if method is None else {**env, "TANDEM_WORKER_MULTIPROC_METHOD": method}
+        r = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == want, r.stderr[-500:]
+    r = subprocess.run([sys.executable, "-c", code], env={**env, "TANDEM_WORKER_MULTIPROC_METHOD": "fork"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "TANDEM_WORKER_MULTIPROC_METHOD is one of forkserver, spawn, got 'fork'" in r.stderr

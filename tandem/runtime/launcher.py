@@ -36,11 +36,26 @@ STARTUP_TIMEOUT_S = 60.0   # default time a worker has to send Ready
 # "forkserver", started on the first worker): a worker then starts in a fraction of a second instead of importing
 # torch itself (about 2 s of CPU). The server is a fresh process that never touches CUDA or opens a socket, so what
 # it forks is as clean as a spawned process. Where there is no fork server (Windows), workers are spawned.
+# TANDEM_WORKER_MULTIPROC_METHOD=spawn starts workers the old way (as vLLM's VLLM_WORKER_MULTIPROC_METHOD).
 PRELOAD = ["torch", "tandem.runtime.worker_main", "tandem.engine.llm_engine"]
-_SPAWN = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
-                                     else "spawn")
-if _SPAWN.get_start_method() == "forkserver":
-    _SPAWN.set_forkserver_preload(PRELOAD)
+START_METHODS = ("forkserver", "spawn")
+
+
+def _start_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context workers start from: TANDEM_WORKER_MULTIPROC_METHOD, else the fork server where
+    there is one."""
+    method = os.environ.get("TANDEM_WORKER_MULTIPROC_METHOD")
+    if method is not None and method not in START_METHODS:
+        raise ValueError(f"TANDEM_WORKER_MULTIPROC_METHOD is one of {', '.join(START_METHODS)}, got {method!r}")
+    if method is None:
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+_SPAWN = _start_context()
 _LIVE: set[WorkerProcess] = set()
 
 
@@ -104,8 +119,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:                   # it exists, owned by another user
+        pass
     return True
 
 
