@@ -72,6 +72,8 @@ class GPU:
     eager_launch_s_per_layer: float = EAGER_LAUNCH_S_PER_LAYER   # kernel launches of one layer, eager forward
     link_eff: float = LINK_EFF                       # achievable fraction of link bandwidth
     has_nvlink: bool = True
+    fp8_tflops: float = 0.0   # dense fp8 tensor-core peak, TFLOPS (0: no fp8 tensor cores; fp8 runs at bf16 rate)
+    arch: str = ""            # architecture family (hopper, ampere, ada, blackwell): derived costs stay inside one
     host_gbs: float = 32.0                           # GPU<->host bandwidth per direction (PCIe; Gen4 x16 ~32 GB/s):
                                                      # what KV preempted by swap moves over
 
@@ -79,6 +81,14 @@ class GPU:
     def flops(self) -> float:
         """Achievable bf16 FLOP/s."""
         return self.bf16_tflops * 1e12 * self.mfu
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        """Datasheet dense FLOP/s of the tensor cores for `dtype` (fp8 falls back to bf16 where it has none)."""
+        return (self.fp8_tflops if dtype == "fp8" and self.fp8_tflops else self.bf16_tflops) * 1e12
+
+    def achievable_flops(self, dtype: str = "bf16") -> float:
+        """Achievable FLOP/s for `dtype` on the roofline (peak x mfu)."""
+        return self.peak_flops(dtype) * self.mfu
 
     @property
     def mem_bw(self) -> float:
@@ -92,36 +102,36 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {
-    # NVIDIA H100 SXM5 80GB datasheet: 989.4 TFLOPS bf16 dense (1979 with sparsity), HBM3
+    # NVIDIA H100 SXM5 80GB datasheet: 989.4 TFLOPS bf16 dense (1979 with sparsity), fp8 1978.9 dense, HBM3
     # 3.35 TB/s, NVLink4 900 GB/s bidirectional (450/direction). DGX/HGX H100 give each GPU
     # one 400 Gb/s ConnectX-7 NIC -> 50 GB/s per direction. Host link PCIe Gen5 x16: 64 GB/s per direction.
     "h100": GPU("h100", bf16_tflops=989.4, hbm_bw_gbs=3350.0, hbm_gb=80.0,
-                nvlink_gbs=450.0, net_gbs=50.0, host_gbs=64.0),
+                nvlink_gbs=450.0, net_gbs=50.0, host_gbs=64.0, fp8_tflops=1978.9, arch="hopper"),
     # NVIDIA H200 SXM 141GB datasheet: same compute as H100 SXM (989.4 dense), HBM3e 4.8 TB/s,
     # NVLink 900 GB/s bidirectional; HGX H200 networking as HGX H100 (400 Gb/s per GPU).
     "h200": GPU("h200", bf16_tflops=989.4, hbm_bw_gbs=4800.0, hbm_gb=141.0,
-                nvlink_gbs=450.0, net_gbs=50.0, host_gbs=64.0),
-    # NVIDIA H20 (China SKU, Hopper): 148 TFLOPS bf16 dense, HBM3 4.0 TB/s, 96 GB, NVLink
+                nvlink_gbs=450.0, net_gbs=50.0, host_gbs=64.0, fp8_tflops=1978.9, arch="hopper"),
+    # NVIDIA H20 (China SKU, Hopper): 148 TFLOPS bf16 dense, 296 fp8 dense, HBM3 4.0 TB/s, 96 GB, NVLink
     # 900 GB/s bidirectional. Inter-node: AMPD's testbed (§7.1) has 200 GB/s InfiniBand per
     # 8-GPU server -> 25 GB/s per GPU per direction. Host link PCIe Gen5 x16.
     "h20": GPU("h20", bf16_tflops=148.0, hbm_bw_gbs=4000.0, hbm_gb=96.0,
-               nvlink_gbs=450.0, net_gbs=25.0, host_gbs=64.0),
+               nvlink_gbs=450.0, net_gbs=25.0, host_gbs=64.0, fp8_tflops=296.0, arch="hopper"),
     # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS bf16 dense, HBM2e 2039 GB/s, NVLink3 600 GB/s
     # bidirectional (300/direction). DGX A100: one 200 Gb/s HDR NIC per GPU -> 25 GB/s.
     "a100-80g": GPU("a100-80g", bf16_tflops=312.0, hbm_bw_gbs=2039.0, hbm_gb=80.0,
-                    nvlink_gbs=300.0, net_gbs=25.0),
-    # NVIDIA L40S datasheet: 362.05 TFLOPS bf16 dense (733 with sparsity), GDDR6 864 GB/s,
+                    nvlink_gbs=300.0, net_gbs=25.0, arch="ampere"),
+    # NVIDIA L40S datasheet: 362.05 TFLOPS bf16 dense (733 with sparsity), fp8 733 dense, GDDR6 864 GB/s,
     # 48 GB. No NVLink: GPU<->GPU over PCIe Gen4 x16, ~32 GB/s per direction. Networking is an
     # assumption (no reference server): 100 Gb/s per GPU (e.g. 4x200GbE per 8 GPUs) -> 12.5 GB/s.
     "l40s": GPU("l40s", bf16_tflops=362.05, hbm_bw_gbs=864.0, hbm_gb=48.0,
                 nvlink_gbs=32.0, net_gbs=12.5, nvlink_latency_s=PCIE_HOP_LATENCY_S,
-                net_latency_s=ETH_LATENCY_S, has_nvlink=False),
-    # NVIDIA GeForce RTX 4090 (Ada whitepaper): 165.2 TFLOPS bf16 dense with FP32 accumulate
+                net_latency_s=ETH_LATENCY_S, has_nvlink=False, fp8_tflops=733.0, arch="ada"),
+    # NVIDIA GeForce RTX 4090 (Ada whitepaper): 165.2 TFLOPS bf16 dense with FP32 accumulate (fp8 330.3)
     # (330.4 with sparsity), GDDR6X 1008 GB/s, 24 GB. No NVLink, PCIe Gen4 x16 ~32 GB/s per
     # direction. Networking is an assumption: 100 GbE per GPU -> 12.5 GB/s.
     "rtx4090": GPU("rtx4090", bf16_tflops=165.2, hbm_bw_gbs=1008.0, hbm_gb=24.0,
                    nvlink_gbs=32.0, net_gbs=12.5, nvlink_latency_s=PCIE_HOP_LATENCY_S,
-                   net_latency_s=ETH_LATENCY_S, has_nvlink=False),
+                   net_latency_s=ETH_LATENCY_S, has_nvlink=False, fp8_tflops=330.3, arch="ada"),
 }
 
 # Other spellings people use; keys are normalised (lowercase, spaces/underscores -> '-').

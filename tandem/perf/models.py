@@ -8,9 +8,12 @@ norm. Small terms are left out on purpose (Qwen2.5's q/k/v biases, Qwen3's per-h
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.perf.errors import unknown_name
+
+
+DTYPE_BYTES = {"bf16": 2, "fp8": 1}
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,9 @@ class ModelSpec:
     experts_per_token: int = 1
     max_context: int = 131072
     tied_embeddings: bool = False
-    dtype_bytes: int = 2     # bf16 weights and KV cache
+    dtype_bytes: int = 2     # bf16 activations (and weights and KV cache unless quantised below)
+    weight_dtype: str = "bf16"   # linear layers' weights: bf16, or fp8 (w8a8: vLLM's --quantization fp8)
+    kv_dtype: str = "bf16"       # KV cache: bf16, or fp8 (vLLM's --kv-cache-dtype fp8)
 
     # --- parameter counts -----------------------------------------------------------------
     @property
@@ -80,15 +85,44 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.experts > 1
 
+    # --- precision --------------------------------------------------------------------------
+    @property
+    def weight_elem_bytes(self) -> int:
+        """Bytes of one weight of the linear layers (embedding, LM head and norms stay in dtype_bytes)."""
+        return DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def kv_elem_bytes(self) -> int:
+        """Bytes of one cached K or V element."""
+        return DTYPE_BYTES[self.kv_dtype]
+
+    def with_precision(self, quantization: str | None = None, kv_cache_dtype: str | None = None) -> "ModelSpec":
+        """This model with fp8 weights (`quantization="fp8"`) and/or an fp8 KV cache (`kv_cache_dtype="fp8"`);
+        None or "auto" keeps the model's own. ValueError names a value not supported."""
+        w = self.weight_dtype if quantization in (None, "auto", "none") else quantization
+        kv = self.kv_dtype if kv_cache_dtype in (None, "auto") else kv_cache_dtype
+        if kv == "fp8_e4m3":
+            kv = "fp8"
+        for what, v in (("--quantization", w), ("--kv-cache-dtype", kv)):
+            if v not in DTYPE_BYTES:
+                raise ValueError(f"{what} must be one of {', '.join(sorted(DTYPE_BYTES))} (or auto), got {v!r}")
+        return self if (w, kv) == (self.weight_dtype, self.kv_dtype) else replace(self, weight_dtype=w, kv_dtype=kv)
+
     # --- bytes ----------------------------------------------------------------------------
     @property
+    def linear_params(self) -> int:
+        """Parameters of the layers' linear maps (attention projections, MLPs or experts, routers)."""
+        return self.layers * (self.attn_params_per_layer + self.router_params_per_layer
+                              + self.experts * self.expert_params)
+
+    @property
     def weight_bytes(self) -> int:
-        return self.params * self.dtype_bytes
+        return self.linear_params * self.weight_elem_bytes + (self.params - self.linear_params) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of every layer for one token, all KV heads."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_elem_bytes
 
     # --- FLOPs ----------------------------------------------------------------------------
     @property
@@ -123,6 +157,9 @@ MODELS: dict[str, ModelSpec] = {
     # Qwen/Qwen3-8B config.json: 36 layers, hidden 4096, 32 heads (8 KV) of 128, MLP 12288, vocab 151936, untied
     # embeddings; max_position_embeddings 40960, 131072 with YaRN as for the 32B. ~8.19B params. The model of
     # benchmarks/gpu_roofline.py (a random checkpoint of this shape measured on an H100).
+    # meta-llama/Llama-3.1-8B config.json: 32 layers, hidden 4096, 32 heads (8 KV) of 128, MLP 14336, vocab 128256,
+    # untied embeddings; ~8.03B params.
+    "llama-3.1-8b": _m("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, max_context=131072),
     "qwen3-8b": _m("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, max_context=131072),
     # meta-llama/Llama-3.1-70B config.json: ~70.6B params.
     "llama-3.1-70b": _m("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, max_context=131072),
@@ -153,12 +190,13 @@ MODELS: dict[str, ModelSpec] = {
 
 _ALIASES: dict[str, str] = {
     "llama3.1-70b": "llama-3.1-70b", "meta-llama-3.1-70b": "llama-3.1-70b",
+    "llama3.1-8b": "llama-3.1-8b", "meta-llama-3.1-8b": "llama-3.1-8b",
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
     "sdar-8b-chat": "sdar-8b", "ling-mini-2.0": "ling-2.0-16b", "llada2.0-mini": "llada2.0-16b",
     "llada": "llada-8b",
 }
-_ORGS = ("meta-llama/", "qwen/", "mistralai/", "jetlm/", "inclusionai/", "gsai-ml/")
-_SUFFIXES = ("-instruct", "-chat", "-base", "-v0.1", "-hf")
+_ORGS = ("meta-llama/", "nvidia/", "qwen/", "mistralai/", "jetlm/", "inclusionai/", "gsai-ml/")
+_SUFFIXES = ("-instruct", "-chat", "-base", "-v0.1", "-hf", "-fp8")
 
 
 def _norm(name: str) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from tandem.perf.errors import DoesNotFitError, ParallelismError
 from tandem.perf.hardware import GIB, GPU, get_gpu
 from tandem.perf.models import ModelSpec, get_model
+from tandem.perf.step_timer import StepTimer
 
 # Memory reserved per GPU besides weights and KV: CUDA context, NCCL buffers, CUDA-graph pools and
 # the peak activations of a max_num_batched_tokens forward. vLLM's profiling run typically finds
@@ -115,10 +116,10 @@ def kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
 
 
 def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int) -> int:
-    return 2 * model.layers * kv_heads_per_gpu(model, tp) * model.head_dim * model.dtype_bytes
+    return 2 * model.layers * kv_heads_per_gpu(model, tp) * model.head_dim * model.kv_elem_bytes
 
 
-class Roofline:
+class Roofline(StepTimer):
     """Iteration-time estimator for one worker: `model` on `tp` GPUs of kind `gpu`.
 
     All per-step coefficients are precomputed in seconds; `step_time` is a handful of float
@@ -134,17 +135,18 @@ class Roofline:
         check_tp(model, gpu, tp)
         self.model, self.gpu, self.tp = model, gpu, tp
         flops, bw, d = gpu.flops, gpu.mem_bw, model.dtype_bytes
+        we = model.weight_elem_bytes   # linear layers' weights (1 byte under fp8 w8a8, run at the fp8 peak)
         h, L = model.hidden, model.layers
 
         # Compute (s per unit): heads, MLP columns and vocab are all sharded tp ways.
-        self._c_tok = model.body_flops_per_token / tp / flops
+        self._c_tok = model.body_flops_per_token / tp / gpu.achievable_flops(model.weight_dtype)
         self._c_row = model.lm_head_flops_per_token / tp / flops
         self._c_pair = model.attn_flops_per_pair / tp / flops
 
         # Weights streamed every step: the layers' dense part, the final norm and the LM-head
         # matrix (the input embedding is only gathered row by row). Experts handled below.
-        dense_streamed = L * model.dense_params_per_layer + h + model.vocab * h
-        self._m_w = dense_streamed * d / tp / bw
+        linear = L * (model.attn_params_per_layer + model.router_params_per_layer)
+        self._m_w = (linear * we + (L * 2 * h + h + model.vocab * h) * d) / tp / bw
         self._moe = model.is_moe
         self._n_exp = float(model.experts)
         # A token misses a given expert with prob 1 - k/E (uniform routing); T tokens touch
@@ -152,10 +154,10 @@ class Roofline:
         self._p_miss = 1.0 - model.experts_per_token / model.experts
         if not self._moe:
             dense_streamed_mlp = L * model.expert_params
-            self._m_w += dense_streamed_mlp * d / tp / bw
+            self._m_w += dense_streamed_mlp * we / tp / bw
             self._m_expert = 0.0
         else:
-            self._m_expert = L * model.expert_params * d / tp / bw  # per distinct expert touched, all layers
+            self._m_expert = L * model.expert_params * we / tp / bw  # per distinct expert touched, all layers
 
         # KV bytes on this GPU per token read or written.
         self._m_kv = kv_bytes_per_token_per_gpu(model, tp) / bw
@@ -216,25 +218,6 @@ class Roofline:
             return 0.0
         g = self.gpu
         return tokens * kv_bytes_per_token_per_gpu(self.model, self.tp) / (g.host_gbs * 1e9 * g.link_eff)
-
-    def prefill_time(self, l_hist: int, l_incr: int, chunk_tokens: int | None = None) -> float:
-        """Prefill of l_incr new tokens after l_hist resident tokens, alone on the worker; in
-        chunks of `chunk_tokens` (one iteration each) when given, else one iteration."""
-        if l_incr <= 0:
-            return 0.0
-        if not chunk_tokens or l_incr <= chunk_tokens:
-            return self.step_time_args(l_incr, l_incr * (l_hist + (l_incr + 1) / 2), l_hist, 1, 0, 0)
-        total, done = 0.0, 0
-        while done < l_incr:
-            n = min(chunk_tokens, l_incr - done)
-            h = l_hist + done
-            total += self.step_time_args(n, n * (h + (n + 1) / 2), h, 1, 0, 0)
-            done += n
-        return total
-
-    def decode_time(self, batch: int, ctx_tokens_total: int) -> float:
-        """One decode iteration of `batch` sequences whose contexts sum to ctx_tokens_total."""
-        return self.step_time_args(0, 0.0, 0, 0, batch, ctx_tokens_total)
 
     # ------------------------------------------------------------------------------------
     def prefill_boundary(self, l_hist: int = 0, max_tokens: int = 1 << 20) -> int:

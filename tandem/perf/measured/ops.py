@@ -1,0 +1,196 @@
+"""Measured operator latencies of one GPU under one framework, as interpolating grids (seconds).
+
+Each family is read from the newest version of the framework's table in `aiconfigurator-core`:
+- GEMM by (m, n, k) per weight dtype (bf16, fp8 per-tensor, fp8 block-scaled);
+- context (prefill) attention by (batch, isl) and generation (decode) attention by (batch, KV length), per
+  (query heads, KV heads, head dim) on one GPU and KV-cache dtype;
+- the framework's all-reduce by message size per GPU count, captured in a CUDA graph or eager (NCCL's table where
+  the framework has none), NCCL all-gather;
+- fp8 activation quantisation by (m, k).
+Where a framework measured several kernels for one shape, the fastest is taken: each framework picks among them by
+shape. Latencies in the tables are milliseconds; everything returned here is seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from tandem.perf.measured.grid import LogGrid
+from tandem.perf.measured.source import MissingCostData, TableRef, find_table, read_columns
+
+GEMM_DTYPES = ("bfloat16", "fp8", "fp8_block")
+KV_DTYPES = ("bfloat16", "fp8")
+_MS = 1e-3
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """Attention heads on one GPU."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(eq=False)
+class OpTables:
+    """Lazily built grids of one (system, framework); `sources` lists the tables read (for reports)."""
+
+    system: str
+    framework: str
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def _table(self, op: str, filename: str, columns: tuple[str, ...]) -> tuple[TableRef, dict[str, np.ndarray]]:
+        ref = find_table(self.system, op, self.framework, filename)
+        self.sources[filename] = ref.label
+        return ref, read_columns(ref.path, columns)
+
+    # --- GEMM --------------------------------------------------------------------------------------------------
+    def gemm(self, dtype: str) -> LogGrid:
+        """Latency of one (m x k) @ (k x n) GEMM with weights of `dtype`, over (m, n, k)."""
+        return _gemm_grid(self, dtype)
+
+    # --- attention ---------------------------------------------------------------------------------------------
+    def context_attention(self, hs: HeadShape, kv_dtype: str) -> LogGrid:
+        """Causal prefill attention of `batch` sequences of `isl` tokens each, over (batch, isl)."""
+        return _attention_grid(self, "context", hs, kv_dtype)
+
+    def generation_attention(self, hs: HeadShape, kv_dtype: str) -> LogGrid:
+        """One decode query per sequence for `batch` sequences over `kv_len` cached tokens, over (batch, kv_len)."""
+        return _attention_grid(self, "generation", hs, kv_dtype)
+
+    # --- communication -----------------------------------------------------------------------------------------
+    def all_reduce(self, num_gpus: int, graph: bool) -> LogGrid:
+        """One all-reduce of `bytes` (bf16) over num_gpus GPUs, over (bytes,)."""
+        return _comm_grid(self, "all_reduce", num_gpus, graph)
+
+    def all_gather(self, num_gpus: int) -> LogGrid:
+        """One NCCL all-gather of `bytes` in all over num_gpus GPUs, over (bytes,)."""
+        return _comm_grid(self, "all_gather", num_gpus, False)
+
+    def all_reduce_pair(self, framework: str, num_gpus: int):
+        """(eager, graph) grids of `framework`'s custom all-reduce on this system (for the launch-cost fit)."""
+        return custom_allreduce_pair(self.system, framework, num_gpus)
+
+    # --- quantisation ------------------------------------------------------------------------------------------
+    def fp8_quant(self) -> LogGrid:
+        """Dynamic fp8 quantisation of an (m x k) activation, over (m, k)."""
+        return _quant_grid(self)
+
+
+@lru_cache(maxsize=32)
+def op_tables(system: str, framework: str) -> OpTables:
+    """The (cached) tables of a system and framework."""
+    return OpTables(system, framework)
+
+
+def _cache(fn):
+    """Memoise a grid builder on (tables identity, args): building a grid reads and reshapes a table once."""
+    memo: dict = {}
+
+    def wrapped(tables: OpTables, *args):
+        key = (tables.system, tables.framework) + args
+        if key not in memo:
+            memo[key] = fn(tables, *args)
+        return memo[key]
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+@_cache
+def _gemm_grid(t: OpTables, dtype: str) -> LogGrid:
+    if dtype not in GEMM_DTYPES:
+        raise ValueError(f"GEMM dtype must be one of {GEMM_DTYPES}, got {dtype!r}")
+    _, c = t._table("gemm", "gemm_perf.parquet", ("gemm_dtype", "m", "n", "k", "latency"))
+    sel = c["gemm_dtype"] == dtype
+    if not sel.any():
+        raise MissingCostData(f"no {dtype} GEMM measurements for {t.system} under {t.framework}")
+    return LogGrid.from_points([c["m"][sel], c["n"][sel], c["k"][sel]], c["latency"][sel] * _MS, (1.0, 1.0, 1.0))
+
+
+_ATTN_COLS = ("batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype", "step",
+              "window_size", "latency")
+
+
+@_cache
+def _attention_grid(t: OpTables, phase: str, hs: HeadShape, kv_dtype: str) -> LogGrid:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"KV-cache dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    _, c = t._table("attention", f"{phase}_attention_perf.parquet", _ATTN_COLS)
+    sel = (c["window_size"] == 0) & (c["kv_cache_dtype"] == kv_dtype)
+    if not sel.any():
+        raise MissingCostData(f"no {kv_dtype}-KV {phase} attention measurements for {t.system} under {t.framework}")
+    h, kvh, d = (c["num_heads"][sel], c["num_key_value_heads"][sel], c["head_dim"][sel])
+    donor, factor = _nearest_heads(hs, h, kvh, d, phase)
+    pick = np.flatnonzero(sel)[(h == donor.heads) & (kvh == donor.kv_heads) & (d == donor.head_dim)]
+    lat = c["latency"][pick] * _MS * factor
+    if phase == "context":
+        # (batch, isl): compute-bound past the table, attention work grows with isl^2
+        return LogGrid.from_points([c["batch_size"][pick], c["isl"][pick]], lat, (1.0, 2.0))
+    # the decode query at `step` attends to step + 1 cached tokens (its own included)
+    return LogGrid.from_points([c["batch_size"][pick], c["step"][pick] + 1.0], lat, (1.0, 1.0))
+
+
+def _nearest_heads(hs: HeadShape, h: np.ndarray, kvh: np.ndarray, d: np.ndarray, phase: str
+                   ) -> tuple[HeadShape, float]:
+    """The measured head shape to read for `hs`, and the factor its latency is scaled by: the shape itself (1.0),
+    else the measured one of the same head dim and GQA ratio closest in heads, scaled by the work ratio (query
+    heads for prefill, which is compute-bound; KV heads for decode, which reads the cache)."""
+    shapes = {(int(a), int(b), int(c)) for a, b, c in zip(h, kvh, d)}
+    if (hs.heads, hs.kv_heads, hs.head_dim) in shapes:
+        return hs, 1.0
+    ratio = hs.heads / hs.kv_heads
+    same = [s for s in shapes if s[2] == hs.head_dim and s[0] / s[1] == ratio] or \
+           [s for s in shapes if s[2] == hs.head_dim]
+    if not same:
+        raise MissingCostData(f"no attention measurements with head dim {hs.head_dim}")
+    best = min(same, key=lambda s: (abs(np.log(s[0] / hs.heads)), abs(np.log(s[1] / hs.kv_heads))))
+    donor = HeadShape(*best)
+    factor = hs.heads / donor.heads if phase == "context" else hs.kv_heads / donor.kv_heads
+    return donor, factor
+
+
+@_cache
+def _comm_grid(t: OpTables, op: str, num_gpus: int, graph: bool) -> LogGrid:
+    cols = ("kernel_source", "num_gpus", "message_size", "latency")
+    c = None
+    if op == "all_reduce":
+        try:
+            _, c = t._table("comm", "custom_allreduce_perf.parquet", cols)
+            eager = np.char.find(c["kernel_source"].astype(str), "eager") >= 0
+            sel = (c["num_gpus"] == num_gpus) & ((eager if not graph else ~eager) if eager.any() else True)
+            if not sel.any():
+                c = None
+        except MissingCostData:
+            c = None
+    if c is None:
+        ref = find_table(t.system, "comm", "nccl", "nccl_perf.parquet")
+        t.sources[f"nccl_{op}"] = ref.label
+        c = read_columns(ref.path, ("op_name", "nccl_dtype", "num_gpus", "message_size", "latency"))
+        sel = (c["op_name"] == op) & (c["num_gpus"] == num_gpus) & (c["nccl_dtype"] == "half")
+        if not sel.any():
+            raise MissingCostData(f"no {op} measurements over {num_gpus} GPUs for {t.system}")
+    return LogGrid.from_points([c["message_size"][sel]], c["latency"][sel] * _MS, (1.0,))
+
+
+@_cache
+def _quant_grid(t: OpTables) -> LogGrid:
+    _, c = t._table("quantize", "computescale_perf.parquet", ("m", "k", "quant_dtype", "latency"))
+    sel = c["quant_dtype"] == "fp8"
+    return LogGrid.from_points([c["m"][sel], c["k"][sel]], c["latency"][sel] * _MS, (1.0, 1.0))
+
+
+def custom_allreduce_pair(system: str, framework: str, num_gpus: int):
+    """(eager, graph) all-reduce grids of a framework's custom all-reduce table, (None, None) without the split."""
+    ref = find_table(system, "comm", framework, "custom_allreduce_perf.parquet")
+    c = read_columns(ref.path, ("kernel_source", "num_gpus", "message_size", "latency"))
+    src = c["kernel_source"].astype(str)
+    eager = np.char.find(src, "eager") >= 0
+    graph = np.char.find(src, "graph") >= 0
+    n = c["num_gpus"] == num_gpus
+    if not (eager & n).any() or not (graph & n).any():
+        return None, None
+    mk = [LogGrid.from_points([c["message_size"][s & n]], c["latency"][s & n] * 1e-3, (1.0,)) for s in (eager, graph)]
+    return mk[0], mk[1]

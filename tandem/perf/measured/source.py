@@ -1,0 +1,97 @@
+"""Where measured operator tables come from: the `aiconfigurator-core` package's per-GPU, per-framework data.
+
+Only the package's data files are read (parquet tables under `aiconfigurator_core/systems/data/<system>/<op>/
+<framework>/<version>/`); its estimator is not used. A missing package is a `MissingCostData` error whose one line
+names the install; nothing here imports pandas or the package at module import time.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+PACKAGE = "aiconfigurator-core"
+INSTALL_HINT = f"pip install '{PACKAGE}==0.12.0'"
+FRAMEWORKS = ("vllm", "sglang", "trtllm")
+DEFAULT_FRAMEWORK = "vllm"
+
+# tandem's catalogue name -> the package's system directory (GPUs with tables of their own).
+SYSTEMS: dict[str, str] = {"h100": "h100_sxm", "h200": "h200_sxm", "a100-80g": "a100_sxm", "l40s": "l40s",
+                           "b200": "b200_sxm", "gb200": "gb200"}
+
+
+class MissingCostData(RuntimeError):
+    """The measured cost model was asked for and its data are not here (package absent, or no table)."""
+
+
+def data_root() -> Path:
+    """The package's `systems/data` directory; MissingCostData naming the install when the package is absent."""
+    spec = importlib.util.find_spec("aiconfigurator_core")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingCostData(f"--cost-model measured needs the {PACKAGE} package: {INSTALL_HINT}")
+    root = Path(list(spec.submodule_search_locations)[0]) / "systems" / "data"
+    if not root.is_dir():
+        raise MissingCostData(f"{PACKAGE} is installed but has no systems/data directory at {root}: {INSTALL_HINT}")
+    return root
+
+
+def available() -> bool:
+    """Whether the package (and so measured costs) is installed."""
+    try:
+        data_root()
+    except MissingCostData:
+        return False
+    return True
+
+
+def system_of(gpu_name: str) -> str | None:
+    """The package system directory holding tables for a catalogue GPU, None when it has none."""
+    return SYSTEMS.get(gpu_name)
+
+
+def _version_key(v: str) -> tuple:
+    """Sort key of a version string such as 0.5.6.post2 or 1.3.0rc20 (numeric parts numerically)."""
+    out = []
+    for part in v.replace("rc", ".-1.").replace("post", ".").replace("dev", ".-2.").split("."):
+        out.append(int(part) if part.lstrip("-").isdigit() else 0)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """One measured table: its file and where it came from (for reports)."""
+
+    path: Path
+    system: str
+    op: str
+    framework: str
+    version: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.system}/{self.op}/{self.framework}/{self.version}/{self.path.name}"
+
+
+def find_table(system: str, op: str, framework: str, filename: str) -> TableRef:
+    """The newest version of `framework`'s table `filename` of operator family `op` on `system`."""
+    base = data_root() / system / op / framework
+    versions = sorted((d.name for d in base.iterdir() if (d / filename).is_file()), key=_version_key) \
+        if base.is_dir() else []
+    if not versions:
+        raise MissingCostData(f"{PACKAGE} has no {op}/{framework}/*/{filename} table for {system}")
+    return TableRef(base / versions[-1] / filename, system, op, framework, versions[-1])
+
+
+@lru_cache(maxsize=64)
+def read_columns(path: Path, columns: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Columns of one parquet table as numpy arrays (read once per process); a column an older table lacks reads as
+    zeros (window_size 0: no sliding window)."""
+    import pyarrow.parquet as pq
+
+    names = set(pq.read_schema(path).names)
+    t = pq.read_table(path, columns=[c for c in columns if c in names])
+    return {c: (t.column(c).to_numpy(zero_copy_only=False) if c in names else np.zeros(t.num_rows, dtype=np.int64))
+            for c in columns}

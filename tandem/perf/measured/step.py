@@ -1,0 +1,195 @@
+"""The measured step-time model: a step of tandem's BatchShape priced operator by operator from measured tables.
+
+Per layer, at the step's T query tokens on one GPU of a tp worker: the QKV, O, gate/up and down GEMMs (fp8 tables
+and the activations' fp8 quantisation under `--quantization fp8`); the small elementwise kernels (two fused
+add+RMSNorm, rotary with the KV write, SiLU-and-multiply) at the bandwidth and floor fitted to the tables' own
+elementwise kernel (`overhead.py`); two all-reduces of the hidden states at tp > 1; causal prefill attention per
+chunk and decode attention per sequence at their context lengths (a diffusion window as a short non-causal chunk
+over its cached keys). Once per step: the LM head on the sampled rows, the gather of vocab-sharded logits, and the
+framework's per-step host overhead; a step that does not replay a CUDA graph takes at least its kernel launches.
+
+Everything that depends on T alone is tabulated per token count at construction, so `step_time_args` is a few
+array reads (the simulator's hot path); attention is read from small per-worker grids.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from tandem.perf.hardware import GPU, get_gpu
+from tandem.perf.measured.derive import derived_ops
+from tandem.perf.measured.frameworks import FrameworkDefaults, framework_defaults
+from tandem.perf.measured.ops import HeadShape, OpTables
+from tandem.perf.measured.overhead import Overheads, overheads
+from tandem.perf.models import ModelSpec, get_model
+from tandem.perf.roofline import Roofline, check_tp, kv_heads_per_gpu
+from tandem.perf.step_timer import StepTimer
+
+T_MAX = 32768             # token counts tabulated exactly (the GEMM tables' largest m); past it at constant utilisation
+B_MAX = 2048              # decode sequences tabulated exactly
+BINS_PER_OCTAVE = 16      # context lengths are read on a log grid this fine (4.4% apart) and interpolated between
+CTX_OCTAVES = 18          # up to 2^18 = 262,144 tokens of context (past it at constant utilisation)
+PREFILL_B_MAX = 256       # prefill chunks in one step tabulated exactly
+
+
+@dataclass(frozen=True)
+class CostLabel:
+    """Where a worker's step costs come from, for reports: measured, derived or roofline, with the tables read."""
+
+    source: str
+    framework: str = ""
+    system: str = ""
+    donor: str = ""
+    tables: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if self.source == "roofline":
+            return "roofline"
+        base = f"{self.source} ({self.framework}, {self.system}"
+        return base + (f" from {self.donor})" if self.donor else ")")
+
+
+class MeasuredStep(StepTimer):
+    """Seconds of one step of `model` on a `tp`-GPU worker of `gpu` under `framework`, from measured operators."""
+
+    __slots__ = ("model", "gpu", "tp", "label", "fw", "ovh", "roof", "_body_graph", "_body_eager", "_head",
+                 "_dec", "_pre", "_launch", "_L", "_graph_tokens", "_graph_decode_only", "_overhead")
+
+    def __init__(self, model: ModelSpec | str, gpu: GPU | str, tp: int = 1, framework: str = "vllm") -> None:
+        model, gpu = get_model(model), get_gpu(gpu)
+        check_tp(model, gpu, tp)
+        self.model, self.gpu, self.tp = model, gpu, tp
+        ops, self.label = derived_ops(gpu, framework)
+        self.fw: FrameworkDefaults = framework_defaults(framework)
+        self.ovh: Overheads = overheads(ops, self.fw)
+        self.roof = Roofline(model, gpu, tp)
+        self._L = model.layers
+        self._body_graph, self._body_eager, self._head = _token_tables(model, tp, ops, self.ovh)
+        hs = HeadShape(model.heads // tp, kv_heads_per_gpu(model, tp), model.head_dim)
+        kv = "fp8" if model.kv_dtype == "fp8" else "bfloat16"
+        self._dec = _ctx_table(ops.generation_attention(hs, kv), B_MAX)
+        self._pre = _ctx_table(ops.context_attention(hs, kv), PREFILL_B_MAX)
+        self._launch = self.ovh.launch_s * _kernels_per_layer(model, tp) * model.layers
+        self._graph_tokens = self.fw.graph_tokens(tp)
+        self._graph_decode_only = self.fw.graph_decode_only
+        self._overhead = self.ovh.step_s
+
+    # --- hot path ----------------------------------------------------------------------------------------------
+    def step_time_args(self, prefill_tokens: float, prefill_attn_pairs: float, prefill_kv_read_tokens: float,
+                       num_prefill: float, num_decode: float, decode_ctx_tokens: float, graph: bool = False,
+                       decode_kv_shared: float = 0) -> float:
+        """`step_time` without building a BatchShape (same fields, same order)."""
+        tokens = prefill_tokens + num_decode
+        if tokens <= 0:
+            return 0.0
+        if not graph:
+            graph = tokens <= self._graph_tokens and not (self._graph_decode_only and prefill_tokens > 0)
+        t = _at(self._body_graph if graph else self._body_eager, tokens)
+        t += _at(self._head, num_prefill + num_decode)
+        attn = 0.0
+        if num_decode > 0:
+            if decode_kv_shared > 0:      # diffusion windows: n sequences of rows/n queries over c keys each
+                c = decode_ctx_tokens / num_decode
+                n = max(1.0, num_decode - decode_kv_shared / c)
+                attn += _lookup(self._pre, n, math.sqrt(2.0 * num_decode * c / n))
+            else:
+                attn += _lookup(self._dec, num_decode, decode_ctx_tokens / num_decode)
+        if prefill_tokens > 0:
+            n = max(1.0, num_prefill)
+            attn += _lookup(self._pre, n, math.sqrt(2.0 * prefill_attn_pairs / n))
+        t += attn * self._L
+        if not graph and t < self._launch:
+            t = self._launch              # an eager step waits for its kernel launches
+        return t + self._overhead
+
+    def swap_time(self, tokens: int) -> float:
+        """Seconds to copy `tokens` positions of KV to or from host memory (the link, as on the roofline)."""
+        return self.roof.swap_time(tokens)
+
+    def prefill_boundary(self, l_hist: int = 0, max_tokens: int = 1 << 20) -> int:
+        """LAPS's L_m: the roofline's compute/memory boundary of this model and GPU (docs/cost-models.md)."""
+        return self.roof.prefill_boundary(l_hist, max_tokens)
+
+    def __repr__(self) -> str:
+        return f"MeasuredStep({self.model.name}, {self.gpu.name}, tp{self.tp}, {self.label})"
+
+
+def _at(table: np.ndarray, x: float) -> float:
+    """A per-count table at count x (0 below 1; linear, i.e. constant utilisation, past its end)."""
+    i = int(x + 0.5)
+    n = len(table) - 1
+    if i <= n:
+        return float(table[i])
+    return float(table[n]) * x / n
+
+
+def _lookup(tab: tuple[np.ndarray, float], b: float, ctx: float) -> float:
+    """Attention of b sequences of ctx tokens each from a (batch, log2-context bin) table, interpolated in context."""
+    grid, _ = tab
+    bi = int(b + 0.5)
+    scale = 1.0
+    nb = grid.shape[0] - 1
+    if bi > nb:
+        scale, bi = b / nb, nb
+    elif bi < 1:
+        bi = 1
+    if ctx < 1.0:
+        ctx = 1.0
+    x = math.log2(ctx) * BINS_PER_OCTAVE
+    j = int(x)
+    last = grid.shape[1] - 1
+    if j >= last:
+        return float(grid[bi, last]) * scale * ctx / 2.0 ** (last / BINS_PER_OCTAVE)
+    f = x - j
+    row = grid[bi]
+    return float(row[j] + (row[j + 1] - row[j]) * f) * scale
+
+
+def _ctx_table(grid, b_max: int) -> tuple[np.ndarray, float]:
+    """An attention grid over (batch, context) sampled at every batch 0..b_max and every context bin."""
+    bins = np.arange(CTX_OCTAVES * BINS_PER_OCTAVE + 1)
+    ctx = 2.0 ** (bins / BINS_PER_OCTAVE)
+    b = np.arange(b_max + 1, dtype=float)
+    vals = grid(np.maximum(b, 1.0)[:, None], ctx[None, :])
+    vals[0] = 0.0
+    return np.ascontiguousarray(vals), 0.0
+
+
+def _kernels_per_layer(model: ModelSpec, tp: int) -> int:
+    """Kernels one layer launches in an eager forward: 4 GEMMs, attention, 4 elementwise kernels, 2 all-reduces at
+    tp > 1, and 4 activation quantisations under fp8."""
+    return 4 + 1 + 4 + (2 if tp > 1 else 0) + (4 if model.weight_dtype == "fp8" else 0)
+
+
+@lru_cache(maxsize=256)
+def _token_tables(model: ModelSpec, tp: int, ops: OpTables, ovh: Overheads
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token count T = 0..T_MAX: the layers' T-only cost under a CUDA graph and eager, and the LM head's."""
+    T = np.arange(T_MAX + 1, dtype=float)
+    m = np.maximum(T, 1.0)
+    L, h, d = model.layers, model.hidden, model.head_dim
+    q, kv = model.heads // tp * d, kv_heads_per_gpu(model, tp) * d
+    inter = model.intermediate * model.experts_per_token // tp
+    wdt = "fp8" if model.weight_dtype == "fp8" else "bfloat16"
+    gemm = ops.gemm(wdt)
+    layer = (gemm(m, q + 2 * kv, h) + gemm(m, h, q) + gemm(m, 2 * inter, h) + gemm(m, h, inter))
+    if wdt == "fp8":
+        quant = ops.fp8_quant()
+        layer = layer + 2 * quant(m, h) + quant(m, q) + quant(m, inter)
+    a = model.dtype_bytes
+    elementwise_bytes = m * a * (2 * 4 * h + (q + 2 * kv) + kv * 2 * model.kv_elem_bytes / a + 3 * inter)
+    layer = layer + 4 * ovh.kernel_s + elementwise_bytes / ovh.elementwise_bps
+    graph, eager = layer * L, layer * L
+    if tp > 1:
+        nbytes = m * h * a
+        graph = graph + 2 * L * ops.all_reduce(tp, True)(nbytes)
+        eager = eager + 2 * L * ops.all_reduce(tp, False)(nbytes)
+    head = ops.gemm("bfloat16")(m, model.vocab // tp, h)
+    if tp > 1:
+        head = head + ops.all_gather(tp)(m * model.vocab * 4)      # fp32 logits gathered across the vocab shards
+    for arr in (graph, eager, head):
+        arr[0] = 0.0
+    return graph, eager, head
