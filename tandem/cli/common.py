@@ -259,3 +259,26 @@ def slo_from_args(args, default: SLO | None) -> SLO | None:
         raise CLIError("give both --slo-ttft and --slo-itl (this workload has no default SLO)")
     return SLO(args.slo_ttft if args.slo_ttft is not None else default.ttft_s,
                args.slo_itl if args.slo_itl is not None else default.itl_s)
+
+
+def add_cost_args(p) -> None:
+    """--cost-model, --cost-framework, --quantization and --kv-cache-dtype (simulate, experiment, plan)."""
+    from tandem.perf.costs import COST_MODELS, DEFAULT_COST_MODEL
+    from tandem.perf.measured.source import DEFAULT_FRAMEWORK, FRAMEWORKS
+
+    p.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
+                   help="step costs: measured GPU operator tables (aiconfigurator-core; derived for GPUs of the same "
+                        "architecture without tables), the datasheet roofline, or auto: measured where tables exist, "
+                        "else the roofline (default: %(default)s)")
+    p.add_argument("--cost-framework", default=DEFAULT_FRAMEWORK, choices=FRAMEWORKS,
+                   help="whose measured kernels price the steps (default: %(default)s)")
+    p.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="fp8 weights in the linear layers (w8a8), as vLLM's --quantization fp8 (default: bf16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"),
+                   help="KV-cache element type, as vLLM's --kv-cache-dtype (default: %(default)s, the model's bf16)")
+
+
+def cost_fields(args) -> dict:
+    """The SimConfig fields of the cost flags (absent flags keep SimConfig's defaults)."""
+    keys = ("cost_model", "cost_framework", "quantization", "kv_cache_dtype")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}

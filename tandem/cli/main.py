@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cli import bench_cmd, plan_cmd, profile_cmd, serve_cmd, tiny_cmd
-from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, add_ray_args, check_out_path,
+from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, add_cost_args, add_ray_args, check_out_path, cost_fields,
                                PREEMPTION_MODE_HELP, check_preemption, clear_notes, csv_list, flush_notes, gpus_arg, load_workload,
                                nonneg_float, nonneg_int, note, positive_float, positive_int, ray_executor, seed_arg,
                                unit_fraction)
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="query tokens per step of every worker (default: 2048); with --dllm-admission, auto is the "
                         "largest whose activation peak leaves KV for the retained positions of that many tokens")
     s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
+    add_cost_args(s)
     s.add_argument("--faults", default=None, metavar="SPEC",
                    help="inject faults and compare with the fault-free run: kv-fail=P (a KV transfer fails), "
                         "kv-lost=P (it never lands), kill=WORKER@SECONDS; comma-separated")
@@ -221,7 +222,12 @@ def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False)
 
 
 def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, policy: str):
-    cfg = cluster.SimConfig(model=model, gpu=gpu, gpus=gpus, deploy=deploy, policy=policy, seed=args.seed)
+    cfg = cluster.SimConfig(model=model, gpu=gpu, gpus=gpus, deploy=deploy, policy=policy, seed=args.seed,
+                            **cost_fields(args))
+    if args.perf is None:
+        choice = cfg.cost_choice()          # ConfigError (one line) when measured costs are asked for and missing
+        if choice.note:
+            note(choice.note)
     if args.perf is not None:
         cfg = dataclasses.replace(cfg, perf=args.perf)
     if hasattr(args, "swap_space"):
@@ -305,7 +311,7 @@ def _print_sim_table(out: dict) -> None:
     rate = ("trace arrivals" if out["rate"] is None else f"{out['rate']:g}/s") if out.get("concurrency") is None \
         else f"closed loop, {out['concurrency']} clients"
     print(f"{out['workload']} · {out['model']} on {out['gpus']} x {out['gpu']} · {out['deploy']} · "
-          f"{out['policy']} · {rate} · seed {out['seed']}")
+          f"{out['policy']} · {rate} · seed {out['seed']} · costs: {out.get('cost_source', '-')}")
     print(format_table(rows, [Column("metric", "metric"), Column("value", "value")]), end="")
     for reason, count in (out.get("fail_reasons") or {}).items():
         print(f"failed x{count}: {reason}")
@@ -356,7 +362,8 @@ def cmd_simulate(args) -> int:
     out.update(cluster.dllm_serve_summary(res.workers))
     out.update({"wall_s": res.wall_s, "sim_time_s": res.sim_time_s, "events": res.events,
                 "deploy": res.deployment, "policy": res.policy, "model": model, "gpu": gpu, "gpus": gpus,
-                "workload": args.workload, "rate": rate, "concurrency": args.concurrency, "seed": args.seed})
+                "workload": args.workload, "rate": rate, "concurrency": args.concurrency, "seed": args.seed,
+                "cost_source": f"profiled ({args.perf})" if profiled else str(cfg.cost_choice().label)})
     if base is not None:
         out["faults"] = _fault_cost(str(faults), base, out)
     if args.json:

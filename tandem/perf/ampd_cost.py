@@ -27,6 +27,7 @@ from tandem.perf.hardware import GPU, get_gpu
 from tandem.perf.models import ModelSpec, get_model
 from tandem.perf.roofline import Roofline, kv_capacity_tokens, kv_transfer_time, supported_tps
 from tandem.perf.errors import DoesNotFitError, ParallelismError
+from tandem.perf.step_timer import StepTimer
 
 # Context per decode sequence assumed by t_dec when the caller does not give the total.
 # Multi-round agent sessions (ToolBench, GAIA in AMPD §7) carry a few thousand tokens of history.
@@ -175,7 +176,7 @@ _BATCH = sorted({int(round(v)) for v in np.geomspace(1, 512, 28)})
 _CTX = [128 << i for i in range(9)]
 
 
-def roofline_pre_samples(roof: Roofline, chunk_tokens: int | None = None) -> Samples:
+def roofline_pre_samples(roof: StepTimer, chunk_tokens: int | None = None) -> Samples:
     X, y = [], []
     cap = roof.model.max_context
     for lh in _L_HIST:
@@ -187,7 +188,7 @@ def roofline_pre_samples(roof: Roofline, chunk_tokens: int | None = None) -> Sam
     return X, y
 
 
-def roofline_dec_samples(roof: Roofline) -> Samples:
+def roofline_dec_samples(roof: StepTimer) -> Samples:
     try:
         cap = kv_capacity_tokens(roof.model, roof.gpu, roof.tp)
     except DoesNotFitError:
@@ -212,9 +213,17 @@ def _kv_samples(model: ModelSpec, gpu: GPU, src: int, dst: int, same: bool) -> S
 @lru_cache(maxsize=64)
 def _from_roofline_cached(model: ModelSpec, gpu: GPU, tps: tuple[int, ...], typical_ctx: int,
                           chunk_tokens: int | None) -> AMPDCostModel:
-    roofs = {tp: Roofline(model, gpu, tp) for tp in tps}
-    pre = {tp: roofline_pre_samples(r, chunk_tokens) for tp, r in roofs.items()}
-    dec = {tp: roofline_dec_samples(r) for tp, r in roofs.items()}
+    return from_timers({tp: Roofline(model, gpu, tp) for tp in tps}, typical_ctx, chunk_tokens, "roofline")
+
+
+def from_timers(timers: Mapping[int, StepTimer], typical_ctx: int = TYPICAL_CTX, chunk_tokens: int | None = None,
+                source: str = "roofline") -> AMPDCostModel:
+    """AMPD's T_pre / T_dec fitted to samples of one step timer per tp (a Roofline or a MeasuredStep: anything with
+    model, gpu, tp, prefill_time and decode_time); T_kv from the alpha-beta link model."""
+    any_timer = next(iter(timers.values()))
+    model, gpu, tps = any_timer.model, any_timer.gpu, tuple(sorted(timers))
+    pre = {tp: roofline_pre_samples(r, chunk_tokens) for tp, r in timers.items()}
+    dec = {tp: roofline_dec_samples(r) for tp, r in timers.items()}
     kv = {(s, d, same): _kv_samples(model, gpu, s, d, same) for s in tps for d in tps for same in (True, False)}
-    meta = {"source": "roofline", "model": model.name, "gpu": gpu.name, "chunk_tokens": chunk_tokens}
+    meta = {"source": source, "model": model.name, "gpu": gpu.name, "chunk_tokens": chunk_tokens}
     return AMPDCostModel.from_samples(pre, dec, kv, typical_ctx=typical_ctx, meta=meta)

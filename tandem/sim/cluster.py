@@ -15,13 +15,15 @@ from tandem.core.factory import build_coordinator, build_worker, resolve_policy
 from tandem.core.state import InProcessState
 from tandem.core.types import COLOCATED, PREFILL
 from tandem.core.worker import WorkerCore
-from tandem.perf.ampd_cost import AMPDCostModel
+from tandem.perf.ampd_cost import AMPDCostModel, from_timers
+from tandem.perf.costs import DEFAULT_COST_MODEL, CostChoice, choose_cost_model, step_timer
+from tandem.perf.measured.source import DEFAULT_FRAMEWORK, MissingCostData
 from tandem.perf.dllm import FIXED_SCHEDULE_COMMITS, OPTIMUS_TABLE2, commit_model, stretch_model
 from tandem.perf.dllm_memory import DllmMemory
 from tandem.perf.errors import DoesNotFitError, UnknownNameError
 from tandem.perf.hardware import get_gpu
 from tandem.perf.models import get_model
-from tandem.perf.roofline import Roofline, kv_bytes_per_token_per_gpu, kv_capacity_tokens
+from tandem.perf.roofline import kv_bytes_per_token_per_gpu, kv_capacity_tokens
 from tandem.perf.profile_io import PerfFileError, load_perf
 from tandem.perf.step_model import Profile
 from tandem.policy.presets import POLICIES, PolicySpec
@@ -84,6 +86,10 @@ class SimConfig:
     faults: FaultSpec | None = None             # injected KV-transfer failures and worker deaths
     perf: str | None = None                     # `tandem profile` JSON (step timer, routing costs, KV pool), or
                                                 # an AMPDCostModel JSON (routing costs only); roofline if None
+    cost_model: str = DEFAULT_COST_MODEL        # step costs: auto (measured where tables exist), measured, roofline
+    cost_framework: str = DEFAULT_FRAMEWORK     # whose measured kernels and defaults: vllm, sglang or trtllm
+    quantization: str | None = None            # fp8: fp8 weights (w8a8) in the linear layers (None: the model's own)
+    kv_cache_dtype: str = "auto"                # fp8: an fp8 KV cache (auto: the model's own)
     laps_length_threshold: int | None = None    # LAPS class threshold (None: the roofline's boundary L_m)
     concurrency: int | None = None              # closed loop: this many clients, one session each at a time
                                                 # (sessions' own arrival times ignored); None: open loop
@@ -99,6 +105,20 @@ class SimConfig:
                 retain_idle_kv_s=self.continuum_ttl_s if spec.retain_idle_kv else 0.0,
                 laps_length_threshold=self.laps_length_threshold or spec.laps_length_threshold)
         except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def model_spec(self):
+        """The catalogue model at this run's precision (ConfigError for an unknown precision)."""
+        try:
+            return get_model(self.model).with_precision(self.quantization, self.kv_cache_dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def cost_choice(self) -> CostChoice:
+        """The run's resolved cost model (ConfigError when measured costs were asked for and are missing)."""
+        try:
+            return choose_cost_model(self.cost_model, get_gpu(self.gpu).name, self.cost_framework)
+        except (ValueError, MissingCostData) as e:
             raise ConfigError(str(e)) from None
 
     def scheduler(self, **over) -> SchedulerConfig:
@@ -184,14 +204,21 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
         raise ConfigError(str(e)) from None
     if isinstance(perf, Profile):
         return _build_profiled(cfg, spec, dep, perf)
-    model, gpu = get_model(cfg.model), get_gpu(cfg.gpu)
+    model, gpu = cfg.model_spec(), get_gpu(cfg.gpu)
     nodes = place(dep, gpu.gpus_per_node, cfg.gpus)
     tps = tuple(sorted({tp for _, tp in dep.workers()}))
-    cost = perf if perf is not None else AMPDCostModel.from_roofline(model.name, gpu.name, tps)
+    choice = cfg.cost_choice()
+    step_timers = {tp: step_timer(model, gpu.name, tp, choice) for tp in tps}
+    if perf is not None:
+        cost = perf
+    elif choice.model == "roofline" and model.weight_dtype == "bf16" and model.kv_dtype == "bf16":
+        cost = AMPDCostModel.from_roofline(model.name, gpu.name, tps)
+    else:
+        cost = from_timers(step_timers, source=str(choice.label))
     sched = cfg.scheduler()
     workers, timers, swaps = [], [], []
     prefill_tps = [tp for role, tp in dep.workers() if role == PREFILL]
-    boundary = Roofline(model, gpu, min(prefill_tps)).prefill_boundary() if prefill_tps else None   # LAPS's L_m
+    boundary = step_timers[min(prefill_tps)].prefill_boundary() if prefill_tps else None   # LAPS's L_m
     for wid, (role, tp) in enumerate(dep.workers()):
         budget = cfg.colocated_max_num_batched_tokens if role == COLOCATED else None
         if sched.dllm_admission:
@@ -200,7 +227,7 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
             cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
         def t_pre(h: int, n: int, _tp: int = tp) -> float:
             return cost.t_pre(h, n, _tp)
-        roof = Roofline(model, gpu, tp)
+        roof = step_timers[tp]
         timer = roof.step_time
         try:
             workers.append(build_worker(wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
@@ -227,7 +254,7 @@ def dllm_pool(cfg: SimConfig, tp: int) -> tuple[int, int]:
     (tandem.perf.dllm_memory): the budget is colocated_max_num_batched_tokens, or, when 0, the largest whose peak
     (at max_num_logits rows of logits at once) leaves KV for the retained positions of that many query tokens (what
     request-level batching that reserves each request's Refresh peak can run); the pool is what that peak leaves."""
-    mem = DllmMemory(get_model(cfg.model), get_gpu(cfg.gpu), tp, cfg.mem_util)
+    mem = DllmMemory(cfg.model_spec(), get_gpu(cfg.gpu), tp, cfg.mem_util)
     logits = cfg.max_num_logits
     if logits is not None and (isinstance(logits, bool) or not isinstance(logits, int) or logits < 1):
         raise ConfigError(f"max_num_logits must be None or an integer >= 1, got {logits!r}")

@@ -1,0 +1,55 @@
+"""Which step-time model a simulated worker gets: measured operator tables, derived ones, or the roofline.
+
+`--cost-model auto` (the default) is measured wherever data exist (the GPU's own tables, or a GPU of the same
+architecture to derive from) and the roofline elsewhere, with a note; `measured` insists and fails with one line
+naming what is missing; `roofline` is the datasheet roofline. `--perf FILE` (a `tandem profile` fit) is separate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.perf.hardware import get_gpu
+from tandem.perf.measured.derive import derived_ops
+from tandem.perf.measured.source import DEFAULT_FRAMEWORK, FRAMEWORKS, MissingCostData
+from tandem.perf.measured.step import CostLabel, MeasuredStep
+from tandem.perf.models import ModelSpec
+from tandem.perf.roofline import Roofline
+from tandem.perf.step_timer import StepTimer
+
+COST_MODELS = ("auto", "measured", "roofline")
+DEFAULT_COST_MODEL = "auto"
+
+
+@dataclass(frozen=True)
+class CostChoice:
+    """The cost model a run uses, and the note to show when `auto` fell back to the roofline."""
+
+    model: str                    # "measured" or "roofline" (measured covers derived GPUs)
+    framework: str
+    label: CostLabel
+    note: str | None = None
+
+
+def choose_cost_model(cost_model: str, gpu: str, framework: str = DEFAULT_FRAMEWORK) -> CostChoice:
+    """Resolve `cost_model` for a GPU; ValueError for a bad name, MissingCostData when measured is impossible."""
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"--cost-framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    if cost_model == "roofline":
+        return CostChoice("roofline", framework, CostLabel("roofline"))
+    try:
+        _, label = derived_ops(get_gpu(gpu), framework)
+    except MissingCostData as e:
+        if cost_model == "measured":
+            raise
+        return CostChoice("roofline", framework, CostLabel("roofline"),
+                          note=f"note: step costs from the roofline ({e})")
+    return CostChoice("measured", framework, label)
+
+
+def step_timer(model: ModelSpec, gpu: str, tp: int, choice: CostChoice) -> StepTimer:
+    """The step timer of one worker under a resolved cost choice."""
+    if choice.model == "roofline":
+        return Roofline(model, gpu, tp)
+    return MeasuredStep(model, gpu, tp, choice.framework)
