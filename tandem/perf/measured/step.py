@@ -1,12 +1,14 @@
 """The measured step-time model: a step of tandem's BatchShape priced operator by operator from measured tables.
 
 Per layer, at the step's T query tokens on one GPU of a tp worker: the QKV, O, gate/up and down GEMMs (fp8 tables
-and the activations' fp8 quantisation under `--quantization fp8`); the small elementwise kernels (two fused
-add+RMSNorm, rotary with the KV write, SiLU-and-multiply) at the bandwidth and floor fitted to the tables' own
-elementwise kernel (`overhead.py`); two all-reduces of the hidden states at tp > 1; causal prefill attention per
-chunk and decode attention per sequence at their context lengths (a diffusion window as a short non-causal chunk
-over its cached keys). Once per step: the LM head on the sampled rows, the gather of vocab-sharded logits, and the
-framework's per-step host overhead; a step that does not replay a CUDA graph takes at least its kernel launches.
+under `--quantization fp8`, with the attention output's fp8 quantisation; the other GEMM inputs are written in fp8 by
+the fused norm and activation kernels); the small elementwise kernels (two fused add+RMSNorm, rotary with the KV
+write, SiLU-and-multiply) at a floor and bandwidth read from the tables (`overhead.py`); two all-reduces of the
+hidden states at tp > 1; causal prefill attention per chunk and decode attention per sequence at their context
+lengths (a diffusion window as a short non-causal chunk over its cached keys). Once per step: the LM head on the
+sampled rows and the gather of vocab-sharded logits. A step that does not replay a CUDA graph takes at least its
+kernel launches; a step takes at least the framework's per-step host work, which vLLM (async scheduling), SGLang
+and TRT-LLM (overlap schedulers) run beside the previous step's GPU work.
 
 Everything that depends on T alone is tabulated per token count at construction, so `step_time_args` is a few
 array reads (the simulator's hot path); attention is read from small per-worker grids.
@@ -103,7 +105,9 @@ class MeasuredStep(StepTimer):
         t += attn * self._L
         if not graph and t < self._launch:
             t = self._launch              # an eager step waits for its kernel launches
-        return t + self._overhead
+        # the host prepares the next step while this one runs (vLLM's async scheduling, SGLang's and TRT-LLM's
+        # overlap schedulers): its per-step work shows only when it is longer than the GPU's
+        return t if t > self._overhead else self._overhead
 
     def swap_time(self, tokens: int) -> float:
         """Seconds to copy `tokens` positions of KV to or from host memory (the link, as on the roofline)."""
@@ -160,8 +164,8 @@ def _ctx_table(grid, b_max: int) -> tuple[np.ndarray, float]:
 
 def _kernels_per_layer(model: ModelSpec, tp: int) -> int:
     """Kernels one layer launches in an eager forward: 4 GEMMs, attention, 4 elementwise kernels, 2 all-reduces at
-    tp > 1, and 4 activation quantisations under fp8."""
-    return 4 + 1 + 4 + (2 if tp > 1 else 0) + (4 if model.weight_dtype == "fp8" else 0)
+    tp > 1, and the attention output's quantisation under fp8."""
+    return 4 + 1 + 4 + (2 if tp > 1 else 0) + (1 if model.weight_dtype == "fp8" else 0)
 
 
 @lru_cache(maxsize=256)
@@ -177,8 +181,9 @@ def _token_tables(model: ModelSpec, tp: int, ops: OpTables, ovh: Overheads
     gemm = ops.gemm(wdt)
     layer = (gemm(m, q + 2 * kv, h) + gemm(m, h, q) + gemm(m, 2 * inter, h) + gemm(m, h, inter))
     if wdt == "fp8":
-        quant = ops.fp8_quant()
-        layer = layer + 2 * quant(m, h) + quant(m, q) + quant(m, inter)
+        # the norms and SiLU-and-multiply write the QKV, gate/up and down inputs in fp8 (fused: vLLM's compile
+        # passes, SGLang's and TRT-LLM's fused kernels); the attention output is quantised by a kernel of its own
+        layer = layer + ops.fp8_quant()(m, q)
     a = model.dtype_bytes
     elementwise_bytes = m * a * (2 * 4 * h + (q + 2 * kv) + kv * 2 * model.kv_elem_bytes / a + 3 * inter)
     layer = layer + 4 * ovh.kernel_s + elementwise_bytes / ovh.elementwise_bps

@@ -1,0 +1,144 @@
+"""Simulate every silicon row tandem can represent (aiconfigurator-core's silicon_sample.csv: measured vLLM, SGLang
+and TRT-LLM runs) with measured and roofline costs; per-row errors, grouped medians and p90s, a scatter plot, and
+the rows left out with their reasons.
+
+    python benchmarks/silicon_validation.py                       # H100 and H200 rows, both cost models
+    python benchmarks/silicon_validation.py --gpus h100,h200,l40s --jobs 2 --out docs/results/silicon_validation
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.progress import Progress
+
+from tandem.bench.silicon import Case, Skipped, read_rows, simulate_case, to_case
+
+COST_MODELS = ("measured", "roofline")
+
+
+def run_one(args: tuple[Case, int, int]) -> dict:
+    case, per_client, warm = args
+    out = asdict(case)
+    for cm in COST_MODELS:
+        p = simulate_case(case, cm, requests_per_client=per_client, warmup_per_client=warm)
+        out.update({f"{cm}_ttft_ms": p.ttft_ms, f"{cm}_tpot_ms": p.tpot_ms, f"{cm}_ttft_mean_ms": p.ttft_mean_ms,
+                    f"{cm}_tpot_mean_ms": p.tpot_mean_ms, f"{cm}_source": p.cost_source})
+        for k in ("ttft", "tpot"):
+            out[f"{cm}_{k}_err"] = p.__dict__[f"{k}_ms"] / out[f"{k}_ms"] - 1.0
+    return out
+
+
+def quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def summarise(results: list[dict]) -> list[dict]:
+    """Median and p90 absolute error per GPU x framework x model x mode, and per GPU x framework x mode."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        for key in ((r["gpu"], r["framework"], r["model"], r["mode"]), (r["gpu"], r["framework"], "all", r["mode"]),
+                    ("h100+h200", "vllm+sglang", "dense", r["mode"]) if r["framework"] in ("vllm", "sglang")
+                    and r["gpu"] in ("h100", "h200") else None):
+            if key is not None:
+                groups.setdefault(key, []).append(r)
+    rows = []
+    for key, rs in sorted(groups.items()):
+        row = {"gpu": key[0], "framework": key[1], "model": key[2], "mode": key[3], "rows": len(rs)}
+        for cm in COST_MODELS:
+            for k in ("ttft", "tpot"):
+                e = [abs(r[f"{cm}_{k}_err"]) for r in rs]
+                row[f"{cm}_{k}_median"] = statistics.median(e)
+                row[f"{cm}_{k}_p90"] = quantile(e, 0.9)
+        rows.append(row)
+    return rows
+
+
+def table_md(summary: list[dict]) -> str:
+    head = ("| GPU | framework | model | mode | rows | TTFT measured median / p90 | TTFT roofline | "
+            "TPOT measured median / p90 | TPOT roofline |\n|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in summary:
+        def f(cm, k):
+            return f"{100 * r[f'{cm}_{k}_median']:.1f}% / {100 * r[f'{cm}_{k}_p90']:.1f}%"
+        lines.append(f"| {r['gpu']} | {r['framework']} | {r['model']} | {r['mode']} | {r['rows']} | "
+                     f"{f('measured', 'ttft')} | {f('roofline', 'ttft')} | {f('measured', 'tpot')} | "
+                     f"{f('roofline', 'tpot')} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, k in zip(axes, ("ttft", "tpot")):
+        for cm, color in (("roofline", "tab:gray"), ("measured", "tab:blue")):
+            ax.scatter([r[f"{k}_ms"] for r in results], [r[f"{cm}_{k}_ms"] for r in results], s=8, alpha=0.6,
+                       color=color, label=cm)
+        lo = min(min(r[f"{k}_ms"] for r in results), min(r[f"measured_{k}_ms"] for r in results)) * 0.8
+        hi = max(max(r[f"{k}_ms"] for r in results), max(r[f"measured_{k}_ms"] for r in results)) * 1.25
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+        ax.set_xscale("log"); ax.set_yscale("log")
+        ax.set_xlabel(f"real {k.upper()} (ms)"); ax.set_ylabel(f"simulated {k.upper()} (ms)")
+        ax.legend(); ax.set_title(f"{k.upper()}: silicon rows")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", default="h100,h200", help="catalogue GPUs whose rows to simulate")
+    ap.add_argument("--frameworks", default="vllm,sglang,trtllm")
+    ap.add_argument("--requests-per-client", type=int, default=10)
+    ap.add_argument("--warmup-per-client", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=0, help="simulate at most this many rows (0: all)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", default="docs/results/silicon_validation")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpus, fws = set(a.gpus.split(",")), set(a.frameworks.split(","))
+    cases, skipped = [], []
+    for row in read_rows():
+        c = to_case(row)
+        if isinstance(c, Skipped):
+            skipped.append(c)
+        elif c.gpu in gpus and c.framework in fws:
+            cases.append(c)
+    if a.limit:
+        cases = cases[: a.limit]
+    results = []
+    with Progress() as prog, ProcessPoolExecutor(a.jobs) as pool:
+        task = prog.add_task("silicon rows", total=len(cases))
+        for r in pool.map(run_one, [(c, a.requests_per_client, a.warmup_per_client) for c in cases]):
+            results.append(r)
+            prog.advance(task)
+    with open(out / "rows.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(results[0]))
+        w.writeheader(); w.writerows(results)
+    with open(out / "skipped.csv", "w", newline="") as f:
+        w = csv.writer(f); w.writerow(["id", "reason"]); w.writerows([(s.row_id, s.reason) for s in skipped])
+    summary = summarise(results)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    reasons: dict[str, int] = {}
+    for s in skipped:
+        reasons[s.reason] = reasons.get(s.reason, 0) + 1
+    md = table_md(summary) + "\nRows left out, by reason:\n\n" + "\n".join(
+        f"- {n} x {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])) + "\n"
+    (out / "table.md").write_text(md)
+    plot(results, out / "scatter.png")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Simulate the measured end-to-end runs aiconfigurator-core ships (`systems/silicon_sample.csv`) and compare.
+
+Each row is one benchmark run of vLLM, SGLang or TRT-LLM: a model on a GPU at a precision, co-located (agg) or
+disaggregated, a closed loop of `c` clients with inputs of isl and outputs of osl tokens, and the TTFT and TPOT it
+measured. Most rows come from SemiAnalysis InferenceX, whose client (vLLM's benchmark_serving) sends 10 x c
+requests after 2 x c of warm-up, with input and output lengths uniform in [0.8 L, L] and EOS ignored, and stores
+medians; TPOT excludes the first token. A row is simulated the same way under the framework's scheduler defaults;
+a row tandem cannot represent (model, GPU, precision, attention data parallelism) is listed with the reason.
+"""
+from __future__ import annotations
+
+import csv
+import random
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.perf.errors import UnknownNameError
+from tandem.perf.hardware import get_gpu
+from tandem.perf.measured.frameworks import framework_defaults
+from tandem.perf.measured.source import MissingCostData, data_root
+from tandem.perf.models import get_model
+from tandem.workload.session import Round, Session
+
+SYSTEM_GPUS = {"h100_sxm": "h100", "h200_sxm": "h200", "a100_sxm": "a100-80g", "l40s": "l40s"}
+REQUESTS_PER_CLIENT = 10      # InferenceX: 10 x concurrency prompts a run
+WARMUP_PER_CLIENT = 2         # and 2 x concurrency warm-up prompts before them
+RANGE_RATIO = 0.8             # lengths uniform in [0.8 L, L]
+
+
+def silicon_csv() -> Path:
+    """The package's silicon_sample.csv (MissingCostData naming the install when absent)."""
+    return data_root().parent / "silicon_sample.csv"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One silicon row as a simulation."""
+
+    row_id: str
+    framework: str
+    model: str
+    gpu: str
+    precision: str
+    kv_cache_dtype: str
+    mode: str                 # agg or disagg
+    deploy: str
+    concurrency: int
+    isl: int
+    osl: int
+    ttft_ms: float            # measured
+    tpot_ms: float
+
+
+@dataclass(frozen=True)
+class Skipped:
+    row_id: str
+    reason: str
+
+
+def read_rows(path: Path | None = None) -> list[dict]:
+    """The CSV's rows as dicts of strings."""
+    with open(path or silicon_csv(), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _int(v: str) -> int:
+    return int(float(v)) if v not in ("", None) else 0
+
+
+def to_case(row: dict) -> Case | Skipped:
+    """The simulation of a row, or why it cannot be represented."""
+    rid = row["id"]
+    gpu = SYSTEM_GPUS.get(row["system"])
+    if gpu is None:
+        return Skipped(rid, f"GPU {row['system']} is not in tandem's catalogue")
+    try:
+        spec = get_model(row["model_path"])
+    except UnknownNameError:
+        return Skipped(rid, f"model {row['model_path']} is not in tandem's catalogue")
+    if spec.is_moe:
+        return Skipped(rid, f"MoE model {row['model_path']}: expert tables not used yet")
+    prec = row["precision"]
+    if prec not in ("bf16", "fp8"):
+        return Skipped(rid, f"precision {prec} (tandem models bf16 and fp8)")
+    m = re.search(r"silicon_concurrency=(\d+)", row.get("silicon_data_source", ""))
+    conc = int(m.group(1)) if m else _int(row["batch_size"])
+    if conc < 1:
+        return Skipped(rid, "no concurrency recorded")
+    # KV cache: fp8 where the checkpoint says so (NVIDIA ModelOpt FP8 checkpoints) or TRT-LLM runs an fp8 model
+    # (its fp8 recipes quantise the cache); vLLM and SGLang keep the model dtype by default (--kv-cache-dtype auto)
+    kv = "fp8" if prec == "fp8" and (row["model_path"].startswith("nvidia/") or row["backend"] == "trtllm") \
+        else "bf16"
+    mode = row["mode"]
+    if mode == "agg":
+        if _int(row["attention_dp_size"]) > 1 or _int(row["pp_size"]) > 1:
+            return Skipped(rid, "attention data parallelism or pipeline parallelism")
+        tp = _int(row["tp_size"])
+        deploy = f"C:tp{tp}x1"
+    else:
+        parts = []
+        for role, key in (("P", "prefill"), ("D", "decode")):
+            if _int(row[f"{key}_attention_dp_size"]) > 1 or _int(row[f"{key}_pp_size"]) > 1:
+                return Skipped(rid, "attention data parallelism or pipeline parallelism")
+            parts.append(f"{role}:tp{_int(row[f'{key}_tp_size'])}x{_int(row[f'{key}_num_workers'])}")
+        deploy = ",".join(parts)
+    try:
+        get_gpu(gpu)
+    except UnknownNameError:
+        return Skipped(rid, f"GPU {gpu} unknown")
+    return Case(rid, row["backend"], spec.name, gpu, prec, kv, mode, deploy, conc, _int(row["isl"]),
+                _int(row["osl"]), float(row["silicon_ttft_ms"]), float(row["silicon_tpot_ms"]))
+
+
+def sessions(case: Case, seed: int = 0, requests_per_client: int = REQUESTS_PER_CLIENT,
+             warmup_per_client: int = WARMUP_PER_CLIENT) -> tuple[list[Session], int]:
+    """The run's requests as one-round sessions (warm-up first) and how many of them are warm-up."""
+    rng = random.Random(seed)
+    n_warm = warmup_per_client * case.concurrency
+    n = n_warm + requests_per_client * case.concurrency
+    out = []
+    for i in range(n):
+        isl = rng.randint(max(1, int(case.isl * RANGE_RATIO)), case.isl)
+        osl = rng.randint(max(2, int(case.osl * RANGE_RATIO)), max(2, case.osl))
+        out.append(Session(f"r{i}", 0.0, [Round(isl, osl)]))
+    return out, n_warm
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_ms: float            # median over the measured requests
+    tpot_ms: float
+    ttft_mean_ms: float
+    tpot_mean_ms: float
+    cost_source: str
+
+
+def simulate_case(case: Case, cost_model: str, seed: int = 0, requests_per_client: int = REQUESTS_PER_CLIENT,
+                  warmup_per_client: int = WARMUP_PER_CLIENT) -> Prediction:
+    """Simulate a row under `cost_model` (measured or roofline) with the framework's scheduler defaults."""
+    from tandem.sim.cluster import SimConfig, simulate
+
+    fw = framework_defaults(case.framework)
+    gpus = sum(int(a) * int(b) for a, b in re.findall(r"tp(\d+)x(\d+)", case.deploy))
+    cfg = SimConfig(model=case.model, gpu=case.gpu, gpus=gpus, deploy=case.deploy,
+                    policy="vllm" if case.mode == "agg" else "dynamo", seed=seed,
+                    max_num_batched_tokens=fw.max_num_batched_tokens,
+                    colocated_max_num_batched_tokens=fw.max_num_batched_tokens, max_num_seqs=fw.max_num_seqs,
+                    concurrency=case.concurrency, cost_model=cost_model, cost_framework=case.framework,
+                    quantization="fp8" if case.precision == "fp8" else None, kv_cache_dtype=case.kv_cache_dtype)
+    ss, n_warm = sessions(case, seed, requests_per_client, warmup_per_client)
+    res = simulate(ss, cfg)
+    done = sorted((r for r in res.records if not r.failed), key=lambda r: r.rounds[0].arrival_s)[n_warm:]
+    if not done:
+        raise MissingCostData(f"{case.row_id}: no request finished")
+    ttft = [r.rounds[0].ttft_s * 1e3 for r in done]
+    tpot = [r.rounds[0].itl_sum_s / r.rounds[0].itl_count * 1e3 for r in done if r.rounds[0].itl_count]
+    return Prediction(statistics.median(ttft), statistics.median(tpot), statistics.fmean(ttft),
+                      statistics.fmean(tpot), str(cfg.cost_choice().label))

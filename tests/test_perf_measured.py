@@ -1,0 +1,118 @@
+"""The measured cost model: table lookups, interpolation, derived GPUs, fp8, and the fallback without the package."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from tandem.perf.costs import choose_cost_model, step_timer
+from tandem.perf.measured import source
+from tandem.perf.measured.derive import derived_tables, donor_of
+from tandem.perf.measured.grid import LogGrid
+from tandem.perf.measured.ops import op_tables
+from tandem.perf.measured.step import MeasuredStep
+from tandem.perf.models import get_model
+from tandem.perf.roofline import BatchShape, kv_capacity_tokens
+
+pytestmark = pytest.mark.skipif(not source.available(), reason="aiconfigurator-core is not installed")
+
+
+def test_a_log_grid_returns_its_values_on_the_grid_and_scales_at_constant_utilisation_past_it():
+    g = LogGrid.from_points([np.array([1, 2, 4, 1, 2, 4])], np.array([1.0, 2.0, 8.0, 3.0, 2.5, 9.0]), (1.0,))
+    # duplicates keep the fastest measurement
+    assert g(np.array([1.0, 2.0, 4.0])).tolist() == pytest.approx([1.0, 2.0, 8.0])
+    # halfway in log space between 2 (2.0) and 4 (8.0): the geometric mean
+    assert float(g(np.sqrt(8.0))) == pytest.approx(4.0)
+    # past the last value, latency grows with the axis (exponent 1): 16 is 4x the last measured 4
+    assert float(g(16.0)) == pytest.approx(32.0)
+    # below the first value, the first value
+    assert float(g(0.5)) == pytest.approx(1.0)
+
+
+def test_a_hole_is_filled_from_its_neighbour_at_constant_utilisation():
+    g = LogGrid.from_points([np.array([1, 1, 2]), np.array([1, 2, 1])], np.array([1.0, 2.0, 3.0]), (1.0, 1.0))
+    # (2, 2) was never measured: from (2, 1) = 3.0 doubled along the second axis, or (1, 2) = 2.0 doubled
+    assert float(g(2.0, 2.0)) in (pytest.approx(6.0), pytest.approx(4.0))
+
+
+def test_a_gemm_lookup_on_a_measured_shape_is_the_fastest_kernel_measured_for_it():
+    ops = op_tables("h100_sxm", "vllm")
+    ref = source.find_table("h100_sxm", "gemm", "vllm", "gemm_perf.parquet")
+    c = source.read_columns(ref.path, ("gemm_dtype", "m", "n", "k", "latency"))
+    sel = (c["gemm_dtype"] == "fp8_block") & (c["m"] == 64) & (c["n"] == 8192) & (c["k"] == 8192)
+    assert sel.sum() >= 1
+    assert float(ops.gemm("fp8_block")(64, 8192, 8192)) == pytest.approx(c["latency"][sel].min() * 1e-3)
+    assert ref.version == "0.24.0"          # the newest vLLM version present
+
+
+def test_measured_steps_grow_with_their_work_and_decode_is_cheaper_than_prefill():
+    s = MeasuredStep("llama-3.1-8b", "h200", 1, "vllm")
+    d1, d64 = s.step_time(BatchShape(num_decode=1, decode_ctx_tokens=4096)), \
+        s.step_time(BatchShape(num_decode=64, decode_ctx_tokens=64 * 4096))
+    p = s.step_time(BatchShape(8192, 8192 * 8193 / 2, 0, 1))
+    assert 0 < d1 < d64 < p
+    assert s.step_time(BatchShape()) == 0.0
+    assert str(s.label) == "measured (vllm, h200_sxm)"
+
+
+def test_gpus_without_tables_are_derived_from_the_nearest_of_their_architecture_and_labelled_so():
+    from tandem.perf.hardware import get_gpu
+
+    assert donor_of(get_gpu("h20")).name == "h100"
+    assert donor_of(get_gpu("rtx4090")).name == "l40s"
+    s = MeasuredStep("llama-3.1-8b", "h20", 1, "vllm")
+    assert str(s.label) == "derived (vllm, h20 from h100_sxm)"
+    # a large bf16 GEMM is compute-bound on both: derived time = H100's x the ratio of the bf16 peaks
+    d, h = derived_tables("h100", "h20", "vllm").gemm("bfloat16"), op_tables("h100_sxm", "vllm").gemm("bfloat16")
+    assert float(d(8192, 8192, 8192)) == pytest.approx(float(h(8192, 8192, 8192)) * 989.4 / 148.0)
+
+
+def test_fp8_halves_weights_and_kv_and_prices_fp8_gemms():
+    bf = get_model("llama-3.1-70b")
+    f8 = bf.with_precision("fp8", "fp8")
+    assert f8.kv_bytes_per_token * 2 == bf.kv_bytes_per_token
+    assert f8.weight_bytes < 0.55 * bf.weight_bytes
+    assert kv_capacity_tokens(f8, "h100", 4) > 2 * kv_capacity_tokens(bf, "h100", 4)
+    shape = BatchShape(4096, 4096 * 4097 / 2, 0, 1)
+    assert MeasuredStep(f8, "h100", 4).step_time(shape) < MeasuredStep(bf, "h100", 4).step_time(shape)
+    with pytest.raises(ValueError, match="--quantization must be one of bf16, fp8"):
+        bf.with_precision("int3")
+
+
+def test_without_the_package_measured_fails_in_one_line_and_auto_falls_back_with_a_note(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(source.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "aiconfigurator_core" else real(name, *a))
+    with pytest.raises(source.MissingCostData, match=r"pip install 'aiconfigurator-core==0.12.0'"):
+        choose_cost_model("measured", "h100")
+    auto = choose_cost_model("auto", "h100")
+    assert auto.model == "roofline" and "aiconfigurator-core" in auto.note
+    assert type(step_timer(get_model("qwen3-32b"), "h100", 1, auto)).__name__ == "Roofline"
+
+
+def test_the_cli_refuses_measured_costs_without_the_package_in_one_line(monkeypatch, capsys):
+    from tandem.cli.main import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(source.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "aiconfigurator_core" else real(name, *a))
+    rc = main(["simulate", "--model", "qwen3-32b", "--gpu", "h100", "--gpus", "2", "--deploy", "C:tp2x1",
+               "--policy", "vllm", "--workload", "toolbench", "--sessions", "2", "--cost-model", "measured"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "pip install 'aiconfigurator-core==0.12.0'" in err[0]
+
+
+def test_a_silicon_row_becomes_the_closed_loop_simulation_its_benchmark_ran():
+    from tandem.bench.silicon import Case, Skipped, read_rows, sessions, to_case
+
+    rows = {r["id"]: r for r in read_rows()}
+    c = to_case(rows["2026_04_06_llama_3_1_70b_h200_sxm_trtllm_fp8_agg_8192x1024_c8_tp2_ep1_840"])
+    assert isinstance(c, Case)
+    assert (c.model, c.gpu, c.deploy, c.concurrency, c.isl, c.osl, c.precision) == \
+        ("llama-3.1-70b", "h200", "C:tp2x1", 8, 8192, 1024, "fp8")
+    ss, warm = sessions(c)
+    assert (len(ss), warm) == (96, 16)
+    assert all(6553 <= s.rounds[0].input_tokens <= 8192 for s in ss)
+    skipped = [to_case(r) for r in rows.values() if r["system"] == "b200_sxm"][0]
+    assert isinstance(skipped, Skipped) and "b200_sxm" in skipped.reason
