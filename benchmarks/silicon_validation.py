@@ -1,5 +1,6 @@
 """Simulate every silicon row tandem can represent (aiconfigurator-core's silicon_sample.csv: measured vLLM, SGLang
-and TRT-LLM runs) with measured and roofline costs; per-row errors, grouped medians and p90s, a scatter plot, and
+and TRT-LLM runs) with measured and roofline costs
+per-row errors, grouped medians and p90s, a scatter plot, and
 the rows left out with their reasons.
 
     python benchmarks/silicon_validation.py                       # H100 and H200 rows, both cost models
@@ -23,13 +24,14 @@ from tandem.bench.silicon import Case, Skipped, read_rows, simulate_case, to_cas
 COST_MODELS = ("measured", "roofline")
 
 
-def run_one(args: tuple[Case, int, int]) -> dict:
-    case, per_client, warm = args
+def run_one(args: tuple[Case, float]) -> dict:
+    case, scale = args
     out = asdict(case)
+    out["client"] = case.client.name
     for cm in COST_MODELS:
-        p = simulate_case(case, cm, requests_per_client=per_client, warmup_per_client=warm)
-        out.update({f"{cm}_ttft_ms": p.ttft_ms, f"{cm}_tpot_ms": p.tpot_ms, f"{cm}_ttft_mean_ms": p.ttft_mean_ms,
-                    f"{cm}_tpot_mean_ms": p.tpot_mean_ms, f"{cm}_source": p.cost_source})
+        p = simulate_case(case, cm, scale=scale)
+        out.update({f"{cm}_ttft_ms": p.ttft_ms, f"{cm}_tpot_ms": p.tpot_ms, f"{cm}_ttft_median_ms": p.ttft_median_ms,
+                    f"{cm}_tpot_median_ms": p.tpot_median_ms, f"{cm}_source": p.cost_source})
         for k in ("ttft", "tpot"):
             out[f"{cm}_{k}_err"] = p.__dict__[f"{k}_ms"] / out[f"{k}_ms"] - 1.0
     return out
@@ -87,9 +89,12 @@ def plot(results: list[dict], path: Path) -> None:
         lo = min(min(r[f"{k}_ms"] for r in results), min(r[f"measured_{k}_ms"] for r in results)) * 0.8
         hi = max(max(r[f"{k}_ms"] for r in results), max(r[f"measured_{k}_ms"] for r in results)) * 1.25
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
-        ax.set_xscale("log"); ax.set_yscale("log")
-        ax.set_xlabel(f"real {k.upper()} (ms)"); ax.set_ylabel(f"simulated {k.upper()} (ms)")
-        ax.legend(); ax.set_title(f"{k.upper()}: silicon rows")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"real {k.upper()} (ms)")
+        ax.set_ylabel(f"simulated {k.upper()} (ms)")
+        ax.legend()
+        ax.set_title(f"{k.upper()}: silicon rows")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -98,8 +103,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="h100,h200", help="catalogue GPUs whose rows to simulate")
     ap.add_argument("--frameworks", default="vllm,sglang,trtllm")
-    ap.add_argument("--requests-per-client", type=int, default=10)
-    ap.add_argument("--warmup-per-client", type=int, default=2)
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="run each row with this share of its benchmark's requests (1: all of them)")
     ap.add_argument("--limit", type=int, default=0, help="simulate at most this many rows (0: all)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="docs/results/silicon_validation")
@@ -119,14 +124,17 @@ def main(argv=None) -> int:
     results = []
     with Progress() as prog, ProcessPoolExecutor(a.jobs) as pool:
         task = prog.add_task("silicon rows", total=len(cases))
-        for r in pool.map(run_one, [(c, a.requests_per_client, a.warmup_per_client) for c in cases]):
+        for r in pool.map(run_one, [(c, a.scale) for c in cases]):
             results.append(r)
             prog.advance(task)
     with open(out / "rows.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader(); w.writerows(results)
+        w.writeheader()
+        w.writerows(results)
     with open(out / "skipped.csv", "w", newline="") as f:
-        w = csv.writer(f); w.writerow(["id", "reason"]); w.writerows([(s.row_id, s.reason) for s in skipped])
+        w = csv.writer(f)
+        w.writerow(["id", "reason"])
+        w.writerows([(s.row_id, s.reason) for s in skipped])
     summary = summarise(results)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     reasons: dict[str, int] = {}

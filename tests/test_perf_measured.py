@@ -76,8 +76,10 @@ def test_fp8_halves_weights_and_kv_and_prices_fp8_gemms():
     assert kv_capacity_tokens(f8, "h100", 4) > 2 * kv_capacity_tokens(bf, "h100", 4)
     shape = BatchShape(4096, 4096 * 4097 / 2, 0, 1)
     assert MeasuredStep(f8, "h100", 4).step_time(shape) < MeasuredStep(bf, "h100", 4).step_time(shape)
-    with pytest.raises(ValueError, match="--quantization must be one of bf16, fp8"):
+    with pytest.raises(ValueError, match="--quantization must be one of bf16, fp8, fp8_block"):
         bf.with_precision("int3")
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of bf16, fp8"):
+        bf.with_precision(None, "fp8_block")
 
 
 def test_without_the_package_measured_fails_in_one_line_and_auto_falls_back_with_a_note(monkeypatch):
@@ -111,8 +113,16 @@ def test_a_silicon_row_becomes_the_closed_loop_simulation_its_benchmark_ran():
     assert isinstance(c, Case)
     assert (c.model, c.gpu, c.deploy, c.concurrency, c.isl, c.osl, c.precision) == \
         ("llama-3.1-70b", "h200", "C:tp2x1", 8, 8192, 1024, "fp8")
-    ss, warm = sessions(c)
-    assert (len(ss), warm) == (96, 16)
-    assert all(6553 <= s.rounds[0].input_tokens <= 8192 for s in ss)
+    # InferenceX: 10 x c requests from a cold start, lengths uniform in [0.8 L, L]
+    assert c.client.name == "inferencex"
+    ss = sessions(c)
+    assert len(ss) == 80
+    assert all(6553 <= s.rounds[0].input_tokens <= 8192 and 819 <= s.rounds[0].output_tokens <= 1024 for s in ss)
+    # NVIDIA's gap analysis (aiperf): 20 x c requests of exactly isl and osl tokens
+    g = to_case(rows["nvidia_llama_3_1_8b_instruct_fp8_nvidia_llama_3_1_8b_instruct_fp8_h200_sxm_vllm_agg_1000x100_c112_"
+                     "tp1_epnone_1"])
+    assert (g.client.name, g.concurrency, g.kv_cache_dtype) == ("aiperf", 112, "fp8")
+    gs = sessions(g)
+    assert len(gs) == 2240 and {(s.rounds[0].input_tokens, s.rounds[0].output_tokens) for s in gs} == {(1000, 100)}
     skipped = [to_case(r) for r in rows.values() if r["system"] == "b200_sxm"][0]
     assert isinstance(skipped, Skipped) and "b200_sxm" in skipped.reason

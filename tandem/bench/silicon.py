@@ -2,10 +2,16 @@
 
 Each row is one benchmark run of vLLM, SGLang or TRT-LLM: a model on a GPU at a precision, co-located (agg) or
 disaggregated, a closed loop of `c` clients with inputs of isl and outputs of osl tokens, and the TTFT and TPOT it
-measured. Most rows come from SemiAnalysis InferenceX, whose client (vLLM's benchmark_serving) sends 10 x c
-requests after 2 x c of warm-up, with input and output lengths uniform in [0.8 L, L] and EOS ignored, and stores
-medians; TPOT excludes the first token. A row is simulated the same way under the framework's scheduler defaults;
-a row tandem cannot represent (model, GPU, precision, attention data parallelism) is listed with the reason.
+measured. Two clients made them (see docs/cost-models.md, "Validation against silicon"):
+- SemiAnalysis InferenceX (rows whose source is a dated InferenceX export or a db-dump): vLLM's benchmark_serving,
+  10 x c requests with input and output lengths uniform in [0.8 L, L], EOS ignored; its 2 x c warm-up requests run
+  to completion first, so the measured run starts cold, with all c clients sending at once;
+- NVIDIA's gap analysis (the other rows): aiperf, 20 x c requests of exactly isl and osl tokens, after a warm-up
+  that likewise ends before the measured phase.
+TPOT is (latency - TTFT) / (output tokens - 1) per request; the rows keep the run's mean TTFT and mean TPOT (NVIDIA's
+aisimulate accuracy driver fills silicon_ttft_ms / silicon_tpot_ms from InferenceX's mean_ttft / mean_tpot), which
+the simulation is compared with; its medians are reported beside them. A row is simulated the same way under the
+framework's scheduler defaults; a row tandem cannot represent is listed with the reason.
 """
 from __future__ import annotations
 
@@ -24,9 +30,25 @@ from tandem.perf.models import get_model
 from tandem.workload.session import Round, Session
 
 SYSTEM_GPUS = {"h100_sxm": "h100", "h200_sxm": "h200", "a100_sxm": "a100-80g", "l40s": "l40s"}
-REQUESTS_PER_CLIENT = 10      # InferenceX: 10 x concurrency prompts a run
-WARMUP_PER_CLIENT = 2         # and 2 x concurrency warm-up prompts before them
-RANGE_RATIO = 0.8             # lengths uniform in [0.8 L, L]
+
+
+@dataclass(frozen=True)
+class Client:
+    """How a row's load generator issued requests."""
+
+    name: str
+    requests_per_client: int      # requests of the measured run, per unit of concurrency
+    range_ratio: float            # lengths uniform in [ratio x L, L] (1.0: exactly L)
+
+
+INFERENCEX = Client("inferencex", 10, 0.8)
+GAP_ANALYSIS = Client("aiperf", 20, 1.0)
+
+
+def client_of(row: dict) -> Client:
+    """The load generator of a row, from its provenance."""
+    src = row.get("silicon_data_source", "")
+    return INFERENCEX if re.search(r"source_file=20\d\d-\d\d-\d\d\.csv|db-dump", src) else GAP_ANALYSIS
 
 
 def silicon_csv() -> Path:
@@ -51,6 +73,7 @@ class Case:
     osl: int
     ttft_ms: float            # measured
     tpot_ms: float
+    client: Client = INFERENCEX
 
 
 @dataclass(frozen=True)
@@ -79,18 +102,20 @@ def to_case(row: dict) -> Case | Skipped:
         spec = get_model(row["model_path"])
     except UnknownNameError:
         return Skipped(rid, f"model {row['model_path']} is not in tandem's catalogue")
-    if spec.is_moe:
-        return Skipped(rid, f"MoE model {row['model_path']}: expert tables not used yet")
     prec = row["precision"]
     if prec not in ("bf16", "fp8"):
-        return Skipped(rid, f"precision {prec} (tandem models bf16 and fp8)")
+        return Skipped(rid, f"precision {prec or 'unrecorded'} (tandem models bf16 and fp8)")
+    if prec == "fp8":                                   # per-tensor (fp8) or 128x128-block scales (fp8_block)
+        prec = "fp8_block" if "block" in (row.get("gemm_quant_mode") or "") else "fp8"
+    if spec.is_moe and any(_int(row.get(k)) > 1 for k in ("moe_ep_size", "prefill_moe_ep_size", "decode_moe_ep_size")):
+        return Skipped(rid, "expert parallelism (tandem shards experts tensor-parallel only)")
     m = re.search(r"silicon_concurrency=(\d+)", row.get("silicon_data_source", ""))
     conc = int(m.group(1)) if m else _int(row["batch_size"])
     if conc < 1:
         return Skipped(rid, "no concurrency recorded")
     # KV cache: fp8 where the checkpoint says so (NVIDIA ModelOpt FP8 checkpoints) or TRT-LLM runs an fp8 model
     # (its fp8 recipes quantise the cache); vLLM and SGLang keep the model dtype by default (--kv-cache-dtype auto)
-    kv = "fp8" if prec == "fp8" and (row["model_path"].startswith("nvidia/") or row["backend"] == "trtllm") \
+    kv = "fp8" if prec != "bf16" and (row["model_path"].startswith("nvidia/") or row["backend"] == "trtllm") \
         else "bf16"
     mode = row["mode"]
     if mode == "agg":
@@ -110,34 +135,35 @@ def to_case(row: dict) -> Case | Skipped:
     except UnknownNameError:
         return Skipped(rid, f"GPU {gpu} unknown")
     return Case(rid, row["backend"], spec.name, gpu, prec, kv, mode, deploy, conc, _int(row["isl"]),
-                _int(row["osl"]), float(row["silicon_ttft_ms"]), float(row["silicon_tpot_ms"]))
+                _int(row["osl"]), float(row["silicon_ttft_ms"]), float(row["silicon_tpot_ms"]), client_of(row))
 
 
-def sessions(case: Case, seed: int = 0, requests_per_client: int = REQUESTS_PER_CLIENT,
-             warmup_per_client: int = WARMUP_PER_CLIENT) -> tuple[list[Session], int]:
-    """The run's requests as one-round sessions (warm-up first) and how many of them are warm-up."""
+def sessions(case: Case, seed: int = 0, scale: float = 1.0) -> list[Session]:
+    """The measured run's requests as one-round sessions, in the order the clients send them (`scale` shortens the
+    run: fewer requests per client, at least one)."""
     rng = random.Random(seed)
-    n_warm = warmup_per_client * case.concurrency
-    n = n_warm + requests_per_client * case.concurrency
+    n = case.concurrency * max(1, round(case.client.requests_per_client * scale))
+    r = case.client.range_ratio
     out = []
     for i in range(n):
-        isl = rng.randint(max(1, int(case.isl * RANGE_RATIO)), case.isl)
-        osl = rng.randint(max(2, int(case.osl * RANGE_RATIO)), max(2, case.osl))
+        isl = rng.randint(max(1, int(case.isl * r)), case.isl)
+        osl = rng.randint(max(2, int(case.osl * r)), max(2, case.osl))
         out.append(Session(f"r{i}", 0.0, [Round(isl, osl)]))
-    return out, n_warm
+    return out
 
 
 @dataclass(frozen=True)
 class Prediction:
-    ttft_ms: float            # median over the measured requests
+    """A simulated row: means over its requests (what the rows hold), medians beside them."""
+
+    ttft_ms: float
     tpot_ms: float
-    ttft_mean_ms: float
-    tpot_mean_ms: float
+    ttft_median_ms: float
+    tpot_median_ms: float
     cost_source: str
 
 
-def simulate_case(case: Case, cost_model: str, seed: int = 0, requests_per_client: int = REQUESTS_PER_CLIENT,
-                  warmup_per_client: int = WARMUP_PER_CLIENT) -> Prediction:
+def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0) -> Prediction:
     """Simulate a row under `cost_model` (measured or roofline) with the framework's scheduler defaults."""
     from tandem.sim.cluster import SimConfig, simulate
 
@@ -148,13 +174,13 @@ def simulate_case(case: Case, cost_model: str, seed: int = 0, requests_per_clien
                     max_num_batched_tokens=fw.max_num_batched_tokens,
                     colocated_max_num_batched_tokens=fw.max_num_batched_tokens, max_num_seqs=fw.max_num_seqs,
                     concurrency=case.concurrency, cost_model=cost_model, cost_framework=case.framework,
-                    quantization="fp8" if case.precision == "fp8" else None, kv_cache_dtype=case.kv_cache_dtype)
-    ss, n_warm = sessions(case, seed, requests_per_client, warmup_per_client)
-    res = simulate(ss, cfg)
-    done = sorted((r for r in res.records if not r.failed), key=lambda r: r.rounds[0].arrival_s)[n_warm:]
+                    quantization=None if case.precision == "bf16" else case.precision,
+                    kv_cache_dtype=case.kv_cache_dtype)
+    res = simulate(sessions(case, seed, scale), cfg)
+    done = [r for r in res.records if not r.failed]
     if not done:
         raise MissingCostData(f"{case.row_id}: no request finished")
     ttft = [r.rounds[0].ttft_s * 1e3 for r in done]
     tpot = [r.rounds[0].itl_sum_s / r.rounds[0].itl_count * 1e3 for r in done if r.rounds[0].itl_count]
-    return Prediction(statistics.median(ttft), statistics.median(tpot), statistics.fmean(ttft),
-                      statistics.fmean(tpot), str(cfg.cost_choice().label))
+    return Prediction(statistics.fmean(ttft), statistics.fmean(tpot), statistics.median(ttft),
+                      statistics.median(tpot), str(cfg.cost_choice().label))

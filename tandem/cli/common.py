@@ -282,3 +282,17 @@ def cost_fields(args) -> dict:
     """The SimConfig fields of the cost flags (absent flags keep SimConfig's defaults)."""
     keys = ("cost_model", "cost_framework", "quantization", "kv_cache_dtype")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def cost_note(gpu: str, args) -> None:
+    """Resolve the cost flags once: a one-line CLIError when measured costs are asked for and missing, a note when
+    auto falls back to the roofline."""
+    from tandem.perf.costs import choose_cost_model
+    from tandem.perf.measured.source import MissingCostData
+
+    try:
+        choice = choose_cost_model(args.cost_model, gpu, args.cost_framework)
+    except (MissingCostData, ValueError) as e:
+        raise CLIError(str(e)) from None
+    if choice.note:
+        note(choice.note)

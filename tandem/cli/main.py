@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cli import bench_cmd, plan_cmd, profile_cmd, serve_cmd, tiny_cmd
-from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, add_cost_args, add_ray_args, check_out_path, cost_fields,
+from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, add_cost_args, add_ray_args, check_out_path, cost_fields, cost_note,
                                PREEMPTION_MODE_HELP, check_preemption, clear_notes, csv_list, flush_notes, gpus_arg, load_workload,
                                nonneg_float, nonneg_int, note, positive_float, positive_int, ray_executor, seed_arg,
                                unit_fraction)
@@ -158,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give each (workload, policy, rate) its own best deployment of the search "
                         "(default: one per workload and policy, best mean over the rates)")
     e.add_argument("--out", default=None, metavar="DIR", help="report folder (default: reports/<preset>)")
+    add_cost_args(e)
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_ray_args(e, "simulations")
     e.set_defaults(func=cmd_experiment)
@@ -458,6 +459,8 @@ def cmd_experiment(args) -> int:
                   jobs=args.jobs, prefill_basis=args.prefill_basis, deploy_per_rate=args.deploy_per_rate or None)
     if args.model is not None or args.gpu is not None:
         spec = dataclasses.replace(spec, deploys={})  # the preset's fixed deployments are for its model and GPU
+    spec = dataclasses.replace(spec, sim={**spec.sim, **cost_fields(args)})
+    cost_note(spec.gpu, args)
     if args.gpus is not None:
         gpus = args.gpus if isinstance(args.gpus, dict) else {w: args.gpus for w in spec.workloads}
         unknown = sorted(set(gpus) - set(spec.workloads))

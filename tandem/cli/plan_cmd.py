@@ -17,8 +17,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, CLIError, add_ray_args, flush_notes, load_workload,
-                               positive_float, positive_int, ray_executor, seed_arg)
+from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, CLIError, add_cost_args, add_ray_args, cost_fields,
+                               cost_note, flush_notes, load_workload, positive_float, positive_int, ray_executor,
+                               seed_arg)
 
 DEFAULT_JOBS = max(1, min(os.cpu_count() or 1, 8))
 
@@ -48,6 +49,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"sessions simulated per deployment (default: {DEFAULT_SESSIONS}; for files, the first K)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the workload and simulator (default: 0)")
     p.add_argument("--policy", default="ampd", help="serving policy simulated (default: %(default)s)")
+    add_cost_args(p)
     p.add_argument("--top", type=positive_int, default=3, metavar="K", help="deployments to list (default: 3)")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help=f"simulator processes (default: {DEFAULT_JOBS}; with --ray, simulations at once, default: "
@@ -176,7 +178,9 @@ def cmd_plan(args) -> int:
         args.sessions = DEFAULT_SESSIONS
     cache = None if args.no_cache else (Path(args.cache_dir) if args.cache_dir else default_cache_dir())
     inp = PlanInputs(model=model, gpu=gpu, budget=args.gpus, sessions=sessions, policy=args.policy, seed=args.seed,
-                     top_k=args.top, jobs=args.jobs or DEFAULT_JOBS, cache_dir=cache)
+                     top_k=args.top, jobs=args.jobs or DEFAULT_JOBS, cache_dir=cache,
+                     sim=tuple(sorted(cost_fields(args).items())))
+    cost_note(gpu, args)
     if args.exact:
         inp.exact_max_gpus = args.gpus
     with ray_executor(args) as executor:

@@ -84,7 +84,7 @@ class GPU:
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         """Datasheet dense FLOP/s of the tensor cores for `dtype` (fp8 falls back to bf16 where it has none)."""
-        return (self.fp8_tflops if dtype == "fp8" and self.fp8_tflops else self.bf16_tflops) * 1e12
+        return (self.fp8_tflops if dtype.startswith("fp8") and self.fp8_tflops else self.bf16_tflops) * 1e12
 
     def achievable_flops(self, dtype: str = "bf16") -> float:
         """Achievable FLOP/s for `dtype` on the roofline (peak x mfu)."""

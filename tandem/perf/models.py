@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 from tandem.perf.errors import unknown_name
 
 
-DTYPE_BYTES = {"bf16": 2, "fp8": 1}
+DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp8_block": 1}   # fp8_block: 128x128-block scales (DeepSeek/Qwen FP8)
+KV_DTYPES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,11 @@ class ModelSpec:
     vocab: int
     experts: int = 1         # MoE experts per layer (1 = dense)
     experts_per_token: int = 1
+    shared_experts: int = 0  # of `experts` and `experts_per_token`, experts every token passes through (Ling 2.0)
     max_context: int = 131072
     tied_embeddings: bool = False
     dtype_bytes: int = 2     # bf16 activations (and weights and KV cache unless quantised below)
-    weight_dtype: str = "bf16"   # linear layers' weights: bf16, or fp8 (w8a8: vLLM's --quantization fp8)
+    weight_dtype: str = "bf16"   # linear layers' weights: bf16, fp8 (w8a8: vLLM's --quantization fp8) or fp8_block
     kv_dtype: str = "bf16"       # KV cache: bf16, or fp8 (vLLM's --kv-cache-dtype fp8)
 
     # --- parameter counts -----------------------------------------------------------------
@@ -103,9 +105,9 @@ class ModelSpec:
         kv = self.kv_dtype if kv_cache_dtype in (None, "auto") else kv_cache_dtype
         if kv == "fp8_e4m3":
             kv = "fp8"
-        for what, v in (("--quantization", w), ("--kv-cache-dtype", kv)):
-            if v not in DTYPE_BYTES:
-                raise ValueError(f"{what} must be one of {', '.join(sorted(DTYPE_BYTES))} (or auto), got {v!r}")
+        for what, v, ok in (("--quantization", w, DTYPE_BYTES), ("--kv-cache-dtype", kv, KV_DTYPES)):
+            if v not in ok:
+                raise ValueError(f"{what} must be one of {', '.join(sorted(ok))} (or auto), got {v!r}")
         return self if (w, kv) == (self.weight_dtype, self.kv_dtype) else replace(self, weight_dtype=w, kv_dtype=kv)
 
     # --- bytes ----------------------------------------------------------------------------
@@ -164,6 +166,10 @@ MODELS: dict[str, ModelSpec] = {
     # meta-llama/Llama-3.1-70B config.json: ~70.6B params.
     "llama-3.1-70b": _m("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, max_context=131072),
     # mistralai/Mixtral-8x7B-v0.1 config.json: 8 experts, top-2; ~46.7B total, ~12.9B active.
+    # Qwen/Qwen3-235B-A22B config.json: 94 layers, hidden 4096, 64 heads (4 KV) of 128, 128 experts of 1536, top-8,
+    # vocab 151936, untied; ~235B total, ~22B active. max_position_embeddings 40960, 131072 with YaRN.
+    "qwen3-235b-a22b": _m("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 1536, 151936, experts=128, experts_per_token=8,
+                          max_context=131072),
     "mixtral-8x7b": _m("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000,
                        experts=8, experts_per_token=2, max_context=32768),
     # Qwen/Qwen2.5-{7,14,32}B config.json (32768 native, 131072 with YaRN per the model cards).
@@ -178,8 +184,10 @@ MODELS: dict[str, ModelSpec] = {
     # with 9 active in every layer (the dense first layer, 5120 wide, is within 10% of 9 x 512): ~1.4B active
     # parameters as the model cards say (16B total / 1.4B active; 17.0B total counted here).
     "ling-2.0-16b": _m("ling-2.0-16b", 20, 2048, 16, 4, 128, 512, 157184, experts=257, experts_per_token=9,
+                       shared_experts=1,
                        max_context=32768),
     "llada2.0-16b": _m("llada2.0-16b", 20, 2048, 16, 4, 128, 512, 157184, experts=257, experts_per_token=9,
+                       shared_experts=1,
                        max_context=32768),
     # GSAI-ML/LLaDA-8B-Instruct config.json (model_type llada, block_type llama): 32 layers (n_layers), d_model 4096,
     # 32 heads and 32 KV heads (MHA) of 128, a gated MLP of mlp_hidden_size 12288 (ff_proj, up_proj, ff_out), vocab

@@ -111,6 +111,18 @@ class DerivedTables:
             return np.maximum(flops / g.peak_flops("bf16"), nbytes / _bw(g))
         return self._scaled(("gen", hs, kv_dtype), self.donor_ops.generation_attention(hs, kv_dtype), roof)
 
+    def moe(self, shape, dtype: str) -> LogGrid:
+        w = 1 if dtype.startswith("fp8") else 2
+        kind = "fp8" if w == 1 else "bf16"
+
+        def roof(g: GPU, t):
+            # the experts t tokens touch under uniform routing, streamed once; 3 GEMMs of topk x hidden x inter
+            touched = shape.experts * (1 - (1 - shape.topk / shape.experts) ** t)
+            nbytes = touched * 3 * shape.hidden * shape.inter / shape.moe_tp * w
+            flops = 6 * t * shape.topk * shape.hidden * shape.inter / shape.moe_tp
+            return np.maximum(flops / g.peak_flops(kind), nbytes / _bw(g))
+        return self._scaled(("moe", shape, dtype), self.donor_ops.moe(shape, dtype), roof)
+
     def all_reduce(self, num_gpus: int, graph: bool) -> LogGrid:
         return self._scaled(("ar", num_gpus, graph), self.donor_ops.all_reduce(num_gpus, graph), _link_roof)
 

@@ -4,8 +4,8 @@ Each family is read from the newest version of the framework's table in `aiconfi
 - GEMM by (m, n, k) per weight dtype (bf16, fp8 per-tensor, fp8 block-scaled);
 - context (prefill) attention by (batch, isl) and generation (decode) attention by (batch, KV length), per
   (query heads, KV heads, head dim) on one GPU and KV-cache dtype;
-- the framework's all-reduce by message size per GPU count, captured in a CUDA graph or eager (NCCL's table where
-  the framework has none), NCCL all-gather;
+- all-reduce by message size per GPU count: the faster of NCCL and the framework's custom all-reduce (captured in a
+  CUDA graph or eager), NCCL all-gather;
 - fp8 activation quantisation by (m, k).
 Where a framework measured several kernels for one shape, the fastest is taken: each framework picks among them by
 shape. Latencies in the tables are milliseconds; everything returned here is seconds.
@@ -32,6 +32,18 @@ class HeadShape:
     heads: int
     kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts layer as the MoE table keys it: routed experts only, sharded moe_tp ways."""
+
+    hidden: int
+    inter: int
+    topk: int
+    experts: int
+    moe_tp: int = 1
+    moe_ep: int = 1
 
 
 @dataclass(eq=False)
@@ -73,6 +85,11 @@ class OpTables:
     def all_reduce_pair(self, framework: str, num_gpus: int):
         """(eager, graph) grids of `framework`'s custom all-reduce on this system (for the launch-cost fit)."""
         return custom_allreduce_pair(self.system, framework, num_gpus)
+
+    # --- mixture of experts -------------------------------------------------------------------------------------
+    def moe(self, shape: "MoEShape", dtype: str) -> LogGrid:
+        """The routed experts of one MoE layer (grouped GEMMs, routing and combine) for `num_tokens` tokens."""
+        return _moe_grid(self, shape, dtype)
 
     # --- quantisation ------------------------------------------------------------------------------------------
     def fp8_quant(self) -> LogGrid:
@@ -154,25 +171,38 @@ def _nearest_heads(hs: HeadShape, h: np.ndarray, kvh: np.ndarray, d: np.ndarray,
 
 @_cache
 def _comm_grid(t: OpTables, op: str, num_gpus: int, graph: bool) -> LogGrid:
-    cols = ("kernel_source", "num_gpus", "message_size", "latency")
-    c = None
-    if op == "all_reduce":
-        try:
-            _, c = t._table("comm", "custom_allreduce_perf.parquet", cols)
-            eager = np.char.find(c["kernel_source"].astype(str), "eager") >= 0
-            sel = (c["num_gpus"] == num_gpus) & ((eager if not graph else ~eager) if eager.any() else True)
-            if not sel.any():
-                c = None
-        except MissingCostData:
-            c = None
-    if c is None:
-        ref = find_table(t.system, "comm", "nccl", "nccl_perf.parquet")
-        t.sources[f"nccl_{op}"] = ref.label
-        c = read_columns(ref.path, ("op_name", "nccl_dtype", "num_gpus", "message_size", "latency"))
-        sel = (c["op_name"] == op) & (c["num_gpus"] == num_gpus) & (c["nccl_dtype"] == "half")
-        if not sel.any():
-            raise MissingCostData(f"no {op} measurements over {num_gpus} GPUs for {t.system}")
-    return LogGrid.from_points([c["message_size"][sel]], c["latency"][sel] * _MS, (1.0,))
+    """NCCL's measured collective; for an all-reduce, the faster of NCCL and the framework's custom all-reduce at
+    each message size (frameworks use their custom kernel for the small messages it wins, NCCL past its buffer)."""
+    ref = find_table(t.system, "comm", "nccl", "nccl_perf.parquet")
+    t.sources[f"nccl_{op}"] = ref.label
+    c = read_columns(ref.path, ("op_name", "nccl_dtype", "num_gpus", "message_size", "latency"))
+    sel = (c["op_name"] == op) & (c["num_gpus"] == num_gpus) & (c["nccl_dtype"] == "half")
+    if not sel.any():
+        raise MissingCostData(f"no NCCL {op} measurements over {num_gpus} GPUs for {t.system}")
+    nccl = LogGrid.from_points([c["message_size"][sel]], c["latency"][sel] * _MS, (1.0,))
+    if op != "all_reduce":
+        return nccl
+    try:
+        eager, captured = custom_allreduce_pair(t.system, t.framework, num_gpus)
+        t.sources["custom_allreduce_perf.parquet"] = find_table(t.system, "comm", t.framework,
+                                                                "custom_allreduce_perf.parquet").label
+    except MissingCostData:
+        return nccl
+    custom = captured if graph else eager
+    if custom is None:                               # one kernel for both (TRT-LLM's table)
+        custom = _single_custom(t.system, t.framework, num_gpus)
+    if custom is None:
+        return nccl
+    sizes = np.union1d(nccl.axes[0], custom.axes[0])
+    return LogGrid.from_points([sizes], np.minimum(nccl(sizes), custom(sizes)), (1.0,))
+
+
+def _single_custom(system: str, framework: str, num_gpus: int) -> LogGrid | None:
+    """A framework's custom all-reduce table without an eager/graph split, None when it has no rows for num_gpus."""
+    ref = find_table(system, "comm", framework, "custom_allreduce_perf.parquet")
+    c = read_columns(ref.path, ("num_gpus", "message_size", "latency"))
+    sel = c["num_gpus"] == num_gpus
+    return LogGrid.from_points([c["message_size"][sel]], c["latency"][sel] * _MS, (1.0,)) if sel.any() else None
 
 
 @_cache
@@ -180,6 +210,43 @@ def _quant_grid(t: OpTables) -> LogGrid:
     _, c = t._table("quantize", "computescale_perf.parquet", ("m", "k", "quant_dtype", "latency"))
     sel = c["quant_dtype"] == "fp8"
     return LogGrid.from_points([c["m"][sel], c["k"][sel]], c["latency"][sel] * _MS, (1.0, 1.0))
+
+
+_MOE_COLS = ("moe_dtype", "num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
+             "moe_ep_size", "distribution", "latency")
+
+
+@_cache
+def _moe_grid(t: OpTables, shape: MoEShape, dtype: str) -> LogGrid:
+    """The MoE table at `shape` under uniform routing ('balanced'; else the mildest skew measured), over num_tokens.
+    A shape the table lacks is read from the measured one of the same top-k nearest in its per-token work
+    (topk x hidden x inter / moe_tp) and scaled by the work ratio (constant utilisation)."""
+    _, c = t._table("moe", "moe_perf.parquet", _MOE_COLS)
+    sel = c["moe_dtype"] == dtype
+    if not sel.any():
+        raise MissingCostData(f"no {dtype} MoE measurements for {t.system} under {t.framework}")
+    keys = np.stack([c[k][sel] for k in ("hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
+                                         "moe_ep_size")], axis=1)
+    want = np.array([shape.hidden, shape.inter, shape.topk, shape.experts, shape.moe_tp, shape.moe_ep])
+    exact = (keys == want).all(axis=1)
+    factor = 1.0
+    if not exact.any():
+        def work(k):
+            return k[:, 2].astype(float) * k[:, 0] * k[:, 1] / k[:, 4]
+        w = work(want[None, :])[0]
+        cand = (keys[:, 5] == shape.moe_ep) & (keys[:, 2] == shape.topk)
+        if not cand.any():
+            cand = keys[:, 5] == shape.moe_ep
+        if not cand.any():
+            raise MissingCostData(f"no MoE measurements at expert parallelism {shape.moe_ep} for {t.system}")
+        idx = np.flatnonzero(cand)
+        best = idx[np.argmin(np.abs(np.log(work(keys[idx]) / w)))]
+        exact = (keys == keys[best]).all(axis=1)
+        factor = w / work(keys[best:best + 1])[0]
+    dist = c["distribution"][sel][exact]
+    pick = next((d for d in ("balanced", "power_law_1.01", "power_law_1.2") if (dist == d).any()), None)
+    rows = np.flatnonzero(sel)[exact][dist == pick]
+    return LogGrid.from_points([c["num_tokens"][rows]], c["latency"][rows] * _MS * factor, (1.0,))
 
 
 def custom_allreduce_pair(system: str, framework: str, num_gpus: int):

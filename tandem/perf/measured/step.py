@@ -24,7 +24,7 @@ import numpy as np
 from tandem.perf.hardware import GPU, get_gpu
 from tandem.perf.measured.derive import derived_ops
 from tandem.perf.measured.frameworks import FrameworkDefaults, framework_defaults
-from tandem.perf.measured.ops import HeadShape, OpTables
+from tandem.perf.measured.ops import HeadShape, MoEShape, OpTables
 from tandem.perf.measured.overhead import Overheads, overheads
 from tandem.perf.models import ModelSpec, get_model
 from tandem.perf.roofline import Roofline, check_tp, kv_heads_per_gpu
@@ -165,7 +165,7 @@ def _ctx_table(grid, b_max: int) -> tuple[np.ndarray, float]:
 def _kernels_per_layer(model: ModelSpec, tp: int) -> int:
     """Kernels one layer launches in an eager forward: 4 GEMMs, attention, 4 elementwise kernels, 2 all-reduces at
     tp > 1, and the attention output's quantisation under fp8."""
-    return 4 + 1 + 4 + (2 if tp > 1 else 0) + (1 if model.weight_dtype == "fp8" else 0)
+    return 4 + 1 + 4 + (2 if tp > 1 else 0) + (1 if model.weight_dtype != "bf16" else 0)
 
 
 @lru_cache(maxsize=256)
@@ -177,10 +177,17 @@ def _token_tables(model: ModelSpec, tp: int, ops: OpTables, ovh: Overheads
     L, h, d = model.layers, model.hidden, model.head_dim
     q, kv = model.heads // tp * d, kv_heads_per_gpu(model, tp) * d
     inter = model.intermediate * model.experts_per_token // tp
-    wdt = "fp8" if model.weight_dtype == "fp8" else "bfloat16"
+    wdt = model.weight_dtype if model.weight_dtype.startswith("fp8") else "bfloat16"
     gemm = ops.gemm(wdt)
-    layer = (gemm(m, q + 2 * kv, h) + gemm(m, h, q) + gemm(m, 2 * inter, h) + gemm(m, h, inter))
-    if wdt == "fp8":
+    layer = gemm(m, q + 2 * kv, h) + gemm(m, h, q)
+    if model.is_moe:
+        routed = model.experts - model.shared_experts
+        shape = MoEShape(h, model.intermediate, model.experts_per_token - model.shared_experts, routed, tp)
+        layer = layer + ops.moe(shape, wdt)(m) + gemm(m, routed, h)   # + router
+        inter = model.intermediate * model.shared_experts // tp                # shared experts: a dense MLP
+    if inter > 0:
+        layer = layer + gemm(m, 2 * inter, h) + gemm(m, h, inter)
+    if wdt != "bfloat16":
         # the norms and SiLU-and-multiply write the QKV, gate/up and down inputs in fp8 (fused: vLLM's compile
         # passes, SGLang's and TRT-LLM's fused kernels); the attention output is quantised by a kernel of its own
         layer = layer + ops.fp8_quant()(m, q)
