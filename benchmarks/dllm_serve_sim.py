@@ -36,6 +36,7 @@ Writes table.md, results.json and PNGs to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,7 +49,8 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.parallel import ParallelMap
-from tandem.bench.provenance import report_meta
+from tandem.bench.provenance import cost_sources, report_meta
+from tandem.perf.costs import COST_MODELS, DEFAULT_COST_MODEL
 from tandem.cli.common import csv_list, positive_int
 from tandem.perf.dllm import OPTIMUS_LENGTHS
 from tandem.perf.dllm_memory import DllmMemory
@@ -92,13 +94,14 @@ class Run:
     sessions: int = 400
     commits: tuple[float, float] | None = None     # None: LLaDA-8B's one token a step
     tag: str = "main"
+    cost_model: str = DEFAULT_COST_MODEL
 
     def label(self) -> str:
         return f"{self.gpu} {self.system} {self.workload} {self.rate:g}/s" + ("" if self.tag == "main" else
                                                                                f" {self.tag}")
 
 
-def system_config(gpu: str, system: str, commits=None) -> SimConfig:
+def system_config(gpu: str, system: str, commits=None, cost_model: str = DEFAULT_COST_MODEL) -> SimConfig:
     """The simulator's configuration of a system on a GPU."""
     base = dict(dllm_block_length=BLOCK, dllm_commits=commits)
     if system == "sparse-dllm":
@@ -112,7 +115,7 @@ def system_config(gpu: str, system: str, commits=None) -> SimConfig:
         kw = dict(dllm_admission="reserve" if system == "reserve-serve" else "phase",
                   colocated_max_num_batched_tokens=BUDGET[gpu], max_num_logits=MAX_LOGITS,
                   dllm_kv_retention=0.5, dllm_delay_step=0 if system == "dllm-serve-d0" else 1)
-    return SimConfig(MODEL, gpu, 1, "C:tp1x1", "vllm", **base, **kw)
+    return SimConfig(MODEL, gpu, 1, "C:tp1x1", "vllm", cost_model=cost_model, **base, **kw)
 
 
 def prompts(workload: str, n: int, seed: int) -> list[int]:
@@ -144,7 +147,8 @@ def sessions(workload: str, n: int, rate: float, seed: int = 0) -> list[Session]
 
 def simulate_run(run: Run) -> dict:
     """One simulation: throughput, latency and the worker's phase and admission figures."""
-    res = simulate(sessions(run.workload, run.sessions, run.rate), system_config(run.gpu, run.system, run.commits))
+    res = simulate(sessions(run.workload, run.sessions, run.rate), system_config(run.gpu, run.system, run.commits,
+                                                                                  run.cost_model))
     rounds = [r for rec in res.records for r in rec.rounds if r.finish_s is not None]
     lat = np.array([r.finish_s - r.arrival_s for r in rounds]) if rounds else np.array([0.0])
     ttft = [r.first_token_s - r.arrival_s for r in rounds if r.first_token_s is not None]
@@ -213,7 +217,8 @@ def _x(v, fmt=".2f") -> str:
 
 def table_md(rows: list[dict], mem: list[dict], meta: dict, gpus, workloads, rates) -> str:
     L = ["# dLLM-Serve in the simulator (LLaDA-8B)", "",
-         f"`{meta['command']}` — {meta['machine']}, {meta['date']}, {meta['wall_s']:.0f} s, commit {meta['commit']}.",
+         f"`{meta['command']}` — {meta['machine']}, {meta['date']}, {meta['wall_s']:.0f} s, commit {meta['commit']}. "
+         f"Step costs: {meta.get('costs', 'roofline')}.",
          "", "One tp1 co-located worker, blocks of 32, 256 tokens a request, one token committed a step (dLLM-Serve "
          "Table 3), roofline step times, KV pool and token budget from tandem.perf.dllm_memory (bf16 logits + a "
          "float32 softmax: 6 bytes a logit, guard 10%, gpu_memory_utilization 0.9). Systems and workloads: the "
@@ -426,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", type=csv_list(str), default=None, metavar="A,B")
     ap.add_argument("--sessions", type=positive_int, default=None, help="requests per point (default: 400)")
     ap.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="processes")
+    ap.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
+                    help="step costs (default: %(default)s: measured where tables exist; docs/cost-models.md)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     gpus = args.gpus or (["rtx4090"] if args.quick else list(GPUS))
@@ -441,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                  for s in ("fast-dllm", "dllm-serve", "dllm-serve-d0") for p in SWEEP_INPUTS]
         runs += [Run(g, s, "burst", SWEEP_RATE, n, commits=PARALLEL_COMMITS, tag="parallel") for g in gpus
                  for s in SYSTEMS]
+    runs = [dataclasses.replace(r, cost_model=args.cost_model) for r in runs]
     runs.sort(key=lambda r: (r.system != "fast-dllm", r.rate))    # the slow static runs first
     t0 = time.time()
     try:
@@ -453,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     mem = memory_rows(mean_prompt)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = report_meta("benchmarks/dllm_serve_sim.py", argv, time.time() - t0, mean_prompt=mean_prompt)
+    meta = report_meta("benchmarks/dllm_serve_sim.py", argv, time.time() - t0, mean_prompt=mean_prompt,
+                       costs=cost_sources(gpus, args.cost_model))
     (out / "results.json").write_text(json.dumps({"meta": meta, "memory": mem, "paper": PAPER, "runs": rows},
                                                  indent=1))
     (out / "table.md").write_text(table_md(rows, mem, meta, gpus, workloads, rates))

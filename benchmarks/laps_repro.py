@@ -42,7 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.parallel import ParallelMap
-from tandem.bench.provenance import report_meta
+from tandem.bench.provenance import cost_sources, report_meta
+from tandem.perf.costs import COST_MODELS, DEFAULT_COST_MODEL
 from tandem.cli.common import csv_list, positive_int, seed_arg
 from tandem.sim.cluster import SimConfig, SimResult, simulate
 from tandem.workload.generators import default_slo, generate
@@ -74,6 +75,7 @@ class Grid:
     clients: tuple[Client, ...] = (Client.CHAT, Client.PREFILL)
     seeds: tuple[int, ...] = (0, 1, 2)
     decode_workers: int = 8
+    cost_model: str = DEFAULT_COST_MODEL
     sessions_per_client: tuple[tuple[Client, int], ...] = ((Client.CHAT, 16), (Client.PREFILL, 40))
     min_sessions: tuple[tuple[Client, int], ...] = ((Client.CHAT, 64), (Client.PREFILL, 128))
 
@@ -184,7 +186,7 @@ def run_cell(cell: Cell, grid: Grid) -> dict:
     slo = sessions[0].slo.ttft_s if sessions and sessions[0].slo is not None else 0.4
     cfg = SimConfig(model=cell.model, gpu=GPU, gpus=cell.instances + grid.decode_workers,
                     deploy=cell.deploy(grid.decode_workers), policy=cell.policy, seed=cell.seed,
-                    concurrency=cell.concurrency)
+                    concurrency=cell.concurrency, cost_model=grid.cost_model)
     res = simulate(sessions, cfg)
     row = {"model": cell.model, "instances": cell.instances, "client": str(cell.client),
            "concurrency": cell.concurrency, "policy": cell.policy, "seed": cell.seed, "deploy": res.deployment,
@@ -326,7 +328,7 @@ def table_md(agg: list[dict], grid: Grid, heads: list[dict], meta: dict) -> str:
     """table.md: the settings, the headline, then every cell."""
     lines = ["# LAPS Fig. 6 / Fig. 7 in the simulator", "",
              f"`{meta['command']}` — {meta['machine']}, {meta['date']}, {meta['wall_s']:.0f} s, "
-             f"commit {meta.get('commit')}.", "",
+             f"commit {meta.get('commit')}. Step costs: {meta.get('costs', 'roofline')}.", "",
              f"Workload `{WORKLOAD}` (LAPS's length mix), TTFT SLO {agg[0]['slo_ttft_s'] if agg else 0.4:g} s, closed-loop "
              f"clients without think time; `chat` clients wait for the whole answer, `prefill` clients for one token. "
              f"{GPU.upper()}, deployments `P:tp1xN,D:tp1x{grid.decode_workers}`, seeds {list(grid.seeds)}, "
@@ -456,7 +458,7 @@ def build_grid(args: argparse.Namespace) -> Grid:
     if args.sessions_per_client is not None:
         over["sessions_per_client"] = tuple((c, args.sessions_per_client) for c in Client)
         over["min_sessions"] = tuple((c, 1) for c in Client)
-    return dataclasses.replace(grid, **over)
+    return dataclasses.replace(grid, cost_model=args.cost_model, **over)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -477,6 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="processes (default: %(default)s)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    ap.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
+                    help="step costs (default: %(default)s: measured where tables exist; docs/cost-models.md)")
     args = ap.parse_args(argv)
     grid = build_grid(args)
     from tandem.policy.presets import POLICIES
@@ -486,7 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = run_grid(grid, args.jobs, progress=not args.no_progress)
     wall = time.perf_counter() - t0
-    meta = report_meta("benchmarks/laps_repro.py", argv, wall, jobs=args.jobs, cells=len(rows))
+    meta = report_meta("benchmarks/laps_repro.py", argv, wall, jobs=args.jobs, cells=len(rows),
+                       costs=cost_sources([GPU], grid.cost_model))
     out = Path(args.out)
     result = write_report(rows, grid, out, meta, plots=not args.no_plots)
     print(headline_md(result["headline"]))

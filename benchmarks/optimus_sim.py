@@ -29,6 +29,7 @@ times are the roofline's. Writes table.md, results.json, fig8.png and fig10.png 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -40,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.parallel import ParallelMap
-from tandem.bench.provenance import report_meta
+from tandem.bench.provenance import cost_sources, report_meta
+from tandem.perf.costs import COST_MODELS, DEFAULT_COST_MODEL
 from tandem.cli.common import csv_list, positive_float, positive_int
 from tandem.sim.cluster import SimConfig, dllm_summary, simulate
 from tandem.workload.session import SLO, Session
@@ -71,6 +73,7 @@ class Run:
     batch: int | None = None
     rate: float | None = None
     sessions: int = 300
+    cost_model: str = DEFAULT_COST_MODEL
 
     def label(self) -> str:
         at = f"b={self.batch}" if self.batch is not None else f"{self.rate:g}/s"
@@ -80,12 +83,13 @@ class Run:
 def sim_config(run: Run) -> SimConfig:
     """The simulator's config of a run (the AR base model for `ar`)."""
     if run.system == "ar":
-        return SimConfig(MODELS[run.model], run.gpu, 1, "C:tp1x1", "vllm", concurrency=run.batch)
+        return SimConfig(MODELS[run.model], run.gpu, 1, "C:tp1x1", "vllm", concurrency=run.batch,
+                         cost_model=run.cost_model)
     chunk = {"bd32": "block", "elastic": "elastic", "elastic-paper": "elastic"}.get(run.system,
                                                                                      run.system.removeprefix("c"))
     return SimConfig(run.model, run.gpu, 1, "C:tp1x1", "vllm", concurrency=run.batch, dllm_block_length=BLOCK,
                      dllm_chunk=chunk, dllm_dataset="sharegpt",
-                     dllm_prefill_share=0.0 if run.system == "elastic-paper" else 0.5)
+                     dllm_prefill_share=0.0 if run.system == "elastic-paper" else 0.5, cost_model=run.cost_model)
 
 
 def simulate_run(run: Run) -> dict:
@@ -156,7 +160,7 @@ def _x(v: float | None, fmt: str = ".2f") -> str:
 def table_md(rows: list[dict], heads: list[dict], meta: dict, batches, rates) -> str:
     lines = ["# Optimus in the simulator", "",
              f"`{meta['command']}` — {meta['machine']}, {meta['date']}, {meta['wall_s']:.0f} s, commit "
-             f"{meta['commit']}.", "",
+             f"{meta['commit']}. Step costs: {meta.get('costs', 'roofline')}.", "",
              "One tp1 co-located worker, ShareGPT trace lengths, diffusion commits per step from Optimus Table 2's "
              f"ShareGPT row (tandem.perf.dllm), block {BLOCK}, TPOT SLO {TPOT_SLO_S * 1e3:.0f} ms, roofline step "
              "times. `ar` is the base model decoded autoregressively.", "",
@@ -249,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds the arrivals of a rate point span at least (default: 100; --quick: 10)")
     ap.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="processes")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
+                    help="step costs (default: %(default)s: measured where tables exist; docs/cost-models.md)")
     args = ap.parse_args(argv)
     models = args.models or (["sdar-8b"] if args.quick else list(MODELS))
     gpus = args.gpus or (["a100-80g"] if args.quick else ["a100-80g", "h100"])
@@ -264,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in SYSTEMS for b in batches]
     runs += [Run(m, g, s, rate=r, sessions=max(n, min(math.ceil(r * span), MAX_OPEN_REQUESTS))) for m in models
              for g in gpus for s in SYSTEMS for r in rates]
+    runs = [dataclasses.replace(r, cost_model=args.cost_model) for r in runs]
     runs.sort(key=lambda r: -(r.batch or 0))                 # the longest first
     t0 = time.time()
     try:
@@ -275,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     heads = summarize(rows, models, gpus)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = report_meta("benchmarks/optimus_sim.py", argv, time.time() - t0)
+    meta = report_meta("benchmarks/optimus_sim.py", argv, time.time() - t0, costs=cost_sources(gpus, args.cost_model))
     (out / "results.json").write_text(json.dumps({"meta": meta, "headline": heads, "runs": rows}, indent=1))
     (out / "table.md").write_text(table_md(rows, heads, meta, batches, rates))
     files = plots(rows, heads, out)

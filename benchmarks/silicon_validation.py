@@ -20,16 +20,21 @@ from pathlib import Path
 from rich.progress import Progress
 
 from tandem.bench.silicon import Case, Skipped, read_rows, simulate_case, to_case
+from tandem.perf.measured.source import MissingCostData
 
 COST_MODELS = ("measured", "roofline")
 
 
 def run_one(args: tuple[Case, float]) -> dict:
+    """Both cost models' predictions for a row, or {"error": why} when the row's deployment cannot run."""
     case, scale = args
     out = asdict(case)
     out["client"] = case.client.name
     for cm in COST_MODELS:
-        p = simulate_case(case, cm, scale=scale)
+        try:
+            p = simulate_case(case, cm, scale=scale)
+        except (ValueError, MissingCostData) as e:       # does not fit, bad parallelism, missing tables
+            return {"row_id": case.row_id, "error": str(e)}
         out.update({f"{cm}_ttft_ms": p.ttft_ms, f"{cm}_tpot_ms": p.tpot_ms, f"{cm}_ttft_median_ms": p.ttft_median_ms,
                     f"{cm}_tpot_median_ms": p.tpot_median_ms, f"{cm}_source": p.cost_source})
         for k in ("ttft", "tpot"):
@@ -125,7 +130,10 @@ def main(argv=None) -> int:
     with Progress() as prog, ProcessPoolExecutor(a.jobs) as pool:
         task = prog.add_task("silicon rows", total=len(cases))
         for r in pool.map(run_one, [(c, a.scale) for c in cases]):
-            results.append(r)
+            if "error" in r:
+                skipped.append(Skipped(r["row_id"], f"not simulated: {r['error']}"))
+            else:
+                results.append(r)
             prog.advance(task)
     with open(out / "rows.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(results[0]))

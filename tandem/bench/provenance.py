@@ -33,4 +33,11 @@ def report_meta(script: str, argv: Sequence[str] | None, wall_s: float, **extra)
             "date": time.strftime("%Y-%m-%d"), "wall_s": wall_s, "commit": git_commit() or "unknown", **extra}
 
 
-__all__ = ["git_commit", "report_meta"]
+def cost_sources(gpus: Sequence[str], cost_model: str = "auto", framework: str = "vllm") -> str:
+    """Where a report's step costs come from, per GPU: "h100: measured (vllm, h100_sxm); h20: derived (...)"."""
+    from tandem.perf.costs import choose_cost_model
+
+    return "; ".join(f"{g}: {choose_cost_model(cost_model, g, framework).label}" for g in gpus)
+
+
+__all__ = ["cost_sources", "git_commit", "report_meta"]

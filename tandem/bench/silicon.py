@@ -109,6 +109,8 @@ def to_case(row: dict) -> Case | Skipped:
         prec = "fp8_block" if "block" in (row.get("gemm_quant_mode") or "") else "fp8"
     if spec.is_moe and any(_int(row.get(k)) > 1 for k in ("moe_ep_size", "prefill_moe_ep_size", "decode_moe_ep_size")):
         return Skipped(rid, "expert parallelism (tandem shards experts tensor-parallel only)")
+    if spec.is_moe and row["mode"] == "agg" and _int(row.get("moe_tp_size")) not in (0, _int(row["tp_size"])):
+        return Skipped(rid, "experts sharded other than attention (moe_tp_size differs from tp_size)")
     m = re.search(r"silicon_concurrency=(\d+)", row.get("silicon_data_source", ""))
     conc = int(m.group(1)) if m else _int(row["batch_size"])
     if conc < 1:

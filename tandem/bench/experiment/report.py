@@ -85,7 +85,7 @@ def _write_outputs(out_dir: Path, result: dict, policies: Sequence[str]) -> dict
     results, run = split_run(result)
     files["results"] = report.write_json(results, out_dir / "results.json")
     files["run"] = report.write_json(run, out_dir / "run.json")
-    title = f"{result['spec']['model']} on {result['spec']['gpu']}"
+    title = f"{result['spec']['model']} on {result['spec']['gpu']} ({_costs(result['spec'])})"
     files["table_txt"] = report.write_text(report.format_table(result["cells"], cols, title=title, color=False),
                                            out_dir / "table.txt")
     md = f"# {result['spec']['name']}: {title}\n\n" + report.format_markdown(result["cells"], cols)
@@ -100,6 +100,21 @@ def _write_outputs(out_dir: Path, result: dict, policies: Sequence[str]) -> dict
     return {k: str(v) for k, v in files.items()}
 
 
+def _costs(spec: dict) -> str:
+    """The experiment's cost source (measured, derived or roofline), from its simulator settings."""
+    from tandem.perf.costs import DEFAULT_COST_MODEL, choose_cost_model
+    from tandem.perf.measured.source import DEFAULT_FRAMEWORK, MissingCostData
+
+    sim = dict(spec.get("sim") or {})
+    if sim.get("perf"):
+        return f"profiled ({sim['perf']})"
+    try:
+        return str(choose_cost_model(sim.get("cost_model", DEFAULT_COST_MODEL), spec["gpu"],
+                                     sim.get("cost_framework", DEFAULT_FRAMEWORK)).label)
+    except (ValueError, MissingCostData) as e:
+        return f"unresolved ({e})"
+
+
 def _summary_md(result: dict) -> str:
     spec = result["spec"]
     lines = [f"# Experiment `{spec['name']}`", "",
@@ -110,6 +125,7 @@ def _summary_md(result: dict) -> str:
              ("- deployments chosen per rate (each rate's best SLO attainment)" if spec.get("deploy_per_rate")
               else "- deployments searched at every rate (best mean SLO attainment)" if spec.get("search_all_rates")
               else f"- deployments searched at {result['reference_rate']:g} sessions/s") + f"; wall time {result['wall_s']:.1f} s",
+             f"- step costs: {_costs(spec)}",
              f"- Table 1 prefill length read as: {spec.get('prefill_basis', 'input')} "
              "(input: new tokens per round; prompt: each round's whole prompt)",
              "", "## Deployments", "", "| workload | policy | deploy | how |", "|---|---|---|---|"]
