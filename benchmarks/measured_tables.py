@@ -1,7 +1,7 @@
 """Leave-one-out interpolation error of the measured operator tables (GEMM, context and generation attention) on a
 GPU under a framework, and the derived-GPU check: one GPU's operators predicted from another's tables.
 
-    python benchmarks/measured_tables.py                         # H100 and H200, vLLM
+    python benchmarks/measured_tables.py                         # H100 and H200, vLLM and SGLang
     python benchmarks/measured_tables.py --derive h200:h100      # also predict H200 from H100, per op
 """
 from __future__ import annotations
@@ -66,14 +66,15 @@ def show(title: str, errs: dict[str, np.ndarray]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="h100,h200")
-    ap.add_argument("--framework", default="vllm")
+    ap.add_argument("--frameworks", default="vllm,sglang")
     ap.add_argument("--derive", default="h200:h100", help="TARGET:DONOR pairs, comma-separated ('' for none)")
     a = ap.parse_args(argv)
-    for gpu in a.gpus.split(","):
-        show(f"Leave-one-out, {gpu} {a.framework}", loo(gpu, a.framework))
-    for pair in filter(None, a.derive.split(",")):
-        t, d = pair.split(":")
-        show(f"{t} derived from {d} ({a.framework}) against {t}'s own tables", derive_check(t, d, a.framework))
+    for fw in a.frameworks.split(","):
+        for gpu in a.gpus.split(","):
+            show(f"Leave-one-out, {gpu} {fw}", loo(gpu, fw))
+        for pair in filter(None, a.derive.split(",")):
+            t, d = pair.split(":")
+            show(f"{t} derived from {d} ({fw}) against {t}'s own tables", derive_check(t, d, fw))
     return 0
 
 

@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tandem.bench.provenance import cost_sources
+from tandem.perf.costs import COST_MODELS, DEFAULT_COST_MODEL
 from tandem.plan import PlanInputs, plan
 from tandem.workload.generators import PAPER_SLOS, generate
 
@@ -37,7 +39,8 @@ def _commit() -> str:
         return "?"
 
 
-def run(models: list[str], workload: str, sessions: int, jobs: int, repeat: int, budgets=BUDGETS) -> list[dict]:
+def run(models: list[str], workload: str, sessions: int, jobs: int, repeat: int, budgets=BUDGETS,
+        cost_model: str = DEFAULT_COST_MODEL) -> list[dict]:
     rows = []
     for model in models:
         slo = PAPER_SLOS[(model, workload)]
@@ -47,12 +50,13 @@ def run(models: list[str], workload: str, sessions: int, jobs: int, repeat: int,
             best = None
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                r = plan(PlanInputs(model, "h20", n, ss, jobs=jobs, cache_dir=None))
+                r = plan(PlanInputs(model, "h20", n, ss, jobs=jobs, cache_dir=None, sim=(("cost_model", cost_model),)))
                 wall = time.perf_counter() - t0
                 if best is None or wall < best[0]:
                     best = (wall, r)
             wall, r = best
             rows.append({"model": model, "workload": workload, "gpus": n, "rate": rate, "sessions": sessions,
+                         "cost_model": cost_model,
                          "jobs": jobs, "wall_s": wall, "paper_s": PAPER_FIG7_S.get(n), "method": r.method,
                          "candidates": r.candidates, "runs": r.stats.simulated, "stopped_early": r.stats.stopped_early,
                          "best": r.best.pair.deploy, "best_table2": r.best.pair.table2, "best_z": r.best.m.z,
@@ -68,7 +72,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     head = "| GPUs | AMPD Fig. 7 (s) | " + " | ".join(f"{m} (s)" for m in models) + " | " + \
         " | ".join(f"{m}: method, runs (stopped early), first choice" for m in models) + " |"
     lines = [f"Planning time, {meta['workload']}, {meta['sessions']} sessions, rate {', '.join(f'{BASE_RATE.get(m, 1.2):g}' for m in models)} "
-             f"sessions/s per 8 GPUs, --jobs {meta['jobs']}, empty cache; {meta['machine']}, commit {meta['commit']}, "
+             f"sessions/s per 8 GPUs, --jobs {meta['jobs']}, empty cache, step costs {meta.get('costs', 'roofline')}; "
+             f"{meta['machine']}, commit {meta['commit']}, "
              f"{meta['date']}.", "", head, "|" + "---|" * (2 + 2 * len(models))]
     for n in sorted({r["gpus"] for r in rows}):
         by = {r["model"]: r for r in rows if r["gpus"] == n}
@@ -113,12 +118,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per point; the fastest is kept")
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--out", default="reports/plan")
+    ap.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
+                    help="step costs of the simulations (default: %(default)s)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run(args.models.split(","), args.workload, args.sessions, args.jobs, args.repeat,
-               tuple(int(b) for b in args.budgets.split(",")))
+               tuple(int(b) for b in args.budgets.split(",")), args.cost_model)
     meta = {"workload": args.workload, "sessions": args.sessions, "jobs": args.jobs, "commit": _commit(),
+            "costs": cost_sources(["h20"], args.cost_model),
             "date": time.strftime("%Y-%m-%d"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
                        f"load average {os.getloadavg()[0]:.1f} at the end"}

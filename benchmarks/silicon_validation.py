@@ -21,18 +21,23 @@ from rich.progress import Progress
 
 from tandem.bench.silicon import Case, Skipped, read_rows, simulate_case, to_case
 from tandem.perf.measured.source import MissingCostData
+from tandem.perf.models import get_model
 
 COST_MODELS = ("measured", "roofline")
 
 
-def run_one(args: tuple[Case, float]) -> dict:
-    """Both cost models' predictions for a row, or {"error": why} when the row's deployment cannot run."""
-    case, scale = args
+def run_one(args: tuple[Case, float, dict[str, str]]) -> dict:
+    """Both cost models' predictions for a row (and the derived one where its GPU is a derivation target), or
+    {"error": why} when the row's deployment cannot run."""
+    case, scale, derive = args
     out = asdict(case)
     out["client"] = case.client.name
-    for cm in COST_MODELS:
+    models = [(cm, cm, None) for cm in COST_MODELS]
+    if case.gpu in derive:
+        models.append(("derived", "measured", derive[case.gpu]))
+    for cm, model, donor in models:
         try:
-            p = simulate_case(case, cm, scale=scale)
+            p = simulate_case(case, model, scale=scale, donor=donor)
         except (ValueError, MissingCostData) as e:       # does not fit, bad parallelism, missing tables
             return {"row_id": case.row_id, "error": str(e)}
         out.update({f"{cm}_ttft_ms": p.ttft_ms, f"{cm}_tpot_ms": p.tpot_ms, f"{cm}_ttft_median_ms": p.ttft_median_ms,
@@ -47,19 +52,26 @@ def quantile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+def _dense_vs(r: dict) -> bool:
+    """A dense-model vLLM or SGLang row on an H100 or H200: the rows the measured model is judged on."""
+    return r["framework"] in ("vllm", "sglang") and r["gpu"] in ("h100", "h200") and not get_model(r["model"]).is_moe
+
+
 def summarise(results: list[dict]) -> list[dict]:
     """Median and p90 absolute error per GPU x framework x model x mode, and per GPU x framework x mode."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         for key in ((r["gpu"], r["framework"], r["model"], r["mode"]), (r["gpu"], r["framework"], "all", r["mode"]),
-                    ("h100+h200", "vllm+sglang", "dense", r["mode"]) if r["framework"] in ("vllm", "sglang")
-                    and r["gpu"] in ("h100", "h200") else None):
+                    ("h100+h200", "vllm+sglang", "dense", r["mode"]) if _dense_vs(r) else None,
+                    ("h100+h200", "vllm+sglang", f"dense, {r['client']} rows", r["mode"]) if _dense_vs(r) else None):
             if key is not None:
                 groups.setdefault(key, []).append(r)
     rows = []
     for key, rs in sorted(groups.items()):
         row = {"gpu": key[0], "framework": key[1], "model": key[2], "mode": key[3], "rows": len(rs)}
-        for cm in COST_MODELS:
+        for cm in COST_MODELS + ("derived",):
+            if any(not isinstance(r.get(f"{cm}_ttft_err"), float) for r in rs):
+                continue                                   # derived costs only on the derivation's target GPU
             for k in ("ttft", "tpot"):
                 e = [abs(r[f"{cm}_{k}_err"]) for r in rs]
                 row[f"{cm}_{k}_median"] = statistics.median(e)
@@ -79,6 +91,26 @@ def table_md(summary: list[dict]) -> str:
                      f"{f('measured', 'ttft')} | {f('roofline', 'ttft')} | {f('measured', 'tpot')} | "
                      f"{f('roofline', 'tpot')} |")
     return head + "\n".join(lines) + "\n"
+
+
+def derived_md(summary: list[dict]) -> str:
+    """The derived costs' errors beside the measured model's on the same rows (the derivation's target GPU)."""
+    rows = [r for r in summary if "derived_ttft_median" in r]
+    if not rows:
+        return ""
+    head = ("| GPU | framework | model | mode | rows | TTFT derived median / p90 | TTFT measured | "
+            "TPOT derived median / p90 | TPOT measured | derived / measured median (TTFT, TPOT) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        def f(cm, k):
+            return f"{100 * r[f'{cm}_{k}_median']:.1f}% / {100 * r[f'{cm}_{k}_p90']:.1f}%"
+        ratio = ", ".join(f"{r[f'derived_{k}_median'] / max(r[f'measured_{k}_median'], 1e-9):.2f}"
+                          for k in ("ttft", "tpot"))
+        lines.append(f"| {r['gpu']} | {r['framework']} | {r['model']} | {r['mode']} | {r['rows']} | "
+                     f"{f('derived', 'ttft')} | {f('measured', 'ttft')} | {f('derived', 'tpot')} | "
+                     f"{f('measured', 'tpot')} | {ratio} |")
+    return "\nCosts derived from another GPU's tables, on the same rows:\n\n" + head + "\n".join(lines) + "\n"
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -113,10 +145,16 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="simulate at most this many rows (0: all)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="docs/results/silicon_validation")
+    ap.add_argument("--from-rows", action="store_true", help="summarise OUT/rows.csv again without simulating")
+    ap.add_argument("--derive", default="h200:h100",
+                    help="TARGET:DONOR pairs: also simulate TARGET's rows on costs derived from DONOR's tables")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.from_rows:
+        return report(_read_results(out / "rows.csv"), _read_skipped(out / "skipped.csv"), out)
     gpus, fws = set(a.gpus.split(",")), set(a.frameworks.split(","))
+    derive = dict(p.split(":") for p in a.derive.split(",") if p)
     cases, skipped = [], []
     for row in read_rows():
         c = to_case(row)
@@ -129,7 +167,7 @@ def main(argv=None) -> int:
     results = []
     with Progress() as prog, ProcessPoolExecutor(a.jobs) as pool:
         task = prog.add_task("silicon rows", total=len(cases))
-        for r in pool.map(run_one, [(c, a.scale) for c in cases]):
+        for r in pool.map(run_one, [(c, a.scale, derive) for c in cases]):
             if "error" in r:
                 skipped.append(Skipped(r["row_id"], f"not simulated: {r['error']}"))
             else:
@@ -143,12 +181,33 @@ def main(argv=None) -> int:
         w = csv.writer(f)
         w.writerow(["id", "reason"])
         w.writerows([(s.row_id, s.reason) for s in skipped])
+    return report(results, skipped, out)
+
+
+def _read_results(path: Path) -> list[dict]:
+    """rows.csv back as dicts, numbers as floats."""
+    def num(v: str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    with open(path, newline="") as f:
+        return [{k: num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _read_skipped(path: Path) -> list[Skipped]:
+    with open(path, newline="") as f:
+        return [Skipped(r["id"], r["reason"]) for r in csv.DictReader(f)]
+
+
+def report(results: list[dict], skipped: list[Skipped], out: Path) -> int:
+    """table.md, summary.json and scatter.png from the simulated rows; prints the table."""
     summary = summarise(results)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     reasons: dict[str, int] = {}
     for s in skipped:
         reasons[s.reason] = reasons.get(s.reason, 0) + 1
-    md = table_md(summary) + "\nRows left out, by reason:\n\n" + "\n".join(
+    md = table_md(summary) + derived_md(summary) + "\nRows left out, by reason:\n\n" + "\n".join(
         f"- {n} x {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])) + "\n"
     (out / "table.md").write_text(md)
     plot(results, out / "scatter.png")

@@ -126,3 +126,51 @@ def test_a_silicon_row_becomes_the_closed_loop_simulation_its_benchmark_ran():
     assert len(gs) == 2240 and {(s.rounds[0].input_tokens, s.rounds[0].output_tokens) for s in gs} == {(1000, 100)}
     skipped = [to_case(r) for r in rows.values() if r["system"] == "b200_sxm"][0]
     assert isinstance(skipped, Skipped) and "b200_sxm" in skipped.reason
+
+
+def test_leave_one_out_scores_measured_cells_from_their_neighbours_only():
+    # latency = m^2 on m = 1, 2, 4, 8: log-log linear, so every interior cell is predicted exactly
+    g = LogGrid.from_points([np.array([1, 2, 4, 8])], np.array([1.0, 4.0, 16.0, 64.0]), (1.0,))
+    assert g.leave_one_out(0).tolist() == pytest.approx([0.0, 0.0])
+    # a bent curve: 4's neighbours (2 -> 4, 8 -> 64) predict 16 at 4, against 8 measured: error 1.0
+    bent = LogGrid.from_points([np.array([1, 2, 4, 8])], np.array([1.0, 4.0, 8.0, 64.0]), (1.0,))
+    assert bent.leave_one_out(0).tolist() == pytest.approx([abs(np.sqrt(8.0) / 4.0 - 1.0), 1.0])
+    # a filled hole is not scored, nor a cell whose neighbour is a hole
+    holes = LogGrid.from_points([np.array([1, 1, 2, 4]), np.array([1, 2, 1, 1])], np.array([1.0, 2.0, 2.0, 4.0]),
+                                (1.0, 1.0))
+    assert holes.measured.tolist() == [[True, True], [True, False], [True, False]]
+    assert holes.leave_one_out(0).tolist() == pytest.approx([0.0])
+
+
+def test_mixture_of_experts_layers_are_priced_from_the_expert_tables():
+    q = get_model("qwen3-235b-a22b").with_precision("fp8_block")
+    s = MeasuredStep(q, "h200", 8, "vllm")
+    t = [s.decode_time(b, b * 2000) for b in (1, 8, 64)]
+    assert 0 < t[0] <= t[1] <= t[2]
+    # Ling/LLaDA2.0: 256 routed experts (top-8) and one shared expert that every token passes through
+    ling = get_model("llada2.0-16b")
+    assert (ling.experts - ling.shared_experts, ling.experts_per_token - ling.shared_experts) == (256, 8)
+    assert MeasuredStep(ling, "h100", 1).decode_time(16, 16 * 1000) > 0
+
+
+def test_a_gpu_with_tables_can_be_derived_from_another_to_check_the_derivation():
+    from tandem.sim.cluster import SimConfig
+
+    cfg = SimConfig("llama-3.1-8b", "h200", 1, "C:tp1x1", "vllm", cost_donor="h100")
+    assert str(cfg.cost_choice().label) == "derived (vllm, h200 from h100_sxm)"
+    own = MeasuredStep("llama-3.1-8b", "h200", 1)
+    derived = MeasuredStep("llama-3.1-8b", "h200", 1, donor="h100")
+    shape = BatchShape(num_decode=32, decode_ctx_tokens=32 * 2048)
+    assert derived.step_time(shape) != own.step_time(shape)
+
+
+def test_silicon_rows_take_the_precision_their_checkpoint_runs_at():
+    from tandem.bench.silicon import read_rows, to_case
+
+    rows = read_rows()
+    bf16 = next(r for r in rows if r["model_path"] == "Qwen/Qwen3-32B" and not r["precision"]
+                and r["system"] == "h100_sxm" and r["backend"] == "vllm" and r["mode"] == "agg")
+    assert to_case(bf16).precision == "bf16"           # nothing recorded: the checkpoint's own weights
+    block = next(r for r in rows if r["model_path"] == "Qwen/Qwen3-235B-A22B-FP8" and r["backend"] == "vllm"
+                 and r["gemm_quant_mode"] == "fp8" and r["system"] == "h200_sxm")
+    assert to_case(block).precision == "fp8_block"     # Qwen's FP8 checkpoints are block-quantised

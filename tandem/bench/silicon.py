@@ -103,10 +103,14 @@ def to_case(row: dict) -> Case | Skipped:
     except UnknownNameError:
         return Skipped(rid, f"model {row['model_path']} is not in tandem's catalogue")
     prec = row["precision"]
+    if not prec and not row.get("gemm_quant_mode"):
+        prec = "bf16"                 # no precision and no quantisation recorded: the checkpoint's own (bf16) weights
     if prec not in ("bf16", "fp8"):
         return Skipped(rid, f"precision {prec or 'unrecorded'} (tandem models bf16 and fp8)")
-    if prec == "fp8":                                   # per-tensor (fp8) or 128x128-block scales (fp8_block)
-        prec = "fp8_block" if "block" in (row.get("gemm_quant_mode") or "") else "fp8"
+    if prec == "fp8":                 # per-tensor scales (fp8) or 128x128-block scales (fp8_block): Qwen's -FP8
+        # checkpoints are block-quantised (their model cards), whatever quantisation label the row carries
+        block = "block" in (row.get("gemm_quant_mode") or "") or re.match(r"(?i)qwen/.*-fp8$", row["model_path"])
+        prec = "fp8_block" if block else "fp8"
     if spec.is_moe and any(_int(row.get(k)) > 1 for k in ("moe_ep_size", "prefill_moe_ep_size", "decode_moe_ep_size")):
         return Skipped(rid, "expert parallelism (tandem shards experts tensor-parallel only)")
     if spec.is_moe and row["mode"] == "agg" and _int(row.get("moe_tp_size")) not in (0, _int(row["tp_size"])):
@@ -165,8 +169,10 @@ class Prediction:
     cost_source: str
 
 
-def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0) -> Prediction:
-    """Simulate a row under `cost_model` (measured or roofline) with the framework's scheduler defaults."""
+def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0, donor: str | None = None
+                  ) -> Prediction:
+    """Simulate a row under `cost_model` (measured or roofline; measured with `donor`: derived from that GPU's
+    tables) with the framework's scheduler defaults."""
     from tandem.sim.cluster import SimConfig, simulate
 
     fw = framework_defaults(case.framework)
@@ -176,7 +182,7 @@ def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0
                     max_num_batched_tokens=fw.max_num_batched_tokens,
                     colocated_max_num_batched_tokens=fw.max_num_batched_tokens, max_num_seqs=fw.max_num_seqs,
                     concurrency=case.concurrency, cost_model=cost_model, cost_framework=case.framework,
-                    quantization=None if case.precision == "bf16" else case.precision,
+                    cost_donor=donor, quantization=None if case.precision == "bf16" else case.precision,
                     kv_cache_dtype=case.kv_cache_dtype)
     res = simulate(sessions(case, seed, scale), cfg)
     done = [r for r in res.records if not r.failed]

@@ -15,8 +15,7 @@ from tandem.core.factory import build_coordinator, build_worker, resolve_policy
 from tandem.core.state import InProcessState
 from tandem.core.types import COLOCATED, PREFILL
 from tandem.core.worker import WorkerCore
-from tandem.perf.ampd_cost import AMPDCostModel, from_timers
-from tandem.perf.costs import DEFAULT_COST_MODEL, CostChoice, choose_cost_model, step_timer
+from tandem.perf.costs import DEFAULT_COST_MODEL, CostChoice, choose_cost_model, routing_costs, step_timer
 from tandem.perf.measured.source import DEFAULT_FRAMEWORK, MissingCostData
 from tandem.perf.dllm import FIXED_SCHEDULE_COMMITS, OPTIMUS_TABLE2, commit_model, stretch_model
 from tandem.perf.dllm_memory import DllmMemory
@@ -88,6 +87,8 @@ class SimConfig:
                                                 # an AMPDCostModel JSON (routing costs only); roofline if None
     cost_model: str = DEFAULT_COST_MODEL        # step costs: auto (measured where tables exist), measured, roofline
     cost_framework: str = DEFAULT_FRAMEWORK     # whose measured kernels and defaults: vllm, sglang or trtllm
+    cost_donor: str | None = None               # derive the GPU's costs from this GPU's tables (the check of
+                                                # derived costs on a GPU that has tables of its own)
     quantization: str | None = None            # fp8: fp8 weights (w8a8) in the linear layers (None: the model's own)
     kv_cache_dtype: str = "auto"                # fp8: an fp8 KV cache (auto: the model's own)
     laps_length_threshold: int | None = None    # LAPS class threshold (None: the roofline's boundary L_m)
@@ -117,7 +118,7 @@ class SimConfig:
     def cost_choice(self) -> CostChoice:
         """The run's resolved cost model (ConfigError when measured costs were asked for and are missing)."""
         try:
-            return choose_cost_model(self.cost_model, get_gpu(self.gpu).name, self.cost_framework)
+            return choose_cost_model(self.cost_model, get_gpu(self.gpu).name, self.cost_framework, self.cost_donor)
         except (ValueError, MissingCostData) as e:
             raise ConfigError(str(e)) from None
 
@@ -209,12 +210,7 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     tps = tuple(sorted({tp for _, tp in dep.workers()}))
     choice = cfg.cost_choice()
     step_timers = {tp: step_timer(model, gpu.name, tp, choice) for tp in tps}
-    if perf is not None:
-        cost = perf
-    elif choice.model == "roofline" and model.weight_dtype == "bf16" and model.kv_dtype == "bf16":
-        cost = AMPDCostModel.from_roofline(model.name, gpu.name, tps)
-    else:
-        cost = from_timers(step_timers, source=str(choice.label))
+    cost = perf if perf is not None else routing_costs(model, gpu.name, tps, choice)
     sched = cfg.scheduler()
     workers, timers, swaps = [], [], []
     prefill_tps = [tp for role, tp in dep.workers() if role == PREFILL]

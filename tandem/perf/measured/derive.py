@@ -84,7 +84,7 @@ class DerivedTables:
         if key not in self.memo:
             pts = np.meshgrid(*grid.axes, indexing="ij")
             ratio = roof(self.target, *pts) / roof(self.donor, *pts)
-            self.memo[key] = LogGrid(grid.axes, grid.log_values + np.log(ratio), grid.exponents)
+            self.memo[key] = LogGrid(grid.axes, grid.log_values + np.log(ratio), grid.exponents, grid.measured)
         return self.memo[key]
 
     def gemm(self, dtype: str) -> LogGrid:

@@ -19,6 +19,7 @@ class LogGrid:
     axes: tuple[np.ndarray, ...]       # sorted, strictly increasing, positive
     log_values: np.ndarray             # shape (len(a) for a in axes), no NaN
     exponents: tuple[float, ...]
+    measured: np.ndarray | None = None  # which cells were measured (the others filled); None: all
 
     @classmethod
     def from_points(cls, coords: list[np.ndarray], latency: np.ndarray, exponents: tuple[float, ...],
@@ -35,7 +36,7 @@ class LogGrid:
         else:
             vals[idx] = lat
         grid = np.log(np.where(vals > 0, vals, np.nan))
-        return cls(axes, _fill_holes(grid, axes, exponents), tuple(float(e) for e in exponents))
+        return cls(axes, _fill_holes(grid, axes, exponents), tuple(float(e) for e in exponents), ~np.isnan(grid))
 
     def __call__(self, *points) -> np.ndarray:
         """Latency at the given points (one array per axis, broadcast together)."""
@@ -72,9 +73,10 @@ class LogGrid:
             acc += w * self.log_values[tuple(idx)]
         return np.exp(acc + scale).reshape(out_shape)
 
-    def leave_one_out(self, axis: int, measured: np.ndarray | None = None) -> np.ndarray:
+    def leave_one_out(self, axis: int) -> np.ndarray:
         """Relative errors of predicting every interior grid value along `axis` from its two neighbours on that
-        axis (the value itself left out). Only cells measured (not filled) are scored when `measured` is given."""
+        axis (the value itself left out), over the cells whose value and both neighbours were measured."""
+        measured = self.measured
         a = np.log(self.axes[axis])
         if len(a) < 3:
             return np.array([])

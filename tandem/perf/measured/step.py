@@ -60,11 +60,12 @@ class MeasuredStep(StepTimer):
     __slots__ = ("model", "gpu", "tp", "label", "fw", "ovh", "roof", "_body_graph", "_body_eager", "_head",
                  "_dec", "_pre", "_launch", "_L", "_graph_tokens", "_graph_decode_only", "_overhead")
 
-    def __init__(self, model: ModelSpec | str, gpu: GPU | str, tp: int = 1, framework: str = "vllm") -> None:
+    def __init__(self, model: ModelSpec | str, gpu: GPU | str, tp: int = 1, framework: str = "vllm",
+                 donor: str | None = None) -> None:
         model, gpu = get_model(model), get_gpu(gpu)
         check_tp(model, gpu, tp)
         self.model, self.gpu, self.tp = model, gpu, tp
-        ops, self.label = derived_ops(gpu, framework)
+        ops, self.label = derived_ops(gpu, framework, donor)
         self.fw: FrameworkDefaults = framework_defaults(framework)
         self.ovh: Overheads = overheads(ops, self.fw)
         self.roof = Roofline(model, gpu, tp)
