@@ -174,3 +174,48 @@ def test_silicon_rows_take_the_precision_their_checkpoint_runs_at():
     block = next(r for r in rows if r["model_path"] == "Qwen/Qwen3-235B-A22B-FP8" and r["backend"] == "vllm"
                  and r["gemm_quant_mode"] == "fp8" and r["system"] == "h200_sxm")
     assert to_case(block).precision == "fp8_block"     # Qwen's FP8 checkpoints are block-quantised
+
+
+def test_a_corrupt_or_implausible_table_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tandem.cli.main import main
+    from tandem.perf import costs
+    from tandem.perf.measured.ops import clear_caches
+
+    garbage = tmp_path / "gemm_perf.parquet"
+    garbage.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(source.MissingCostData, match="not a readable parquet table"):
+        source.read_columns(garbage, ("m", "latency"))
+    negative = tmp_path / "neg.parquet"
+    pq.write_table(pa.table({"m": [1, 2], "latency": [0.01, -1.0]}), negative)
+    with pytest.raises(source.MissingCostData, match="latencies must be finite positive numbers"):
+        source.read_columns(negative, ("m", "latency"))
+    lacking = tmp_path / "lacking.parquet"
+    pq.write_table(pa.table({"m": [1, 2]}), lacking)
+    with pytest.raises(source.MissingCostData, match="lacks column"):
+        source.read_columns(lacking, ("m", "latency"))
+
+    # the simulator, handed the corrupt GEMM table: one line, no traceback
+    real = source.find_table
+
+    def corrupt(system, op, framework, filename):
+        ref = real(system, op, framework, filename)
+        return source.TableRef(garbage, ref.system, op, framework, ref.version) if op == "gemm" else ref
+
+    clear_caches()
+    costs.step_timer.cache_clear()
+    costs.routing_costs.cache_clear()
+    monkeypatch.setattr(source, "find_table", corrupt)
+    monkeypatch.setattr("tandem.perf.measured.ops.find_table", corrupt)
+    try:
+        rc = main(["simulate", "--model", "qwen3-32b", "--gpu", "h100", "--gpus", "2", "--deploy", "C:tp2x1",
+                   "--policy", "vllm", "--workload", "toolbench", "--sessions", "2", "--cost-model", "measured"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc != 0 and len(err) == 1 and "not a readable parquet table" in err[0]
+    finally:
+        monkeypatch.undo()
+        clear_caches()
+        costs.step_timer.cache_clear()
+        costs.routing_costs.cache_clear()

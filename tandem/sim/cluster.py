@@ -209,8 +209,11 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     nodes = place(dep, gpu.gpus_per_node, cfg.gpus)
     tps = tuple(sorted({tp for _, tp in dep.workers()}))
     choice = cfg.cost_choice()
-    step_timers = {tp: step_timer(model, gpu.name, tp, choice) for tp in tps}
-    cost = perf if perf is not None else routing_costs(model, gpu.name, tps, choice)
+    try:
+        step_timers = {tp: step_timer(model, gpu.name, tp, choice) for tp in tps}
+        cost = perf if perf is not None else routing_costs(model, gpu.name, tps, choice)
+    except MissingCostData as e:                # an unreadable or incomplete table of the package
+        raise ConfigError(str(e)) from None
     sched = cfg.scheduler()
     workers, timers, swaps = [], [], []
     prefill_tps = [tp for role, tp in dep.workers() if role == PREFILL]

@@ -103,9 +103,21 @@ def op_tables(system: str, framework: str) -> OpTables:
     return OpTables(system, framework)
 
 
+_MEMOS: list[dict] = []
+
+
+def clear_caches() -> None:
+    """Forget every table and grid read in this process (after the package's data changed on disk)."""
+    for memo in _MEMOS:
+        memo.clear()
+    op_tables.cache_clear()
+    read_columns.cache_clear()
+
+
 def _cache(fn):
     """Memoise a grid builder on (tables identity, args): building a grid reads and reshapes a table once."""
     memo: dict = {}
+    _MEMOS.append(memo)
 
     def wrapped(tables: OpTables, *args):
         key = (tables.system, tables.framework) + args

@@ -16,6 +16,7 @@ import numpy as np
 PACKAGE = "aiconfigurator-core"
 INSTALL_HINT = f"pip install '{PACKAGE}==0.12.0'"
 FRAMEWORKS = ("vllm", "sglang", "trtllm")
+OPTIONAL_COLUMNS = ("window_size",)   # older tables have no sliding-window column (read as 0: none)
 DEFAULT_FRAMEWORK = "vllm"
 
 # tandem's catalogue name -> the package's system directory (GPUs with tables of their own).
@@ -89,9 +90,20 @@ def find_table(system: str, op: str, framework: str, filename: str) -> TableRef:
 def read_columns(path: Path, columns: tuple[str, ...]) -> dict[str, np.ndarray]:
     """Columns of one parquet table as numpy arrays (read once per process); a column an older table lacks reads as
     zeros (window_size 0: no sliding window)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    names = set(pq.read_schema(path).names)
-    t = pq.read_table(path, columns=[c for c in columns if c in names])
-    return {c: (t.column(c).to_numpy(zero_copy_only=False) if c in names else np.zeros(t.num_rows, dtype=np.int64))
-            for c in columns}
+    try:
+        names = set(pq.read_schema(path).names)
+        t = pq.read_table(path, columns=[c for c in columns if c in names])
+    except (OSError, pa.ArrowException) as e:
+        raise MissingCostData(f"{path}: not a readable parquet table ({e}); reinstall with {INSTALL_HINT}") from None
+    missing = [c for c in columns if c not in names and c not in OPTIONAL_COLUMNS]
+    if missing:
+        raise MissingCostData(f"{path}: the table lacks column(s) {', '.join(missing)}; reinstall with {INSTALL_HINT}")
+    out = {c: (t.column(c).to_numpy(zero_copy_only=False) if c in names else np.zeros(t.num_rows, dtype=np.int64))
+           for c in columns}
+    lat = out.get("latency")
+    if lat is not None and not (lat.dtype.kind == "f" and np.isfinite(lat).all() and (lat > 0).all()):
+        raise MissingCostData(f"{path}: latencies must be finite positive numbers; reinstall with {INSTALL_HINT}")
+    return out
