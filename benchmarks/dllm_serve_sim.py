@@ -8,8 +8,9 @@ throughput wall), Fig. 4/5 and Table 4 (latency, its tail and spread), Fig. 7a (
 
 One tp1 co-located worker (`C:tp1x1`, policy `vllm`), LLaDA-8B (tandem.perf.models), blocks of 32, every request
 generating 256 tokens (dLLM-Serve Table 3), one token committed a step (Table 3's 256 steps for 256 tokens, the
-baselines without parallel decoding: tandem.perf.dllm.FIXED_SCHEDULE_COMMITS), roofline step times
-(tandem.perf.roofline), the KV pool and the token budget from tandem.perf.dllm_memory. Systems:
+baselines without parallel decoding: tandem.perf.dllm.FIXED_SCHEDULE_COMMITS), step times from `--cost-model`
+(measured operator tables by default, derived for the RTX 4090; docs/cost-models.md), the KV pool and the token
+budget from tandem.perf.dllm_memory. Systems:
 
 - `fast-dllm`: static batches (`--dllm-admission static`), each request reserving its Refresh peak (prompt + 256
   query tokens) and its dense KV (ρ = 1) for its whole life, a Refresh at each block start (delay_step 0: Fast-dLLM's
@@ -220,7 +221,7 @@ def table_md(rows: list[dict], mem: list[dict], meta: dict, gpus, workloads, rat
          f"`{meta['command']}` — {meta['machine']}, {meta['date']}, {meta['wall_s']:.0f} s, commit {meta['commit']}. "
          f"Step costs: {meta.get('costs', 'roofline')}.",
          "", "One tp1 co-located worker, blocks of 32, 256 tokens a request, one token committed a step (dLLM-Serve "
-         "Table 3), roofline step times, KV pool and token budget from tandem.perf.dllm_memory (bf16 logits + a "
+         "Table 3), step times as named above, KV pool and token budget from tandem.perf.dllm_memory (bf16 logits + a "
          "float32 softmax: 6 bytes a logit, guard 10%, gpu_memory_utilization 0.9). Systems and workloads: the "
          "benchmark's docstring and docs/dllm-serve.md.", "",
          "## Memory (tandem.perf.dllm_memory)", "",

@@ -24,7 +24,8 @@ windows leaving waiting prefills up to half the step's token budget: tandem's de
 windows may take the whole token budget, as the paper's c* does under decode-first batching; where ready prompts
 overflow the step, its windows are priced at the prompt rows they displace, as elastic's are).
 Diffusion commits follow tandem.perf.dllm's distribution for the model's ShareGPT row of Optimus Table 2; step
-times are the roofline's. Writes table.md, results.json, fig8.png and fig10.png to --out.
+times come from `--cost-model` (measured operator tables by default; docs/cost-models.md). Writes table.md,
+results.json, fig8.png and fig10.png to --out.
 """
 from __future__ import annotations
 
@@ -162,8 +163,8 @@ def table_md(rows: list[dict], heads: list[dict], meta: dict, batches, rates) ->
              f"`{meta['command']}` — {meta['machine']}, {meta['date']}, {meta['wall_s']:.0f} s, commit "
              f"{meta['commit']}. Step costs: {meta.get('costs', 'roofline')}.", "",
              "One tp1 co-located worker, ShareGPT trace lengths, diffusion commits per step from Optimus Table 2's "
-             f"ShareGPT row (tandem.perf.dllm), block {BLOCK}, TPOT SLO {TPOT_SLO_S * 1e3:.0f} ms, roofline step "
-             "times. `ar` is the base model decoded autoregressively.", "",
+             f"ShareGPT row (tandem.perf.dllm), block {BLOCK}, TPOT SLO {TPOT_SLO_S * 1e3:.0f} ms, step times as "
+             "named above. `ar` is the base model decoded autoregressively.", "",
              "## Headline", "",
              "| model | GPU | throughput elastic/AR | elastic/BD32 | capacity (req/s) AR / BD32 / best fixed / elastic "
              "| capacity elastic/AR | elastic/BD32 | elastic vs best fixed |", "|---|---|---:|---:|---|---:|---:|---:|"]
