@@ -263,6 +263,12 @@ def test_deploy_per_rate_gives_each_rate_its_own_best_candidate_and_shares_it(mo
     assert d["deploy_by_rate"] == {"1": "P:tp4x1,D:tp4x1", "2": "P:tp2x2,D:tp4x1"}
     summary = (tmp_path / "summary.md").read_text()
     assert "1: P:tp4x1,D:tp4x1; 2: P:tp2x2,D:tp4x1" in summary and "read as: prompt" in summary
+    # the report names its step costs: the spec's simulator settings, else the default (derived for the H20)
+    from tandem.perf.measured.source import available
+    if available():
+        assert "- step costs: derived (vllm, h20 from h100_sxm)" in summary
+    res = run_experiment(dataclasses.replace(spec, sim={"cost_model": "roofline"}), tmp_path / "roof", progress=False)
+    assert "- step costs: roofline" in (tmp_path / "roof" / "summary.md").read_text()
 
 
 @needs_sim
