@@ -173,8 +173,9 @@ def main(argv=None) -> int:
             else:
                 results.append(r)
             prog.advance(task)
+    fields = list(dict.fromkeys(k for r in results for k in r))   # derived columns only on the target GPU's rows
     with open(out / "rows.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
         w.writerows(results)
     with open(out / "skipped.csv", "w", newline="") as f:
