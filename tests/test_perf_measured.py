@@ -188,10 +188,16 @@ def test_a_corrupt_or_implausible_table_is_refused_in_one_line(tmp_path, monkeyp
     garbage.write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(source.MissingCostData, match="not a readable parquet table"):
         source.read_columns(garbage, ("m", "latency"))
-    negative = tmp_path / "neg.parquet"
-    pq.write_table(pa.table({"m": [1, 2], "latency": [0.01, -1.0]}), negative)
-    with pytest.raises(source.MissingCostData, match="latencies must be finite positive numbers"):
-        source.read_columns(negative, ("m", "latency"))
+    text = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"m": [1, 2], "latency": ["fast", "slow"]}), text)
+    with pytest.raises(source.MissingCostData, match="latencies must be numbers"):
+        source.read_columns(text, ("m", "latency"))
+    # a latency that is not a finite positive number is a hole, filled from its neighbours (SGLang's H200
+    # quantisation table holds such differences); a table with none usable cannot price anything
+    g = LogGrid.from_points([np.array([1, 2, 4])], np.array([1.0, -1.0, 4.0]), (1.0,))
+    assert float(g(2.0)) == pytest.approx(2.0) and g.measured.tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="without a single positive latency"):
+        LogGrid.from_points([np.array([1, 2])], np.array([0.0, np.nan]), (1.0,))
     lacking = tmp_path / "lacking.parquet"
     pq.write_table(pa.table({"m": [1, 2]}), lacking)
     with pytest.raises(source.MissingCostData, match="lacks column"):

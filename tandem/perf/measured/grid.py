@@ -24,12 +24,14 @@ class LogGrid:
     @classmethod
     def from_points(cls, coords: list[np.ndarray], latency: np.ndarray, exponents: tuple[float, ...],
                     reduce: str = "min") -> "LogGrid":
-        """Grid from scattered measurements on grid coordinates (duplicates reduced by `reduce`; holes filled)."""
+        """Grid from scattered measurements on grid coordinates (duplicates reduced by `reduce`; a latency that is not a
+        finite positive number counts as unmeasured; holes filled)."""
         axes = tuple(np.unique(np.asarray(c, dtype=float)) for c in coords)
         idx = tuple(np.searchsorted(a, np.asarray(c, dtype=float)) for a, c in zip(axes, coords))
         shape = tuple(len(a) for a in axes)
         vals = np.full(shape, np.inf if reduce == "min" else np.nan)
         lat = np.asarray(latency, dtype=float)
+        lat = np.where(np.isfinite(lat) & (lat > 0), lat, np.inf if reduce == "min" else np.nan)   # not measured
         if reduce == "min":
             np.minimum.at(vals, idx, lat)
             vals[np.isinf(vals)] = np.nan
@@ -106,14 +108,16 @@ def _fill_holes(grid: np.ndarray, axes: tuple[np.ndarray, ...], exponents: tuple
             la = np.log(a)
             v = np.moveaxis(g, ax, 0)
             for i in range(len(a)):
-                miss = np.isnan(v[i])
+                row = v[i:i + 1]                      # a view, also for one-axis grids
+                miss = np.isnan(row)
                 if not miss.any():
                     continue
                 for j in sorted(range(len(a)), key=lambda j: abs(j - i)):
                     if j == i:
                         continue
-                    take = miss & ~np.isnan(v[j])
-                    v[i][take] = v[j][take] + e * (la[i] - la[j])
+                    src = v[j:j + 1]
+                    take = miss & ~np.isnan(src)
+                    row[take] = src[take] + e * (la[i] - la[j])
                     miss &= ~take
                     if not miss.any():
                         break

@@ -122,7 +122,11 @@ def _cache(fn):
     def wrapped(tables: OpTables, *args):
         key = (tables.system, tables.framework) + args
         if key not in memo:
-            memo[key] = fn(tables, *args)
+            try:
+                memo[key] = fn(tables, *args)
+            except ValueError as e:                  # a table without one usable measurement for the shape
+                raise MissingCostData(f"{tables.system} {tables.framework} {fn.__name__.strip('_')}{args}: {e}") \
+                    from None
         return memo[key]
     wrapped.__doc__ = fn.__doc__
     return wrapped
