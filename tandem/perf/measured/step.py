@@ -73,8 +73,8 @@ class MeasuredStep(StepTimer):
         self._body_graph, self._body_eager, self._head = _token_tables(model, tp, ops, self.ovh)
         hs = HeadShape(model.heads // tp, kv_heads_per_gpu(model, tp), model.head_dim)
         kv = "fp8" if model.kv_dtype == "fp8" else "bfloat16"
-        self._dec = _ctx_table(ops.generation_attention(hs, kv), B_MAX)
-        self._pre = _ctx_table(ops.context_attention(hs, kv), PREFILL_B_MAX)
+        self._dec = AttentionTable(ops.generation_attention(hs, kv), B_MAX)
+        self._pre = AttentionTable(ops.context_attention(hs, kv), PREFILL_B_MAX)
         self._launch = self.ovh.launch_s * _kernels_per_layer(model, tp) * model.layers
         self._graph_tokens = self.fw.graph_tokens(tp)
         self._graph_decode_only = self.fw.graph_decode_only
@@ -131,36 +131,44 @@ def _at(table: np.ndarray, x: float) -> float:
     return float(table[n]) * x / n
 
 
-def _lookup(tab: tuple[np.ndarray, float], b: float, ctx: float) -> float:
+def _lookup(tab: "AttentionTable", b: float, ctx: float) -> float:
     """Attention of b sequences of ctx tokens each from a (batch, log2-context bin) table, interpolated in context."""
-    grid, _ = tab
     bi = int(b + 0.5)
     scale = 1.0
-    nb = grid.shape[0] - 1
+    nb = tab.b_max
     if bi > nb:
         scale, bi = b / nb, nb
     elif bi < 1:
         bi = 1
     if ctx < 1.0:
         ctx = 1.0
+    row = tab.rows[bi]
+    if row is None:
+        row = tab.fill(bi)
     x = math.log2(ctx) * BINS_PER_OCTAVE
     j = int(x)
-    last = grid.shape[1] - 1
+    last = len(row) - 1
     if j >= last:
-        return float(grid[bi, last]) * scale * ctx / 2.0 ** (last / BINS_PER_OCTAVE)
+        return float(row[last]) * scale * ctx / 2.0 ** (last / BINS_PER_OCTAVE)
     f = x - j
-    row = grid[bi]
     return float(row[j] + (row[j + 1] - row[j]) * f) * scale
 
 
-def _ctx_table(grid, b_max: int) -> tuple[np.ndarray, float]:
-    """An attention grid over (batch, context) sampled at every batch 0..b_max and every context bin."""
-    bins = np.arange(CTX_OCTAVES * BINS_PER_OCTAVE + 1)
-    ctx = 2.0 ** (bins / BINS_PER_OCTAVE)
-    b = np.arange(b_max + 1, dtype=float)
-    vals = grid(np.maximum(b, 1.0)[:, None], ctx[None, :])
-    vals[0] = 0.0
-    return np.ascontiguousarray(vals), 0.0
+class AttentionTable:
+    """An attention grid over (batch, context) read at every batch 1..b_max and every context bin; a batch's row is
+    computed the first time a step has that batch (most runs see few batch sizes)."""
+
+    __slots__ = ("grid", "b_max", "rows", "_ctx")
+
+    def __init__(self, grid, b_max: int) -> None:
+        self.grid, self.b_max = grid, b_max
+        self.rows: list[list[float] | None] = [None] * (b_max + 1)
+        self._ctx = 2.0 ** (np.arange(CTX_OCTAVES * BINS_PER_OCTAVE + 1) / BINS_PER_OCTAVE)
+
+    def fill(self, b: int) -> list[float]:
+        row = self.grid(float(b), self._ctx).tolist()
+        self.rows[b] = row
+        return row
 
 
 def _kernels_per_layer(model: ModelSpec, tp: int) -> int:
