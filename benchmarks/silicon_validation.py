@@ -62,6 +62,7 @@ def summarise(results: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         for key in ((r["gpu"], r["framework"], r["model"], r["mode"]), (r["gpu"], r["framework"], "all", r["mode"]),
+                    (r["gpu"], "all", "all", r["mode"]),
                     ("h100+h200", "vllm+sglang", "dense", r["mode"]) if _dense_vs(r) else None,
                     ("h100+h200", "vllm+sglang", f"dense, {r['client']} rows", r["mode"]) if _dense_vs(r) else None):
             if key is not None:
