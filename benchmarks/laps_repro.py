@@ -295,7 +295,7 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
 
 
 def headline_md(heads: list[dict]) -> str:
-    """The acceptance-2 comparison as markdown."""
+    """The headline comparison as markdown."""
     lines = []
     for h in heads:
         lines += [f"**{h['model']}, {h['instances']} prefill instance(s), concurrency {h['concurrency']}, "
@@ -336,7 +336,7 @@ def table_md(agg: list[dict], grid: Grid, heads: list[dict], meta: dict) -> str:
              f"{dict(grid.sessions_per_client)[Client.CHAT]} x clients), prefill "
              f"max({dict(grid.min_sessions)[Client.PREFILL]}, {dict(grid.sessions_per_client)[Client.PREFILL]} x clients). "
              "TTFT includes queueing and the KV hand-off; violations are over all rounds; rounds/s over the time all "
-             "clients were busy. Short/long: new tokens below/above 256.", "", "## Headline (acceptance 2)", "",
+             "clients were busy. Short/long: new tokens below/above 256.", "", "## Headline", "",
              headline_md(heads), "## Every cell", ""]
     cols = ("| policy | rounds/s | TTFT mean | TTFT P90 | initial mean | incremental mean | short mean | long mean "
             "| violations | ITL mean | preempt. | prefill busy | graph steps | pool moves |")

@@ -26,10 +26,10 @@ from tandem.perf.models import get_model
 COST_MODELS = ("measured", "roofline")
 
 
-def run_one(args: tuple[Case, float, dict[str, str]]) -> dict:
+def run_one(args: tuple[Case, float, dict[str, str], int]) -> dict:
     """Both cost models' predictions for a row (and the derived one where its GPU is a derivation target), or
     {"error": why} when the row's deployment cannot run."""
-    case, scale, derive = args
+    case, scale, derive, warmup = args
     out = asdict(case)
     out["client"] = case.client.name
     models = [(cm, cm, None) for cm in COST_MODELS]
@@ -37,7 +37,7 @@ def run_one(args: tuple[Case, float, dict[str, str]]) -> dict:
         models.append(("derived", "measured", derive[case.gpu]))
     for cm, model, donor in models:
         try:
-            p = simulate_case(case, model, scale=scale, donor=donor)
+            p = simulate_case(case, model, scale=scale, donor=donor, warmup=warmup)
         except (ValueError, MissingCostData) as e:       # does not fit, bad parallelism, missing tables
             return {"row_id": case.row_id, "error": str(e)}
         out.update({f"{cm}_ttft_ms": p.ttft_ms, f"{cm}_tpot_ms": p.tpot_ms, f"{cm}_ttft_median_ms": p.ttft_median_ms,
@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="docs/results/silicon_validation")
     ap.add_argument("--from-rows", action="store_true", help="summarise OUT/rows.csv again without simulating")
+    ap.add_argument("--continuous-warmup", type=int, default=0, metavar="K",
+                    help="sensitivity: K x c warm-up requests run through the same closed loop before the measured ones "
+                         "(default 0: the measured run starts cold, its warm-up drained first)")
     ap.add_argument("--derive", default="h200:h100",
                     help="TARGET:DONOR pairs: also simulate TARGET's rows on costs derived from DONOR's tables")
     a = ap.parse_args(argv)
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
     results = []
     with Progress() as prog, ProcessPoolExecutor(a.jobs) as pool:
         task = prog.add_task("silicon rows", total=len(cases))
-        for r in pool.map(run_one, [(c, a.scale, derive) for c in cases]):
+        for r in pool.map(run_one, [(c, a.scale, derive, a.continuous_warmup) for c in cases]):
             if "error" in r:
                 skipped.append(Skipped(r["row_id"], f"not simulated: {r['error']}"))
             else:

@@ -144,17 +144,22 @@ def to_case(row: dict) -> Case | Skipped:
                 _int(row["osl"]), float(row["silicon_ttft_ms"]), float(row["silicon_tpot_ms"]), client_of(row))
 
 
-def sessions(case: Case, seed: int = 0, scale: float = 1.0) -> list[Session]:
+WARMUP_PER_CLIENT = 2         # both clients' warm-up: 2 x c requests
+
+
+def sessions(case: Case, seed: int = 0, scale: float = 1.0, warmup: int = 0) -> list[Session]:
     """The measured run's requests as one-round sessions, in the order the clients send them (`scale` shortens the
-    run: fewer requests per client, at least one)."""
+    run: fewer requests per client, at least one), after `warmup` x c warm-up requests ("w" ids) sent through the
+    same closed loop (0: the run starts cold, as when the warm-up drains first)."""
     rng = random.Random(seed)
     n = case.concurrency * max(1, round(case.client.requests_per_client * scale))
     r = case.client.range_ratio
     out = []
-    for i in range(n):
+    for i in range(warmup * case.concurrency + n):
         isl = rng.randint(max(1, int(case.isl * r)), case.isl)
         osl = rng.randint(max(2, int(case.osl * r)), max(2, case.osl))
-        out.append(Session(f"r{i}", 0.0, [Round(isl, osl)]))
+        warm = i < warmup * case.concurrency
+        out.append(Session(f"w{i}" if warm else f"r{i}", 0.0, [Round(isl, osl)]))
     return out
 
 
@@ -169,10 +174,11 @@ class Prediction:
     cost_source: str
 
 
-def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0, donor: str | None = None
-                  ) -> Prediction:
+def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0, donor: str | None = None,
+                  warmup: int = 0) -> Prediction:
     """Simulate a row under `cost_model` (measured or roofline; measured with `donor`: derived from that GPU's
-    tables) with the framework's scheduler defaults."""
+    tables) with the framework's scheduler defaults; `warmup` > 0 runs that many warm-up requests per client through
+    the same closed loop first, left out of the figures (the alternative to a drained warm-up)."""
     from tandem.sim.cluster import SimConfig, simulate
 
     fw = framework_defaults(case.framework)
@@ -184,8 +190,8 @@ def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0
                     concurrency=case.concurrency, cost_model=cost_model, cost_framework=case.framework,
                     cost_donor=donor, quantization=None if case.precision == "bf16" else case.precision,
                     kv_cache_dtype=case.kv_cache_dtype)
-    res = simulate(sessions(case, seed, scale), cfg)
-    done = [r for r in res.records if not r.failed]
+    res = simulate(sessions(case, seed, scale, warmup), cfg)
+    done = [r for r in res.records if not r.failed and not r.session_id.startswith("w")]
     if not done:
         raise MissingCostData(f"{case.row_id}: no request finished")
     ttft = [r.rounds[0].ttft_s * 1e3 for r in done]
