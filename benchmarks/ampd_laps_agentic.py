@@ -1,4 +1,4 @@
-"""AMPD+LAPS against co-located Continuum on long agentic sessions (issue 15, acceptance 5, second half).
+"""AMPD+LAPS against co-located Continuum on long agentic sessions.
 
     python benchmarks/ampd_laps_agentic.py [--out docs/results/ampd_laps_agentic] [--sessions 30] [--quick]
 

@@ -1,4 +1,4 @@
-"""Held-out accuracy of Optimus's streaming chunks against plain block diffusion (issue 16, acceptance 2), per
+"""Held-out accuracy of Optimus's streaming chunks against plain block diffusion, per
 checkpoint, with a paired test of each difference.
 
     python benchmarks/chunk_accuracy.py                                   # the committed tiny SDAR (~2 min)

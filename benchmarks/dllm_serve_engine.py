@@ -1,4 +1,4 @@
-"""Issue 17, acceptance 2 on the CPU engine: dLLM-Serve (logit decomposition + phase-multiplexed admission over
+"""On the CPU engine: dLLM-Serve (logit decomposition + phase-multiplexed admission over
 head-centric sparse KV) against the monolithic static baseline, at an equal CPU memory budget.
 
     python benchmarks/dllm_serve_engine.py                     # about 5 min on the 2-core development machine
@@ -507,7 +507,7 @@ def sweep_plot(report: dict, path: Path) -> None:
                         label=f"{rate:g}/s mean")
             row[1].plot([x for x, _ in pts], [r["max_running"] for _, r in pts], "s--", color=c,
                         label=f"{rate:g}/s max")
-        row[0].axhline(1.6, color="k", ls=":", label="1.6x (issue 17)")
+        row[0].axhline(1.6, color="k", ls=":", label="1.6x (the paper)")
         row[0].axhline(1.0, color="grey", lw=0.8)
         row[0].set_ylabel(f"{v} / baseline")
         row[0].set_title(f"{v}: throughput ratio")

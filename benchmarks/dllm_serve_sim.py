@@ -1,4 +1,4 @@
-"""dLLM-Serve in the simulator (issue 17, deliverable 6): LLaDA-8B on an RTX 4090 and an L40S, phase-multiplexed
+"""dLLM-Serve in the simulator: LLaDA-8B on an RTX 4090 and an L40S, phase-multiplexed
 admission with logit decomposition and sparse KV against request-level batching that reserves each request's
 Refresh peak, under Poisson load: the shape of dLLM-Serve's Fig. 3 (throughput against request rate, the baseline's
 throughput wall), Fig. 4/5 and Table 4 (latency, its tail and spread), Fig. 7a (the gain against prompt length).

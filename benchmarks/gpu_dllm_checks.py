@@ -3,14 +3,14 @@
     python benchmarks/gpu_dllm_checks.py --out DIR
 
 1. The trained tiny SDAR model (tandem/engine/diffusion/assets/tiny-sdar) on CUDA: the full-recompute reference loop
-   and the KV-cached batched loop give the same tokens (acceptance 1 of issue 16 on the CUDA path), their agreement
+   and the KV-cached batched loop give the same tokens (on the CUDA path), their agreement
    with the CPU's tokens, held-out accuracy and tokens committed per step, and the step time.
 2. The block-diffusion engine (through the worker core) on CUDA: block, chunk 8 and elastic, tokens against the
    cached loop's and output tokens/s at batch 1, 8 and 64.
-3. The logit-aware memory profile on CUDA (issue 17, deliverables 1-2): a tiny Qwen3 body with Qwen3's 151,936-id
+3. The logit-aware memory profile on CUDA: a tiny Qwen3 body with Qwen3's 151,936-id
    vocabulary, profiled monolithic and with max_num_logits, the KV pool each leaves under gpu_memory_utilization;
    then the worst-case batch is run again on the live engine and its allocator peak compared with the profile's
-   reserved activation memory (acceptance 1: measured peak <= profiled peak + guard).
+   reserved activation memory (measured peak <= profiled peak + guard).
 4. The token budget as a hard cap (`budget`): block, chunk 16 and elastic at 128 sequences under 1,024 rows a step
    (uncapped, the block would run 4,224): the most rows a step held, and the allocator's peak over the run against
    the activation memory the profile reserved.
@@ -135,7 +135,7 @@ def engine_checks(device: torch.device, n: int) -> dict:
 
 
 def budget_checks(device: torch.device, seqs: int, tokens: int, sampled: bool = False) -> dict:
-    """max_num_batched_tokens caps every diffusion step (issue 16's modes under the issue 17 profile): `seqs`
+    """max_num_batched_tokens caps every diffusion step (Optimus's modes under dLLM-Serve's memory profile): `seqs`
     requests (64 tokens, ignore_eos) decoded by the block (BD32), chunk 16 and elastic under a budget of `tokens`
     rows, the most rows any step held, and on CUDA the allocator's peak over the whole run on top of what the engine
     held after start, against the activation memory its memory profile reserved (peak + guard). `sampled`: every

@@ -1,4 +1,4 @@
-"""Device check (issue 16): Optimus's T(c, b) measured on CUDA at engine start-up, cost per sequence included.
+"""Device check: Optimus's T(c, b) measured on CUDA at engine start-up, cost per sequence included.
 
     python benchmarks/gpu_window_latency.py             # on a GPU machine; prints one JSON line per measurement
     tandem profile --model tandem/engine/diffusion/assets/tiny-sdar --quick --device cuda --out p.json   # the profile's

@@ -1,10 +1,10 @@
-"""Hostile-input run (issue 13, acceptance 4): a live `tandem serve` under bounded hostile input.
+"""Hostile-input run: a live `tandem serve` under bounded hostile input.
 
     python benchmarks/hostile_run.py [--out docs/results/hostile] [--duration-s 60] [--streams 200]
     python benchmarks/hostile_run.py --skip hostile,slow,frames      # one part alone: which part causes what
     python benchmarks/hostile_run.py --server-env MALLOC_MMAP_THRESHOLD_=131072   # an experiment on the server
 
-Acceptance 4 of issue 13: "a bounded hostile-input run (invalid and oversized bodies, out-of-range values,
+What it checks: "a bounded hostile-input run (invalid and oversized bodies, out-of-range values,
 malformed frames on every socket, 200 concurrent valid streams) leaves /health answering within 100 ms
 throughout, every valid request answered, and coordinator memory back within 10% of its starting value".
 
@@ -1114,7 +1114,7 @@ def conditions(s: dict) -> list[tuple[str, bool, str]]:
 # ---------------------------------------------------------------------------- output
 def print_report(s: dict, conds: list[tuple[str, bool, str]]) -> None:
     """The rich tables: acceptance conditions, hostile statuses, sockets, failures."""
-    t = Table(title="Hostile-input run (issue 13, acceptance 4)")
+    t = Table(title="Hostile-input run")
     for col in ("condition", "result", "measured"):
         t.add_column(col)
     for name, ok, detail in conds:

@@ -1,4 +1,4 @@
-"""LAPS's bucketed short-prefill path on the CPU engine against the same batches unpadded (issue 15, acceptance 3).
+"""LAPS's bucketed short-prefill path on the CPU engine against the same batches unpadded.
 
     python benchmarks/laps_buckets_cpu.py [--requests 64] [--runs 3] [--out docs/results/laps_buckets_cpu]
 

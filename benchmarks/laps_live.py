@@ -1,4 +1,4 @@
-"""LAPS on the live server against FCFS prefill workers, same load, same run (issue 15, acceptance 4).
+"""LAPS on the live server against FCFS prefill workers, same load, same run.
 
     python benchmarks/laps_live.py [--phase-s 40] [--rate 3] [--out docs/results/laps_live]
 

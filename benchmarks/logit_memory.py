@@ -1,4 +1,4 @@
-"""Logit decomposition's effect on the activation peak and the KV pool (issue 17, deliverables 1 and 2).
+"""Logit decomposition's effect on the activation peak and the KV pool.
 
     python benchmarks/logit_memory.py [--tokens 256,512,1024,2048] [--max-num-seqs 256]
                                       [--all-rows-tokens 64,128,256,512] [--max-num-logits 32] [--budget-gib 4]

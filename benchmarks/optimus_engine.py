@@ -1,4 +1,4 @@
-"""Optimus on the CPU engine (issue 16, deliverable 9a; acceptance 2 and 4): the trained tiny SDAR model's output
+"""Optimus on the CPU engine: the trained tiny SDAR model's output
 tokens/s against batch size for AR-like decoding, plain block diffusion, fixed streaming chunks and the elastic
 chunk, and the held-out accuracy of each decoding mode.
 

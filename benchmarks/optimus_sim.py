@@ -1,4 +1,4 @@
-"""Optimus in the simulator (issue 16, deliverable 9b): block-diffusion decoding with an elastic chunk size against
+"""Optimus in the simulator: block-diffusion decoding with an elastic chunk size against
 autoregressive decoding of the base model, plain block diffusion (BD32) and fixed chunks, on ShareGPT lengths.
 
     python benchmarks/optimus_sim.py                  # SDAR-8B and LLaDA2.0-16B on A100-80G and H100 (~15 min)

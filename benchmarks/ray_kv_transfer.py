@@ -1,6 +1,6 @@
 """KV between two Ray nodes: the project's ZeroMQ KV plane (PeerOutbox -> PeerInbox, CURVE, as the workers use it;
 and without CURVE for reference) against Ray's object store (ray.put on the sending node, ray.get on the
-receiving one), one transfer at a time, for payloads the size of a prefill's KV (issue 18: keep the faster).
+receiving one), one transfer at a time, for payloads the size of a prefill's KV (keep the faster).
 
     python benchmarks/ray_kv_transfer.py [--sizes-mib 0.25,4,32,128] [--repeats 10] [--out docs/results/ray_kv]
 

@@ -1,6 +1,5 @@
 """`tandem experiment` in-process (--jobs 1), in two local processes (--jobs 2) and as Ray tasks on two Ray nodes
-(--ray, one CPU per node): wall time of each and whether their results.json are byte-identical (issue 18,
-acceptance 3).
+(--ray, one CPU per node): wall time of each and whether their results.json are byte-identical.
 
     python benchmarks/ray_sweep.py [--out docs/results/ray_sweep] [-- EXPERIMENT ARGS]
 

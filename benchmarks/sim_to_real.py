@@ -1,4 +1,4 @@
-"""Sim-to-real (issue 6, acceptance 3): the simulator with a profiled cost model against the live server.
+"""Sim-to-real: the simulator with a profiled cost model against the live server.
 
     python benchmarks/sim_to_real.py [--policy ampd] [--size 30m] [--runs 3] [--out docs/results/sim-to-real]
     python benchmarks/sim_to_real.py --policy continuum --reuse-profile --reuse-calibration

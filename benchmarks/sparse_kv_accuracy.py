@@ -1,4 +1,4 @@
-"""Head-centric vs uniform sparse KV on the trained tiny SDAR model (issue 17, acceptance 4).
+"""Head-centric vs uniform sparse KV on the trained tiny SDAR model.
 
     python benchmarks/sparse_kv_accuracy.py [--n 100] [--ratios 1,0.75,0.5,0.25,0.125] [--blocks 32,16]
                                             [--delay-step 1] [--out docs/results/sparse_kv] [--no-progress]

@@ -1,4 +1,4 @@
-"""Streaming fidelity (issue 14, acceptance 3): a client that counts streamed chunks measures the same TTFT and ITL
+"""Streaming fidelity: a client that counts streamed chunks measures the same TTFT and ITL
 as the server's own metrics.
 
     python benchmarks/stream_fidelity.py [--rate 2] [--requests 60] [--out docs/results/stream_fidelity]

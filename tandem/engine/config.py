@@ -66,7 +66,7 @@ class EngineConfig:
     dllm_confidence_threshold: float = 0.9
     dllm_latency_profile: str | None = None   # a `tandem profile` JSON of this model: Optimus's T(c, b) from its
                                               # dllm_latency section instead of measuring it at start
-    # dLLM-Serve (issue 17): Refresh/Reuse phases over head-centric sparse KV, admitted by the worker core
+    # dLLM-Serve: Refresh/Reuse phases over head-centric sparse KV, admitted by the worker core
     dllm_admission: str | None = None         # phase (dLLM-Serve), static (Fast-dLLM-like batches reserving each
                                               # request's Refresh peak), reserve (request-level continuous); None:
                                               # Optimus's windows (dllm_chunk; a LLaDA model: phase). The options

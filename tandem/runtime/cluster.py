@@ -327,7 +327,7 @@ class ServingCluster:
             return
         self._lost.add(wid)
         log.error("worker %d (%s) lost: %s", wid, self.roles.get(wid), ev.reason)
-        # no store I/O before the requests are failed or re-routed: the store may be down too (issue 13)
+        # no store I/O before the requests are failed or re-routed: the store may be down too
         self.shell.coord.view.drop(wid)        # re-routing must not see the dead worker (no store round trip)
         try:
             self.shell.on_worker_lost(wid)

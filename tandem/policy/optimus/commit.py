@@ -3,15 +3,15 @@
 Optimus builds an empirical mapping from window size to commits out of the steps it runs (the largest chunk early
 in decoding) and keeps updating it. Here the mapping is kept per kind of window, from the commits of the windows
 actually run, and per how much of the block is left, which moves the commits more than the window does (the trained
-tiny SDAR model as committed before stop 33, greedy, threshold 0.9, 250 held-out prompts: a chunk-16 window commits
-1.2 as the first window of a block, 7.9 with 17-24 masked positions left; the last 8 positions of a block, 1.0 after
-chunk-32 steps):
+tiny SDAR model as first committed, before its retraining, greedy, threshold 0.9, 250 held-out prompts: a chunk-16
+window commits 1.2 as the first window of a block, 7.9 with 17-24 masked positions left; the last 8 positions of a
+block, 1.0 after chunk-32 steps):
 
 - a window covering the *rest* of its block (m masked positions left, which any chunk c >= m leaves as they are) is
   an entry of its own by m; a *full* window of c (its block has more masked after it) by c and by the band of
   masked positions left in its block (DEPTH_BUCKETS bands);
 - either by whether none, some or all of its positions were *tried* (`Tried`: covered by an earlier window of the
-  block and left masked, below the threshold then). On the tiny model as retrained in stop 33 (a closed loop of 32
+  block and left masked, below the threshold then). On the tiny model as retrained (a closed loop of 32
   on the CPU engine) a rest window of 20 untried positions commits 18.7 and of 20 tried ones 1.0: pooled, both were
   priced at 10-13, and windows that commit all or one looked like windows that commit half;
 - each entry keeps the decayed mean and spread of its own windows' commits (a half-life of DEFAULT_HALFLIFE of them:
@@ -31,7 +31,7 @@ chunk-32 steps):
 
 Why not infer small windows from a large one (the positions a block-size step committed among its first c, or the
 stretch reading tandem used before: a window of c commits min(L, c) of a stretch L, Kaplan-Meier over all windows):
-on the tiny model (as committed before stop 33) a window of c commits far more than the first c positions of a
+on the tiny model (as first committed) a window of c commits far more than the first c positions of a
 larger window did (c = 4: 2.10 against 1.39 from chunk-32 steps; c = 8: 3.48 against 2.25), because positions past
 the window are absent, not masked, and the model is surer without them; read as stretches, windows 2-8 were
 undervalued by a third, elastic fell to windows of 1, which show nothing beyond themselves, and stayed there (0.905x
