@@ -1,5 +1,4 @@
-"""`tandem serve` stops cleanly on SIGTERM (issue 13 acceptance 4's clean stop; it used to die by the signal,
-exit -15, leaving its workers to notice alone): the HTTP server closes, the workers are shut down and reaped,
+"""`tandem serve` stops cleanly on SIGTERM: the HTTP server closes, the workers are shut down and reaped,
 and the exit code is 0."""
 from __future__ import annotations
 

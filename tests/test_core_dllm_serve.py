@@ -1,4 +1,4 @@
-"""dLLM-Serve in the worker core (issue 17, deliverables 3-4, acceptance 3): Refresh/Reuse phases of LLaDA-style
+"""dLLM-Serve in the worker core: Refresh/Reuse phases of LLaDA-style
 requests and their admission under the query-token budget (tandem/policy/dllm_serve, tandem/core/worker.py), driven
 by hand. Every expected number is worked out in the comments; the property test runs random arrivals, lengths,
 phase policies and commits and checks the budget and the two starvation bounds stated in

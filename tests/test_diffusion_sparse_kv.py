@@ -1,4 +1,4 @@
-"""Head-centric sparse KV and Refresh/Reuse decoding for SDAR (issue 17, deliverables 3 and 5).
+"""Head-centric sparse KV and Refresh/Reuse decoding for SDAR.
 
 Selection is checked on hand-built score tensors (each head's own top positions, the uniform baseline's one shared
 set, the max-pool), the packed buffer on its fixed size and contents, the attention backend against explicit

@@ -1,4 +1,4 @@
-"""dLLM-Serve in the simulator (issue 17, deliverable 6): the analytic memory model of a diffusion worker
+"""dLLM-Serve in the simulator: the analytic memory model of a diffusion worker
 (tandem/perf/dllm_memory.py) against hand-computed numbers for LLaDA-8B, the catalogue entry, the simulator's
 knobs (KV pool and token budget from the memory model, LLaDA's one-token-a-step commits) and the simulate flags."""
 from __future__ import annotations

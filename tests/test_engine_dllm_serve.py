@@ -1,4 +1,4 @@
-"""dLLM-Serve's Refresh/Reuse phases over head-centric sparse KV inside the engine (issue 17, deliverables 3, 5).
+"""dLLM-Serve's Refresh/Reuse phases over head-centric sparse KV inside the engine.
 
 The core plans each sequence's phase (tandem/policy/dllm_serve through WorkerCore's dLLM-Serve mode); the engine
 executes it with refresh.py's per-sequence step, the one generate_refresh runs, over packed KV that lives in the

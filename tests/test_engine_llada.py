@@ -1,4 +1,4 @@
-"""LLaDA-style (bidirectional) models served by the engine and `tandem serve` (issue 16, deliverable 1).
+"""LLaDA-style (bidirectional) models served by the engine and `tandem serve`.
 
 A LLaDA request runs through the same WorkerCore as SDAR's dLLM-Serve mode, with the core's span `canvas`: the canvas
 is the prompt and G (max_tokens) rounded up to whole blocks of masks, decoded block by block from the prompt's end; a

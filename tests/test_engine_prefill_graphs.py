@@ -1,5 +1,4 @@
-"""LAPS short-prefill buckets as CUDA graphs (engine/prefill_graphs.py, attention/static_prefill.py; issue 15,
-deliverable 4).
+"""LAPS short-prefill buckets as CUDA graphs (engine/prefill_graphs.py, attention/static_prefill.py).
 
 On CPU: the static bucket attention against the sdpa backend, the captured code run eagerly (`forward_static`)
 against the eager unpadded step, padding that never touches a real KV block, which steps replay, when graphs are

@@ -1,4 +1,4 @@
-"""Automatic prefix caching through HTTP (issue 13 part 1.1): requests without a session id that share a prefix
+"""Automatic prefix caching through HTTP: requests without a session id that share a prefix
 report `cached_tokens` = the prefix rounded down to whole blocks, and a session whose history diverges at token k
 reuses floor(k / block) blocks — in the in-process server and on 1P+1D worker processes (AMPD), where the decode
 worker's prefix cache becomes the round's history wherever its prefill runs."""

@@ -1,4 +1,4 @@
-"""Optimus's T(c, b) from `tandem profile` on a block-diffusion checkpoint (issue 16, deliverable 5): the profile's
+"""Optimus's T(c, b) from `tandem profile` on a block-diffusion checkpoint: the profile's
 dllm_latency section, its fit, its file format, and its two consumers (the engine, the simulator).
 
 One `tandem profile --quick` of the committed trained tiny SDAR (tandem/engine/diffusion/assets/tiny-sdar) serves

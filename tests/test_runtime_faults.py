@@ -1,5 +1,5 @@
-"""Faults on the real multi-process server (`tandem serve`: 1 prefill + 1 decode worker, policy ampd) through HTTP
-(issue 6, acceptance 4); the behaviour each test pins down is described in docs/runtime.md.
+"""Faults on the real multi-process server (`tandem serve`: 1 prefill + 1 decode worker, policy ampd) through HTTP;
+the behaviour each test pins down is described in docs/runtime.md.
 
 (a) a killed prefill worker: noticed within 2 s, its in-flight rounds re-routed to the decode worker and complete
     with the offline engine's output, later rounds prefill locally, /health stays 200;

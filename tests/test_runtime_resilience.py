@@ -1,4 +1,4 @@
-"""Resilience of the live runtime (GitHub issue 13, part 2), each on real worker processes:
+"""Resilience of the live runtime, each on real worker processes:
 
 - 2.1 a Redis blip (redis-server killed, restarted 0.3 s later) under load: no request hangs, workers stay alive,
   /health and /metrics answer 200 again; the store's writes never raise and the coordinator's reads fall back to

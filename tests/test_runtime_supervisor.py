@@ -1,4 +1,4 @@
-"""The supervisor (issue 13 part 2.6 and acceptance 3): a worker that stops answering for less than the worker
+"""The supervisor: a worker that stops answering for less than the worker
 timeout is ridden out; one stopped longer (SIGSTOP 3 s) or killed is declared dead, fenced, reaped and replaced
 (same id and role, fresh keys) so /health is 200 again within 10 s without restarting the server; no request
 hangs: each ends with its output or a clear error; a worker that keeps dying is not restarted past the cap."""

@@ -1,4 +1,4 @@
-"""`tandem serve` with a block-diffusion model (issue 16, deliverable 8; acceptance 6 at the HTTP API).
+"""`tandem serve` with a block-diffusion model.
 
 One co-located worker process serves the project's trained tiny SDAR model behind the OpenAI API: a streamed
 completion's chunks add up to the non-streamed completion's text and token ids (greedy), usage is exact, the

@@ -1,4 +1,4 @@
-"""`tandem serve` with dLLM-Serve's Refresh/Reuse phases (issue 17, deliverable 7).
+"""`tandem serve` with dLLM-Serve's Refresh/Reuse phases.
 
 One co-located worker process serves the trained tiny SDAR model with phase-multiplexed admission over sparse KV
 (ρ = 0.5) and a logit cap, its KV pool sized from a CPU memory budget: completions come back, /metrics shows the

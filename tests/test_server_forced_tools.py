@@ -1,4 +1,4 @@
-"""Forced tool calls (issue 13 part 1.3): `tool_choice` "required" or a named function constrains the output by
+"""Forced tool calls: `tool_choice` "required" or a named function constrains the output by
 grammar, so every call's arguments validate against its tool's schema (checked with `jsonschema`), streamed as
 OpenAI's incremental `tool_calls` deltas or whole; `parallel_tool_calls: false` allows one call; the scanner that
 turns constrained output into calls agrees between streaming and not."""
@@ -136,7 +136,7 @@ def _validate(name: str, arguments: str) -> None:
 
 
 def test_required_tool_calls_validate_against_their_schemas_streaming_and_not(app):
-    """Protects tool_choice "required" (issue 13 acceptance 2): 100 of 100 sampled answers (half streamed) have ≥ 1
+    """Protects tool_choice "required": 100 of 100 sampled answers (half streamed) have ≥ 1
     call whose name is a tool and whose arguments validate; finish_reason tool_calls; content null."""
     rs = _run(app, [_body(i, i % 2 == 1, tool_choice="required") for i in range(100)])
     n_calls = 0

@@ -1,4 +1,4 @@
-"""/health answered in the HTTP protocol's read callback (issue 13 acceptance 4): the same answers as the app's
+"""/health answered in the HTTP protocol's read callback: the same answers as the app's
 /health route (200 empty, 503 with the OpenAI error body), on kept-alive connections too, while anything that is
 not a plain `GET /health` head (a body, another path, a partial head, pipelined requests) takes the normal path."""
 from __future__ import annotations

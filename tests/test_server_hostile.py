@@ -1,4 +1,4 @@
-"""Hostile input against the OpenAI-compatible server (GitHub issue 13, part 2): size caps checked before any
+"""Hostile input against the OpenAI-compatible server: size caps checked before any
 expensive work and preparation off the event loop (/health stays fast), out-of-range integers as 400s naming the
 parameter, session id limits, error messages that never echo a huge value or another client's request id,
 the API key from the environment or a file, and the slow-client settings."""

@@ -1,4 +1,4 @@
-"""Several choices per request (issue 13 part 1.4, `n > 1`): one engine request per choice, the later choices
+"""Several choices per request: one engine request per choice, the later choices
 taking the prompt's blocks from the prefix cache (shared), choice i seeded with seed + i (vLLM's rule), streams
 merged with each chunk naming its choice, usage counting the prompt once."""
 from __future__ import annotations

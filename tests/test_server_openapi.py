@@ -1,4 +1,4 @@
-"""/openapi.json (issue 13 part 1.4): the API is published, with the request and response bodies of chat and
+"""/openapi.json: the API is published, with the request and response bodies of chat and
 completions (their routes read the raw body, so the schema is added explicitly), every reference resolvable."""
 from __future__ import annotations
 

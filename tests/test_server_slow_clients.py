@@ -1,4 +1,4 @@
-"""Hostile HTTP clients against a real uvicorn (issue 13 part 2.9 and acceptance 4): a request head trickled in
+"""Hostile HTTP clients against a real uvicorn: a request head trickled in
 byte by byte (slowloris) or garbage without a line end is closed after the head deadline; a refused large body
 is read and dropped so the client sees its 413 instead of a connection reset; a client that leaves mid-body is
 not logged as an internal error."""

@@ -1,4 +1,4 @@
-"""Structured output through the OpenAI API (issue 13 part 1.2, server half): `response_format` json_schema and
+"""Structured output through the OpenAI API: `response_format` json_schema and
 json_object on chat and completions, streaming and not, every answer parsed and validated with `jsonschema`;
 a bad schema is a 400 naming response_format."""
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _text_of_stream(body: str, chat: bool) -> str:
 
 
 def test_json_schema_answers_parse_and_validate_on_chat_and_completions_streaming_or_not(client):
-    """Protects the grammar reaching the sampler from the API (issue 13 acceptance 2): 100 of 100 sampled answers,
+    """Protects the grammar reaching the sampler from the API: 100 of 100 sampled answers,
     concurrent, chat and completions, half of each streamed, all parse and validate."""
     app = build_app(client)
 

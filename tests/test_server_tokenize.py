@@ -1,4 +1,4 @@
-"""/tokenize and /detokenize as vLLM's, and streaming fidelity for load generators (issue 14 part 4): one chunk per
+"""/tokenize and /detokenize as vLLM's, and streaming fidelity for load generators: one chunk per
 engine output with new tokens, a token whose text is still empty included, so a client counting chunks sees every
 token."""
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The serving process loads at startup what first requests would load on the event loop (issue 13 acceptance
-4: lazy imports of 50-100 ms on the first burst held /health past 100 ms)."""
+"""The serving process loads at startup what first requests would load on the event loop."""
 from __future__ import annotations
 
 import subprocess

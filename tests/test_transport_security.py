@@ -1,4 +1,4 @@
-"""Hostile local peers against the runtime's sockets (issue 13, part 2).
+"""Hostile local peers against the runtime's sockets.
 
 2.2  the control plane is authenticated (CURVE, per-cluster keys made by the coordinator's Hub): a DEALER that
      claims worker 1's identity, without keys or with its own, gets nothing, and worker 1 stays alive and serves;
