@@ -202,7 +202,7 @@ def _engine_requests(structured: bool):
 
 
 def test_engine_outputs_identical_with_and_without_max_num_logits(tiny):
-    """Protects acceptance 5: token for token, logprobs, top logprobs and prompt logprobs (chunked over prefill
+    """Protects token-for-token equality: logprobs, top logprobs and prompt logprobs (chunked over prefill
     steps) equal the monolithic engine's with the LM head on 1 or 3 rows at a time; structured output too when
     xgrammar is installed."""
     structured = True

@@ -95,7 +95,7 @@ def test_worst_case_batch_is_at_the_scheduler_limits():
 
 
 def test_a_real_worst_case_step_never_exceeds_the_profiled_budget(engines):
-    """Protects acceptance 1 (first half): a real step at the limits (256 tokens, 64 rows sampled with top-k/top-p,
+    """Protects the profiled peak as an upper bound: a real step at the limits (256 tokens, 64 rows sampled with top-k/top-p,
     penalties, 20 logprobs, prompt logprobs) measures at most the profiled peak, and the CPU allocator's own count
     (kernel-internal scratch included, measured on the same step) at most the peak plus its guard band, monolithic
     and decomposed."""
@@ -123,7 +123,7 @@ def test_a_real_worst_case_step_never_exceeds_the_profiled_budget(engines):
 
 
 def test_the_logit_cap_enlarges_the_kv_pool_by_the_predicted_amount(engines):
-    """Protects acceptance 1 (second half) and the sizing rule: each pool is (budget - weights - persistent buffers -
+    """Protects the pools sized from the profile and the sizing rule: each pool is (budget - weights - persistent buffers -
     peak - guard) // block bytes; with max_num_logits=8 the pool is larger by the difference of the guarded peaks,
     which exceeds the 56 rows x 32768 x 4 bytes of logits the cap never holds."""
     mono, dec = engines[None].runner, engines[CAP].runner

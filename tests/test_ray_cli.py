@@ -1,4 +1,4 @@
-"""Issue 18's command line without a Ray cluster: acceptance 4 (Ray not installed: `tandem serve --launcher ray`
+"""The Ray command line without a Ray cluster (Ray not installed: `tandem serve --launcher ray`
 exits 2 with one line naming the extra, and so do `experiment --ray` and `plan --ray`), and hostile --ray-*
 values (one line, exit 2, before anything starts)."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ def no_ray(monkeypatch):
 
 
 def test_serve_launcher_ray_without_ray_installed_exits_2_with_one_line(ckpt, tmp_path):
-    """Protects acceptance 4 in a real process: a `ray` that cannot be imported (a module shadowing it on
+    """Protects the one-line refusal in a real process: a `ray` that cannot be imported (a module shadowing it on
     PYTHONPATH raises ImportError, as a missing package does) makes `tandem serve --launcher ray` print exactly one
     line naming the extra and exit 2."""
     shadow = tmp_path / "shadow"
@@ -46,7 +46,7 @@ def test_serve_launcher_ray_without_ray_installed_exits_2_with_one_line(ckpt, tm
     (["plan", "--gpus", "8", "--workload", "toolbench", "--ray", "--no-progress"], "--ray"),
 ])
 def test_sweeps_with_ray_without_ray_installed_exit_2_with_one_line(no_ray, tmp_path, capsys, argv, flag):
-    """Protects acceptance 4 for the sweeps: --ray without Ray is one line naming the extra, exit 2."""
+    """Protects the one-line refusal for the sweeps: --ray without Ray is one line naming the extra, exit 2."""
     if argv[0] == "experiment":
         argv = argv + ["--out", str(tmp_path / "rep")]
     assert main(argv) == 2

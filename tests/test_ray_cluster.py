@@ -1,13 +1,13 @@
-"""Issue 18 on a real Ray cluster of two nodes on this machine (a head labelled tandem_p and a second `ray start`
+"""tandem on a real Ray cluster of two nodes on this machine (a head labelled tandem_p and a second `ray start`
 labelled tandem_d, one CPU each; tandem.bench.ray_local, stopped by pid at the end):
 
-- acceptance 1: `tandem serve --launcher ray` (a separate process, as a user runs it) places the prefill worker's
+- placement: `tandem serve --launcher ray` (a separate process, as a user runs it) places the prefill worker's
   actor on the tandem_p node and the decode worker's on the tandem_d node; 20 multi-round sessions replayed
   through HTTP all complete with the same tokens, round by round, as the embedded launcher's server gives them;
-- acceptance 2: killing the decode worker's actor (ray.kill) mid-run ends every in-flight request with its output
+- failure: killing the decode worker's actor (ray.kill) mid-run ends every in-flight request with its output
   or a "worker lost" error, the supervisor starts a new actor on the same node, and /health is 200 again without
   a restart of `tandem serve`;
-- acceptance 3: `tandem experiment --ray` writes a byte-identical results.json to the local run's, and `tandem
+- sweeps: `tandem experiment --ray` writes a byte-identical results.json to the local run's, and `tandem
   plan --ray` picks the same deployments.
 """
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _node_of(name: str) -> dict:
 
 
 def test_serve_on_two_ray_nodes_matches_embedded_and_survives_a_killed_decode_actor(stack, ckpt, tmp_path):
-    """Protects acceptance 1 and 2 (see the module docstring): placement by --ray-place, the same tokens as the
+    """Protects placement and failure (see the module docstring): placement by --ray-place, the same tokens as the
     embedded launcher's for 20 multi-round sessions, and a killed decode actor going through the supervisor."""
     cluster, embedded = stack
     t_start = time.monotonic()
@@ -159,11 +159,11 @@ def test_serve_on_two_ray_nodes_matches_embedded_and_survives_a_killed_decode_ac
         print(f"servers up {time.monotonic() - t_start:.1f} s")
         vocab = min(embedded.cluster.tokenizer.vocab_size, 1000)
         on_ray = _replay(url, vocab)
-        assert on_ray == _replay(embedded.url, vocab)                 # acceptance 1: the same tokens, round by round
+        assert on_ray == _replay(embedded.url, vocab)                 # the same tokens, round by round
         print(f"replayed {time.monotonic() - t_start:.1f} s")
         embedded.stop()
 
-        # acceptance 2: 12 long generations in flight, then the decode worker's actor is killed
+        # 12 long generations in flight, then the decode worker's actor is killed
         async def burst() -> list[dict]:
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
                 reqs = [asyncio.create_task(_round(c, list(range(10 + i, 40 + i)), 400, None)) for i in range(12)]
@@ -197,7 +197,7 @@ async def _once(url: str) -> dict:
 
 
 def test_experiment_and_plan_on_ray_give_the_local_results(cluster, tmp_path, capsys):
-    """Protects acceptance 3: the same sweep as Ray tasks on the two nodes writes a byte-identical results.json to
+    """Protects sweeps: the same sweep as Ray tasks on the two nodes writes a byte-identical results.json to
     the in-process run's (its wall times go to run.json), and the planner's answer is the same on Ray."""
     argv = ["experiment", "--preset", "demo", "--workloads", "toolbench", "--policies", "ampd,vllm", "--rates",
             "0.8,1.6", "--sessions", "6", "--no-progress"]

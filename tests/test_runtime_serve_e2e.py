@@ -95,7 +95,7 @@ async def _complete(client: httpx.AsyncClient, prompt: list[int], max_tokens: in
     return {"token_ids": ids, "finish_reason": finish, "usage": usage}
 
 
-# ---------------------------------------------------------------------------- acceptance 2
+# ---------------------------------------------------------------------------- serving through HTTP
 def test_toolbench_replay_through_http_matches_offline_and_counts_both_prefill_paths(server, offline):
     """Protects the whole live path: 50 multi-round sessions (ToolBench shape, x0.1, outputs <= 8 tokens) at
     10 sessions/s through HTTP; none lost; the coordinator routes both ways and /metrics counts exactly its
@@ -154,7 +154,7 @@ def test_toolbench_replay_through_http_matches_offline_and_counts_both_prefill_p
           f"remote {remote:g}")
 
 
-# ---------------------------------------------------------------------------- acceptance 5 on the cluster
+# ---------------------------------------------------------------------------- on the cluster
 _USER = [{"role": "user", "content": "what is the weather in Paris?"}]
 BAD = [
     # (what it protects, path, raw body or JSON, status, code, param)
@@ -250,7 +250,7 @@ def test_200_concurrent_mixed_requests_on_the_cluster(server):
         time.sleep(0.05)
 
 
-# ---------------------------------------------------------------------------- acceptance 6: --state redis://
+# ---------------------------------------------------------------------------- --state redis://
 def test_redis_state_store_serves_a_two_round_session(ckpt, offline):
     """Protects `tandem serve --state redis://`: worker processes publish their states to Redis (not through the
     coordinator), the coordinator routes from them, a 2-round session's outputs equal the offline engine's, and the

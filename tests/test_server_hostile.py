@@ -99,7 +99,7 @@ def _health_while(app, work: dict, every_s: float = 0.01) -> tuple[httpx.Respons
 
 # ---------------------------------------------------------------------------- 2.4: limits, event loop
 def test_health_answers_within_100ms_while_a_large_prompt_is_templated_and_tokenized(client):
-    """Issue 13 2.4: a 1 MB message took 3.7 s of templating + tokenizing on the event loop and /health waited.
+    """A 1 MB message took 3.7 s of templating + tokenizing on the event loop and /health waited.
     Now both run on the preparation threads (tokenizers' encode_batch releases the GIL): /health answers every
     time in < 100 ms while the request is prepared (the char cap raised so that the request is tokenized)."""
     app = build_app(client, limits=Limits(max_prompt_chars=4 << 20))
@@ -112,7 +112,7 @@ def test_health_answers_within_100ms_while_a_large_prompt_is_templated_and_token
 
 
 def test_health_answers_within_100ms_while_a_body_of_240k_messages_is_parsed(app):
-    """Issue 13 2.4: 400k messages took 22 s. A large body is parsed off the loop by a decoder that stops at the
+    """400k messages took 22 s. A large body is parsed off the loop by a decoder that stops at the
     first array longer than any field takes; /health stays < 100 ms and the request is a 400 within a second."""
     body = json.dumps({"messages": [{"role": "user", "content": "x"}] * 240_000}).encode()
     assert len(body) < DEFAULT_MAX_BODY_BYTES
@@ -129,7 +129,7 @@ def _tools_body(n: int) -> bytes:
 
 
 def test_health_answers_within_100ms_while_large_tools_are_parsed_templated_and_tokenized(client, app, monkeypatch):
-    """Issue 13 2.4: a large valid body (a 0.7 MB tool schema: many JSON objects) is parsed, rendered and
+    """A large valid body (a 0.7 MB tool schema: many JSON objects) is parsed, rendered and
     tokenized off the loop (/health < 100 ms throughout); with the default caps its characters are refused
     before templating (the template is never rendered: a wall-clock bound here failed under CI's load)."""
     from tandem.server import chat
@@ -147,7 +147,7 @@ def test_health_answers_within_100ms_while_large_tools_are_parsed_templated_and_
 
 
 def test_a_body_over_the_default_cap_is_a_413_before_parsing(app):
-    """Issue 13 2.4: a 12 MB chat body took 38 s to be rejected; the default cap is 8 MiB (Content-Length)."""
+    """A 12 MB chat body took 38 s to be rejected; the default cap is 8 MiB (Content-Length)."""
     body = json.dumps({"messages": [{"role": "user", "content": "x"}] * 400_000}).encode()
     assert len(body) > DEFAULT_MAX_BODY_BYTES
     t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def test_a_body_over_the_default_cap_is_a_413_before_parsing(app):
 
 
 def test_token_ids_beyond_the_context_are_rejected_by_length(app):
-    """Issue 13 2.4: 5M token ids took 5 s. Under the body cap, 2M ids stop at the array cap (the context), and
+    """5M token ids took 5 s. Under the body cap, 2M ids stop at the array cap (the context), and
     a list that fits the array cap but fills the context is a context_length_exceeded 400 before any id check."""
     body = json.dumps({"prompt": [1] * 2_000_000}).encode()
     t0 = time.perf_counter()
@@ -169,7 +169,7 @@ def test_token_ids_beyond_the_context_are_rejected_by_length(app):
 
 
 def test_message_count_and_content_characters_are_capped(client, app):
-    """Issue 13 2.4: caps on messages and on content characters, checked before templating (defaults from
+    """Caps on messages and on content characters, checked before templating (defaults from
     max_model_len, configurable)."""
     many = {"messages": USER * (MAX_LEN + 1)}
     err = _error(_asgi(app, "POST", CHAT, many), 400, "messages", "invalid_value")
@@ -214,7 +214,7 @@ HUGE = [
 @pytest.mark.parametrize("path", [CHAT, COMP])
 @pytest.mark.parametrize("field,value,param,code", HUGE, ids=[f"{h[0]}={str(h[1])[:12]}" for h in HUGE])
 def test_out_of_range_integers_are_400s_naming_the_parameter(app, path, field, value, param, code):
-    """Issue 13 2.5: seed 2^70 was a 500 (torch's manual_seed overflowed), top_k / stop_token_ids 2^64 were
+    """Seed 2^70 was a 500 (torch's manual_seed overflowed), top_k / stop_token_ids 2^64 were
     accepted; every out-of-range value is now a 400 naming the field."""
     body = {**BASE[path], field: value}
     _error(_asgi(app, "POST", path, json.dumps(body).encode()), 400, param, code)
@@ -228,7 +228,7 @@ def test_out_of_range_integers_are_400s_naming_the_parameter(app, path, field, v
     (COMP, {"best_of": 2 ** 70}, "best_of"),
 ])
 def test_huge_logprobs_and_limits_are_400s(app, path, body, param):
-    """Issue 13 2.5: logprobs / top_logprobs / max_completion_tokens / best_of out of range name their field."""
+    """Logprobs / top_logprobs / max_completion_tokens / best_of out of range name their field."""
     body = {**BASE[path], **body}
     if param == "max_completion_tokens":
         body.pop("max_tokens")
@@ -237,7 +237,7 @@ def test_huge_logprobs_and_limits_are_400s(app, path, body, param):
 
 
 def test_sampling_params_check_integer_ranges():
-    """Issue 13 2.5 at the engine: SamplingParams itself refuses values torch or the sampler cannot take."""
+    """At the engine: SamplingParams itself refuses values torch or the sampler cannot take."""
     for kw in ({"seed": INT64_MAX + 1}, {"seed": INT64_MIN - 1}, {"top_k": INT32_MAX + 1},
                {"stop_token_ids": [INT32_MAX + 1]}, {"max_tokens": INT64_MAX + 1}, {"min_tokens": INT64_MAX + 1},
                {"temperature": 10 ** 400}, {"repetition_penalty": 10 ** 400}):
@@ -256,7 +256,7 @@ def test_an_in_range_seed_still_samples(app):
 
 # ---------------------------------------------------------------------------- 2.7: session ids
 def test_session_ids_are_at_most_256_printable_characters(app, client):
-    """Issue 13 2.7: session ids had no size limit; > 256 characters or non-printable ones are a 400 whose message
+    """Session ids had no size limit; > 256 characters or non-printable ones are a 400 whose message
     quotes only a prefix; 256 characters are fine (body field or x-session-id header)."""
     long = "s" * 257
     for body, headers in (({"session_id": long}, None), ({}, {"x-session-id": long}),
@@ -280,7 +280,7 @@ def test_session_ids_are_at_most_256_printable_characters(app, client):
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "i" * 1_000_000}]}]}, "messages.0.content"),
 ])
 def test_errors_quote_only_a_prefix_of_a_bad_value(app, path, body, param):
-    """Issue 13 2.9: an invalid 1 MB stop list was echoed whole (10 MB error bodies). Every echo is now cut to
+    """An invalid 1 MB stop list was echoed whole (10 MB error bodies). Every echo is now cut to
     about 100 characters."""
     r = _asgi(app, "POST", path, json.dumps({**BASE[path], **body}).encode())
     assert 400 <= r.status_code < 500 and len(r.content) < 700, (r.status_code, len(r.content))
@@ -326,7 +326,7 @@ class _BusyClient:
     ("session 's1' already has a request running ('cmpl-0123456789abcdef0123456789abcdef')", 400),
 ])
 def test_a_busy_session_error_does_not_reveal_the_other_request_id(client, message, status):
-    """Issue 13 2.9: the 409 for a busy session showed another client's request id (coordinator_shell.generate,
+    """The 409 for a busy session showed another client's request id (coordinator_shell.generate,
     LLMEngine.add_request); the server redacts request ids from backend messages."""
     app = build_app(_BusyClient(client.tokenizer, message, status))
     for path in (CHAT, COMP):
@@ -369,7 +369,7 @@ def _serve_args(*extra: str):
 
 
 def test_api_key_from_the_environment_or_a_file(tmp_path, client):
-    """Issue 13 2.9: --api-key was only on argv (visible in ps); TANDEM_API_KEY and --api-key-file work too
+    """--api-key was only on argv (visible in ps); TANDEM_API_KEY and --api-key-file work too
     (argv wins, then the file, then the environment), and the key they give guards /v1."""
     env = {API_KEY_ENV: "sk-env"}
     assert api_key_of(_serve_args(), env) == "sk-env"
@@ -386,7 +386,7 @@ def test_api_key_from_the_environment_or_a_file(tmp_path, client):
 
 
 def test_serve_flags_set_the_limits_and_uvicorn_slow_client_settings():
-    """Issue 13 2.4/2.9: `tandem serve` flags reach build_app (body cap, limits, body timeout) and uvicorn
+    """`tandem serve` flags reach build_app (body cap, limits, body timeout) and uvicorn
     (keep-alive timeout, graceful-shutdown timeout, header size limit, concurrency limit), and uvicorn accepts them;
     a non-positive graceful-shutdown timeout is a one-line CLI error."""
     opts = server_options(_serve_args("--max-body-bytes", "1000", "--max-messages", "7", "--max-prompt-chars", "9",
