@@ -206,12 +206,6 @@ class Roofline(StepTimer):
             busy = self._launch                     # an eager prefill step waits for its kernel launches
         return busy + comm + self._overhead
 
-    def step_time(self, shape: BatchShape) -> float:
-        """Seconds of one iteration over `shape` (0 for an empty batch)."""
-        return self.step_time_args(shape.prefill_tokens, shape.prefill_attn_pairs, shape.prefill_kv_read_tokens,
-                                   shape.num_prefill, shape.num_decode, shape.decode_ctx_tokens, shape.graph,
-                                   shape.decode_kv_shared)
-
     def swap_time(self, tokens: int) -> float:
         """Seconds to copy `tokens` positions of this GPU's KV to or from host memory (a swap preemption)."""
         if tokens <= 0:

@@ -38,6 +38,7 @@ import numpy as np
 from tandem.perf.ampd_cost import TYPICAL_CTX, AMPDCostModel, dec_features, kv_features, pre_features
 from tandem.perf.fit import PiecewiseLinear, fit
 from tandem.perf.roofline import BatchShape
+from tandem.perf.step_timer import StepTimer
 from tandem.perf.window_profile import SECTION as DLLM_SECTION, WindowLatencyProfile
 
 FEATURES = ("const", "tokens", "prefill_chunks", "decode_seqs", "prefill_attn_pairs", "prefill_kv_read_tokens",
@@ -183,7 +184,7 @@ def cross_validate_segments(X: np.ndarray, y: np.ndarray, max_segments: int, fol
     return out
 
 
-class StepTimeModel:
+class StepTimeModel(StepTimer):
     """Seconds of one engine step as a piecewise-linear function of its BatchShape (see module doc)."""
 
     __slots__ = ("fit", "max_num_batched_tokens", "meta")
@@ -198,32 +199,19 @@ class StepTimeModel:
 
     # --- timer (hot path of the simulator) -------------------------------------------------
     def step_time_args(self, prefill_tokens: float, prefill_attn_pairs: float, prefill_kv_read_tokens: float,
-                       num_prefill: float, num_decode: float, decode_ctx_tokens: float) -> float:
-        """`step_time` without building a BatchShape (same fields, same order)."""
+                       num_prefill: float, num_decode: float, decode_ctx_tokens: float, graph: bool = False,
+                       decode_kv_shared: float = 0) -> float:
+        """`step_time` without building a BatchShape (same fields, same order; the fit has no graph or shared-KV
+        feature, so those two are not used)."""
         tokens = prefill_tokens + num_decode
         if tokens <= 0:
             return 0.0
         return self.fit.predict((1.0, tokens, num_prefill, num_decode, prefill_attn_pairs, prefill_kv_read_tokens,
                                  decode_ctx_tokens))
 
-    def step_time(self, shape: BatchShape) -> float:
-        """Seconds of one step over `shape` (0 for an empty batch)."""
-        return self.step_time_args(shape.prefill_tokens, shape.prefill_attn_pairs, shape.prefill_kv_read_tokens,
-                                   shape.num_prefill, shape.num_decode, shape.decode_ctx_tokens)
-
-    def prefill_time(self, l_hist: int, l_incr: int) -> float:
+    def prefill_time(self, l_hist: int, l_incr: int, chunk_tokens: int | None = None) -> float:
         """A prefill of l_incr tokens after l_hist resident ones, alone, in chunks of max_num_batched_tokens."""
-        total, done, chunk = 0.0, 0, self.max_num_batched_tokens
-        while done < l_incr:
-            n = min(chunk, l_incr - done)
-            h = l_hist + done
-            total += self.step_time_args(n, n * (h + (n + 1) / 2), h, 1, 0, 0)
-            done += n
-        return total
-
-    def decode_time(self, batch: int, ctx_tokens_total: int) -> float:
-        """One decode step of `batch` sequences whose KV lengths (after the step) sum to ctx_tokens_total."""
-        return self.step_time_args(0, 0.0, 0, 0, batch, ctx_tokens_total)
+        return super().prefill_time(l_hist, l_incr, chunk_tokens or self.max_num_batched_tokens)
 
     # --- fitting ---------------------------------------------------------------------------
     @classmethod
