@@ -226,9 +226,7 @@ def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, pol
     cfg = cluster.SimConfig(model=model, gpu=gpu, gpus=gpus, deploy=deploy, policy=policy, seed=args.seed,
                             **cost_fields(args))
     if args.perf is None:
-        choice = cfg.cost_choice()          # ConfigError (one line) when measured costs are asked for and missing
-        if choice.note:
-            note(choice.note)
+        cost_note(gpu, args)                # one line when measured costs are asked for and missing
     if args.perf is not None:
         cfg = dataclasses.replace(cfg, perf=args.perf)
     if hasattr(args, "swap_space"):

@@ -12,8 +12,8 @@ from functools import lru_cache
 from tandem.perf.ampd_cost import AMPDCostModel, from_timers
 from tandem.perf.hardware import get_gpu
 from tandem.perf.measured.derive import derived_ops
-from tandem.perf.measured.source import DEFAULT_FRAMEWORK, FRAMEWORKS, MissingCostData
-from tandem.perf.measured.step import CostLabel, MeasuredStep
+from tandem.perf.measured.source import DEFAULT_FRAMEWORK, FRAMEWORKS, CostLabel, MissingCostData
+from tandem.perf.measured.step import MeasuredStep
 from tandem.perf.models import ModelSpec
 from tandem.perf.roofline import Roofline
 from tandem.perf.step_timer import StepTimer

@@ -20,7 +20,7 @@ import numpy as np
 from tandem.perf.hardware import GPU, GPUS, get_gpu
 from tandem.perf.measured.grid import LogGrid
 from tandem.perf.measured.ops import HeadShape, OpTables, op_tables
-from tandem.perf.measured.source import MissingCostData, SYSTEMS, data_root, system_of
+from tandem.perf.measured.source import SYSTEMS, CostLabel, MissingCostData, data_root, system_of
 
 
 def donor_of(gpu: GPU) -> GPU:
@@ -36,8 +36,6 @@ def donor_of(gpu: GPU) -> GPU:
 def derived_ops(gpu: GPU | str, framework: str, donor: GPU | str | None = None):
     """(operator tables, CostLabel) for a GPU: its own tables when measured, else derived from `donor` (by default
     the nearest measured GPU of its architecture)."""
-    from tandem.perf.measured.step import CostLabel
-
     gpu = get_gpu(gpu)
     data_root()                                       # MissingCostData naming the install when absent
     system = system_of(gpu.name)

@@ -107,3 +107,20 @@ def read_columns(path: Path, columns: tuple[str, ...]) -> dict[str, np.ndarray]:
     if lat is not None and lat.dtype.kind not in "fi":
         raise MissingCostData(f"{path}: latencies must be numbers, got {lat.dtype}; reinstall with {INSTALL_HINT}")
     return out
+
+
+@dataclass(frozen=True)
+class CostLabel:
+    """Where a worker's step costs come from, for reports: measured, derived or roofline, with the tables read."""
+
+    source: str
+    framework: str = ""
+    system: str = ""
+    donor: str = ""
+    tables: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if self.source == "roofline":
+            return "roofline"
+        base = f"{self.source} ({self.framework}, {self.system}"
+        return base + (f" from {self.donor})" if self.donor else ")")

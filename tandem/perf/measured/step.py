@@ -16,7 +16,6 @@ array reads (the simulator's hot path); attention is read from small per-worker 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -35,23 +34,6 @@ B_MAX = 2048              # decode sequences tabulated exactly
 BINS_PER_OCTAVE = 16      # context lengths are read on a log grid this fine (4.4% apart) and interpolated between
 CTX_OCTAVES = 18          # up to 2^18 = 262,144 tokens of context (past it at constant utilisation)
 PREFILL_B_MAX = 256       # prefill chunks in one step tabulated exactly
-
-
-@dataclass(frozen=True)
-class CostLabel:
-    """Where a worker's step costs come from, for reports: measured, derived or roofline, with the tables read."""
-
-    source: str
-    framework: str = ""
-    system: str = ""
-    donor: str = ""
-    tables: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        if self.source == "roofline":
-            return "roofline"
-        base = f"{self.source} ({self.framework}, {self.system}"
-        return base + (f" from {self.donor})" if self.donor else ")")
 
 
 class MeasuredStep(StepTimer):
