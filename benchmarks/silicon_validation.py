@@ -137,6 +137,14 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def derive_pairs(text: str) -> dict[str, str]:
+    """--derive's TARGET:DONOR pairs as a dict (argparse turns the ValueError into a one-line usage error)."""
+    pairs = [p.split(":") for p in text.split(",") if p]
+    if any(len(p) != 2 or not all(p) for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected TARGET:DONOR pairs such as h200:h100, got {text!r}")
+    return dict(pairs)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="h100,h200", help="catalogue GPUs whose rows to simulate")
@@ -150,15 +158,18 @@ def main(argv=None) -> int:
     ap.add_argument("--continuous-warmup", type=int, default=0, metavar="K",
                     help="sensitivity: K x c warm-up requests run through the same closed loop before the measured ones "
                          "(default 0: the measured run starts cold, its warm-up drained first)")
-    ap.add_argument("--derive", default="h200:h100",
-                    help="TARGET:DONOR pairs: also simulate TARGET's rows on costs derived from DONOR's tables")
+    ap.add_argument("--derive", default="h200:h100", type=derive_pairs,
+                    help="TARGET:DONOR pairs, comma-separated: also simulate TARGET's rows on costs derived from "
+                         "DONOR's tables ('' for none)")
     a = ap.parse_args(argv)
+    if not 0 < a.scale <= 1 or a.limit < 0 or a.jobs < 1 or a.continuous_warmup < 0:
+        ap.error("--scale must be in (0, 1], --limit and --continuous-warmup >= 0, --jobs >= 1")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.from_rows:
         return report(_read_results(out / "rows.csv"), _read_skipped(out / "skipped.csv"), out)
     gpus, fws = set(a.gpus.split(",")), set(a.frameworks.split(","))
-    derive = dict(p.split(":") for p in a.derive.split(",") if p)
+    derive = a.derive
     cases, skipped = [], []
     for row in read_rows():
         c = to_case(row)

@@ -277,3 +277,27 @@ def test_sessions_arriving_after_the_last_decode_worker_died_fail_with_a_reason(
     late = [s for s in res.records if s.arrival_s > 5.0]
     assert late and all(s.failed and s.fail_reason.startswith("no live decode worker") for s in late)
     assert len(res.records) == 30 and all(s.completed or s.failed for s in res.records)
+
+
+# ---------------------------------------------------------------- co-located step forming
+
+def _second_arrival_step(policy: str):
+    """A co-located worker decoding one sequence when a second prompt arrives: the step it forms next."""
+    w = build_worker(0, COLOCATED, 1, 64, policy, SchedulerConfig())
+    for sid in ("a", "b"):
+        w.attach(sid)
+        w.begin_round(sid)
+    w.submit(PrefillTask("a", 0, 0, 16, 0.0, output_tokens=10, decode_worker=0, worker=0), 0.0)
+    w.on_step_done(w.schedule(0.0), StepResult(1.0), 1.0)        # a's prefill: a now decodes
+    w.submit(PrefillTask("b", 0, 0, 32, 1.0, output_tokens=10, decode_worker=0, worker=0), 1.0)
+    return w.schedule(1.0)
+
+
+def test_vllm_mixes_a_new_prefill_with_the_running_decodes_and_sglang_pauses_them():
+    mixed = _second_arrival_step("vllm")
+    assert [s.session_id for s in mixed.decode] == ["a"] and [(t.session_id, n) for t, n in mixed.prefill] == [("b", 32)]
+    first = _second_arrival_step("sglang")
+    assert first.decode == [] and [(t.session_id, n) for t, n in first.prefill] == [("b", 32)]
+    assert not get_policy("sglang").mixed_chunk and get_policy("vllm").mixed_chunk
+    with pytest.raises(ValueError, match="mixed_chunk must be a bool"):
+        get_policy("vllm").with_options(mixed_chunk="no")

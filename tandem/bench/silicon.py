@@ -163,6 +163,12 @@ def sessions(case: Case, seed: int = 0, scale: float = 1.0, warmup: int = 0) -> 
     return out
 
 
+def agg_policy(framework: str) -> str:
+    """The co-located policy that schedules as the framework does by default: SGLang runs a waiting prefill before
+    the decodes (no mixed chunks); vLLM and TRT-LLM mix decodes into chunked-prefill steps."""
+    return "sglang" if framework == "sglang" else "vllm"
+
+
 @dataclass(frozen=True)
 class Prediction:
     """A simulated row: means over its requests (what the rows hold), medians beside them."""
@@ -184,7 +190,7 @@ def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0
     fw = framework_defaults(case.framework)
     gpus = sum(int(a) * int(b) for a, b in re.findall(r"tp(\d+)x(\d+)", case.deploy))
     cfg = SimConfig(model=case.model, gpu=case.gpu, gpus=gpus, deploy=case.deploy,
-                    policy="vllm" if case.mode == "agg" else "dynamo", seed=seed,
+                    policy=agg_policy(case.framework) if case.mode == "agg" else "dynamo", seed=seed,
                     max_num_batched_tokens=fw.max_num_batched_tokens,
                     colocated_max_num_batched_tokens=fw.max_num_batched_tokens, max_num_seqs=fw.max_num_seqs,
                     concurrency=case.concurrency, cost_model=cost_model, cost_framework=case.framework,

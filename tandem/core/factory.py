@@ -109,7 +109,7 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
     cfg = WorkerConfig(
         role=role, tp=tp, num_blocks=num_blocks, block_size=sched.block_size,
         max_num_batched_tokens=max_num_batched_tokens or sched.max_num_batched_tokens,
-        max_num_seqs=sched.max_num_seqs, mix_decode_with_prefill=role == COLOCATED,
+        max_num_seqs=sched.max_num_seqs, mix_decode_with_prefill=role == COLOCATED and spec.mixed_chunk,
         retain_s=spec.retain_idle_kv_s, watermark=sched.watermark, window_s=sched.window_s,
         decode_query_tokens=sched.decode_query_tokens,
         dllm_block=sched.dllm_block_length if role != Role.PREFILL else 0, dllm_prefill_share=sched.dllm_prefill_share,

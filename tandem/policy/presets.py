@@ -83,6 +83,8 @@ class PolicySpec:
     remote_history: HistorySource = HistorySource.READ   # a remote prefill reads or recomputes the history
     laps_local_awd: bool = False  # AMPD+LAPS: a decode worker's short local prefills wait in AWD and run as one
                                   # batch (padded to a bucket with laps_graphs), pausing its decodes once per batch
+    mixed_chunk: bool = True     # co-located: decodes ride along prefill chunks (vLLM); False: a waiting prefill runs
+                                 # first and the decodes pause for it (SGLang's default, --enable-mixed-chunk off)
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -91,7 +93,7 @@ class PolicySpec:
         object.__setattr__(self, "binder", _enum(BinderKind, self.binder, "binder"))
         object.__setattr__(self, "prefill_sched", _enum(PrefillSchedKind, self.prefill_sched, "prefill scheduler"))
         object.__setattr__(self, "remote_history", _enum(HistorySource, self.remote_history, "remote history"))
-        for knob in ("laps_pools", "laps_split", "laps_graphs", "local_chunked", "laps_local_awd"):
+        for knob in ("laps_pools", "laps_split", "laps_graphs", "local_chunked", "laps_local_awd", "mixed_chunk"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         if isinstance(self.laps_min_pool, bool) or not isinstance(self.laps_min_pool, int) or self.laps_min_pool < 0:
@@ -176,6 +178,9 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
                            "filled up to the token budget; sessions bound to the decode worker with the least KV"),
     PolicySpec("vllm", False, RouterKind.LOCAL, PickerKind.FCFS,
                description="vLLM-like co-located: continuous batching with chunked prefill, prefix-cached KV evictable"),
+    PolicySpec("sglang", False, RouterKind.LOCAL, PickerKind.FCFS, mixed_chunk=False,
+               description="SGLang-like co-located: a waiting prefill runs before the decodes, which pause for it "
+                           "(mixed chunks off, SGLang's default); prefix-cached KV evictable"),
     PolicySpec("continuum", False, RouterKind.LOCAL, PickerKind.SESSION_FIRST, retain_idle_kv_s=30.0,
                description="Continuum-like co-located: same-session priority, KV pinned for a TTL across tool calls"),
 )}
