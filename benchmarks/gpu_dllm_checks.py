@@ -1,4 +1,4 @@
-"""CUDA checks of the diffusion and memory paths (issues 16 and 17) for a session lent a GPU; JSON to --out.
+"""CUDA checks of the diffusion and memory paths for a session lent a GPU; JSON to --out.
 
     python benchmarks/gpu_dllm_checks.py --out DIR
 

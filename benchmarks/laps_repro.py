@@ -245,7 +245,7 @@ def _rel(new: float | None, old: float | None) -> float | None:
 
 
 def headline(agg: list[dict], grid: Grid) -> list[dict]:
-    """Acceptance 2: at the largest model, instance count and concurrency of the grid (Qwen2.5-32B, 8 prefill
+    """The graph check: at the largest model, instance count and concurrency of the grid (Qwen2.5-32B, 8 prefill
     instances, 64 clients by default), LAPS against SGLang-PD, its router and vLLM-PD, per client kind."""
     model = "qwen2.5-32b" if "qwen2.5-32b" in grid.models else grid.models[-1]
     inst, conc = max(grid.instances), max(grid.concurrency)

@@ -148,7 +148,7 @@ def accuracy(n_per_task: int) -> dict:
 
 
 def commit_model(windows: dict[str, list]) -> dict:
-    """Deliverable 7's check: the simulator's stretch model (tandem.perf.dllm.StretchModel) fitted to the tiny
+    """The stretch-model check: the simulator's stretch model (tandem.perf.dllm.StretchModel) fitted to the tiny
     model's BD32 commits per step (mean, std), against the commits it measured per window of m masked positions in
     the streaming runs (dynamic strategy)."""
     from tandem.perf.dllm import StretchModel

@@ -268,7 +268,7 @@ def test_phase_schedule_arithmetic():
 
 @pytest.mark.parametrize("seed", range(8))
 def test_property_budget_and_starvation_bounds_under_random_arrivals_lengths_and_phases(seed):
-    """Acceptance 3. Random knobs (budget, block, delay_step, refresh interval, span, retention, pool, max_num_seqs),
+    """The budget invariant and starvation bounds. Random knobs (budget, block, delay_step, refresh interval, span, retention, pool, max_num_seqs),
     random arrivals (0-3 a step) and lengths, random commits (1 to the window) for a few hundred steps, then drained.
     Every step: the packed query tokens never exceed max_num_batched_tokens (all three modes); phase mode: a request
     deferred at step t runs by step t + m_t (m_t requests deferred at t), and the head of the queue is admitted

@@ -363,7 +363,7 @@ def test_ampd_laps_chunked_is_built_with_the_chunked_local_path_on_decode_worker
 
 
 def test_the_class_threshold_is_the_policys_else_the_cost_models_boundary_else_256():
-    """Protects deliverable 1's default: a set laps_length_threshold wins; without it the boundary the shell's cost
+    """Protects the threshold's default: a set laps_length_threshold wins; without it the boundary the shell's cost
     model gives (here 200) classifies in the workers and the router alike; without either, LAPS's 256."""
     spec = resolve_policy("laps")
     assert build_worker(0, PREFILL, 1, 100, spec, boundary=200).laps.opts.threshold == 200

@@ -63,7 +63,7 @@ def _run(eng: LLMEngine, prompts, params) -> tuple[dict[str, list[int]], dict[st
 
 
 def test_block_mode_equals_the_reference_loop_greedy_and_seeded(prompts, model):
-    """Acceptance 1: c = B with no intra-block reuse gives the plain reference (full recomputation under the
+    """Chunk = block: c = B with no intra-block reuse gives the plain reference (full recomputation under the
     block-causal mask) token for token, greedy and with seeded top-k/top-p sampling, six prompts batched."""
     seeded = [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=100 + i, max_tokens=40)
               for i in range(len(prompts))]
@@ -84,7 +84,7 @@ def test_streaming_chunks_equal_the_cached_loop(prompts, model):
 
 
 def test_outputs_do_not_depend_on_the_batch_even_through_preemptions(prompts):
-    """Acceptance 3: each request alone and the six batched on a KV pool of 10 blocks (preemptions forced) give the
+    """Batching and preemption leave outputs unchanged: each request alone and the six batched on a KV pool of 10 blocks (preemptions forced) give the
     same tokens in block mode (where preemption recomputes); a fixed streaming chunk is batch-invariant too."""
     kw = dict(max_model_len=128, num_kv_blocks=10)
     batched, outs = _run(_engine("block", **kw), prompts, GREEDY)
@@ -99,7 +99,7 @@ def test_outputs_do_not_depend_on_the_batch_even_through_preemptions(prompts):
 
 
 def test_streaming_outputs_do_not_depend_on_the_batch_through_swap_preemptions(prompts):
-    """Acceptance 3 for streaming chunks: chunk 4 on a KV pool of 8 blocks preempts three times. A decoded position's
+    """Batching and preemption for streaming chunks: chunk 4 on a KV pool of 8 blocks preempts three times. A decoded position's
     K/V depend on the window that wrote it, so a recompute would write them differently; the default preemption
     mode of streaming windows swaps the KV to host memory and back, and each preempted request decodes alone what it
     decodes batched (the others: test_outputs_do_not_depend_on_the_batch_even_through_preemptions's chunk)."""
@@ -138,7 +138,7 @@ def test_a_second_round_reuses_whole_blocks_and_equals_a_fresh_prompt(prompts):
 
 
 def test_a_stream_shows_only_committed_prefixes_and_max_tokens_exactly(prompts):
-    """Deliverable 8's contract at the engine: every step's output is a prefix of the final one (never a token past
+    """The streaming contract at the engine: every step's output is a prefix of the final one (never a token past
     an uncommitted position), and max_tokens is honoured exactly (12, inside a block)."""
     eng = _engine("elastic")
     eng.add_request("a", prompts[5], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
@@ -268,7 +268,7 @@ def test_reusing_decoded_kv_is_exact_where_kv_cannot_depend_on_later_tokens(tmp_
 
 
 def test_bad_diffusion_options_are_refused_with_one_clear_error(prompts, tmp_path):
-    """Acceptance 6: a block length the model was not trained with, steps that do not divide the block, a threshold
+    """Unusual knobs are handled: a block length the model was not trained with, steps that do not divide the block, a threshold
     outside (0, 1], an unknown chunk, and a diffusion option on an autoregressive model."""
     with pytest.raises(EngineError, match="dllm_block_length 16 is not supported by this model"):
         _engine("block", dllm_block_length=16)

@@ -46,7 +46,7 @@ def prefill(path: str, policy: str) -> tuple[dict, list[int]]:
 
 
 def test_a_bucketed_short_batch_writes_the_same_kv_and_first_tokens_as_unpadded(tiny):
-    """Protects deliverable 4's identity: with LAPS the three prompts run as one step padded to the (128, 4)
+    """Protects the bucket identity: with LAPS the three prompts run as one step padded to the (128, 4)
     bucket (512 rows); sglang-pd runs them unpadded; every KV entry and first token is equal."""
     padded, pads = prefill(tiny, "laps")
     plain, plain_pads = prefill(tiny, "sglang-pd")

@@ -144,7 +144,7 @@ def _mixed_rows(n: int, vocab: int):
 
 @pytest.mark.parametrize("max_rows", [1, 5, 16, 36])
 def test_sampler_decomposed_equals_monolithic_for_every_mode(head, max_rows):
-    """Protects deliverable 1 in the sampler: greedy, seeded and unseeded sampling, top-k/p, min-p, penalties,
+    """Protects logit decomposition in the sampler: greedy, seeded and unseeded sampling, top-k/p, min-p, penalties,
     logit_bias, min_tokens and logprobs give the same tokens, logprobs and top logprobs in chunks of max_rows."""
     lin, hidden = head
     params, seeds, outs, prompts = _mixed_rows(hidden.shape[0], 3000)

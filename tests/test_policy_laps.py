@@ -555,7 +555,7 @@ def _profile_rows(model: PrefillCostModel, shapes) -> list[dict]:
 
 
 def test_the_boundary_is_fitted_to_a_profiles_prefill_steps():
-    """Protects deliverable 1's fit: single-chunk prefill steps timed by a known T(L, H) (alpha 1e-8, beta 1e-6,
+    """Protects the T(L, H) fit: single-chunk prefill steps timed by a known T(L, H) (alpha 1e-8, beta 1e-6,
     gamma_w = 4096 B / 1e9 B/s, gamma_r 2e-6) give back its coefficients and its boundary (gamma_w − beta)/alpha =
     309.6 tokens; multi-chunk and mixed steps are left out; a profile without bandwidth, or with flat times (an
     engine bound by its kernel launches), says why it cannot be fitted."""

@@ -1,11 +1,11 @@
 """`tandem serve` end to end: the real worker processes (1 prefill + 1 decode, policy ampd) behind the HTTP API.
 
-- Acceptance 2: 50 ToolBench-shaped sessions replayed through `/v1/completions` (token-id prompts,
+- 50 ToolBench-shaped sessions replayed through `/v1/completions` (token-id prompts,
   `x-session-id`), every session completes, both local and remote prefills happen and `/metrics` counts them
   as the coordinator routed them, and every round's greedy output equals the offline `tandem.LLM`'s.
-- Acceptance 5 on the cluster backend: bad input gets OpenAI 4xx bodies; 200 concurrent mixed requests leave
+- On the cluster backend: bad input gets OpenAI 4xx bodies; 200 concurrent mixed requests leave
   `/health` 200 with every valid request answered.
-- Acceptance 6: the same server with `--state redis://...` against a real redis-server serves a 2-round
+- The same server with `--state redis://...` against a real redis-server serves a 2-round
   session correctly, and the workers' states are in Redis.
 """
 from __future__ import annotations

@@ -81,7 +81,7 @@ def test_a_stream_adds_up_to_the_completion_and_usage_is_exact(server):
     ("logprobs", 2, "block-diffusion decoding does not support logprobs"),
 ])
 def test_bad_diffusion_options_get_an_openai_400(server, field, value, expect):
-    """Acceptance 6: one clear 400 with an OpenAI error body, and the server keeps serving."""
+    """A bad diffusion option: one clear 400 with an OpenAI error body, and the server keeps serving."""
     r = _post(server, {"max_tokens": 4, field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
