@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from tandem.bench.silicon import Case, Skipped, read_rows, simulate_case, to_case
+from tandem.bench.silicon import CLIENTS, Case, Skipped, prefill_demand, read_rows, simulate_case, to_case
 from tandem.perf.measured.source import MissingCostData
 from tandem.perf.models import get_model
 
@@ -32,6 +32,10 @@ def run_one(args: tuple[Case, float, dict[str, str], int]) -> dict:
     case, scale, derive, warmup = args
     out = asdict(case)
     out["client"] = case.client.name
+    try:
+        out["prefill_demand"] = prefill_demand(case)
+    except (ValueError, MissingCostData):
+        out["prefill_demand"] = float("nan")
     models = [(cm, cm, None) for cm in COST_MODELS]
     if case.gpu in derive:
         models.append(("derived", "measured", derive[case.gpu]))
@@ -57,6 +61,13 @@ def _dense_vs(r: dict) -> bool:
     return r["framework"] in ("vllm", "sglang") and r["gpu"] in ("h100", "h200") and not get_model(r["model"]).is_moe
 
 
+def _within_capacity(r: dict) -> bool:
+    """Whether a row's implied prefill work fits the measured tables' capacity (tandem.bench.silicon.prefill_demand;
+    rows.csv from before the column had none: counted as within)."""
+    d = r.get("prefill_demand", 0.0)
+    return not isinstance(d, float) or not d > 1.0
+
+
 def summarise(results: list[dict]) -> list[dict]:
     """Median and p90 absolute error per GPU x framework x model x mode, and per GPU x framework x mode."""
     groups: dict[tuple, list[dict]] = {}
@@ -64,7 +75,9 @@ def summarise(results: list[dict]) -> list[dict]:
         for key in ((r["gpu"], r["framework"], r["model"], r["mode"]), (r["gpu"], r["framework"], "all", r["mode"]),
                     (r["gpu"], "all", "all", r["mode"]),
                     ("h100+h200", "vllm+sglang", "dense", r["mode"]) if _dense_vs(r) else None,
-                    ("h100+h200", "vllm+sglang", f"dense, {r['client']} rows", r["mode"]) if _dense_vs(r) else None):
+                    ("h100+h200", "vllm+sglang", f"dense, {r['client']} rows", r["mode"]) if _dense_vs(r) else None,
+                    ("h100+h200", "vllm+sglang", "dense, within the tables' prefill capacity", r["mode"])
+                    if _dense_vs(r) and _within_capacity(r) else None):
             if key is not None:
                 groups.setdefault(key, []).append(r)
     rows = []
@@ -167,7 +180,12 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.from_rows:
-        return report(_read_results(out / "rows.csv"), _read_skipped(out / "skipped.csv"), out)
+        results = _read_results(out / "rows.csv")
+        for r in results:
+            if not isinstance(r.get("prefill_demand"), float):
+                r["prefill_demand"] = prefill_demand(_case_of(r))
+        _write_rows(results, out / "rows.csv")
+        return report(results, _read_skipped(out / "skipped.csv"), out)
     gpus, fws = set(a.gpus.split(",")), set(a.frameworks.split(","))
     derive = a.derive
     cases, skipped = [], []
@@ -188,16 +206,21 @@ def main(argv=None) -> int:
             else:
                 results.append(r)
             prog.advance(task)
-    fields = list(dict.fromkeys(k for r in results for k in r))   # derived columns only on the target GPU's rows
-    with open(out / "rows.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, restval="")
-        w.writeheader()
-        w.writerows(results)
+    _write_rows(results, out / "rows.csv")
     with open(out / "skipped.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["id", "reason"])
         w.writerows([(s.row_id, s.reason) for s in skipped])
     return report(results, skipped, out)
+
+
+def _write_rows(results: list[dict], path: Path) -> None:
+    """rows.csv: one line per simulated row (derived columns only on the derivation target's rows)."""
+    fields = list(dict.fromkeys(k for r in results for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows(results)
 
 
 def _read_results(path: Path) -> list[dict]:
@@ -209,6 +232,14 @@ def _read_results(path: Path) -> list[dict]:
             return v
     with open(path, newline="") as f:
         return [{k: num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _case_of(r: dict) -> Case:
+    """A rows.csv row back as its Case."""
+    fields = {f: r[f] for f in Case.__dataclass_fields__ if f != "client"}
+    for f in ("concurrency", "isl", "osl"):
+        fields[f] = int(fields[f])
+    return Case(**fields, client=CLIENTS[r["client"]])
 
 
 def _read_skipped(path: Path) -> list[Skipped]:

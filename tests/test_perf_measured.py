@@ -225,3 +225,21 @@ def test_a_corrupt_or_implausible_table_is_refused_in_one_line(tmp_path, monkeyp
         clear_caches()
         costs.step_timer.cache_clear()
         costs.routing_costs.cache_clear()
+
+
+def test_a_rows_prefill_demand_is_its_prefill_rate_over_the_tables_capacity():
+    import dataclasses
+
+    from tandem.bench.silicon import agg_policy, prefill_demand, read_rows, to_case
+
+    rows = {r["id"]: r for r in read_rows()}
+    g = to_case(rows["nvidia_llama_3_1_8b_instruct_fp8_nvidia_llama_3_1_8b_instruct_fp8_h200_sxm_vllm_agg_1000x100_c112_"
+                     "tp1_epnone_1"])
+    step = MeasuredStep(get_model("llama-3.1-8b").with_precision("fp8", "fp8"), "h200", 1, "vllm")
+    capacity = 8192 / step.step_time_args(8192, 8192 * 500, 0, 8, 0, 0)
+    rate = 112 / ((g.ttft_ms + 99 * g.tpot_ms) / 1e3)
+    assert prefill_demand(g) == pytest.approx(rate * 1000 / capacity, rel=1e-12)
+    # twice the latency: half the request rate, half the demand
+    slow = dataclasses.replace(g, ttft_ms=2 * g.ttft_ms, tpot_ms=2 * g.tpot_ms)
+    assert prefill_demand(slow) == pytest.approx(prefill_demand(g) / 2, rel=1e-12)
+    assert (agg_policy("sglang"), agg_policy("vllm"), agg_policy("trtllm")) == ("sglang", "vllm", "vllm")

@@ -43,6 +43,7 @@ class Client:
 
 INFERENCEX = Client("inferencex", 10, 0.8)
 GAP_ANALYSIS = Client("aiperf", 20, 1.0)
+CLIENTS = {c.name: c for c in (INFERENCEX, GAP_ANALYSIS)}
 
 
 def client_of(row: dict) -> Client:
@@ -204,3 +205,22 @@ def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0
     tpot = [r.rounds[0].itl_sum_s / r.rounds[0].itl_count * 1e3 for r in done if r.rounds[0].itl_count]
     return Prediction(statistics.fmean(ttft), statistics.fmean(tpot), statistics.median(ttft),
                       statistics.median(tpot), str(cfg.cost_choice().label))
+
+
+def prefill_demand(case: Case) -> float:
+    """The prefill work a row's measured figures imply, as a share of what the measured tables allow: its request
+    rate (c / (TTFT + (osl - 1) x TPOT)) times isl, over the tokens per second of prefill-only steps of the
+    framework's token budget (whole prompts at their mean context). Above 1 the row ran more prefill than the
+    tables' kernels can with the GPU doing nothing else: its prompts were shorter or partly served from a prefix
+    cache, which a simulation of full prompts cannot show."""
+    from tandem.perf.measured.step import MeasuredStep
+
+    fw = framework_defaults(case.framework)
+    tp = int(re.search(r"tp(\d+)", case.deploy).group(1))
+    spec = get_model(case.model).with_precision(None if case.precision == "bf16" else case.precision,
+                                                case.kv_cache_dtype)
+    step = MeasuredStep(spec, case.gpu, tp, case.framework)
+    budget = fw.max_num_batched_tokens
+    capacity = budget / step.step_time_args(budget, budget * case.isl / 2, 0, max(1, budget // case.isl), 0, 0)
+    rate = case.concurrency / ((case.ttft_ms + (case.osl - 1) * case.tpot_ms) / 1e3)
+    return rate * case.isl / capacity
