@@ -5,13 +5,16 @@
   the last snapshot;
 - 2.5 a send that fails (a message that cannot be encoded) fails its request promptly with the reason;
 - 2.8 a stream nobody reads holds no growing queue (deltas are coalesced) and is cancelled past its limit;
-- 2.7 ended sessions leave nothing behind in the coordinator (many short sessions).
+- 2.7 ended sessions leave nothing behind in the coordinator (many short sessions);
+- a lost decode worker beside a live one is routed around at once (new sessions, rebound sessions);
+- a replacement's startup phases are computed from marks its Ready carries, distrusted when malformed.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -361,3 +364,65 @@ def test_store_view_drop_removes_a_worker_without_a_store_round_trip():
     assert view.home_workers() == [1]
     view.refresh()                                               # the store is down: the snapshot, minus the dead
     assert view.home_workers() == [1] and view.stale
+
+
+# ---------------------------------------------------------------------------- a decode worker lost beside another
+def test_a_lost_decode_worker_is_routed_around_at_once_while_another_lives(ckpt):
+    """Protects routing around a dead home: 1P+2D (no restarts), one decode worker SIGKILLed → the server stays
+    healthy, new sessions bind to the live decode worker (before any replacement could exist), and sessions bound
+    to the dead one between rounds are bound again there and their next round is served; none is lost."""
+    async def main():
+        c = await ServingCluster.start(ClusterConfig(ckpt, 1, 2, 0, "ampd", engine_args=ENGINE, max_restarts=0))
+        try:
+            async def rnd(prompt, rid, sid):
+                last = None
+                async for o in c.generate(prompt, _greedy(3), rid, session_id=sid):
+                    last = o
+                return last
+
+            firsts = {}
+            for k in range(6):
+                firsts[f"s{k}"] = (p := list(range(20 + 3 * k, 60 + 3 * k)), await rnd(p, f"r{k}", f"s{k}"))
+            homes = {sid: c.shell.coord.live[sid].worker for sid in firsts}
+            dead = 2 if list(homes.values()).count(2) else 1
+            live = 3 - dead
+            os.kill(c.procs.workers[dead].pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while c.stats().workers_alive == 3:
+                assert time.monotonic() - t0 < 5, "the death was not noticed"
+                await asyncio.sleep(0.01)
+            noticed, healthy = time.monotonic() - t0, c.is_healthy()
+            fresh = [await rnd(list(range(100 + k, 140 + k)), f"n{k}", f"n{k}") for k in range(4)]
+            fresh_homes = [c.shell.coord.live[f"n{k}"].worker for k in range(4)]
+            again = {sid: await rnd(p + out.outputs[0].token_ids + [7, 8], f"{sid}-2", sid)
+                     for sid, (p, out) in firsts.items()}
+            again_homes = {sid: c.shell.coord.live[sid].worker for sid in firsts}
+            return homes, dead, live, noticed, healthy, fresh, fresh_homes, again, again_homes
+        finally:
+            await c.shutdown()
+
+    homes, dead, live, noticed, healthy, fresh, fresh_homes, again, again_homes = asyncio.run(main())
+    assert dead in homes.values() and noticed < 1.0 and healthy
+    assert fresh_homes == [live] * 4
+    assert all(o.finished and o.error is None and len(o.outputs[0].token_ids) == 3 for o in fresh)
+    assert all(o.finished and o.error is None and len(o.outputs[0].token_ids) == 3 for o in again.values())
+    assert set(again_homes.values()) == {live}
+    assert sum(1 for w in homes.values() if w == dead) >= 1
+
+
+# ---------------------------------------------------------------------------- a replacement's startup phases
+def test_restart_phases_break_a_replacement_down_from_its_marks_and_distrust_bad_ones():
+    """Protects the recovery breakdown: each phase runs from the previous mark (a missing mark folds into the next
+    phase), and marks from a worker's Ready are kept only when they are finite numbers under known names."""
+    from tandem.runtime.cluster import restart_phases, startup_marks_of
+    marks = {"begun": 10.0, "started": 10.1, "imported": 10.15, "model_loaded": 10.65, "ready": 10.85,
+             "ready_received": 10.86, "routable": 10.9}
+    got = restart_phases(9.9, marks)
+    assert list(got) == ["backoff", "fork", "imports", "model load", "setup", "handshake", "registration"]
+    assert got == pytest.approx({"backoff": 0.1, "fork": 0.1, "imports": 0.05, "model load": 0.5, "setup": 0.2,
+                                 "handshake": 0.01, "registration": 0.04})
+    del marks["imported"]
+    assert restart_phases(9.9, marks)["model load"] == pytest.approx(0.55) and "imports" not in restart_phases(9.9, marks)
+    hostile = {"startup": {"started": "1", "imported": float("nan"), "model_loaded": True, "ready": 5.0, "x": 1.0}}
+    assert startup_marks_of(hostile) == {"ready": 5.0}
+    assert startup_marks_of({"startup": [1, 2]}) == {} and startup_marks_of({}) == {}

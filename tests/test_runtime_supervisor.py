@@ -1,7 +1,9 @@
 """The supervisor: a worker that stops answering for less than the worker
 timeout is ridden out; one stopped longer (SIGSTOP 3 s) or killed is declared dead, fenced, reaped and replaced
 (same id and role, fresh keys) so /health is 200 again within 10 s without restarting the server; no request
-hangs: each ends with its output or a clear error; a worker that keeps dying is not restarted past the cap."""
+hangs: each ends with its output or a clear error; a killed worker that had served is replaced at once (its startup
+phases recorded), one that dies soon after its start waits a backoff, and one that keeps dying is not restarted past
+the cap."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +18,7 @@ psutil = pytest.importorskip("psutil")
 pytest.importorskip("torch")
 
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
-from tandem.runtime.cluster import ClusterConfig  # noqa: E402
+from tandem.runtime.cluster import RESTART_BACKOFF_S, STARTUP_PHASES, ClusterConfig  # noqa: E402
 
 from live_server import LiveServer  # noqa: E402
 
@@ -111,6 +113,34 @@ def test_a_short_stop_is_ridden_out_and_a_long_one_is_replaced_with_health_back_
     print(f"\nSIGSTOP 3 s: /health 200 again {healthy_after:.2f} s after the stop began; in flight: "
           f"{sum(r['error'] is None for r in long)} completed, {sum(bool(r['error']) for r in long)} failed "
           f"({next(r['error'] for r in long if r['error'])!r})")
+
+
+def test_a_killed_decode_worker_is_replaced_at_once_and_a_quick_re_death_backs_off(server):
+    """Protects recovery in seconds: SIGKILL of a decode worker that had served a while → its replacement starts at
+    once (no backoff), /health is 200 again within 5 s, and the coordinator records where the time went (every
+    startup phase, in order); the replacement killed right away (a crash loop's sign) waits the second backoff."""
+    server.call(lambda: (server.cluster._up_since.clear(), server.cluster._quick_deaths.clear(),
+                         server.cluster._restarts.clear()))
+    n = server.call(lambda: len(server.cluster.recoveries))
+    pid = server.pid(DECODE_ID)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    server.wait_for("/health 503", lambda: server.health() == 503, 5.0, 0.01)
+    back = server.wait_for("/health 200 again", lambda: server.health() == 200, 10.0, 0.02)
+    took = time.monotonic() - t0
+    rec = server.call(lambda: server.cluster.recoveries[n])
+    assert took < 5.0, f"/health 200 again only {took:.2f} s after the kill"
+    assert list(rec["phases"]) == [name for name, _ in STARTUP_PHASES] and rec["phases"]["backoff"] < 0.05, rec
+    assert rec["pid"] == server.pid(DECODE_ID) != pid and rec["worker"] == DECODE_ID and rec["role"] == "decode"
+    assert 0 < sum(rec["phases"].values()) == pytest.approx(rec["routable_at"] - rec["dead_at"], abs=1e-6)
+    os.kill(rec["pid"], signal.SIGKILL)                # dies within QUICK_DEATH_S of its start
+    server.wait_for("the second replacement", lambda: server.call(lambda: len(server.cluster.recoveries)) == n + 2,
+                    20.0, 0.05)
+    again = server.call(lambda: server.cluster.recoveries[n + 1])
+    assert RESTART_BACKOFF_S[1] <= again["phases"]["backoff"] < RESTART_BACKOFF_S[1] + 0.5, again
+    assert server.health() == 200
+    print(f"\nSIGKILL of the decode worker: /health 200 again {took:.2f} s after ({back:.2f} s after 503): "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in rec["phases"].items()))
 
 
 def test_a_killed_worker_is_replaced_and_the_cap_stops_a_crash_loop(server):

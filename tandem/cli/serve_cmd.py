@@ -26,8 +26,8 @@ API_KEY_ENV = "TANDEM_API_KEY"
 # --body-timeout seconds. uvicorn has no timeout on reading headers: put a reverse proxy in front for that.
 TIMEOUT_KEEP_ALIVE_S = 5
 H11_MAX_INCOMPLETE_EVENT_BYTES = 64 << 10
-GRACEFUL_SHUTDOWN_S = 10        # on SIGTERM, streams still open this long after the stop are cancelled (uvicorn
-                                # otherwise waits for every connection to close, however long that takes)
+GRACEFUL_SHUTDOWN_S = 10        # on SIGTERM, requests still open this long after it end with an error (a drain:
+                                # tandem/server/drain.py; uvicorn would otherwise wait for every connection to close)
 
 
 def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
@@ -164,9 +164,11 @@ def add_parser(sub) -> None:
                    help="a request body not received within S seconds gets a 408 (default: 60)")
     p.add_argument("--timeout-keep-alive", type=float, default=TIMEOUT_KEEP_ALIVE_S, metavar="S",
                    help=f"close idle keep-alive connections after S seconds (default: {TIMEOUT_KEEP_ALIVE_S})")
-    p.add_argument("--timeout-graceful-shutdown", type=float, default=GRACEFUL_SHUTDOWN_S, metavar="S",
-                   help="on SIGTERM/SIGINT, cancel requests still open after S seconds (default: "
-                        f"{GRACEFUL_SHUTDOWN_S})")
+    p.add_argument("--timeout-graceful-shutdown", "--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
+                   metavar="S", dest="timeout_graceful_shutdown",
+                   help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight finish for up to S "
+                        "seconds, then end each one left with an error (JSON, or an SSE error event and [DONE]); a "
+                        f"second signal ends them at once (default: {GRACEFUL_SHUTDOWN_S})")
     p.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
                    help="most open connections + requests before uvicorn answers 503 (default: no limit)")
     p.set_defaults(func=cmd_serve)
@@ -356,13 +358,18 @@ def server_options(args) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def serving(cfg, host: str, port: int, api_key: str | None = None, options: dict | None = None):
-    """Start the worker processes and the HTTP server; yields the cluster; stops both on exit.
+async def serving(cfg, host: str, port: int, api_key: str | None = None, options: dict | None = None,
+                  drain=None):
+    """Start the worker processes and the HTTP server; yields the cluster; on exit drains the HTTP server (new
+    requests refused, those in flight given the graceful-shutdown timeout, the rest ended with an error), stops it,
+    then stops the workers.
 
-    `options`: server_options(args) (limits for build_app, uvicorn's keep-alive and header limits)."""
+    `options`: server_options(args) (limits for build_app, uvicorn's keep-alive and header limits); `drain`: the
+    tandem.server.drain.Drain to use (its caller may hurry it), else a new one."""
     import uvicorn
 
     from tandem.policy.presets import get_policy
+    from tandem.server.drain import Drain, Server, drain_and_stop
     from tandem.runtime.cluster import ServingCluster
     from tandem.runtime.launcher import WorkerStartupError
     from tandem.runtime.state_store import StateStoreError
@@ -373,12 +380,14 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
     except (ValueError, WorkerStartupError, StateStoreError) as e:
         raise CLIError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     options = options or {}
+    drain = drain if drain is not None else Drain()
     from tandem.server.http_protocol import HeadTimeoutH11Protocol
+    protocol = HeadTimeoutH11Protocol.answering_health(cluster.is_healthy)
     uv = {"timeout_keep_alive": TIMEOUT_KEEP_ALIVE_S, "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES,
-          "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
-          "http": HeadTimeoutH11Protocol.answering_health(cluster.is_healthy), **options.get("uvicorn", {})}
-    server = uvicorn.Server(uvicorn.Config(build_app(cluster, api_key=api_key, **options.get("app", {})), host=host,
-                                           port=port, log_level="warning", lifespan="off", **uv))
+          "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S, "http": protocol, **options.get("uvicorn", {})}
+    grace_s = uv["timeout_graceful_shutdown"]
+    server = Server(uvicorn.Config(build_app(cluster, api_key=api_key, drain=drain, **options.get("app", {})),
+                                   host=host, port=port, log_level="warning", lifespan="off", **uv))
     task = asyncio.create_task(server.serve())
     try:
         while not server.started:
@@ -388,10 +397,10 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
             await asyncio.sleep(0.02)
         yield cluster
     finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await task
-        await cluster.shutdown()
+        try:
+            await drain_and_stop(server, task, drain, grace_s, protocol)
+        finally:
+            await cluster.shutdown()
 
 
 def cmd_serve(args) -> int:
@@ -401,16 +410,24 @@ def cmd_serve(args) -> int:
     options = server_options(args)
 
     from tandem.runtime.event_loop import event_loop_factory
+    from tandem.server.drain import Drain
     from tandem.server.process import freeze_startup_objects, tune_for_serving, warm_up
     tune_for_serving()
     stopped_by: list[int] = []
 
     async def run() -> None:
         stop = asyncio.Event()
+        drain = Drain()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):          # stop cleanly: HTTP server, then the workers
-            loop.add_signal_handler(sig, lambda s=sig: (stopped_by.append(s), stop.set()))
-        async with serving(cfg, args.host, args.port, api_key, options) as cluster:
+
+        def on_signal(sig: int) -> None:                     # drain, stop the HTTP server, then the workers
+            if stop.is_set():
+                drain.hurry()                                # a second signal: end the open requests now
+            stopped_by.append(sig)
+            stop.set()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        async with serving(cfg, args.host, args.port, api_key, options, drain) as cluster:
             warm_up(cluster.tokenizer)
             freeze_startup_objects()
             print(f"tandem: serving {Path(cfg.model).name} on http://{args.host}:{args.port}/v1 "
@@ -418,6 +435,8 @@ def cmd_serve(args) -> int:
                   (f", {cfg.colocated} co-located" if cfg.colocated else "") +
                   (f"; Ray actors in namespace {cluster.ray_namespace}" if cfg.launcher == "ray" else "") + ")",
                   flush=True)
+            print("tandem: workers " + ", ".join(f"{wid} {role} (pid {pid})"
+                                                 for wid, (role, pid) in cluster.worker_pids().items()), flush=True)
             await stop.wait()
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

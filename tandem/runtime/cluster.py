@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,13 @@ log = logging.getLogger("tandem.cluster")
 DEFAULT_WORKER_TIMEOUT_S = 10.0
 DEFAULT_MAX_RESTARTS = 3
 RESTART_WINDOW_S = 300.0
-RESTART_BACKOFF_S = (0.5, 2.0, 5.0)    # wait before the 1st, 2nd, 3rd+ restart within the window
+# wait before a replacement: none for a worker that had served a while (a crash, a kill: replace it at once), then
+# longer for each death in a row that came within QUICK_DEATH_S of the worker's (re)start (a crash loop)
+RESTART_BACKOFF_S = (0.0, 2.0, 5.0)
+QUICK_DEATH_S = 10.0
+# a replacement's startup phases, in order: (name, the mark that ends it); each runs from the previous mark
+STARTUP_PHASES = (("backoff", "begun"), ("fork", "started"), ("imports", "imported"), ("model load", "model_loaded"),
+                  ("setup", "ready"), ("handshake", "ready_received"), ("registration", "routable"))
 
 
 @dataclass
@@ -103,6 +110,9 @@ class ServingCluster:
         self._specs_by_id: dict[int, WorkerSpec] = {}
         self._restarts: dict[int, list[float]] = {}       # worker id -> monotonic times of its recent restarts
         self._restarting: set[asyncio.Task] = set()
+        self._up_since: dict[int, float] = {}             # worker id -> monotonic time its replacement became routable
+        self._quick_deaths: dict[int, int] = {}            # worker id -> its deaths in a row soon after a (re)start
+        self.recoveries: list[dict] = []                   # each replacement's phases (restart_phases), newest last
         self._closing = False
         self._ray = None                                  # the RayLauncher under --launcher ray
         self._cache_config: dict[str, str] = {}
@@ -255,8 +265,6 @@ class ServingCluster:
             await asyncio.sleep(0.05)
 
     def _slo(self):
-        import math
-
         from tandem.workload.session import SLO
         c = self.cfg
         if c.slo_ttft_s is None and c.slo_itl_s is None:
@@ -340,22 +348,27 @@ class ServingCluster:
             self.shell.store.remove(wid)
         except Exception as e:                                   # noqa: BLE001 - its key expires by itself
             log.warning("removing worker %d from the state store failed: %s", wid, e)
-        self._supervise(wid)
+        self._supervise(wid, ev.at_s)
 
     # ------------------------------------------------------------------ supervisor
-    def _supervise(self, wid: int) -> None:
-        """Replace a dead worker (same id and role, fresh keys), unless it died too often lately."""
+    def _supervise(self, wid: int, dead_at: float | None = None) -> None:
+        """Replace a dead worker (same id and role, fresh keys), unless it died too often lately: at once after a
+        worker that had served a while, after a growing backoff when it keeps dying soon after its start."""
         if self._closing or self.cfg.max_restarts <= 0:
             return
         now = asyncio.get_running_loop().time()
+        dead_at = time.monotonic() if dead_at is None else dead_at
         recent = [t for t in self._restarts.get(wid, []) if now - t < RESTART_WINDOW_S]
         if len(recent) >= self.cfg.max_restarts:
             log.error("worker %d (%s) died %d times in %g s: not restarting it again", wid, self.roles.get(wid),
                       len(recent), RESTART_WINDOW_S)
             return
         self._restarts[wid] = recent + [now]
-        delay = RESTART_BACKOFF_S[min(len(recent), len(RESTART_BACKOFF_S) - 1)]
-        t = asyncio.get_running_loop().create_task(self._restart(wid, delay), name=f"restart-worker-{wid}")
+        quick = dead_at - self._up_since.get(wid, -math.inf) < QUICK_DEATH_S
+        streak = self._quick_deaths.get(wid, 0) + 1 if quick else 0
+        self._quick_deaths[wid] = streak
+        delay = RESTART_BACKOFF_S[min(streak, len(RESTART_BACKOFF_S) - 1)]
+        t = asyncio.get_running_loop().create_task(self._restart(wid, delay, dead_at), name=f"restart-worker-{wid}")
         self._restarting.add(t)
         t.add_done_callback(self._restarted)
 
@@ -364,17 +377,17 @@ class ServingCluster:
         if not t.cancelled() and t.exception() is not None:     # _restart reports its own failures: a bug
             log.error("restarting a worker failed", exc_info=t.exception())
 
-    async def _restart(self, wid: int, delay_s: float) -> None:
-        """Reap the dead process, start its replacement, wait for its first state, then make it routable."""
-        await asyncio.sleep(delay_s)
-        old = self.procs.workers.get(wid)
-        if old is not None:
-            old.kill()
-            await old.wait(5.0)                                  # reaped: no zombie left behind
-        log.warning("restarting worker %d (%s)", wid, self.roles.get(wid))
+    async def _restart(self, wid: int, delay_s: float, dead_at: float) -> None:
+        """Start the replacement (the dead process is killed and reaped beside its startup), wait for its first
+        state, then make it routable; log where the time went (restart_phases)."""
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        begun, begun_wall = time.monotonic(), time.time()
+        log.warning("restarting worker %d (%s)%s", wid, self.roles.get(wid),
+                    f" after a backoff of {delay_s:g} s" if delay_s > 0 else "")
         try:
-            wp = await self.procs.add(self._specs_by_id[wid])
-            await self._await_fresh_state(wid, time.time() - 1.0)
+            wp = await self.procs.replace(self._specs_by_id[wid])
+            await self._await_fresh_state(wid, begun_wall)
         except Exception as e:                                   # noqa: BLE001 - the next death may try again
             log.error("worker %d could not be restarted: %s", wid, e)
             if wid in self._lost:
@@ -386,7 +399,17 @@ class ServingCluster:
         self._memory[wid] = _memory_info(wp.info)
         self.shell.coord.view.revive(wid)
         self.shell.on_worker_joined(wid, wp.info["kv_address"])
-        log.warning("worker %d (%s) is back (pid %s)", wid, self.roles.get(wid), wp.pid)
+        routable = time.monotonic()
+        self._up_since[wid] = routable
+        started = self.procs.started.get(wid, {})
+        marks = {**startup_marks_of(wp.info), "begun": begun, "ready_received": started.get("ready", routable),
+                 "routable": routable}
+        phases = restart_phases(dead_at, marks)
+        self.recoveries.append({"worker": wid, "role": self.roles.get(wid), "pid": wp.pid, "dead_at": dead_at,
+                                "routable_at": routable, "phases": phases})
+        log.warning("worker %d (%s) is back (pid %s), %.2f s after its death was noticed: %s [noticed at monotonic "
+                    "%.3f]", wid, self.roles.get(wid), wp.pid, routable - dead_at,
+                    ", ".join(f"{name} {sec:.2f} s" for name, sec in phases.items()), dead_at)
 
     # ------------------------------------------------------------------ EngineClient
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
@@ -425,6 +448,11 @@ class ServingCluster:
         add_memory_reports(out, [r for wid, r in self._memory.items() if wid not in self._lost])
         return out
 
+    def worker_pids(self) -> dict[int, tuple[str, int]]:
+        """Each running worker's (role, process id), by worker id (a Ray actor's pid is on its node)."""
+        return {wid: (self.roles.get(wid, "?"), wp.pid) for wid, wp in sorted(self.procs.workers.items())} \
+            if self.procs is not None else {}
+
     @property
     def ray_namespace(self) -> str | None:
         """The Ray namespace of the worker actors (None for local workers)."""
@@ -443,6 +471,29 @@ class ServingCluster:
             await self.hub.close()
         if self._ray is not None:
             self._ray.close()
+
+
+def startup_marks_of(info: dict) -> dict[str, float]:
+    """A worker's startup marks from its Ready info, validated (finite numbers under known names; else dropped)."""
+    marks = info.get("startup")
+    names = {mark for _, mark in STARTUP_PHASES}
+    if not isinstance(marks, dict):
+        return {}
+    return {k: float(v) for k, v in marks.items() if k in names and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def restart_phases(dead_at: float, marks: dict[str, float]) -> dict[str, float]:
+    """Seconds of each STARTUP_PHASES phase of a replacement, from the death's notice (`dead_at`) through its monotonic
+    `marks`; a phase whose mark is missing (a worker that sent none) is folded into the next one."""
+    out, last = {}, dead_at
+    for name, mark in STARTUP_PHASES:
+        t = marks.get(mark)
+        if t is None:
+            continue
+        out[name] = max(0.0, t - last)
+        last = max(last, t)
+    return out
 
 
 def _memory_info(info: dict) -> dict[str, int]:

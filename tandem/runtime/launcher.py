@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import importlib
 import inspect
+import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # noqa: F401  (imported first so our atexit hook runs before its join)
@@ -37,7 +38,11 @@ STARTUP_TIMEOUT_S = 60.0   # default time a worker has to send Ready
 # torch itself (about 2 s of CPU). The server is a fresh process that never touches CUDA or opens a socket, so what
 # it forks is as clean as a spawned process. Where there is no fork server (Windows), workers are spawned.
 # TANDEM_WORKER_MULTIPROC_METHOD=spawn starts workers the old way (as vLLM's VLLM_WORKER_MULTIPROC_METHOD).
-PRELOAD = ["torch", "tandem.runtime.worker_main", "tandem.engine.llm_engine"]
+# Also preloaded: torch._dynamo, which torch imports on a model's first weight initialisation (nn.Embedding's
+# normal_; 1-1.5 s of CPU on a loaded 2-core machine, the largest part of a replacement's start), and uvloop, which a
+# worker's event loop imports (0.2 s). Neither starts a thread, so forking the server stays safe. (An uninstalled
+# module in this list is skipped by the fork server.)
+PRELOAD = ["torch", "torch._dynamo", "uvloop", "tandem.runtime.worker_main", "tandem.engine.llm_engine"]
 START_METHODS = ("forkserver", "spawn")
 
 
@@ -55,8 +60,21 @@ def _start_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+log = logging.getLogger("tandem.launcher")
 _SPAWN = _start_context()
 _LIVE: set[WorkerProcess] = set()
+_MARKS: dict[str, float] = {}        # this process's startup phases (mark_startup), sent to the hub with Ready
+
+
+def mark_startup(phase: str) -> None:
+    """Note that this worker process reached startup `phase` now (time.monotonic(): one clock for every process of a
+    host), so a slow start can be broken down; the marks travel with Ready (startup_marks)."""
+    _MARKS[phase] = time.monotonic()
+
+
+def startup_marks() -> dict[str, float]:
+    """The startup phases this process marked, by name (monotonic seconds)."""
+    return dict(_MARKS)
 
 
 class WorkerStartupError(RuntimeError):
@@ -150,6 +168,7 @@ def _child_main(target: str, kwargs: dict[str, Any], env: WorkerEnv, extra_env: 
     """Entry point of a spawned worker: guard, import, run; report an exception's message to the parent.
     `extra_env` is the whole environment the worker runs with (the parent's when it started the worker, plus the
     spec's): a fork server's own environment is the parent's when the server started."""
+    mark_startup("started")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(env.parent_pid)
     if extra_env is not None:
@@ -334,6 +353,8 @@ class Cluster:
         self.spawner = spawner
         self.workers: dict[int, WorkerHandle] = {}
         self.deaths: list[WorkerDead] = []
+        # worker id -> monotonic times of its latest start: "spawn" (asked for) and "ready" (its Ready received)
+        self.started: dict[int, dict[str, float]] = {}
         self._fence = fence
         hub.on_worker_dead(self._on_dead)
 
@@ -370,8 +391,31 @@ class Cluster:
             del self.workers[spec.worker_id]
         return (await self.start([spec]))[spec.worker_id]
 
+    async def replace(self, spec: WorkerSpec, reap_s: float = 5.0) -> WorkerHandle:
+        """Start a replacement for worker `spec.worker_id` at once and wait until it is ready; the old process (if
+        any) is killed first and reaped beside the replacement's startup, not before it (no zombie is left)."""
+        old = self.workers.pop(spec.worker_id, None)
+        reap = None
+        if old is not None:
+            old.kill()
+            reap = asyncio.ensure_future(self._reap(old, reap_s))
+        try:
+            return (await self.start([spec]))[spec.worker_id]
+        finally:
+            if reap is not None:
+                await reap
+
+    @staticmethod
+    async def _reap(old: WorkerHandle, reap_s: float) -> None:
+        """Wait for a killed worker to exit and release it (its handle's pipe); a failure is logged, not raised."""
+        try:
+            await old.stop(None, grace_s=reap_s, term_s=1.0)
+        except Exception as e:                                  # noqa: BLE001 - the replacement must not fail for it
+            log.warning("reaping the old process of worker %d failed: %s: %s", old.worker_id, type(e).__name__, e)
+
     def _spawn(self, spec: WorkerSpec) -> WorkerHandle:
         auth = self.hub.credentials(spec.worker_id)            # fresh keys per spawn (a restart revokes the old)
+        self.started[spec.worker_id] = {"spawn": time.monotonic()}
         wp = self.spawner(spec, WorkerEnv(spec.worker_id, self.hub.address, self.heartbeat_s, os.getpid(), auth))
         self.workers[spec.worker_id] = wp
         self.hub.watch(spec.worker_id, wp)
@@ -381,6 +425,7 @@ class Cluster:
         where = f"worker {wp.worker_id} ({wp.target}, pid {wp.pid})"
         try:
             wp.info = await self.hub.wait_ready(wp.worker_id, self.startup_timeout_s)
+            self.started.setdefault(wp.worker_id, {})["ready"] = time.monotonic()
         except WorkerDied:
             await wp.wait(2.0)
             why = wp.error() or "no exception reported (see its stderr)"

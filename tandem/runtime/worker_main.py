@@ -16,7 +16,7 @@ import threading
 import time
 
 from tandem.runtime import messages as m
-from tandem.runtime.launcher import WorkerEnv
+from tandem.runtime.launcher import WorkerEnv, mark_startup, startup_marks
 from tandem.runtime.state_store import WorkerState, open_store
 from tandem.runtime.transport import Codec, PeerUnreachable
 from tandem.runtime.worker_shell import WorkerShell
@@ -54,12 +54,14 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     if threads:
         torch.set_num_threads(threads)
     from tandem.runtime.costs import serving_cost_model
+    mark_startup("imported")
 
     cost: list = []                                            # filled once the engine knows its KV layout
     engine = LLMEngine(EngineConfig(**engine_args), role=role, worker_id=env.worker_id,
                        t_pre=lambda h, n: cost[0].t_pre(h, n, 1), forward_events=True)
     # the queue estimates (AMPD Eq. 1-2, Alg. 2) use the cost model the coordinator routes with
     cost.append(serving_cost_model(engine.config.model, _kv_bytes_per_token(engine), engine.max_model_len, perf))
+    mark_startup("model_loaded")          # weights, KV pool, and whatever the engine warms up (CUDA graphs)
     # the model's modules and startup objects out of the cyclic GC (as the serving process and vLLM's engine core
     # do): a full collection otherwise walks them all, in the middle of some step
     gc.collect()
@@ -95,6 +97,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             loop.call_soon_threadsafe(lambda err=e: (died.append(err), kick.set()))
 
     async with env.link(CODEC) as link:
+        mark_startup("connected")
+
         async def read_link() -> None:
             while not link.stopping:
                 msg, _ = await link.recv()
@@ -166,7 +170,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             t.add_done_callback(reader_died)
         mc = engine.model_config
         await publish()
-        await link.ready({"kv_address": inbox.address, "pid": os.getpid(), "role": role,
+        mark_startup("ready")
+        await link.ready({"startup": startup_marks(), "kv_address": inbox.address, "pid": os.getpid(), "role": role,
                           "capacity_tokens": engine.core.capacity_tokens, "max_model_len": engine.max_model_len,
                           "block_size": engine.config.block_size, "vocab_size": mc.vocab_size,
                           "dllm_block": engine.dllm.block if engine.dllm is not None else None,

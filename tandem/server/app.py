@@ -23,6 +23,7 @@ from tandem.runtime.client import EngineClient
 from tandem.server import serving as sv
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
+from tandem.server.drain import DRAIN_ENTRY, HEALTH_DRAINING, OPEN_PATHS, REFUSED, Drain, OpenRequest, ended_by_drain
 from tandem.server.errors import APIError, error_bytes, error_response, install_handlers
 from tandem.server.http_protocol import UNHEALTHY
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -41,13 +42,14 @@ KEYED_PATHS = ("/tokenize", "/detokenize")       # outside /v1 but doing work fo
 
 
 class Guard:
-    """Outermost checks: API key on /v1/*, body size (Content-Length and streamed) and time to send it, and a
-    JSON 500 for crashes."""
+    """Outermost checks: API key on /v1/*, body size (Content-Length and streamed) and time to send it, a JSON 500
+    for crashes; while draining, a 503 for new requests, and a JSON 503 for one the drain ends before it answered."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> None:
+                 body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S, drain: Drain | None = None) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
         self.body_timeout = body_timeout_s
+        self.drain = drain if drain is not None else Drain()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,11 +57,21 @@ class Guard:
             return
         scope.setdefault("state", {})[_RECEIVED] = time.perf_counter()
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        err = self._refuse(scope["path"], headers)
+        tracked_here = scope["path"] not in OPEN_PATHS
+        err = REFUSED if self.drain.draining and tracked_here else self._refuse(scope["path"], headers)
         if err is not None:
             await _drain(receive)
             await _send_error(send, err)
             return
+        entry = self.drain.enter() if tracked_here else None
+        scope["state"][DRAIN_ENTRY] = entry
+        try:
+            await self._guarded(scope, receive, send, entry)
+        finally:
+            if entry is not None:
+                self.drain.leave(entry)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send, entry: OpenRequest | None) -> None:
         started = False
         seen = 0
         body_done = False
@@ -86,6 +98,8 @@ class Guard:
             nonlocal started
             if msg["type"] == "http.response.start":
                 started = True
+                if entry is not None:
+                    entry.started = True
             await send(msg)
 
         try:
@@ -95,6 +109,11 @@ class Guard:
                 if e.status == 413:
                     await _drain(receive)         # the rest of the body, bounded
                 await _send_error(send, e)
+        except asyncio.CancelledError:
+            if not ended_by_drain(entry):         # uvicorn's, or anyone else's: theirs to handle
+                raise
+            if not started:
+                await _send_error(send, entry.error)
         except Exception:  # noqa: BLE001 - never a traceback to the client
             log.exception("internal error on %s %s", scope.get("method"), scope["path"])
             if not started:
@@ -152,18 +171,24 @@ def _received(request: Request) -> float:
 
 def build_app(client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: sv.Limits | None = None,
-              body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
-    """An OpenAI-compatible app in front of `client` (which it does not start or stop)."""
+              body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S, drain: Drain | None = None) -> FastAPI:
+    """An OpenAI-compatible app in front of `client` (which it does not start or stop); `drain` (app.state.drain)
+    refuses new requests and ends those in flight at shutdown (tandem.server.drain)."""
     name = served_model_name or client.model_name
+    drain = drain if drain is not None else Drain()
     state = sv.ServerState(client, name, ServerMetrics(client, name), limits or sv.Limits())
     app = FastAPI(title="tandem", summary="OpenAI-compatible API of tandem", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.tandem = state
+    app.state.drain = drain
     install_handlers(app)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                       drain=drain)
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:
+            return error_response(HEALTH_DRAINING)
         if client.is_healthy():
             return Response(status_code=200)
         return error_response(UNHEALTHY)

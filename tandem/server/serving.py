@@ -30,6 +30,7 @@ from tandem.engine.structured_output import StructuredOutput, StructuredOutputEr
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, shorten
 from tandem.engine.tokenizer import Tokenizer
 from tandem.runtime.client import EngineClient, RequestError
+from tandem.server.drain import DRAIN_ENTRY
 from tandem.server.errors import APIError, error_body, validation_error
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import PromptTokensDetails, Usage, _Sampling
@@ -506,21 +507,34 @@ class SSEResponse(StreamingResponse):
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        entry = scope.get("state", {}).get(DRAIN_ENTRY)        # the drain may end this stream (server shutdown)
+        complete = False
         try:
             async with anyio.create_task_group() as tg:
                 async def stream() -> None:
+                    nonlocal complete
                     with contextlib.suppress(OSError):
                         await self.stream_response(send)
+                        complete = True
                     tg.cancel_scope.cancel()
 
                 async def watch() -> None:
                     await self.listen_for_disconnect(receive)
                     tg.cancel_scope.cancel()
 
+                if entry is not None:
+                    entry.end_stream = tg.cancel_scope.cancel
                 tg.start_soon(stream)
                 tg.start_soon(watch)
         finally:
+            if entry is not None:
+                entry.end_stream = None
             await close(self.body_iterator)
+        if entry is not None and entry.error is not None and not complete:   # ended by the drain: why, then [DONE]
+            err = entry.error
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "more_body": False,
+                            "body": sse(error_body(err.message, err.status, err.code)) + SSE_DONE})
 
 
 def now_s() -> int:
