@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import multiprocessing
 import os
 import re
@@ -14,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -251,9 +251,83 @@ def probe_worker_recovery(ctx: ChaosContext) -> list[Outcome]:
                     rec.passed() and rec.saw_503)]
 
 
-PROBES = [probe_worker_recovery]
+def _open_requests(url: str, model: str, max_tokens: int) -> tuple[dict, list, threading.Event]:
+    """A non-streaming and a streaming completion of `max_tokens` tokens, each on a thread; (results, threads, an
+    event set once the stream has sent its first chunk)."""
+    import httpx
+
+    body = {"model": model, "prompt": [11, 12, 13, 14, 15, 16], "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}
+    results: dict = {}
+    streaming = threading.Event()
+
+    def plain() -> None:
+        try:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            results["plain"] = (r.status_code, r.headers.get("content-type"), r.text)
+        except httpx.HTTPError as e:
+            results["plain"] = (0, None, f"{type(e).__name__}: {e}")
+
+    def stream() -> None:
+        events: list[str] = []
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        streaming.set()
+            results["stream"] = (r.status_code, events)
+        except httpx.HTTPError as e:
+            results["stream"] = (0, [*events, f"{type(e).__name__}: {e}"])
+        streaming.set()
+
+    threads = [threading.Thread(target=plain, daemon=True), threading.Thread(target=stream, daemon=True)]
+    for t in threads:
+        t.start()
+    return results, threads, streaming
 
 
-def as_json(rec: Recovery) -> str:
-    """One recovery as a JSON line (benchmarks keep them)."""
-    return json.dumps(rec.__dict__)
+def probe_sigterm_drain(ctx: ChaosContext, grace_s: float = 1.0) -> list[Outcome]:
+    """SIGTERM with a non-streaming and a streaming request open past the grace period: new requests 503 (JSON),
+    both open ones end with a well-formed error (JSON; SSE error event then [DONE]), no traceback, exit code 0."""
+    import httpx
+
+    with serve_tiny(ctx.ar_model, ctx.workdir, ["--max-model-len", "4096", "--served-model-name", "m",
+                                                "--timeout-graceful-shutdown", f"{grace_s:g}"], name="drain") as served:
+        results, threads, streaming = _open_requests(served.url, "m", 4000)
+        streaming.wait(30)
+        time.sleep(0.2)
+        served.proc.send_signal(signal.SIGTERM)
+        time.sleep(min(0.3, grace_s / 3))
+        try:
+            r = httpx.post(served.url + "/v1/completions", json={"model": "m", "prompt": [1], "max_tokens": 1},
+                           timeout=10)
+            refused = (r.status_code, r.headers.get("content-type"), r.text[:200])
+        except httpx.HTTPError as e:
+            refused = (0, None, f"{type(e).__name__}: {e}")
+        try:
+            code = served.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+        for t in threads:
+            t.join(10)
+        log = served.log_text()
+    plain = results.get("plain", (0, None, "no answer"))
+    status, events = results.get("stream", (0, []))
+    err_event = len(events) >= 2 and events[-1] == "data: [DONE]" and events[-2].startswith('data: {"error"')
+    plain_ok = plain[:2] == (503, "application/json") and '"error"' in plain[2]
+    return [
+        Outcome("a new request while draining", "503 application/json with an OpenAI error body",
+                f"{refused[0]} {refused[1]} {refused[2][:100]}",
+                refused[:2] == (503, "application/json") and '"error"' in refused[2]),
+        Outcome(f"a non-streaming request open past the {grace_s:g} s grace period", "503 application/json error",
+                f"{plain[0]} {plain[1]} {plain[2][:120]}", plain_ok),
+        Outcome(f"a stream open past the {grace_s:g} s grace period", 'a data: {"error": ...} event, then [DONE]',
+                f"{status}; last events {[e[:80] for e in events[-2:]]}", status == 200 and err_event),
+        Outcome("SIGTERM's exit", "exit code 0, no traceback in the log",
+                f"exit code {code}; traceback in log: {'Traceback' in log}", code == 0 and "Traceback" not in log),
+    ]
+
+
+PROBES = [probe_sigterm_drain, probe_worker_recovery]
+
