@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="h100,h200", help="catalogue GPUs whose rows to simulate")
     ap.add_argument("--frameworks", default="vllm,sglang,trtllm")
+    ap.add_argument("--models", default="", help="catalogue models whose rows to simulate, comma-separated ('': all)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="run each row with this share of its benchmark's requests (1: all of them)")
     ap.add_argument("--limit", type=int, default=0, help="simulate at most this many rows (0: all)")
@@ -187,13 +188,14 @@ def main(argv=None) -> int:
         _write_rows(results, out / "rows.csv")
         return report(results, _read_skipped(out / "skipped.csv"), out)
     gpus, fws = set(a.gpus.split(",")), set(a.frameworks.split(","))
+    models = {get_model(m).name for m in a.models.split(",") if m}
     derive = a.derive
     cases, skipped = [], []
     for row in read_rows():
         c = to_case(row)
         if isinstance(c, Skipped):
             skipped.append(c)
-        elif c.gpu in gpus and c.framework in fws:
+        elif c.gpu in gpus and c.framework in fws and (not models or c.model in models):
             cases.append(c)
     if a.limit:
         cases = cases[: a.limit]

@@ -96,3 +96,81 @@ def test_unknown_gpu_raises_listing_valid_names_on_one_line():
 
 def test_errors_are_value_errors():
     assert issubclass(UnknownNameError, ValueError) and issubclass(DoesNotFitError, ValueError)
+
+
+def test_deepseek_v3_and_r1_are_one_mla_moe_architecture_with_the_published_counts():
+    """DeepSeek-V3 and -R1 resolve to one catalogue entry whose fields are the config's, and whose parameter counts
+    are the model card's 671B total and 37B active (first 3 layers dense, then 256 routed experts + 1 shared)."""
+    from tandem.perf.models import MLA
+
+    m = get_model("deepseek-ai/DeepSeek-R1")
+    assert m is get_model("deepseek-ai/DeepSeek-V3") is MODELS["deepseek-v3"]
+    assert (m.layers, m.hidden, m.heads, m.vocab, m.dense_layers, m.dense_intermediate) == \
+        (61, 7168, 128, 129280, 3, 18432)
+    assert (m.experts - m.shared_experts, m.experts_per_token - m.shared_experts, m.intermediate) == (256, 8, 2048)
+    assert m.mla == MLA(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    assert m.weight_dtype == "fp8_block"
+    assert m.params == pytest.approx(671e9, rel=0.01)
+    assert m.active_params == pytest.approx(37e9, rel=0.02)
+    # MLA's projections: q_a + kv_a (down), q_b, kv_b (up), o
+    assert m.attn_params_per_layer == 7168 * 2112 + 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
+
+
+def test_mla_caches_one_latent_per_token_and_layer_replicated_on_every_tp_rank():
+    """The KV-capacity arithmetic sees MLA's compressed latent (kv_lora + rope elements, not per head), and that TP
+    replicates it rather than sharding it."""
+    from tandem.perf.roofline import ACTIVATION_RESERVE_GIB, MEM_UTIL, kv_bytes_per_token_per_gpu
+
+    m = get_model("deepseek-v3")
+    assert m.kv_bytes_per_token == 61 * (512 + 64) * 2 == 70272
+    assert m.with_precision(kv_cache_dtype="fp8").kv_bytes_per_token == 61 * 576 == 35136
+    assert [kv_bytes_per_token_per_gpu(m, tp) for tp in (1, 2, 8)] == [70272, 70272, 70272]
+    # grouped-query attention, by contrast, shards its KV heads
+    assert kv_bytes_per_token_per_gpu(get_model("llama-3.1-70b"), 8) == 2 * 80 * 1 * 128 * 2
+    # the down-projection is replicated on every rank too: weights per GPU are (all weights + 7 copies of it) / 8
+    from tandem.perf import kv_capacity_tokens
+    gib = 1 << 30
+    per_gpu = (m.weight_bytes + 7 * 61 * 7168 * 2112) / 8
+    free = 141 * gib * MEM_UTIL - ACTIVATION_RESERVE_GIB * gib - per_gpu
+    assert kv_capacity_tokens(m, "h200", 8) == int(free // 70272)
+    with pytest.raises(DoesNotFitError):
+        kv_capacity_tokens(m, "h100", 8)                  # 671 GB of fp8 weights do not fit 8 x 80 GB
+
+
+def test_mla_attention_flops_are_expanded_for_prefill_and_absorbed_for_decode():
+    """Prefill pairs cost 2 x (d_qk + d_v) per head (192 + 128); decode pairs 2 x (latent + kv_lora) per head
+    (576 + 512), and the roofline's compute term of a decode step is exactly the model's FLOPs at the fp8 peak
+    (linear layers, the down-projection whole on every rank) plus the LM head and attention at the bf16 peak."""
+    from tandem.perf import BatchShape, Roofline
+
+    m = get_model("deepseek-v3")
+    assert m.attn_flops_per_pair == 2 * 61 * 128 * (192 + 128) == 4_997_120
+    assert m.attn_flops_per_pair_decode == 2 * 61 * 128 * (576 + 512) == 16_990_208
+    g = get_gpu("h200")
+    repl = 61 * 7168 * 2112
+    linear = (2 * m.active_body_params - 2 * repl) / 8 + 2 * repl
+    expected = (linear / (1978.9e12 * g.mfu) + 2 * 7168 * 129280 / 8 / (989.4e12 * g.mfu)
+                + 16_990_208 * 4096 / 8 / (989.4e12 * g.mfu))
+    b = Roofline(m, "h200", 8).breakdown(BatchShape(num_decode=1, decode_ctx_tokens=4096))
+    assert b["compute"] == pytest.approx(expected, rel=1e-12)
+    # a prefill chunk over history also up-projects the history's latents (kv_b: 2 FLOPs per weight per token)
+    r = Roofline(m, "h200", 8)
+    fresh = r.breakdown(BatchShape(1024, 1024 * (4096 + 1024.5), 0, 1))["compute"]
+    hist = r.breakdown(BatchShape(1024, 1024 * (4096 + 1024.5), 4096, 1))["compute"]
+    assert hist - fresh == pytest.approx(4096 * 2 * 61 * 512 * 128 * 256 / 8 / (1978.9e12 * g.mfu), rel=1e-9)
+
+
+def test_expert_parallelism_shards_experts_not_their_sum_and_is_refused_where_it_cannot_apply():
+    """Under uniform routing a rank holding experts/ep experts, each over tp/ep GPUs, streams what TP's sharding
+    streams; ep must divide tp and the routed experts, and a dense model has no experts to shard."""
+    from tandem.perf import BatchShape, Roofline
+    from tandem.perf.errors import ParallelismError
+
+    shape = BatchShape(num_decode=64, decode_ctx_tokens=64 * 2000)
+    tp8, ep8 = Roofline("deepseek-v3", "h200", 8), Roofline("deepseek-v3", "h200", 8, ep=8)
+    assert ep8.step_time(shape) == pytest.approx(tp8.step_time(shape), rel=1e-12)
+    assert repr(ep8) == "Roofline(deepseek-v3, h200, tp8ep8)"
+    assert Roofline("mixtral-8x7b", "h100", 8, ep=8).ep == 8        # 8 experts over 8 GPUs: one each
+    for model, tp, ep in (("llama-3.1-70b", 8, 2), ("deepseek-v3", 4, 8), ("deepseek-v3", 8, 3)):
+        with pytest.raises(ParallelismError):
+            Roofline(model, "h200", tp, ep=ep)

@@ -243,3 +243,99 @@ def test_a_rows_prefill_demand_is_its_prefill_rate_over_the_tables_capacity():
     slow = dataclasses.replace(g, ttft_ms=2 * g.ttft_ms, tpot_ms=2 * g.tpot_ms)
     assert prefill_demand(slow) == pytest.approx(prefill_demand(g) / 2, rel=1e-12)
     assert (agg_policy("sglang"), agg_policy("vllm"), agg_policy("trtllm")) == ("sglang", "vllm", "vllm")
+
+
+def test_an_mla_step_reads_its_decode_attention_from_the_mla_kernel_table():
+    """DeepSeek-V3's decode attention is the framework's measured MLA kernel at the local head count (128 / tp):
+    a lookup at a measured cell is the table's latency, and two decode steps that differ only in their context
+    differ by the layers times the two cells' difference."""
+    from tandem.perf.measured.mla import MLAShape
+
+    m = get_model("deepseek-v3")
+    ref = source.find_table("h200_sxm", "mla", "sglang", "generation_mla_perf.parquet")
+    c = source.read_columns(ref.path, ("kv_cache_dtype", "num_heads", "batch_size", "step", "latency"))
+
+    def cell(b: int, step: int) -> float:
+        sel = (c["kv_cache_dtype"] == "bfloat16") & (c["num_heads"] == 16) & (c["batch_size"] == b) & \
+            (c["step"] == step)
+        assert sel.sum() >= 1
+        return float(c["latency"][sel].min()) * 1e-3
+
+    grid = op_tables("h200_sxm", "sglang").generation_mla(MLAShape.of(m, 8), "bfloat16")
+    assert float(grid(64, 4096)) == pytest.approx(cell(64, 4095), rel=1e-9)   # step 4095 attends to 4096
+    s = MeasuredStep(m, "h200", 8, "sglang")
+    long, short = s.decode_time(64, 64 * 4096), s.decode_time(64, 64 * 2048)
+    assert long - short == pytest.approx(61 * (cell(64, 4095) - cell(64, 2047)), rel=1e-6)
+
+
+def test_vllm_mla_kernels_are_its_module_tables_less_the_projections_priced_from_the_gemm_table():
+    """vLLM measured MLA only as whole attention blocks; its kernel plus the projections the step prices from the
+    GEMM table gives back the module's latency at a measured cell, so nothing is counted twice."""
+    from tandem.perf.measured.mla import MLAShape
+
+    m = get_model("deepseek-v3").with_precision("bf16")
+    shape = MLAShape.of(m, 8)
+    ref = source.find_table("h200_sxm", "mla", "vllm", "mla_context_module_perf.parquet")
+    c = source.read_columns(ref.path, ("kv_cache_dtype", "gemm_type", "num_heads", "batch_size", "isl", "latency"))
+    sel = (c["kv_cache_dtype"] == "bfloat16") & (c["gemm_type"] == "bfloat16") & (c["num_heads"] == 16) & \
+        (c["batch_size"] == 1) & (c["isl"] == 4096)
+    module = float(c["latency"][sel].min()) * 1e-3
+    ops = op_tables("h200_sxm", "vllm")
+    gemm = ops.gemm("bfloat16")
+    kernel = float(ops.context_mla(shape, "bfloat16")(1, 4096))
+    assert kernel + float(shape.projections(gemm, 4096) + shape.kv_up(gemm, 4096)) == pytest.approx(module, rel=1e-9)
+    assert 0 < kernel < module
+
+
+def test_expert_parallelism_prices_the_experts_from_the_table_at_their_sharding():
+    """An ep8 worker reads the MoE table at moe_tp 1 x moe_ep 8 (TRT-LLM's newest table that measured the shape),
+    a tp8 worker at moe_tp 8 x moe_ep 1; nothing else in the step changes, so the two differ by the 58 MoE layers
+    times the two measured cells' difference."""
+    m = get_model("deepseek-v3")
+    ep8, tp8 = MeasuredStep(m, "h200", 8, "trtllm", ep=8), MeasuredStep(m, "h200", 8, "trtllm")
+    ops = op_tables("h200_sxm", "trtllm")
+    assert ops.sources["moe_perf.parquet"].endswith("/1.3.0rc20/moe_perf.parquet")   # rc23 holds one model only
+    ref = source.find_tables("h200_sxm", "moe", "trtllm", "moe_perf.parquet")[1]
+    assert ref.version == "1.3.0rc20"
+    c = source.read_columns(ref.path, ("moe_dtype", "num_tokens", "hidden_size", "inter_size", "topk", "num_experts",
+                                       "moe_tp_size", "moe_ep_size", "distribution", "latency"))
+
+    def cell(moe_tp: int, moe_ep: int) -> float:
+        sel = (c["moe_dtype"] == "fp8_block") & (c["num_tokens"] == 64) & (c["hidden_size"] == 7168) & \
+            (c["inter_size"] == 2048) & (c["topk"] == 8) & (c["num_experts"] == 256) & \
+            (c["moe_tp_size"] == moe_tp) & (c["moe_ep_size"] == moe_ep) & (c["distribution"] == "balanced")
+        assert sel.sum() >= 1
+        return float(c["latency"][sel].min()) * 1e-3
+
+    diff = ep8.decode_time(64, 64 * 1000) - tp8.decode_time(64, 64 * 1000)
+    assert diff == pytest.approx(58 * (cell(1, 8) - cell(8, 1)), rel=1e-6)
+    assert repr(ep8).startswith("MeasuredStep(deepseek-v3, h200, tp8ep8,")
+    # derived costs price MLA and EP too (the H200 from the H100's tables)
+    d = MeasuredStep(m, "h200", 8, "sglang", donor="h100", ep=8)
+    assert str(d.label) == "derived (sglang, h200 from h100_sxm)" and d.decode_time(64, 64 * 1000) > 0
+
+
+def test_deployments_name_expert_parallelism_and_silicon_rows_use_it():
+    """`tp8ep8` shards a worker's experts over 8 of its GPUs (old strings keep their meaning); DeepSeek rows with
+    expert parallelism become such deployments, and rows tandem cannot represent say why."""
+    from tandem.bench.silicon import Case, Skipped, read_rows, to_case
+    from tandem.core.deploy import DeploymentError, parse_deploy
+
+    d = parse_deploy("P:tp8ep8x1,D:tp8ep8x9")
+    assert (str(d), d.gpus, d.expert_parallel()) == ("P:tp8ep8x1,D:tp8ep8x9", 80, [8] * 10)
+    assert str(parse_deploy("C:tp4x2")) == "C:tp4x2" and parse_deploy("C:tp4x2").expert_parallel() == [1, 1]
+    with pytest.raises(DeploymentError, match="divide"):
+        parse_deploy("C:tp4ep8x1")
+    rows = {r["id"]: r for r in read_rows()}
+    c = to_case(rows["dsr1_h200_trtllm_fp8_disagg_1024x1024_c576_cfg303"])
+    assert isinstance(c, Case)
+    assert (c.model, c.deploy, c.precision, c.concurrency) == ("deepseek-v3", "P:tp8ep8x1,D:tp8ep8x9", "fp8_block", 576)
+    agg = to_case(rows["dsr1_h200_sglang_fp8_agg_1024x1024_c4_cfg81"])
+    assert (agg.deploy, agg.precision, agg.kv_cache_dtype) == ("C:tp8x1", "fp8_block", "bf16")
+    assert to_case(rows["2026_03_25_deepseek_r1_h200_sxm_sglang_fp8_disagg_1024x1024_c1024_tp8_0_ep8_0_882"]) == \
+        Skipped("2026_03_25_deepseek_r1_h200_sxm_sglang_fp8_disagg_1024x1024_c1024_tp8_0_ep8_0_882",
+                "disaggregated worker counts not recorded (neither columns nor provenance)")
+    cross = to_case(rows["2026_03_25_deepseek_r1_h100_sxm_trtllm_fp8_disagg_8192x1024_c154_tp16_0_ep16_0_851"])
+    assert cross.reason == "tensor parallelism across nodes (tp16 over 8-GPU nodes)"
+    adp = to_case(rows["dsr1_h200_trtllm_fp8_disagg_1024x1024_c1152_cfg321"])
+    assert adp.reason == "attention data parallelism or pipeline parallelism"

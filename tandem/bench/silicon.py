@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.core.deploy import parse_deploy
 from tandem.perf.errors import UnknownNameError
 from tandem.perf.hardware import get_gpu
 from tandem.perf.measured.frameworks import framework_defaults
@@ -93,12 +94,41 @@ def _int(v: str) -> int:
     return int(float(v)) if v not in ("", None) else 0
 
 
+def _recorded_workers(row: dict, key: str) -> int:
+    """A disaggregated row's worker count for `key` (prefill or decode): its column, else the same field in its
+    provenance string; 0 when neither records it."""
+    n = _int(row.get(f"{key}_num_workers"))
+    if n:
+        return n
+    m = re.search(rf"{key}_num_workers=(\d+)", row.get("silicon_data_source", ""))
+    return int(m.group(1)) if m else 0
+
+
+def _worker(spec, row: dict, prefix: str, gpus_per_node: int) -> str | Skipped:
+    """One worker's parallelism as a deployment's `tpN[epE]`, or why it cannot be represented: attention data or
+    pipeline parallelism, tensor parallelism across nodes, experts sharded over other GPUs than attention's."""
+    rid = row["id"]
+    if _int(row[f"{prefix}attention_dp_size"]) > 1 or _int(row[f"{prefix}pp_size"]) > 1:
+        return Skipped(rid, "attention data parallelism or pipeline parallelism")
+    tp = _int(row[f"{prefix}tp_size"])
+    if tp > gpus_per_node:
+        return Skipped(rid, f"tensor parallelism across nodes (tp{tp} over {gpus_per_node}-GPU nodes)")
+    if not spec.is_moe:
+        return f"tp{tp}"
+    ep = max(1, _int(row.get(f"{prefix}moe_ep_size")))
+    moe_tp = _int(row.get(f"{prefix}moe_tp_size")) or tp // ep
+    if moe_tp * ep != tp:
+        return Skipped(rid, "experts sharded over other GPUs than attention (moe_tp x moe_ep differs from tp)")
+    return f"tp{tp}ep{ep}" if ep > 1 else f"tp{tp}"
+
+
 def to_case(row: dict) -> Case | Skipped:
     """The simulation of a row, or why it cannot be represented."""
     rid = row["id"]
     gpu = SYSTEM_GPUS.get(row["system"])
     if gpu is None:
         return Skipped(rid, f"GPU {row['system']} is not in tandem's catalogue")
+    gpus_per_node = get_gpu(gpu).gpus_per_node
     try:
         spec = get_model(row["model_path"])
     except UnknownNameError:
@@ -109,13 +139,11 @@ def to_case(row: dict) -> Case | Skipped:
     if prec not in ("bf16", "fp8"):
         return Skipped(rid, f"precision {prec or 'unrecorded'} (tandem models bf16 and fp8)")
     if prec == "fp8":                 # per-tensor scales (fp8) or 128x128-block scales (fp8_block): Qwen's -FP8
-        # checkpoints are block-quantised (their model cards), whatever quantisation label the row carries
-        block = "block" in (row.get("gemm_quant_mode") or "") or re.match(r"(?i)qwen/.*-fp8$", row["model_path"])
+        # checkpoints and DeepSeek-V3/R1's native weights are block-quantised (their model cards), whatever
+        # quantisation label the row carries
+        block = "block" in (row.get("gemm_quant_mode") or "") or re.match(r"(?i)qwen/.*-fp8$", row["model_path"]) \
+            or spec.weight_dtype == "fp8_block"
         prec = "fp8_block" if block else "fp8"
-    if spec.is_moe and any(_int(row.get(k)) > 1 for k in ("moe_ep_size", "prefill_moe_ep_size", "decode_moe_ep_size")):
-        return Skipped(rid, "expert parallelism (tandem shards experts tensor-parallel only)")
-    if spec.is_moe and row["mode"] == "agg" and _int(row.get("moe_tp_size")) not in (0, _int(row["tp_size"])):
-        return Skipped(rid, "experts sharded other than attention (moe_tp_size differs from tp_size)")
     m = re.search(r"silicon_concurrency=(\d+)", row.get("silicon_data_source", ""))
     conc = int(m.group(1)) if m else _int(row["batch_size"])
     if conc < 1:
@@ -126,21 +154,21 @@ def to_case(row: dict) -> Case | Skipped:
         else "bf16"
     mode = row["mode"]
     if mode == "agg":
-        if _int(row["attention_dp_size"]) > 1 or _int(row["pp_size"]) > 1:
-            return Skipped(rid, "attention data parallelism or pipeline parallelism")
-        tp = _int(row["tp_size"])
-        deploy = f"C:tp{tp}x1"
+        w = _worker(spec, row, "", gpus_per_node)
+        if isinstance(w, Skipped):
+            return w
+        deploy = f"C:{w}x1"
     else:
         parts = []
         for role, key in (("P", "prefill"), ("D", "decode")):
-            if _int(row[f"{key}_attention_dp_size"]) > 1 or _int(row[f"{key}_pp_size"]) > 1:
-                return Skipped(rid, "attention data parallelism or pipeline parallelism")
-            parts.append(f"{role}:tp{_int(row[f'{key}_tp_size'])}x{_int(row[f'{key}_num_workers'])}")
+            w = _worker(spec, row, f"{key}_", gpus_per_node)
+            if isinstance(w, Skipped):
+                return w
+            n = _recorded_workers(row, key)
+            if n < 1:
+                return Skipped(rid, "disaggregated worker counts not recorded (neither columns nor provenance)")
+            parts.append(f"{role}:{w}x{n}")
         deploy = ",".join(parts)
-    try:
-        get_gpu(gpu)
-    except UnknownNameError:
-        return Skipped(rid, f"GPU {gpu} unknown")
     return Case(rid, row["backend"], spec.name, gpu, prec, kv, mode, deploy, conc, _int(row["isl"]),
                 _int(row["osl"]), float(row["silicon_ttft_ms"]), float(row["silicon_tpot_ms"]), client_of(row))
 
@@ -189,7 +217,7 @@ def simulate_case(case: Case, cost_model: str, seed: int = 0, scale: float = 1.0
     from tandem.sim.cluster import SimConfig, simulate
 
     fw = framework_defaults(case.framework)
-    gpus = sum(int(a) * int(b) for a, b in re.findall(r"tp(\d+)x(\d+)", case.deploy))
+    gpus = parse_deploy(case.deploy).gpus
     cfg = SimConfig(model=case.model, gpu=case.gpu, gpus=gpus, deploy=case.deploy,
                     policy=agg_policy(case.framework) if case.mode == "agg" else "dynamo", seed=seed,
                     max_num_batched_tokens=fw.max_num_batched_tokens,

@@ -54,12 +54,12 @@ def choose_cost_model(cost_model: str, gpu: str, framework: str = DEFAULT_FRAMEW
 
 
 @lru_cache(maxsize=256)
-def step_timer(model: ModelSpec, gpu: str, tp: int, choice: CostChoice) -> StepTimer:
-    """The step timer of one worker under a resolved cost choice (cached: timers hold no state once built, and a
-    sweep or a planner builds the same workers many times)."""
+def step_timer(model: ModelSpec, gpu: str, tp: int, choice: CostChoice, ep: int = 1) -> StepTimer:
+    """The step timer of one worker (experts sharded over ep of its tp GPUs) under a resolved cost choice (cached:
+    timers hold no state once built, and a sweep or a planner builds the same workers many times)."""
     if choice.model == "roofline":
-        return Roofline(model, gpu, tp)
-    return MeasuredStep(model, gpu, tp, choice.framework, choice.donor)
+        return Roofline(model, gpu, tp, ep)
+    return MeasuredStep(model, gpu, tp, choice.framework, choice.donor, ep)
 
 
 @lru_cache(maxsize=64)

@@ -1,9 +1,9 @@
 """Model catalogue: transformer shapes from the models' Hugging Face `config.json`, and the
 parameter, FLOP and KV-cache counts a roofline needs.
 
-Counted parameters: per layer the q/k/v/o projections, the (gated, SwiGLU) MLP or its experts
-plus the router, and two RMSNorm vectors; the input embedding; the LM head unless tied; the final
-norm. Small terms are left out on purpose (Qwen2.5's q/k/v biases, Qwen3's per-head q/k norms:
+Counted parameters: per layer the q/k/v/o projections (or MLA's down- and up-projections), the (gated, SwiGLU) MLP
+or its experts plus the router, and two RMSNorm vectors; the input embedding; the LM head unless tied; the final
+norm. Small terms are left out on purpose (Qwen2.5's q/k/v biases, Qwen3's per-head q/k norms, MLA's latent norms:
 < 0.01% of the parameters).
 """
 from __future__ import annotations
@@ -18,8 +18,36 @@ KV_DTYPES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values pass through low-rank latents, and the
+    KV cache holds one compressed latent (kv_lora_rank) plus one shared rotary key (qk_rope_head_dim) per token and
+    layer, whatever the number of heads."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width of one head in the expanded (prefill) form: no-position part plus rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Cached elements per token and layer: the KV latent and the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def down_width(self) -> int:
+        """Output width of the fused down-projection (q_a and kv_a with its rotary key), replicated under TP."""
+        return self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a decoder-only transformer with grouped-query attention and a gated MLP."""
+    """Shape of a decoder-only transformer with grouped-query (or multi-head latent) attention and a gated MLP."""
 
     name: str
     layers: int
@@ -37,14 +65,47 @@ class ModelSpec:
     dtype_bytes: int = 2     # bf16 activations (and weights and KV cache unless quantised below)
     weight_dtype: str = "bf16"   # linear layers' weights: bf16, fp8 (w8a8: vLLM's --quantization fp8) or fp8_block
     kv_dtype: str = "bf16"       # KV cache: bf16, or fp8 (vLLM's --kv-cache-dtype fp8)
+    mla: MLA | None = None       # multi-head latent attention (None: grouped-query attention of kv_heads x head_dim)
+    dense_layers: int = 0        # MoE models: the first layers with a dense MLP instead of experts (DeepSeek-V3: 3)
+    dense_intermediate: int = 0  # their MLP width
 
     # --- parameter counts -----------------------------------------------------------------
     @property
     def attn_params_per_layer(self) -> int:
+        if self.mla is not None:
+            a, h, n = self.mla, self.hidden, self.heads
+            return (h * a.down_width + a.q_lora_rank * n * a.qk_head_dim
+                    + a.kv_lora_rank * n * (a.qk_nope_head_dim + a.v_head_dim) + n * a.v_head_dim * h)
         q = self.hidden * self.heads * self.head_dim
         kv = 2 * self.hidden * self.kv_heads * self.head_dim
         o = self.heads * self.head_dim * self.hidden
         return q + kv + o
+
+    @property
+    def replicated_params_per_layer(self) -> int:
+        """Attention weights every tensor-parallel rank holds whole (MLA's fused down-projection); 0 for GQA."""
+        return self.hidden * self.mla.down_width if self.mla is not None else 0
+
+    @property
+    def kv_up_params_per_layer(self) -> int:
+        """MLA's kv_b up-projection (latent -> per-head no-position keys and values); 0 for GQA."""
+        a = self.mla
+        return a.kv_lora_rank * self.heads * (a.qk_nope_head_dim + a.v_head_dim) if a is not None else 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is the experts (all layers of a dense model count here, with its one 'expert')."""
+        return self.layers - self.dense_layers
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """One dense-MLP layer of a MoE model (gate, up, down)."""
+        return 3 * self.hidden * self.dense_intermediate
+
+    def mlp_params(self, experts: int) -> int:
+        """Parameters of every layer's MLP with `experts` experts per MoE layer (routers included)."""
+        return (self.moe_layers * (experts * self.expert_params + self.router_params_per_layer)
+                + self.dense_layers * self.dense_mlp_params)
 
     @property
     def expert_params(self) -> int:
@@ -68,12 +129,14 @@ class ModelSpec:
     @property
     def body_params(self) -> int:
         """Non-embedding parameters (all experts), including the final norm."""
-        return self.layers * (self.dense_params_per_layer + self.experts * self.expert_params) + self.hidden
+        return self.layers * (self.attn_params_per_layer + 2 * self.hidden) + self.mlp_params(self.experts) \
+            + self.hidden
 
     @property
     def active_body_params(self) -> int:
         """Non-embedding parameters one token passes through (top-k experts for MoE)."""
-        return self.layers * (self.dense_params_per_layer + self.experts_per_token * self.expert_params) + self.hidden
+        return self.layers * (self.attn_params_per_layer + 2 * self.hidden) \
+            + self.mlp_params(self.experts_per_token) + self.hidden
 
     @property
     def params(self) -> int:
@@ -114,17 +177,21 @@ class ModelSpec:
     @property
     def linear_params(self) -> int:
         """Parameters of the layers' linear maps (attention projections, MLPs or experts, routers)."""
-        return self.layers * (self.attn_params_per_layer + self.router_params_per_layer
-                              + self.experts * self.expert_params)
+        return self.layers * self.attn_params_per_layer + self.mlp_params(self.experts)
 
     @property
     def weight_bytes(self) -> int:
         return self.linear_params * self.weight_elem_bytes + (self.params - self.linear_params) * self.dtype_bytes
 
     @property
+    def kv_elems_per_token_per_layer(self) -> int:
+        """Cached elements of one token in one layer: K and V of every KV head, or MLA's latent and rotary key."""
+        return self.mla.latent_dim if self.mla is not None else 2 * self.kv_heads * self.head_dim
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, all KV heads."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_elem_bytes
+        """The KV cache of every layer for one token (all KV heads; MLA: the compressed latent, not per head)."""
+        return self.layers * self.kv_elems_per_token_per_layer * self.kv_elem_bytes
 
     # --- FLOPs ----------------------------------------------------------------------------
     @property
@@ -144,8 +211,19 @@ class ModelSpec:
 
     @property
     def attn_flops_per_pair(self) -> int:
-        """FLOPs of one (query, key) pair over all layers and heads: QK^T (2*d) plus PV (2*d)."""
+        """FLOPs of one prefill (query, key) pair over all layers and heads: QK^T (2*d_qk) plus PV (2*d_v); MLA's
+        prefill runs expanded, per head at qk_nope+qk_rope and v_head_dim."""
+        if self.mla is not None:
+            return 2 * self.layers * self.heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
         return 4 * self.layers * self.heads * self.head_dim
+
+    @property
+    def attn_flops_per_pair_decode(self) -> int:
+        """FLOPs of one decode (query, key) pair: as prefill for GQA; MLA's decode runs absorbed, every head's
+        query against the cached latent and rotary key (2*(kv_lora+rope)) and its output in the latent (2*kv_lora)."""
+        if self.mla is not None:
+            return 2 * self.layers * self.heads * (self.mla.latent_dim + self.mla.kv_lora_rank)
+        return self.attn_flops_per_pair
 
 
 def _m(name, layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, **kw) -> ModelSpec:
@@ -194,6 +272,15 @@ MODELS: dict[str, ModelSpec] = {
     # (and embedding_size) 126464, weight_tying false, max_sequence_length 4096. ~8.02B params (16.0 GB in bf16);
     # dLLM-Serve's model. Bidirectional (a masked-diffusion LM): its KV is 0.5 MiB a token (MHA).
     "llada-8b": _m("llada-8b", 32, 4096, 32, 32, 128, 12288, 126464, max_context=4096),
+    # deepseek-ai/DeepSeek-V3 config.json (DeepSeek-R1: the same architecture): 61 layers, hidden 7168, 128 heads,
+    # MLA (q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128), the first
+    # 3 layers dense (intermediate 18432), then 256 routed experts of 2048 (top-8) plus 1 shared expert of the same
+    # width, vocab 129280, untied, 163840 positions; native fp8 weights with 128x128 block scales. kv_heads and
+    # head_dim are the config's num_key_value_heads and v_head_dim (MLA's cache does not use them). ~671B total and
+    # ~37B active parameters (the multi-token-prediction module's 14B are not counted: it is not served by default).
+    "deepseek-v3": _m("deepseek-v3", 61, 7168, 128, 128, 128, 2048, 129280, experts=257, experts_per_token=9,
+                      shared_experts=1, dense_layers=3, dense_intermediate=18432, weight_dtype="fp8_block",
+                      mla=MLA(1536, 512, 128, 64, 128), max_context=163840),
 }
 
 _ALIASES: dict[str, str] = {
@@ -202,8 +289,9 @@ _ALIASES: dict[str, str] = {
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
     "sdar-8b-chat": "sdar-8b", "ling-mini-2.0": "ling-2.0-16b", "llada2.0-mini": "llada2.0-16b",
     "llada": "llada-8b",
+    "deepseek-r1": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3", "deepseek-r1-0528": "deepseek-v3",
 }
-_ORGS = ("meta-llama/", "nvidia/", "qwen/", "mistralai/", "jetlm/", "inclusionai/", "gsai-ml/")
+_ORGS = ("meta-llama/", "nvidia/", "qwen/", "mistralai/", "jetlm/", "inclusionai/", "gsai-ml/", "deepseek-ai/")
 _SUFFIXES = ("-instruct", "-chat", "-base", "-v0.1", "-hf", "-fp8")
 
 

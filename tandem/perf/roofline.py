@@ -18,9 +18,17 @@ Decode-only steps are taken as captured graphs, as vLLM and SGLang run them.
 step; communication is added because tensor-parallel engines (vLLM, SGLang) run the all-reduces
 between the GEMMs rather than overlapping them. See docs/cost-models.md.
 
+Multi-head latent attention (DeepSeek-V3): prefill runs expanded (per head at qk_nope+qk_rope and v_head_dim, the
+cached latent of the history up-projected by kv_b for every chunk), decode runs absorbed (every head against the
+cached latent); the fused down-projection is replicated on every rank, the latent KV cache too.
+
+Expert parallelism `ep` (tp = moe_tp x ep): each rank holds experts/ep experts, each sharded tp/ep ways. Attention
+stays tensor-parallel, so every rank sees every token and the experts' outputs are summed by the same all-reduce
+as under TP (what vLLM, SGLang and TRT-LLM run without attention data parallelism); no all-to-all is needed.
+
 What is left out (all small next to the terms kept): norms/rotary/softmax FLOPs, flash-attention
-re-reads of K/V tiles from L2, embedding-table gathers beyond one row per token, the MoE
-all-to-all (Mixtral under TP shards every expert, so it uses the same all-reduces as dense).
+re-reads of K/V tiles from L2, embedding-table gathers beyond one row per token, expert load imbalance
+(routing is taken as uniform).
 """
 from __future__ import annotations
 
@@ -96,6 +104,22 @@ def check_tp(model: ModelSpec, gpu: GPU, tp: int) -> None:
         raise ParallelismError(f"{model.name} has {model.kv_heads} KV heads; tp{tp} neither divides nor is a multiple of it")
 
 
+def check_ep(model: ModelSpec, tp: int, ep: int) -> None:
+    """Raise ParallelismError unless `ep` can shard `model`'s routed experts inside a tp-GPU worker (tp = moe_tp x
+    ep)."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ParallelismError(f"expert-parallel degree must be a positive integer, got {ep!r}")
+    if ep == 1:
+        return
+    if not model.is_moe:
+        raise ParallelismError(f"{model.name} has no experts to shard over ep{ep}")
+    if tp % ep:
+        raise ParallelismError(f"ep{ep} does not divide tp{tp} (experts are sharded over the worker's own GPUs)")
+    routed = model.experts - model.shared_experts
+    if routed % ep:
+        raise ParallelismError(f"{model.name} has {routed} routed experts, not divisible by ep{ep}")
+
+
 def supported_tps(model: ModelSpec | str, gpu: GPU | str) -> tuple[int, ...]:
     """Power-of-two tensor-parallel degrees up to one node that `model` can be sharded over."""
     model, gpu = get_model(model), get_gpu(gpu)
@@ -116,6 +140,10 @@ def kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
 
 
 def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int) -> int:
+    """KV bytes of one token on one GPU: the GPU's KV heads, or MLA's whole latent (replicated: TP does not shard
+    it)."""
+    if model.mla is not None:
+        return model.kv_bytes_per_token
     return 2 * model.layers * kv_heads_per_gpu(model, tp) * model.head_dim * model.kv_elem_bytes
 
 
@@ -126,38 +154,48 @@ class Roofline(StepTimer):
     multiply-adds.
     """
 
-    __slots__ = ("model", "gpu", "tp", "_c_tok", "_c_row", "_c_pair", "_m_w", "_m_kv", "_m_act",
-                 "_moe", "_n_exp", "_p_miss", "_m_expert", "_ar_fixed", "_ar_tok", "_g_fixed",
+    __slots__ = ("model", "gpu", "tp", "ep", "_c_tok", "_c_row", "_c_pair", "_c_pair_dec", "_c_hist", "_m_w",
+                 "_m_kv", "_m_act", "_moe", "_n_exp", "_p_miss", "_m_expert", "_ar_fixed", "_ar_tok", "_g_fixed",
                  "_g_row", "_overhead", "_launch")
 
-    def __init__(self, model: ModelSpec | str, gpu: GPU | str, tp: int = 1):
+    def __init__(self, model: ModelSpec | str, gpu: GPU | str, tp: int = 1, ep: int = 1):
         model, gpu = get_model(model), get_gpu(gpu)
         check_tp(model, gpu, tp)
-        self.model, self.gpu, self.tp = model, gpu, tp
+        check_ep(model, tp, ep)
+        self.model, self.gpu, self.tp, self.ep = model, gpu, tp, ep
         flops, bw, d = gpu.flops, gpu.mem_bw, model.dtype_bytes
         we = model.weight_elem_bytes   # linear layers' weights (1 byte under fp8 w8a8, run at the fp8 peak)
         h, L = model.hidden, model.layers
+        wflops = gpu.achievable_flops(model.weight_dtype)
 
-        # Compute (s per unit): heads, MLP columns and vocab are all sharded tp ways.
-        self._c_tok = model.body_flops_per_token / tp / gpu.achievable_flops(model.weight_dtype)
+        # Compute (s per unit): heads, MLP columns and vocab are all sharded tp ways; MLA's down-projection is not.
+        repl = L * model.replicated_params_per_layer
+        self._c_tok = (model.body_flops_per_token - 2 * repl + 2 * repl * tp) / tp / wflops
         self._c_row = model.lm_head_flops_per_token / tp / flops
         self._c_pair = model.attn_flops_per_pair / tp / flops
+        # decode pairs beyond the prefill rate (MLA's absorbed decode; 0 for GQA, where both are the same)
+        self._c_pair_dec = (model.attn_flops_per_pair_decode - model.attn_flops_per_pair) / tp / flops
+        # MLA's expanded prefill up-projects the cached latent of every history token a chunk attends to
+        self._c_hist = 2 * L * model.kv_up_params_per_layer / tp / wflops
 
         # Weights streamed every step: the layers' dense part, the final norm and the LM-head
         # matrix (the input embedding is only gathered row by row). Experts handled below.
-        linear = L * (model.attn_params_per_layer + model.router_params_per_layer)
+        linear = L * (model.attn_params_per_layer + model.router_params_per_layer) + repl * (tp - 1)
         self._m_w = (linear * we + (L * 2 * h + h + model.vocab * h) * d) / tp / bw
         self._moe = model.is_moe
-        self._n_exp = float(model.experts)
+        # Each rank holds experts/ep experts, each sharded tp/ep ways (ep = 1: every expert sharded tp ways).
+        self._n_exp = model.experts / ep
         # A token misses a given expert with prob 1 - k/E (uniform routing); T tokens touch
-        # E*(1 - (1-k/E)^T) distinct experts per layer in expectation (k for T=1, -> E).
+        # E*(1 - (1-k/E)^T) distinct experts per layer in expectation (k for T=1, -> E), E/ep of them on a rank.
         self._p_miss = 1.0 - model.experts_per_token / model.experts
         if not self._moe:
             dense_streamed_mlp = L * model.expert_params
             self._m_w += dense_streamed_mlp * we / tp / bw
             self._m_expert = 0.0
         else:
-            self._m_expert = L * model.expert_params * we / tp / bw  # per distinct expert touched, all layers
+            self._m_w += model.dense_layers * model.dense_mlp_params * we / tp / bw   # DeepSeek's first layers
+            # per distinct expert touched on this rank, all MoE layers
+            self._m_expert = model.moe_layers * model.expert_params * we / (tp // ep) / bw
 
         # KV bytes on this GPU per token read or written.
         self._m_kv = kv_bytes_per_token_per_gpu(model, tp) / bw
@@ -165,7 +203,12 @@ class Roofline(StepTimer):
         # reads/writes per layer on every GPU (the residual stream is replicated), plus the
         # sharded q/k/v/attention-output tensors and the MLP's gate/up/act/down tensors.
         ffn = model.experts_per_token * model.intermediate
-        sharded = (2 * (model.heads + 2 * model.kv_heads) + 2 * model.heads) * model.head_dim + 6 * ffn
+        if model.mla is not None:      # expanded q, k and v of every head, and the attention output
+            a = model.mla
+            sharded = 2 * model.heads * (a.qk_head_dim + a.qk_head_dim + a.v_head_dim) + 2 * model.heads * a.v_head_dim \
+                + 6 * ffn
+        else:
+            sharded = (2 * (model.heads + 2 * model.kv_heads) + 2 * model.heads) * model.head_dim + 6 * ffn
         self._m_act = L * d * (10 * h + sharded / tp) / bw
 
         # Communication: 2 all-reduces per layer (after attention and after the MLP) over the
@@ -192,8 +235,8 @@ class Roofline(StepTimer):
         if tokens <= 0:
             return 0.0
         rows = num_prefill + num_decode
-        compute = (self._c_tok * tokens + self._c_row * rows
-                   + self._c_pair * (prefill_attn_pairs + decode_ctx_tokens))
+        compute = (self._c_tok * tokens + self._c_row * rows + self._c_pair * (prefill_attn_pairs + decode_ctx_tokens)
+                   + self._c_pair_dec * decode_ctx_tokens + self._c_hist * prefill_kv_read_tokens)
         memory = (self._m_w
                   + self._m_kv * (prefill_kv_read_tokens + 2 * prefill_tokens + decode_ctx_tokens - decode_kv_shared
                                   + num_decode)
@@ -248,7 +291,8 @@ class Roofline(StepTimer):
         s = shape
         tokens = s.prefill_tokens + s.num_decode
         rows = s.num_prefill + s.num_decode
-        compute = self._c_tok * tokens + self._c_row * rows + self._c_pair * (s.prefill_attn_pairs + s.decode_ctx_tokens)
+        compute = (self._c_tok * tokens + self._c_row * rows + self._c_pair * (s.prefill_attn_pairs + s.decode_ctx_tokens)
+                   + self._c_pair_dec * s.decode_ctx_tokens + self._c_hist * s.prefill_kv_read_tokens)
         memory = (self._m_w + self._m_kv * (s.prefill_kv_read_tokens + 2 * s.prefill_tokens + s.decode_ctx_tokens
                                             - s.decode_kv_shared + s.num_decode)
                   + self._m_act * tokens)
@@ -263,7 +307,8 @@ class Roofline(StepTimer):
                 "total": self.step_time(s), "bound": bound}
 
     def __repr__(self) -> str:
-        return f"Roofline({self.model.name}, {self.gpu.name}, tp{self.tp})"
+        ep = f"ep{self.ep}" if self.ep > 1 else ""
+        return f"Roofline({self.model.name}, {self.gpu.name}, tp{self.tp}{ep})"
 
 
 def kv_capacity_tokens(model: ModelSpec | str, gpu: GPU | str, tp: int, mem_util: float = MEM_UTIL,
@@ -271,13 +316,15 @@ def kv_capacity_tokens(model: ModelSpec | str, gpu: GPU | str, tp: int, mem_util
     """KV-cache tokens one worker (tp GPUs) holds after weights and the reserve.
 
     Per GPU: hbm x mem_util - weights/tp - reserve (GiB, like hbm_gb), divided by the KV bytes
-    per token stored on one GPU (KV heads sharded, or replicated when tp > kv_heads).
+    per token stored on one GPU (KV heads sharded, or replicated when tp > kv_heads; MLA's latent replicated).
+    Expert parallelism leaves this unchanged: experts/ep experts sharded tp/ep ways are weights/tp all the same.
     Raises DoesNotFitError when nothing is left.
     """
     model, gpu = get_model(model), get_gpu(gpu)
     check_tp(model, gpu, tp)
     usable = gpu.hbm_bytes * mem_util - activation_reserve_gb * GIB
-    weights = model.weight_bytes / tp
+    weights = (model.weight_bytes + model.layers * model.replicated_params_per_layer * model.weight_elem_bytes
+               * (tp - 1)) / tp
     free = usable - weights
     tokens = int(free // kv_bytes_per_token_per_gpu(model, tp)) if free > 0 else 0
     if tokens <= 0:

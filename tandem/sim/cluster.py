@@ -208,17 +208,19 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     model, gpu = cfg.model_spec(), get_gpu(cfg.gpu)
     nodes = place(dep, gpu.gpus_per_node, cfg.gpus)
     tps = tuple(sorted({tp for _, tp in dep.workers()}))
+    eps = dep.expert_parallel()                 # routing costs stay those of tp-sharded experts
     choice = cfg.cost_choice()
     try:
-        step_timers = {tp: step_timer(model, gpu.name, tp, choice) for tp in tps}
+        step_timers = {(tp, ep): step_timer(model, gpu.name, tp, choice, ep)
+                       for (_, tp), ep in zip(dep.workers(), eps)}
         cost = perf if perf is not None else routing_costs(model, gpu.name, tps, choice)
     except MissingCostData as e:                # an unreadable or incomplete table of the package
         raise ConfigError(str(e)) from None
     sched = cfg.scheduler()
     workers, timers, swaps = [], [], []
-    prefill_tps = [tp for role, tp in dep.workers() if role == PREFILL]
-    boundary = step_timers[min(prefill_tps)].prefill_boundary() if prefill_tps else None   # LAPS's L_m
-    for wid, (role, tp) in enumerate(dep.workers()):
+    prefill = [(tp, ep) for (role, tp), ep in zip(dep.workers(), eps) if role == PREFILL]
+    boundary = step_timers[min(prefill)].prefill_boundary() if prefill else None   # LAPS's L_m
+    for wid, ((role, tp), ep) in enumerate(zip(dep.workers(), eps)):
         budget = cfg.colocated_max_num_batched_tokens if role == COLOCATED else None
         if sched.dllm_admission:
             cap, budget = dllm_pool(cfg, tp)
@@ -226,7 +228,7 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
             cap = kv_capacity_tokens(model, gpu, tp, mem_util=cfg.mem_util)
         def t_pre(h: int, n: int, _tp: int = tp) -> float:
             return cost.t_pre(h, n, _tp)
-        roof = step_timers[tp]
+        roof = step_timers[(tp, ep)]
         timer = roof.step_time
         try:
             workers.append(build_worker(wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,

@@ -19,6 +19,7 @@ import numpy as np
 
 from tandem.perf.hardware import GPU, GPUS, get_gpu
 from tandem.perf.measured.grid import LogGrid
+from tandem.perf.measured.mla import MLAShape
 from tandem.perf.measured.ops import HeadShape, OpTables, op_tables
 from tandem.perf.measured.source import SYSTEMS, CostLabel, MissingCostData, data_root, system_of
 
@@ -114,12 +115,43 @@ class DerivedTables:
         kind = "fp8" if w == 1 else "bf16"
 
         def roof(g: GPU, t):
-            # the experts t tokens touch under uniform routing, streamed once; 3 GEMMs of topk x hidden x inter
-            touched = shape.experts * (1 - (1 - shape.topk / shape.experts) ** t)
+            # the experts t tokens touch under uniform routing (experts/moe_ep of them on this rank), streamed once;
+            # 3 GEMMs of topk x hidden x inter, sharded moe_tp x moe_ep ways
+            touched = shape.experts / shape.moe_ep * (1 - (1 - shape.topk / shape.experts) ** t)
             nbytes = touched * 3 * shape.hidden * shape.inter / shape.moe_tp * w
-            flops = 6 * t * shape.topk * shape.hidden * shape.inter / shape.moe_tp
+            flops = 6 * t * shape.topk * shape.hidden * shape.inter / (shape.moe_tp * shape.moe_ep)
             return np.maximum(flops / g.peak_flops(kind), nbytes / _bw(g))
         return self._scaled(("moe", shape, dtype), self.donor_ops.moe(shape, dtype), roof)
+
+    def context_mla(self, shape: MLAShape, kv_dtype: str) -> LogGrid:
+        dqk, dv = shape.qk_nope_head_dim + shape.qk_rope_head_dim, shape.v_head_dim
+
+        def roof(g: GPU, b, isl):
+            flops = b * shape.heads * isl * isl * (dqk + dv)          # causal: half of 2 x (QK^T + PV)
+            nbytes = b * isl * shape.heads * (2 * dqk + 2 * dv) * 2   # q, k, v, output in bf16
+            return np.maximum(flops / g.peak_flops("bf16"), nbytes / _bw(g))
+        return self._scaled(("ctx_mla", shape, kv_dtype), self.donor_ops.context_mla(shape, kv_dtype), roof)
+
+    def generation_mla(self, shape: MLAShape, kv_dtype: str) -> LogGrid:
+        kvb = 1 if kv_dtype == "fp8" else 2
+        latent = shape.kv_lora_rank + shape.qk_rope_head_dim
+
+        def roof(g: GPU, b, kv):
+            flops = 2 * b * shape.heads * kv * (latent + shape.kv_lora_rank)
+            nbytes = b * kv * latent * kvb
+            return np.maximum(flops / g.peak_flops("bf16"), nbytes / _bw(g))
+        return self._scaled(("gen_mla", shape, kv_dtype), self.donor_ops.generation_mla(shape, kv_dtype), roof)
+
+    def mla_bmm(self, shape: MLAShape, dtype: str) -> LogGrid:
+        w = 1 if dtype.startswith("fp8") else 2
+        per_head = shape.kv_lora_rank * (shape.qk_nope_head_dim + shape.v_head_dim)
+
+        def roof(g: GPU, t):
+            flops = 2 * t * shape.heads * per_head
+            nbytes = shape.heads * per_head * w + t * shape.heads * (shape.qk_nope_head_dim + shape.v_head_dim
+                                                                    + 2 * shape.kv_lora_rank) * 2
+            return np.maximum(flops / g.peak_flops("fp8" if w == 1 else "bf16"), nbytes / _bw(g))
+        return self._scaled(("mla_bmm", shape, dtype), self.donor_ops.mla_bmm(shape, dtype), roof)
 
     def all_reduce(self, num_gpus: int, graph: bool) -> LogGrid:
         return self._scaled(("ar", num_gpus, graph), self.donor_ops.all_reduce(num_gpus, graph), _link_roof)

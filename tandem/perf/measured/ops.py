@@ -6,7 +6,8 @@ Each family is read from the newest version of the framework's table in `aiconfi
   (query heads, KV heads, head dim) on one GPU and KV-cache dtype;
 - all-reduce by message size per GPU count: the faster of NCCL and the framework's custom all-reduce (captured in a
   CUDA graph or eager), NCCL all-gather;
-- fp8 activation quantisation by (m, k).
+- fp8 activation quantisation by (m, k);
+- multi-head latent attention's kernels (`mla.py`), MoE layers by token count at their expert sharding.
 Where a framework measured several kernels for one shape, the fastest is taken: each framework picks among them by
 shape. Latencies in the tables are milliseconds; everything returned here is seconds.
 """
@@ -18,7 +19,9 @@ from functools import lru_cache
 import numpy as np
 
 from tandem.perf.measured.grid import LogGrid
-from tandem.perf.measured.source import MissingCostData, TableRef, find_table, read_columns
+from tandem.perf.measured.memo import clear_memos, memoised
+from tandem.perf.measured.mla import MLAShape, context_mla_grid, generation_mla_grid, mla_bmm_grid
+from tandem.perf.measured.source import MissingCostData, TableRef, find_table, find_tables, read_columns
 
 GEMM_DTYPES = ("bfloat16", "fp8", "fp8_block")
 KV_DTYPES = ("bfloat16", "fp8")
@@ -54,7 +57,8 @@ class OpTables:
     framework: str
     sources: dict[str, str] = field(default_factory=dict)
 
-    def _table(self, op: str, filename: str, columns: tuple[str, ...]) -> tuple[TableRef, dict[str, np.ndarray]]:
+    def table(self, op: str, filename: str, columns: tuple[str, ...]) -> tuple[TableRef, dict[str, np.ndarray]]:
+        """The newest version of one of this framework's tables (recorded in `sources`), as columns."""
         ref = find_table(self.system, op, self.framework, filename)
         self.sources[filename] = ref.label
         return ref, read_columns(ref.path, columns)
@@ -72,6 +76,20 @@ class OpTables:
     def generation_attention(self, hs: HeadShape, kv_dtype: str) -> LogGrid:
         """One decode query per sequence for `batch` sequences over `kv_len` cached tokens, over (batch, kv_len)."""
         return _attention_grid(self, "generation", hs, kv_dtype)
+
+    # --- multi-head latent attention -----------------------------------------------------------------------------
+    def context_mla(self, shape: MLAShape, kv_dtype: str) -> LogGrid:
+        """MLA's expanded prefill attention kernel of `batch` sequences of `isl` tokens each, over (batch, isl)."""
+        return context_mla_grid(self, shape, kv_dtype)
+
+    def generation_mla(self, shape: MLAShape, kv_dtype: str) -> LogGrid:
+        """MLA's absorbed decode attention kernel, one query per sequence over `kv_len` cached latents, over
+        (batch, kv_len)."""
+        return generation_mla_grid(self, shape, kv_dtype)
+
+    def mla_bmm(self, shape: MLAShape, dtype: str) -> LogGrid:
+        """MLA decode's two absorbed per-head BMMs (query into the latent, latent output into v), over (tokens,)."""
+        return mla_bmm_grid(self, shape, dtype)
 
     # --- communication -----------------------------------------------------------------------------------------
     def all_reduce(self, num_gpus: int, graph: bool) -> LogGrid:
@@ -103,40 +121,18 @@ def op_tables(system: str, framework: str) -> OpTables:
     return OpTables(system, framework)
 
 
-_MEMOS: list[dict] = []
-
-
 def clear_caches() -> None:
     """Forget every table and grid read in this process (after the package's data changed on disk)."""
-    for memo in _MEMOS:
-        memo.clear()
+    clear_memos()
     op_tables.cache_clear()
     read_columns.cache_clear()
 
 
-def _cache(fn):
-    """Memoise a grid builder on (tables identity, args): building a grid reads and reshapes a table once."""
-    memo: dict = {}
-    _MEMOS.append(memo)
-
-    def wrapped(tables: OpTables, *args):
-        key = (tables.system, tables.framework) + args
-        if key not in memo:
-            try:
-                memo[key] = fn(tables, *args)
-            except ValueError as e:                  # a table without one usable measurement for the shape
-                raise MissingCostData(f"{tables.system} {tables.framework} {fn.__name__.strip('_')}{args}: {e}") \
-                    from None
-        return memo[key]
-    wrapped.__doc__ = fn.__doc__
-    return wrapped
-
-
-@_cache
+@memoised
 def _gemm_grid(t: OpTables, dtype: str) -> LogGrid:
     if dtype not in GEMM_DTYPES:
         raise ValueError(f"GEMM dtype must be one of {GEMM_DTYPES}, got {dtype!r}")
-    _, c = t._table("gemm", "gemm_perf.parquet", ("gemm_dtype", "m", "n", "k", "latency"))
+    _, c = t.table("gemm", "gemm_perf.parquet", ("gemm_dtype", "m", "n", "k", "latency"))
     sel = c["gemm_dtype"] == dtype
     if not sel.any():
         raise MissingCostData(f"no {dtype} GEMM measurements for {t.system} under {t.framework}")
@@ -147,11 +143,11 @@ _ATTN_COLS = ("batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim
               "window_size", "latency")
 
 
-@_cache
+@memoised
 def _attention_grid(t: OpTables, phase: str, hs: HeadShape, kv_dtype: str) -> LogGrid:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"KV-cache dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    _, c = t._table("attention", f"{phase}_attention_perf.parquet", _ATTN_COLS)
+    _, c = t.table("attention", f"{phase}_attention_perf.parquet", _ATTN_COLS)
     sel = (c["window_size"] == 0) & (c["kv_cache_dtype"] == kv_dtype)
     if not sel.any():
         raise MissingCostData(f"no {kv_dtype}-KV {phase} attention measurements for {t.system} under {t.framework}")
@@ -185,7 +181,7 @@ def _nearest_heads(hs: HeadShape, h: np.ndarray, kvh: np.ndarray, d: np.ndarray,
     return donor, factor
 
 
-@_cache
+@memoised
 def _comm_grid(t: OpTables, op: str, num_gpus: int, graph: bool) -> LogGrid:
     """NCCL's measured collective; for an all-reduce, the faster of NCCL and the framework's custom all-reduce at
     each message size (frameworks use their custom kernel for the small messages it wins, NCCL past its buffer)."""
@@ -221,9 +217,9 @@ def _single_custom(system: str, framework: str, num_gpus: int) -> LogGrid | None
     return LogGrid.from_points([c["message_size"][sel]], c["latency"][sel] * _MS, (1.0,)) if sel.any() else None
 
 
-@_cache
+@memoised
 def _quant_grid(t: OpTables) -> LogGrid:
-    _, c = t._table("quantize", "computescale_perf.parquet", ("m", "k", "quant_dtype", "latency"))
+    _, c = t.table("quantize", "computescale_perf.parquet", ("m", "k", "quant_dtype", "latency"))
     sel = c["quant_dtype"] == "fp8"
     return LogGrid.from_points([c["m"][sel], c["k"][sel]], c["latency"][sel] * _MS, (1.0, 1.0))
 
@@ -232,23 +228,34 @@ _MOE_COLS = ("moe_dtype", "num_tokens", "hidden_size", "inter_size", "topk", "nu
              "moe_ep_size", "distribution", "latency")
 
 
-@_cache
+@memoised
 def _moe_grid(t: OpTables, shape: MoEShape, dtype: str) -> LogGrid:
-    """The MoE table at `shape` under uniform routing ('balanced'; else the mildest skew measured), over num_tokens.
-    A shape the table lacks is read from the measured one of the same top-k nearest in its per-token work
-    (topk x hidden x inter / moe_tp) and scaled by the work ratio (constant utilisation)."""
-    _, c = t._table("moe", "moe_perf.parquet", _MOE_COLS)
-    sel = c["moe_dtype"] == dtype
-    if not sel.any():
-        raise MissingCostData(f"no {dtype} MoE measurements for {t.system} under {t.framework}")
-    keys = np.stack([c[k][sel] for k in ("hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
-                                         "moe_ep_size")], axis=1)
+    """The MoE table at `shape` under uniform routing ('balanced'; else the mildest skew measured), over num_tokens,
+    from the newest version that measured the shape (a framework's newest table may hold only one model's shapes).
+    A shape no version measured is read from the newest table's measured shape of the same expert parallelism and
+    top-k nearest in its per-rank work per token (topk x hidden x inter / (moe_tp x moe_ep)) and scaled by the work
+    ratio (constant utilisation)."""
     want = np.array([shape.hidden, shape.inter, shape.topk, shape.experts, shape.moe_tp, shape.moe_ep])
-    exact = (keys == want).all(axis=1)
+    tables = []
+    for ref in find_tables(t.system, "moe", t.framework, "moe_perf.parquet"):
+        c = read_columns(ref.path, _MOE_COLS)
+        sel = c["moe_dtype"] == dtype
+        if not sel.any():
+            continue
+        keys = np.stack([c[k][sel] for k in ("hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
+                                             "moe_ep_size")], axis=1)
+        exact = (keys == want).all(axis=1)
+        tables.append((ref, c, sel, keys, exact))
+        if exact.any():
+            break
+    if not tables:
+        raise MissingCostData(f"no {dtype} MoE measurements for {t.system} under {t.framework}")
+    ref, c, sel, keys, exact = tables[-1] if tables[-1][4].any() else tables[0]
+    t.sources["moe_perf.parquet"] = ref.label
     factor = 1.0
     if not exact.any():
         def work(k):
-            return k[:, 2].astype(float) * k[:, 0] * k[:, 1] / k[:, 4]
+            return k[:, 2].astype(float) * k[:, 0] * k[:, 1] / (k[:, 4] * k[:, 5])
         w = work(want[None, :])[0]
         cand = (keys[:, 5] == shape.moe_ep) & (keys[:, 2] == shape.topk)
         if not cand.any():

@@ -76,14 +76,19 @@ class TableRef:
         return f"{self.system}/{self.op}/{self.framework}/{self.version}/{self.path.name}"
 
 
-def find_table(system: str, op: str, framework: str, filename: str) -> TableRef:
-    """The newest version of `framework`'s table `filename` of operator family `op` on `system`."""
+def find_tables(system: str, op: str, framework: str, filename: str) -> list[TableRef]:
+    """Every version of `framework`'s table `filename` of operator family `op` on `system`, newest first."""
     base = data_root() / system / op / framework
     versions = sorted((d.name for d in base.iterdir() if (d / filename).is_file()), key=_version_key) \
         if base.is_dir() else []
     if not versions:
         raise MissingCostData(f"{PACKAGE} has no {op}/{framework}/*/{filename} table for {system}")
-    return TableRef(base / versions[-1] / filename, system, op, framework, versions[-1])
+    return [TableRef(base / v / filename, system, op, framework, v) for v in reversed(versions)]
+
+
+def find_table(system: str, op: str, framework: str, filename: str) -> TableRef:
+    """The newest version of `framework`'s table `filename` of operator family `op` on `system`."""
+    return find_tables(system, op, framework, filename)[0]
 
 
 @lru_cache(maxsize=64)

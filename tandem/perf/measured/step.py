@@ -10,6 +10,13 @@ sampled rows and the gather of vocab-sharded logits. A step that does not replay
 kernel launches; a step takes at least the framework's per-step host work, which vLLM (async scheduling), SGLang
 and TRT-LLM (overlap schedulers) run beside the previous step's GPU work.
 
+Multi-head latent attention (DeepSeek-V3, `mla.py`): per token the fused down-projection (replicated on every
+rank), q_b and o_proj from the GEMM table; prefill's kv_b up-projection of its new and history latents from the GEMM
+table; decode's absorbed BMMs from the MLA BMM table; the attention kernels from the MLA tables. MoE layers read the
+expert table at their expert sharding (tp = moe_tp x ep; with tensor-parallel attention every rank holds every
+token, so the experts' outputs are summed by the same all-reduce as under TP); a model's first dense layers
+(DeepSeek-V3: 3) price their own MLP.
+
 Everything that depends on T alone is tabulated per token count at construction, so `step_time_args` is a few
 array reads (the simulator's hot path); attention is read from small per-worker grids.
 """
@@ -23,10 +30,11 @@ import numpy as np
 from tandem.perf.hardware import GPU, get_gpu
 from tandem.perf.measured.derive import derived_ops
 from tandem.perf.measured.frameworks import FrameworkDefaults, framework_defaults
+from tandem.perf.measured.mla import MLAShape
 from tandem.perf.measured.ops import HeadShape, MoEShape, OpTables
 from tandem.perf.measured.overhead import Overheads, overheads
 from tandem.perf.models import ModelSpec, get_model
-from tandem.perf.roofline import Roofline, check_tp, kv_heads_per_gpu
+from tandem.perf.roofline import Roofline, check_ep, check_tp, kv_heads_per_gpu
 from tandem.perf.step_timer import StepTimer
 
 T_MAX = 32768             # token counts tabulated exactly (the GEMM tables' largest m); past it at constant utilisation
@@ -37,26 +45,37 @@ PREFILL_B_MAX = 256       # prefill chunks in one step tabulated exactly
 
 
 class MeasuredStep(StepTimer):
-    """Seconds of one step of `model` on a `tp`-GPU worker of `gpu` under `framework`, from measured operators."""
+    """Seconds of one step of `model` on a `tp`-GPU worker of `gpu` under `framework`, from measured operators
+    (experts sharded over `ep` of the tp GPUs, each expert over tp/ep)."""
 
-    __slots__ = ("model", "gpu", "tp", "label", "fw", "ovh", "roof", "_body_graph", "_body_eager", "_head",
-                 "_dec", "_pre", "_launch", "_L", "_graph_tokens", "_graph_decode_only", "_overhead")
+    __slots__ = ("model", "gpu", "tp", "ep", "label", "fw", "ovh", "roof", "_body_graph", "_body_eager", "_head",
+                 "_dec", "_pre", "_launch", "_L", "_graph_tokens", "_graph_decode_only", "_overhead", "_mla",
+                 "_kv_up", "_bmm")
 
     def __init__(self, model: ModelSpec | str, gpu: GPU | str, tp: int = 1, framework: str = "vllm",
-                 donor: str | None = None) -> None:
+                 donor: str | None = None, ep: int = 1) -> None:
         model, gpu = get_model(model), get_gpu(gpu)
         check_tp(model, gpu, tp)
-        self.model, self.gpu, self.tp = model, gpu, tp
+        check_ep(model, tp, ep)
+        self.model, self.gpu, self.tp, self.ep = model, gpu, tp, ep
         ops, self.label = derived_ops(gpu, framework, donor)
         self.fw: FrameworkDefaults = framework_defaults(framework)
         self.ovh: Overheads = overheads(ops, self.fw)
-        self.roof = Roofline(model, gpu, tp)
+        self.roof = Roofline(model, gpu, tp, ep)
         self._L = model.layers
-        self._body_graph, self._body_eager, self._head = _token_tables(model, tp, ops, self.ovh)
-        hs = HeadShape(model.heads // tp, kv_heads_per_gpu(model, tp), model.head_dim)
+        self._body_graph, self._body_eager, self._head = _token_tables(model, tp, ep, ops, self.ovh)
         kv = "fp8" if model.kv_dtype == "fp8" else "bfloat16"
-        self._dec = AttentionTable(ops.generation_attention(hs, kv), B_MAX)
-        self._pre = AttentionTable(ops.context_attention(hs, kv), PREFILL_B_MAX)
+        self._mla = model.mla is not None
+        if self._mla:
+            shape = MLAShape.of(model, tp)
+            self._dec = AttentionTable(ops.generation_mla(shape, kv), B_MAX)
+            self._pre = AttentionTable(ops.context_mla(shape, kv), PREFILL_B_MAX)
+            self._kv_up, self._bmm = _mla_count_tables(model, tp, ops)
+        else:
+            hs = HeadShape(model.heads // tp, kv_heads_per_gpu(model, tp), model.head_dim)
+            self._dec = AttentionTable(ops.generation_attention(hs, kv), B_MAX)
+            self._pre = AttentionTable(ops.context_attention(hs, kv), PREFILL_B_MAX)
+            self._kv_up = self._bmm = None
         self._launch = self.ovh.launch_s * _kernels_per_layer(model, tp) * model.layers
         self._graph_tokens = self.fw.graph_tokens(tp)
         self._graph_decode_only = self.fw.graph_decode_only
@@ -86,6 +105,8 @@ class MeasuredStep(StepTimer):
             n = max(1.0, num_prefill)
             attn += _lookup(self._pre, n, math.sqrt(2.0 * prefill_attn_pairs / n))
         t += attn * self._L
+        if self._mla:                     # prefill's kv_b over its new and history latents; decode's absorbed BMMs
+            t += _at(self._kv_up, prefill_tokens + prefill_kv_read_tokens) + _at(self._bmm, num_decode)
         if not graph and t < self._launch:
             t = self._launch              # an eager step waits for its kernel launches
         # the host prepares the next step while this one runs (vLLM's async scheduling, SGLang's and TRT-LLM's
@@ -101,7 +122,8 @@ class MeasuredStep(StepTimer):
         return self.roof.prefill_boundary(l_hist, max_tokens)
 
     def __repr__(self) -> str:
-        return f"MeasuredStep({self.model.name}, {self.gpu.name}, tp{self.tp}, {self.label})"
+        ep = f"ep{self.ep}" if self.ep > 1 else ""
+        return f"MeasuredStep({self.model.name}, {self.gpu.name}, tp{self.tp}{ep}, {self.label})"
 
 
 def _at(table: np.ndarray, x: float) -> float:
@@ -155,37 +177,60 @@ class AttentionTable:
 
 def _kernels_per_layer(model: ModelSpec, tp: int) -> int:
     """Kernels one layer launches in an eager forward: 4 GEMMs, attention, 4 elementwise kernels, 2 all-reduces at
-    tp > 1, and the attention output's quantisation under fp8."""
-    return 4 + 1 + 4 + (2 if tp > 1 else 0) + (1 if model.weight_dtype != "bf16" else 0)
+    tp > 1, and the attention output's quantisation under fp8; MLA adds q_b, kv_b (or the two absorbed BMMs) and the
+    two latent norms."""
+    return 4 + 1 + 4 + (2 if tp > 1 else 0) + (1 if model.weight_dtype != "bf16" else 0) \
+        + (4 if model.mla is not None else 0)
 
 
 @lru_cache(maxsize=256)
-def _token_tables(model: ModelSpec, tp: int, ops: OpTables, ovh: Overheads
+def _token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overheads
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per token count T = 0..T_MAX: the layers' T-only cost under a CUDA graph and eager, and the LM head's."""
     T = np.arange(T_MAX + 1, dtype=float)
     m = np.maximum(T, 1.0)
     L, h, d = model.layers, model.hidden, model.head_dim
-    q, kv = model.heads // tp * d, kv_heads_per_gpu(model, tp) * d
-    inter = model.intermediate * model.experts_per_token // tp
     wdt = model.weight_dtype if model.weight_dtype.startswith("fp8") else "bfloat16"
     gemm = ops.gemm(wdt)
-    layer = gemm(m, q + 2 * kv, h) + gemm(m, h, q)
-    if model.is_moe:
-        routed = model.experts - model.shared_experts
-        shape = MoEShape(h, model.intermediate, model.experts_per_token - model.shared_experts, routed, tp)
-        layer = layer + ops.moe(shape, wdt)(m) + gemm(m, routed, h)   # + router
-        inter = model.intermediate * model.shared_experts // tp                # shared experts: a dense MLP
-    if inter > 0:
-        layer = layer + gemm(m, 2 * inter, h) + gemm(m, h, inter)
-    if wdt != "bfloat16":
-        # the norms and SiLU-and-multiply write the QKV, gate/up and down inputs in fp8 (fused: vLLM's compile
-        # passes, SGLang's and TRT-LLM's fused kernels); the attention output is quantised by a kernel of its own
-        layer = layer + ops.fp8_quant()(m, q)
     a = model.dtype_bytes
-    elementwise_bytes = m * a * (2 * 4 * h + (q + 2 * kv) + kv * 2 * model.kv_elem_bytes / a + 3 * inter)
-    layer = layer + 4 * ovh.kernel_s + elementwise_bytes / ovh.elementwise_bps
-    graph, eager = layer * L, layer * L
+    if model.mla is not None:
+        # fused down-projection (replicated), q_b and o_proj; kv_b and the absorbed BMMs depend on the step's mix
+        shape = MLAShape.of(model, tp)
+        attn = shape.projections(gemm, m)
+        q = shape.heads * shape.v_head_dim                                  # o_proj's input
+        mla = model.mla
+        # rotary of the local queries' and the shared key's rope part, the two latent norms, the latent KV write
+        attn_elems = ((shape.heads + 1) * mla.qk_rope_head_dim + 2 * (mla.q_lora_rank + mla.kv_lora_rank)
+                      + mla.latent_dim * model.kv_elem_bytes / a)
+        kernels = 6
+    else:
+        q, kv = model.heads // tp * d, kv_heads_per_gpu(model, tp) * d
+        attn = gemm(m, q + 2 * kv, h) + gemm(m, h, q)
+        attn_elems = (q + 2 * kv) + kv * 2 * model.kv_elem_bytes / a
+        kernels = 4
+
+    def layer_cost(experts: bool, inter: int) -> np.ndarray:
+        layer = attn
+        if experts:
+            routed = model.experts - model.shared_experts
+            shape = MoEShape(h, model.intermediate, model.experts_per_token - model.shared_experts, routed,
+                             tp // ep, ep)
+            layer = layer + ops.moe(shape, wdt)(m) + gemm(m, routed, h)          # + router
+            inter = model.intermediate * model.shared_experts // tp             # shared experts: a dense MLP
+        if inter > 0:
+            layer = layer + gemm(m, 2 * inter, h) + gemm(m, h, inter)
+        if wdt != "bfloat16":
+            # the norms and SiLU-and-multiply write the QKV, gate/up and down inputs in fp8 (fused: vLLM's compile
+            # passes, SGLang's and TRT-LLM's fused kernels); the attention output is quantised by a kernel of its own
+            layer = layer + ops.fp8_quant()(m, q)
+        elementwise_bytes = m * a * (2 * 4 * h + attn_elems + 3 * inter)
+        return layer + kernels * ovh.kernel_s + elementwise_bytes / ovh.elementwise_bps
+
+    layer = layer_cost(model.is_moe, model.intermediate * model.experts_per_token // tp)
+    graph = layer * model.moe_layers
+    if model.dense_layers:                                     # DeepSeek-V3's first layers: a dense MLP
+        graph = graph + layer_cost(False, model.dense_intermediate // tp) * model.dense_layers
+    eager = graph.copy()
     if tp > 1:
         nbytes = m * h * a
         graph = graph + 2 * L * ops.all_reduce(tp, True)(nbytes)
@@ -196,3 +241,15 @@ def _token_tables(model: ModelSpec, tp: int, ops: OpTables, ovh: Overheads
     for arr in (graph, eager, head):
         arr[0] = 0.0
     return graph, eager, head
+
+
+@lru_cache(maxsize=64)
+def _mla_count_tables(model: ModelSpec, tp: int, ops: OpTables) -> tuple[np.ndarray, np.ndarray]:
+    """Per count 0..T_MAX, all layers: prefill's kv_b up-projection of that many latents (new and history), and
+    decode's two absorbed BMMs for that many decode tokens."""
+    m = np.maximum(np.arange(T_MAX + 1, dtype=float), 1.0)
+    shape = MLAShape.of(model, tp)
+    kv_up = shape.kv_up(ops.gemm(shape.gemm_dtype), m) * model.layers
+    bmm = ops.mla_bmm(shape, shape.gemm_dtype)(m) * model.layers
+    kv_up[0] = bmm[0] = 0.0
+    return kv_up, bmm
