@@ -112,19 +112,22 @@ def test_health_answers_within_100ms_while_a_large_prompt_is_templated_and_token
 
 
 def test_health_answers_within_100ms_while_a_body_of_240k_messages_is_parsed(app):
-    """400k messages took 22 s. A large body is parsed off the loop by a decoder that stops at the
-    first array longer than any field takes; /health stays < 100 ms and the request is a 400 within a second."""
+    """400k messages took 22 s. A large body's structure is checked off the loop, stopping at the first array
+    longer than twice what any field takes; /health stays < 100 ms and the request is a 400 naming the field within
+    a second."""
     body = json.dumps({"messages": [{"role": "user", "content": "x"}] * 240_000}).encode()
     assert len(body) < DEFAULT_MAX_BODY_BYTES
     r, lat, took = _health_while(app, {"path": CHAT, "body": body})
-    err = _error(r, 400, None, "invalid_value")
-    assert f"more than {MAX_LEN} elements" in err["message"]
+    err = _error(r, 400, "messages", "invalid_value")
+    assert err["message"] == f"messages: an array has more than {2 * MAX_LEN} elements (no field takes that many)"
     assert took < 1.0 and max(lat) < 0.1, (took, lat)
 
 
-def _tools_body(n: int) -> bytes:
-    props = {f"p{i}": {"type": "string", "description": "d"} for i in range(n)}
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}]
+def _tools_body(n: int, per_tool: int = 3750) -> bytes:
+    """`n` properties over tools of `per_tool` each (an object may have at most 4096 keys)."""
+    tools = [{"type": "function", "function": {"name": f"f{t}", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "description": "d"} for i in range(t, min(n, t + per_tool))}}}}
+        for t in range(0, n, per_tool)]
     return json.dumps({"messages": USER, "tools": tools, "max_tokens": 2}).encode()
 
 
@@ -162,7 +165,7 @@ def test_token_ids_beyond_the_context_are_rejected_by_length(app):
     a list that fits the array cap but fills the context is a context_length_exceeded 400 before any id check."""
     body = json.dumps({"prompt": [1] * 2_000_000}).encode()
     t0 = time.perf_counter()
-    _error(_asgi(app, "POST", COMP, body), 400, None, "invalid_value")
+    _error(_asgi(app, "POST", COMP, body), 400, "prompt", "invalid_value")
     assert time.perf_counter() - t0 < 1.0
     err = _error(_asgi(app, "POST", COMP, {"prompt": [10 ** 9] * MAX_LEN}), 400, "prompt", "context_length_exceeded")
     assert "vocabulary" not in err["message"]
@@ -431,19 +434,26 @@ def test_a_body_sent_too_slowly_gets_a_408(client):
     assert json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
 
 
-def test_the_large_body_decoder_agrees_with_json_and_caps_arrays():
-    """The off-loop decoder (fast path for flat int arrays included) parses as json.loads does, refuses malformed
-    bodies as invalid_json, and stops at the first array over the cap."""
+def test_the_body_decoder_agrees_with_json_and_caps_arrays():
+    """The body decoder (structure check, then pydantic's parse) reads what json.loads reads, refuses malformed
+    bodies as invalid_json, and stops at the first array over its cap, naming the top-level field."""
+    from tandem.server.body import BodyLimits, decode
     from tandem.server.errors import APIError
-    from tandem.server.serving import _load_large
-    for text in ('{"a": [1, 2 ,3 ], "b": [-1,0], "c": [1.5, 2], "d": [[1,2],[3]], "e": [ ], "f": [1, "x"]}',
-                 json.dumps({"prompt": list(range(70_000)), "stop": ["]", "[1,"]})):
-        assert _load_large(text.encode(), 100_000) == json.loads(text)
-    for bad in ('{"a": [1,,2]}', '{"a": [-]}', '{"a": [1 2]}', '{"a": [1,2', b'\xff'):
+    from tandem.server.protocol import CompletionRequest
+
+    limits = BodyLimits(max_array=100_000)
+    for body in ({"prompt": [1, 2, 3], "stop": ["]", "[1,", "\\", "\""], "logit_bias": {"5": -1.5}},
+                 {"prompt": list(range(70_000)), "stop": ["a:b", "{"]}, {"prompt": [[1, 2]], "user": "x\u00e9"}):
+        text = json.dumps(body)
+        assert decode(text.encode(), CompletionRequest, limits) == CompletionRequest.model_validate(json.loads(text))
+    for bad in (b'{"prompt": [1,,2]}', b'{"prompt": [-]}', b'{"prompt": [1 2]}', b'{"prompt": [1,2', b"\xff",
+                b'{"prompt": "abc', b'{"prompt": "ab\\', b""):
         with pytest.raises(APIError) as e:
-            _load_large(bad if isinstance(bad, bytes) else bad.encode(), 10)
-        assert e.value.code == "invalid_json"
-    for over in ('{"a": [1,2,3,4,5,6,7,8,9,10,11]}', json.dumps({"m": [{"x": 1}] * 11})):
+            decode(bad, CompletionRequest, BodyLimits(max_array=10))
+        assert e.value.code == "invalid_json", (bad, e.value.message)
+    for over in ('{"prompt": [1,2,3,4,5,6,7,8,9,10,11]}', json.dumps({"prompt": "a", "m": [{"x": 1}] * 11})):
         with pytest.raises(APIError) as e:
-            _load_large(over.encode(), 10)
-        assert e.value.code == "invalid_value" and "more than 10 elements" in e.value.message
+            decode(over.encode(), CompletionRequest, BodyLimits(max_array=10))
+        field = json.loads(over).keys() - {"prompt"} or {"prompt"}
+        assert e.value.code == "invalid_value" and e.value.param == field.pop()
+        assert "more than 10 elements" in e.value.message

@@ -6,8 +6,6 @@ import contextlib
 import copy
 import functools
 import json
-import json.decoder
-import json.scanner
 import logging
 import math
 import re
@@ -20,7 +18,6 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 from fastapi import Request
-from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -30,8 +27,10 @@ from tandem.engine.structured_output import StructuredOutput, StructuredOutputEr
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, shorten
 from tandem.engine.tokenizer import Tokenizer
 from tandem.runtime.client import EngineClient, RequestError
+from tandem.server import body
+from tandem.server.body import BodyLimits
 from tandem.server.drain import DRAIN_ENTRY
-from tandem.server.errors import APIError, error_body, validation_error
+from tandem.server.errors import APIError, error_body
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import PromptTokensDetails, Usage, _Sampling
 
@@ -41,13 +40,12 @@ M = TypeVar("M", bound=_Sampling)
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID_CHARS = 256
 _MIN_LOGPROB = -9999.0          # -inf is not JSON; vLLM clamps the same way
-INLINE_PARSE_BYTES = 64 << 10   # bodies up to this are parsed on the event loop (a few ms at most)
+INLINE_PARSE_BYTES = 64 << 10   # bodies up to this are checked and parsed on the event loop (a few ms)
 INLINE_ENCODE_CHARS = 4096      # texts up to this are tokenized on the event loop
 INLINE_PREP_CHARS = 4096        # requests with up to this many characters are templated/tokenized on the loop
 ADMISSION_SLOTS = 8             # requests preparing (checks, template, tokens) at once: a burst of arrivals is
                                 # prepared a few per loop iteration, so /health and streams are not queued behind it
 CHARS_PER_TOKEN = 64            # default text cap: max_model_len x this many characters (no token is longer)
-_NOT_INT_CHAR = re.compile(r"[^0-9, \t\n\r-]")
 _REQUEST_ID = re.compile(r"\b(?:chatcmpl|cmpl)-[0-9a-f]{32}\b")
 
 
@@ -109,105 +107,18 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
 
 
-class _ArrayTooLong(ValueError):
-    pass
-
-
-def _int_run_end(s: str, start: int, max_array: int, chunk: int = 1 << 16) -> int:
-    """Where the run of digits, '-', ',' and whitespace from `start` ends (-1: at the end of `s`), scanned in chunks
-    (other threads run between them); _ArrayTooLong once the run holds max_array commas."""
-    pos, commas = start, 0
-    while pos < len(s):
-        stop = _NOT_INT_CHAR.search(s, pos, pos + chunk)
-        if stop is not None:
-            return stop.start()
-        commas += s.count(",", pos, pos + chunk)
-        if commas >= max_array:
-            raise _ArrayTooLong(max_array)
-        pos += chunk
-    return -1
-
-
-def _limited_decoder(max_array: int) -> json.JSONDecoder:
-    """A pure-Python JSON decoder (it lets other threads run every few ms, the C one holds the GIL to the end)
-    that gives up on any array longer than `max_array`, so a hostile body costs at most that much work."""
-    dec = json.JSONDecoder()
-    ws = json.decoder.WHITESPACE.match
-
-    def parse_array(s_and_end: tuple[str, int], scan_once: Callable, _w: Callable = ws,
-                    _ws: str = json.decoder.WHITESPACE_STR) -> tuple[list, int]:
-        s, end = s_and_end                       # json.decoder.JSONArray with a length cap
-        close = _int_run_end(s, end, max_array)  # fast path: a flat array of integers (a token-id prompt)
-        if close > end and s[close] == "]":
-            body = s[end:close]
-            if body.count(",") + 1 > max_array:
-                raise _ArrayTooLong(max_array)
-            try:
-                return [int(x) for x in body.split(",")], close + 1
-            except ValueError:                   # "[1,,2]", "[-]", "[1 2]": the general path says where
-                pass
-        values: list = []
-        nextchar = s[end:end + 1]
-        if nextchar in _ws:
-            end = _w(s, end + 1).end()
-            nextchar = s[end:end + 1]
-        if nextchar == "]":
-            return values, end + 1
-        while True:
-            try:
-                value, end = scan_once(s, end)
-            except StopIteration as err:
-                raise json.JSONDecodeError("Expecting value", s, err.value) from None
-            values.append(value)
-            if len(values) > max_array:
-                raise _ArrayTooLong(max_array)
-            nextchar = s[end:end + 1]
-            if nextchar in _ws:
-                end = _w(s, end + 1).end()
-                nextchar = s[end:end + 1]
-            end += 1
-            if nextchar == "]":
-                break
-            if nextchar != ",":
-                raise json.JSONDecodeError("Expecting ',' delimiter", s, end - 1)
-            if s[end:end + 1] in _ws:
-                end = _w(s, end + 1).end()
-        return values, end
-
-    dec.parse_array = parse_array
-    dec.scan_once = json.scanner.py_make_scanner(dec)
-    return dec
-
-
-def _load_large(raw: bytes, max_array: int) -> Any:
-    """Parse a large body off the event loop; arrays over `max_array` elements are refused early."""
-    try:
-        return _limited_decoder(max_array).decode(raw.decode("utf-8"))
-    except _ArrayTooLong:
-        raise APIError(f"request body: an array has more than {max_array} elements (the most a request may "
-                       f"hold: chat messages or prompt token ids)", 400, "invalid_value") from None
-    except (ValueError, RecursionError) as e:      # JSONDecodeError, bad UTF-8, a >4300-digit integer, nesting
-        raise APIError(f"malformed JSON body: {shorten(str(e), 200)}", 400, "invalid_json") from None
-
-
-async def parse_body(request: Request, model: type[M], state: ServerState | None = None) -> M:
-    """Read and validate a JSON body: 400 invalid_json when malformed, 400 naming the field when invalid.
-
-    A body over INLINE_PARSE_BYTES is parsed on the preparation threads by a decoder that yields the GIL and
-    stops at arrays longer than any field takes, then validated (bounded work); a small one on the loop."""
+async def parse_body(request: Request, model: type[M], state: ServerState) -> M:
+    """Read and validate a JSON body (tandem.server.body: structure caps checked while the bytes are scanned, then
+    one parse-and-validate): 400 invalid_json when malformed, 400 naming the field when invalid or too large. A body
+    over INLINE_PARSE_BYTES is handled on the preparation threads, a small one on the loop."""
     try:
         raw = await request.body()
     except ClientDisconnect:                     # the client left mid-body: nobody to answer, nothing to log
         raise ClientGone() from None
-    try:
-        if state is None or len(raw) <= INLINE_PARSE_BYTES:
-            return model.model_validate_json(raw or b"")
-        return model.model_validate(await state.offload(_load_large, raw, state.max_array))
-    except ValidationError as e:
-        bad = next((err for err in e.errors() if err.get("type") == "json_invalid"), None)
-        if bad is not None:
-            raise APIError(f"malformed JSON body: {bad.get('msg')}", 400, "invalid_json") from None
-        raise validation_error(e) from None
+    limits = BodyLimits.for_longest(state.max_array)
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return body.decode(raw, model, limits)
+    return await state.offload(body.decode, raw, model, limits)
 
 
 def check_prompt_chars(state: ServerState, chars: int, param: str) -> None:
