@@ -139,10 +139,13 @@ def bodies() -> list[tuple[str, bytes, type, int]]:
     """(name, body, request model, longest array allowed)."""
     tools = [{"type": "function", "function": {"name": f"f{t}", "parameters": {"type": "object", "properties": {
         f"p{i}": {"type": "string", "description": "d"} for i in range(3750)}}}} for t in range(4)]
-    many = {str(i): 1.0 for i in range(700_000)}
+    many = {str(i): 1 for i in range(700_000)}
+    compact = {"separators": (",", ":")}
     return [
-        ("logit_bias 700k keys", json.dumps({"prompt": "hi", "logit_bias": many}).encode(), CompletionRequest, 512),
-        ("unknown field 700k keys", json.dumps({"prompt": "hi", "extra": many}).encode(), CompletionRequest, 512),
+        ("logit_bias 700k keys", json.dumps({"prompt": "hi", "logit_bias": many}, **compact).encode(),
+         CompletionRequest, 512),
+        ("unknown field 700k keys", json.dumps({"prompt": "hi", "extra": many}, **compact).encode(),
+         CompletionRequest, 512),
         ("200k nested arrays", b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", CompletionRequest, 512),
         ("7 MB prompt", json.dumps({"prompt": "hello world " * 600_000}).encode(), CompletionRequest, 512),
         ("512 messages", json.dumps({"messages": [{"role": "user", "content": "hello there " * 10}] * 512}).encode(),

@@ -16,6 +16,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+from tandem.engine.tokenizer import Tokenizer  # noqa: E402
 from tandem.runtime import messages as m  # noqa: E402
 from tandem.runtime.async_llm import AsyncLLM  # noqa: E402
 from tandem.runtime.coordinator_shell import _params_dict  # noqa: E402
@@ -100,7 +101,10 @@ def test_echo_with_logprobs_leads_with_the_prompts_tokens(url, ckpt):
     assert len(lp["tokens"]) == n + 5 and "".join(lp["tokens"][:n]) == "Hello wor"
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][n:] == plain["logprobs"]["token_logprobs"]
-    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n + 5)]
+    specials = Tokenizer.from_pretrained(ckpt).special_token_ids      # skipped from text: they do not advance it
+    shown = [0 if i >= n and t in specials else len(s) for i, (t, s) in enumerate(zip(IDS + choice["token_ids"],
+                                                                                       lp["tokens"]))]
+    assert lp["text_offset"] == [sum(shown[:i]) for i in range(n + 5)]
     assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
     ref = LLM(ckpt, **ENGINE_ARGS).generate([IDS], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
     assert lp["token_logprobs"][1:n] == pytest.approx([ref.prompt_logprobs[j][IDS[j]] for j in range(1, n)], abs=1e-5)

@@ -2,7 +2,7 @@
 
 Parameters are checked once, when the request is made, so the sampler and the stop checker can
 trust them. `stop` is normalised to a list of strings and `stop_token_ids` to a list of ints; `logit_bias` (OpenAI's
-token id -> bias in [-100, 100], at most 300 entries) to a dict of int -> float, None when empty.
+token id -> bias in [-100, 100], at most MAX_LOGIT_BIAS entries) to a dict of int -> float, None when empty.
 A positive temperature below 0.01 is raised to 0.01 as vLLM does (smaller ones overflow to inf/nan
 in the scaled logits); temperature 0 means greedy.
 """
@@ -21,7 +21,8 @@ MIN_TEMPERATURE = 1e-2     # positive temperatures below this are raised to it (
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1     # seed range (a signed 64-bit integer, as vLLM and torch take)
 INT32_MAX = (1 << 31) - 1  # top_k, token ids (stop_token_ids): no tokenizer has more ids
 MAX_SHOWN = 100            # an error message quotes at most this many characters of a bad value
-MAX_LOGIT_BIAS = 300       # entries a logit_bias may have (OpenAI's limit)
+MAX_LOGIT_BIAS = 1024      # entries a logit_bias may have: vLLM's cap (MAX_NUM_LOGIT_BIAS_TOKENS of its Model
+                           # Runner V2 sampler's logit-bias state); the server also caps it at the vocabulary
 MAX_BIAS = 100.0           # |bias| a logit_bias entry may add (OpenAI's range [-100, 100])
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -95,6 +95,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows (added tokens included)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special tokens: those `decode(..., skip_special_tokens=True)` leaves out."""
+        added = getattr(self._tok, "get_added_tokens_decoder", None)
+        return frozenset(i for i, t in added().items() if t.special) if added is not None else frozenset()
 
     def token_to_id(self, token: str) -> int | None:
         """The id of one token string, or None."""

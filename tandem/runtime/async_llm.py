@@ -61,6 +61,7 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size     # the model's (rows of its embedding)
         self.model_name: str = served_model_name or Path(engine.config.model).name
         self._cache_config = engine.cache_config()
         self._memory = memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)

@@ -101,6 +101,7 @@ class ServingCluster:
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.model_name = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = 0
+        self.vocab_size: int | None = None          # the model's (rows of its embedding), once started
         self.hub: Hub | None = None
         self.procs: Cluster | None = None
         self.shell: CoordinatorShell | None = None
@@ -204,6 +205,7 @@ class ServingCluster:
         try:
             first = infos[0]
             self.max_model_len = int(first["max_model_len"])
+            self.vocab_size = int(first["vocab_size"])
             cost = self._cost(first)
             view = StoreView(store, cost)
             await self._await_states(store, {s.worker_id for s in specs})

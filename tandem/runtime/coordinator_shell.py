@@ -349,6 +349,8 @@ class CoordinatorShell:
             return
         elif isinstance(ev, m.EvFirstToken):
             core_ev = FirstToken(ev.session_id, worker, now, now)
+            if isinstance(ev, m.EvPrefillDone):
+                _scheduled(req.out, now, ev.scheduled_ago_s)
         elif isinstance(ev, m.EvRoundDone):
             core_ev = RoundDone(ev.session_id, worker, now, ev.output_tokens, ev.itl_sum, ev.itl_count, ev.itl_max,
                                 ev.preemptions)
@@ -369,6 +371,7 @@ class CoordinatorShell:
             out.metrics.first_token_time = now
         if d.token_ids:
             out.metrics.last_token_time = now
+        _scheduled(out, now, d.scheduled_ago_s)
         comp.token_ids.extend(d.token_ids)                    # in place: consumers get copies (_snapshot)
         comp.text = d.text if d.reset else comp.text + d.text
         if d.logprobs is not None:
@@ -528,3 +531,10 @@ class CoordinatorShell:
         for req in list(self.reqs.values()):
             if req.worker == worker and not req.done:
                 self._fail(req, f"worker lost: decode worker {worker} stopped")
+
+
+def _scheduled(out: RequestOutput, now: float, ago_s: float | None) -> None:
+    """Date the request's first scheduling by a worker's report (`ago_s` before `now`, never before its arrival
+    here): the earliest report wins, so a remote prefill's counts, not the decode worker's later step."""
+    if ago_s is not None and out.metrics.first_scheduled_time is None:
+        out.metrics.first_scheduled_time = max(out.metrics.arrival_time, now - ago_s)

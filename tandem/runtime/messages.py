@@ -134,6 +134,8 @@ class Delta(msgspec.Struct):
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None   # once, with the first delta (prompt_logprobs set)
     num_preemptions: int = 0                                       # the request's preemptions so far (its metrics)
+    scheduled_ago_s: float | None = None     # with a request's first delta: seconds since this worker first scheduled
+                                             # it (the coordinator dates vllm:request_queue_time_seconds by it)
 
 
 class Outputs(msgspec.Struct, tag=True):
@@ -153,6 +155,7 @@ class EvPrefillDone(msgspec.Struct, tag=True):
 
     session_id: str
     request_id: str
+    scheduled_ago_s: float | None = None     # seconds since the prefill worker first scheduled it (as Delta's)
 
 
 class EvFirstToken(msgspec.Struct, tag=True):

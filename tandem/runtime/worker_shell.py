@@ -15,7 +15,7 @@ from tandem.core.types import DECODE, FetchHistory, FirstToken, PrefillDone, Rou
 from tandem.engine.config import EngineError
 from tandem.engine.kv_transfer import KVPayload, KVTransferError
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.outputs import RequestOutput
+from tandem.engine.outputs import RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
 from tandem.runtime import messages as m
 
@@ -262,12 +262,19 @@ class WorkerShell:
         d = m.Delta(out.request_id, list(new_ids), comp.text if reset else comp.text[len(text):], reset,
                     out.finished, comp.finish_reason, comp.stop_reason, out.num_cached_tokens, out.error,
                     comp.logprobs[n:] if comp.logprobs is not None else None, comp.cumulative_logprob,
-                    out.prompt_logprobs if n == 0 else None, out.metrics.num_preemptions)
+                    out.prompt_logprobs if n == 0 else None, out.metrics.num_preemptions,
+                    scheduled_ago_s=self._scheduled_ago(out.metrics) if n == 0 else None)
         if out.finished:
             self._sent.pop(out.request_id, None)
         else:
             self._sent[out.request_id] = (len(comp.token_ids), comp.text)
         return d
+
+    def _scheduled_ago(self, metrics: RequestMetrics) -> float | None:
+        """Seconds since this worker first scheduled a request (None: not yet): clocks differ between processes and
+        hosts, an age does not."""
+        t = metrics.first_scheduled_time
+        return None if t is None else max(0.0, self.engine.clock() - t)
 
     def _flush_events(self) -> None:
         eng = self.engine
@@ -283,7 +290,8 @@ class WorkerShell:
                 if isinstance(ev, FetchHistory):
                     out.append(m.EvFetchHistory(ev.task.session_id, req.request_id, ev.tokens))
                 else:
-                    out.append(m.EvPrefillDone(ev.task.session_id, req.request_id))
+                    out.append(m.EvPrefillDone(ev.task.session_id, req.request_id,
+                                               scheduled_ago_s=self._scheduled_ago(req.metrics)))
             elif isinstance(ev, FirstToken):
                 out.append(m.EvFirstToken(ev.session_id, ev.prefill_start_s))
             elif isinstance(ev, RoundDone):

@@ -22,6 +22,7 @@ from tandem.server.forced_tools import ForcedCallScanner, ToolMode, ToolPolicy, 
 from tandem.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
                                     ResponseFunction, ResponseMessage, ResponseToolCall)
 from tandem.server.tool_parser import ParsedToolCall, StreamingToolParser, parse_tool_calls
+from tandem.server.vocab import token_id_limit
 
 def _check(req: ChatCompletionRequest) -> None:
     """Reject chat features that cannot be served (400 naming the field)."""
@@ -123,14 +124,6 @@ def logprobs_content(tok: Any, ids: list[int], lps: list[dict[int, float]] | Non
     return out
 
 
-def _vocab(state: sv.ServerState) -> int | None:
-    """The vocabulary size stop_token_ids must stay below: the client's `vocab_size` or the tokenizer's, whichever
-    is larger (a model's embedding may have padding rows past the tokenizer's ids); None when neither tells."""
-    sizes = [n for n in (getattr(state.client, "vocab_size", None), getattr(state.client.tokenizer, "vocab_size", None))
-             if isinstance(n, int) and not isinstance(n, bool)]
-    return max(sizes) if sizes else None
-
-
 def _calls(calls: list[ParsedToolCall]) -> list[ResponseToolCall]:
     return [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments)) for c in calls]
 
@@ -169,7 +162,7 @@ async def create_chat_completion(state: sv.ServerState, request: Request, receiv
         max_tokens = sv.room_for(len(ids), limit, state.client.max_model_len, field, "messages")
         top = req.top_logprobs or 0
         params = sv.sampling_params(req, max_tokens, top if req.logprobs else None,
-                                    {"logprobs": "top_logprobs", "max_tokens": field}, _vocab(state))
+                                    {"logprobs": "top_logprobs", "max_tokens": field}, token_id_limit(state.client))
         forced = forced_output(policy, req.tools or [])
         if forced is not None:
             params = dataclasses.replace(params, structured_output=forced)

@@ -71,8 +71,10 @@ async def _start_one(state: sv.ServerState, request: Request, ids: list[int], pa
 
 async def start(state: sv.ServerState, request: Request, ids: list[int], params: SamplingParams, rid: str,
                 sid: str | None, text: str | None, n: int, received: float) -> list[Choice]:
-    """Start `n` choices (see the module docstring); any failure closes the started ones and raises."""
+    """Start `n` choices (see the module docstring); any failure closes the started ones and raises. A started
+    request's n goes to vllm:request_params_n."""
     choices = [await _start_one(state, request, ids, params, rid, sid, text, 0, received)]
+    state.metrics.params_n.labels(state.metrics.model_name).observe(n)
     if n == 1:
         return choices
     rest = await asyncio.gather(*(_start_one(state, request, ids, params, rid, sid, text, i, received)

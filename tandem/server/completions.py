@@ -16,9 +16,9 @@ from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams, shorten
 from tandem.server import choices
 from tandem.server import serving as sv
-from tandem.server.chat import _vocab
 from tandem.server.errors import APIError
 from tandem.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from tandem.server.vocab import check_token_ids, token_id_limit
 
 
 def _check(req: CompletionRequest) -> None:
@@ -31,7 +31,8 @@ def _check(req: CompletionRequest) -> None:
 
 
 def prompt_of(state: sv.ServerState, req: CompletionRequest) -> tuple[str | None, list[int]]:
-    """(text, token ids) of the single prompt; 400 for several prompts or an empty one."""
+    """(text, token ids) of the single prompt; 400 for several prompts, an empty one, or a token id outside the
+    vocabulary (tandem.server.vocab)."""
     p: Any = req.prompt
     if isinstance(p, list) and p and not isinstance(p[0], int):
         if len(p) != 1:
@@ -42,6 +43,7 @@ def prompt_of(state: sv.ServerState, req: CompletionRequest) -> tuple[str | None
         text, ids = p, sv.encode(state.client.tokenizer, p, add_special_tokens=True) if p else []
     else:
         text, ids = None, list(p)
+        check_token_ids(ids, token_id_limit(state.client), "prompt")
     if not ids:
         raise APIError("the prompt is empty", 400, "invalid_value", "prompt")
     return text, ids
@@ -95,14 +97,17 @@ def with_echo(echo: Echo | None, text: str, ids: list[int], lps: list[dict[int, 
     return echo.text + text, echo.token_ids + list(ids), echo.logprobs + list(lps)
 
 
-def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float] | None] | None,
-                        offset: int) -> dict | None:
-    """OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) starting at char `offset`; a
-    None entry (an echoed prompt's first token) has None logprob and top logprobs."""
+def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float] | None] | None, offset: int,
+                        skip_special_from: int | None = None) -> tuple[dict | None, int]:
+    """(OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset starting at char `offset`;
+    the offset after the last token). A None entry (an echoed prompt's first token) has None logprob and top
+    logprobs. From index `skip_special_from` on (the completion's tokens under skip_special_tokens) a special token's
+    text is not in `text`, so it does not advance text_offset."""
     if lps is None:
-        return None
+        return None, offset
+    hidden = getattr(tok, "special_token_ids", frozenset()) if skip_special_from is not None else frozenset()
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entry in zip(ids, lps):
+    for i, (tid, entry) in enumerate(zip(ids, lps)):
         s = tok.decode([tid], skip_special_tokens=False)
         tokens.append(s)
         if entry is None:
@@ -113,8 +118,9 @@ def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float] | N
             tops.append({tok.decode([k], skip_special_tokens=False): sv.clamp_logprob(v)
                          for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
         offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        if not (tid in hidden and i >= skip_special_from):
+            offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
 async def create_completion(state: sv.ServerState, request: Request, received: float) -> Any:
@@ -128,7 +134,7 @@ async def create_completion(state: sv.ServerState, request: Request, received: f
         chars = check_size(state, req)
         text, ids = await state.prepare(chars, prompt_of, state, req)
         max_tokens = sv.room_for(len(ids), req.max_tokens, state.client.max_model_len)
-        params = sv.sampling_params(req, max_tokens, req.logprobs, vocab_size=_vocab(state))
+        params = sv.sampling_params(req, max_tokens, req.logprobs, vocab_size=token_id_limit(state.client))
         if req.echo and req.logprobs is not None:                # the prompt's logprobs too (vLLM: k of them each)
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -160,7 +166,9 @@ def _choice(tok: Any, req: CompletionRequest, ids: list[int], echo: Echo | None,
     """One finished choice of a non-streaming response (the echoed prompt first)."""
     comp = out.outputs[0]
     shown, lp_ids, lp_entries = with_echo(echo, comp.text, comp.token_ids, comp.logprobs)
-    return CompletionChoice(index=index, text=shown, logprobs=completion_logprobs(tok, lp_ids, lp_entries, 0),
+    skip_from = len(lp_ids) - len(comp.token_ids) if req.skip_special_tokens else None
+    return CompletionChoice(index=index, text=shown, logprobs=completion_logprobs(tok, lp_ids, lp_entries, 0,
+                                                                                  skip_from)[0],
                             finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
                             token_ids=list(comp.token_ids) if req.return_token_ids else None,
                             prompt_token_ids=ids if req.return_token_ids else None)
@@ -176,7 +184,7 @@ class _ChoiceStream:
     offset: int = 0
     done: RequestOutput | None = None
 
-    def delta(self, tok: Any, out: RequestOutput) -> tuple[str, Any, list[int]]:
+    def delta(self, tok: Any, out: RequestOutput, skip_special_tokens: bool) -> tuple[str, Any, list[int]]:
         """(text, logprobs, new token ids) for the output's new tokens."""
         comp = out.outputs[0]
         new_ids = comp.token_ids[self.sent_tokens:]
@@ -185,8 +193,8 @@ class _ChoiceStream:
         self.echo = None
         lp = None
         if lp_entries is not None and lp_ids:
-            lp = completion_logprobs(tok, lp_ids, lp_entries, self.offset)
-            self.offset += sum(len(t) for t in lp["tokens"])
+            skip_from = len(lp_ids) - len(new_ids) if skip_special_tokens else None
+            lp, self.offset = completion_logprobs(tok, lp_ids, lp_entries, self.offset, skip_from)
         self.sent_tokens = len(comp.token_ids)
         if out.finished:
             self.done = out
@@ -225,7 +233,7 @@ async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, promp
                 if err is not None:
                     yield err
                     break
-                text, lp, new_ids = streams[index].delta(tok, out)
+                text, lp, new_ids = streams[index].delta(tok, out, req.skip_special_tokens)
                 if out.finished:
                     yield chunk(index, text, out.outputs[0].finish_reason, lp, out, new_ids)
                 elif text or lp or new_ids:             # one chunk per engine output with tokens, as vLLM

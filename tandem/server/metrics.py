@@ -23,6 +23,9 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)                                        # vLLM's time-per-output-token buckets
+_N_BUCKETS = (1, 2, 5, 10, 20)                                # vLLM's vllm:request_params_n buckets
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _DLLM_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)     # tokens committed in a step; chunk sizes
 
@@ -194,8 +197,14 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request received to finished.", lab,
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled (backend clock).",
-                               lab, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled (backend clock); a "
+                               "request never scheduled: arrival to finished.", lab, buckets=_LATENCY_BUCKETS,
+                               registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Per finished request: first to last "
+                              "token over the tokens after the first (0 for one token), server-measured.", lab,
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.params_n = Histogram("vllm:request_params_n", "The n request parameter (choices per request).", lab,
+                                  buckets=_N_BUCKETS, registry=r)
         self.kv_transfer = Histogram("tandem:kv_transfer_seconds", "KV transfer time between workers.", lab,
                                      buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
@@ -205,7 +214,8 @@ class ServerMetrics:
         self._backend = _BackendCollector(model_name)
         r.register(self._backend)
         self._lock = threading.Lock()
-        for m in (self.ttft, self.itl, self.e2e, self.queue, self.kv_transfer, self.prompt_tokens,
+        for m in (self.ttft, self.itl, self.e2e, self.queue, self.tpot, self.params_n, self.kv_transfer,
+                  self.prompt_tokens,
                   self.generation_tokens, self.request_prompt_tokens, self.request_generation_tokens,
                   self.request_prefill, self.request_decode, self.request_inference, self.num_preemptions):
             m.labels(model_name)                  # export zero-valued series before the first request
@@ -230,24 +240,30 @@ class RequestTimer:
     def __init__(self, metrics: ServerMetrics, received: float | None = None) -> None:
         self.m = metrics
         self.received = time.perf_counter() if received is None else received
+        self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
+        self.queued = False
         self.done = False
 
     def update(self, out: RequestOutput) -> None:
-        """Observe TTFT/ITL for new tokens, token counters, and E2E + finish reason when finished."""
+        """Observe TTFT/ITL for new tokens, token counters, queue time once the backend reports when the request was
+        first scheduled, and E2E, TPOT and the finish reason when finished."""
         if self.done:
             return
         m, name, now = self.m, self.m.model_name, time.perf_counter()
+        met = out.metrics
+        if not self.queued and (met.first_scheduled_time is not None or out.finished):
+            self.queued = True              # a request never scheduled waited from arrival until it finished
+            end = met.first_scheduled_time if met.first_scheduled_time is not None else met.finished_time
+            m.queue.labels(name).observe(max(0.0, (end if end is not None else met.arrival_time) - met.arrival_time))
         n = len(out.outputs[0].token_ids)
         new = n - self.tokens
         if new > 0:
             if self.last is None:
                 m.ttft.labels(name).observe(now - self.received)
                 m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
-                met = out.metrics
-                if met.first_scheduled_time is not None:
-                    m.queue.labels(name).observe(max(0.0, met.first_scheduled_time - met.arrival_time))
+                self.first = now
                 new_itl = new - 1
             else:
                 new_itl = new
@@ -263,7 +279,10 @@ class RequestTimer:
             m.success.labels(name, out.outputs[0].finish_reason or "abort").inc()
             m.request_prompt_tokens.labels(name).observe(len(out.prompt_token_ids))
             m.request_generation_tokens.labels(name).observe(n)
-            met = out.metrics
+            tpot = 0.0                      # vLLM's rule: decode time over the tokens after the first, 0 for one
+            if n > 1 and self.first is not None and self.last is not None:
+                tpot = (self.last - self.first) / (n - 1)
+            m.tpot.labels(name).observe(tpot)
             start = met.first_scheduled_time if met.first_scheduled_time is not None else met.arrival_time
             if met.first_token_time is not None:
                 m.request_prefill.labels(name).observe(max(0.0, met.first_token_time - start))

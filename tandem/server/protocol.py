@@ -1,15 +1,18 @@
 """Request and response bodies of the OpenAI-compatible API (OpenAI's names, plus vLLM's sampling extras).
 
-Unknown request fields are ignored, as OpenAI-compatible servers usually do; known OpenAI fields tandem
-cannot honour (several prompts per completion, suffix, best_of > 1, functions/function_call) are rejected by the
-serving code with a 400 that names them.
+Unknown request fields are ignored, with a warning naming them (vLLM's rule: tandem.server.body); known OpenAI fields
+tandem cannot honour (several prompts per completion, suffix, best_of > 1, functions/function_call) are rejected by
+the serving code with a 400 that names them. Token ids are `TokenId`s: JSON integers only (pydantic's lax mode would
+take `true` as the token id 1).
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+TokenId = StrictInt                  # a token id: a JSON integer, never a boolean or a float
 
 
 class _Request(BaseModel):
@@ -92,7 +95,7 @@ class _Sampling(_Request):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     session_id: str | None = None
@@ -122,7 +125,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -147,7 +150,7 @@ class DetokenizeRequest(_Request):
     """POST /detokenize (vLLM's): token ids back to text."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------------------- responses

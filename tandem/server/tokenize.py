@@ -1,5 +1,6 @@
 """POST /tokenize and /detokenize, as vLLM's: a text prompt or chat messages (rendered by the chat template) to
-token ids, and token ids back to text, with the same limits and off-loop preparation as generation requests."""
+token ids, and token ids back to text, with the same limits, vocabulary bound and off-loop preparation as generation
+requests."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,10 +9,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tandem.server import serving as sv
-from tandem.server.chat import _vocab, check_size, render_prompt
+from tandem.server.chat import check_size, render_prompt
 from tandem.server.errors import APIError
 from tandem.server.protocol import (ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                     TokenizeResponse)
+from tandem.server.vocab import check_token_ids, token_id_limit
 
 
 def _chat_of(req: TokenizeRequest) -> ChatCompletionRequest:
@@ -43,6 +45,7 @@ async def create_tokenize(state: sv.ServerState, request: Request) -> Any:
         chars = len(req.prompt or "")
         sv.check_prompt_chars(state, chars, "prompt")
     ids = await state.prepare(chars, _tokenize, state, req)
+    check_token_ids(ids, token_id_limit(state.client), "prompt" if req.messages is None else "messages")
     tok = state.client.tokenizer
     strs = [tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
     body = TokenizeResponse(count=len(ids), max_model_len=state.client.max_model_len, tokens=ids, token_strs=strs)
@@ -50,13 +53,9 @@ async def create_tokenize(state: sv.ServerState, request: Request) -> Any:
 
 
 async def create_detokenize(state: sv.ServerState, request: Request) -> Any:
-    """Handle POST /detokenize: 400 naming tokens for an id outside the vocabulary."""
+    """Handle POST /detokenize: 400 naming tokens for an id outside the vocabulary (tandem.server.vocab)."""
     req = await sv.parse_body(request, DetokenizeRequest, state)
     sv.check_model(state, req)
-    vocab = _vocab(state)
-    bad = next((t for t in req.tokens if not 0 <= t < (vocab or 0)), None) if vocab else None
-    if bad is not None:
-        raise APIError(f"tokens: token id {sv.shorten(bad)} is outside the vocabulary [0, {vocab})", 400,
-                       "invalid_value", "tokens")
+    check_token_ids(req.tokens, token_id_limit(state.client), "tokens")
     text = await state.prepare(len(req.tokens), state.client.tokenizer.decode, req.tokens)
     return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
