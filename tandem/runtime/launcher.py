@@ -100,15 +100,15 @@ class WorkerEnv:
         """A Link to the hub for this worker (use `async with env.link(codec) as link:`)."""
         return Link(codec, self.hub_address, self.worker_id, self.heartbeat_s, auth=self.auth)
 
-    def inbox(self, codec: Codec, accept: tuple[type, ...] = ()) -> PeerInbox:
+    def inbox(self, codec: Codec, accept: tuple[type, ...] = (), **options: Any) -> PeerInbox:
         """This worker's KV inbox (CURVE: only holders of the cluster's KV client key get in); with `accept`,
-        messages of other types are dropped (and counted)."""
+        messages of other types are dropped (and counted); `options` are PeerInbox's (e.g. max_msg_bytes)."""
         return PeerInbox(codec, address=f"tcp://{self.bind_host}:0", allow_remote=self.bind_host not in LOCAL_HOSTS,
-                         auth=self.auth, accept=accept)
+                         auth=self.auth, accept=accept, **options)
 
-    def outbox(self, codec: Codec) -> PeerOutbox:
-        """An outbox to the cluster's KV inboxes, with the cluster's KV client keys."""
-        return PeerOutbox(codec, auth=self.auth)
+    def outbox(self, codec: Codec, **options: Any) -> PeerOutbox:
+        """An outbox to the cluster's KV inboxes, with the cluster's KV client keys; `options` are PeerOutbox's."""
+        return PeerOutbox(codec, auth=self.auth, **options)
 
 
 @dataclass(frozen=True)

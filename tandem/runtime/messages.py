@@ -97,7 +97,9 @@ class Audit(msgspec.Struct, tag=True):
 # ------------------------------------------------------------------ worker -> worker (KV plane)
 
 class KVData(msgspec.Struct, tag=True):
-    """A KV payload header; the bytes follow as the next frame."""
+    """A KV payload header; the bytes follow as the next frame. A transfer longer than one message's share
+    (tandem.engine.kv_transfer.kv_part_tokens) is sent as parts in order: `offset` is the part's first token
+    within the transfer and `total_tokens` the transfer's length (0: this message is the whole transfer)."""
 
     request_id: str
     purpose: Purpose
@@ -108,6 +110,8 @@ class KVData(msgspec.Struct, tag=True):
     sent_s: float
     first_token: int = -1
     first_logprobs: dict[int, float] | None = None
+    offset: int = 0
+    total_tokens: int = 0
 
 
 # ------------------------------------------------------------------ worker -> coordinator

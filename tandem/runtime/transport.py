@@ -29,7 +29,14 @@ HEARTBEAT_S = 0.5          # a Link sends a Heartbeat this often
 DEAD_AFTER_S = 1.5         # a ready worker silent this long is dead (3 missed heartbeats)
 CHECK_S = 0.05             # how often the Hub checks processes and silences
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
-HUB_MAX_MSG_BYTES = 64 << 20   # a control-plane message larger than this drops its sender's connection
+# Size caps (ZMQ_MAXMSGSIZE: a frame declared larger drops its connection before any of it is buffered). They hold
+# during the handshake too, before a key is checked, so a stranger can make a socket hold one frame of at most its
+# cap, for at most HANDSHAKE_S. Set before bind/connect: libzmq copies a socket's options into each connection.
+HUB_MAX_MSG_BYTES = 64 << 20   # control plane, both ways (a Delta with prompt logprobs of a long prompt is the largest)
+PEER_MAX_MSG_BYTES = 32 << 20  # a PeerInbox's default cap; a worker gives its inbox the cap of its KV messages
+HANDSHAKE_MAX_MSG_BYTES = 64 << 10   # a PUSH reads nothing but the handshake's commands (CURVE WELCOME, READY)
+HANDSHAKE_S = 3.0          # a connection that has not finished its handshake (greeting, CURVE, ZAP) by then is closed
+PEER_RCVHWM = 16           # messages a KV inbox queues per sender before the sender waits (bounds its memory)
 REJECT_LOG_EVERY_S = 5.0   # dropped frames / refused handshakes are logged at most this often per socket
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -78,6 +85,10 @@ class PeerUnreachable(TransportError):
 
 class BadMessage(TransportError):
     """Received frames that are not a message of the codec (undecodable, unknown tag, wrong frame count)."""
+
+
+class MessageTooLarge(TransportError):
+    """A frame larger than the receiving socket's cap: it was not sent (the receiver would drop the connection)."""
 
 
 # -- authentication (ZeroMQ CURVE + a ZAP handler) ------------------------------------------------------
@@ -205,6 +216,15 @@ def _serve_curve(sock: zmq.Socket, ctx: zmq.Context, server: Keys, prefix: str) 
     sock.setsockopt(zmq.CURVE_SECRETKEY, server.secret)
     sock.setsockopt(zmq.ZAP_DOMAIN, domain)
     return zap, domain
+
+
+def limit(sock: zmq.Socket, max_msg_bytes: int) -> None:
+    """Cap the frames `sock` takes (a larger one drops its connection) and its handshakes at HANDSHAKE_S; call before
+    bind/connect. Every tcp/ipc socket of tandem gets this."""
+    if not isinstance(max_msg_bytes, int) or max_msg_bytes < 1:
+        raise TransportError(f"max_msg_bytes must be a positive integer, got {max_msg_bytes!r}")
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
 
 
 def _curve_client(sock: zmq.Socket, server_public: bytes, client: Keys) -> None:
@@ -445,8 +465,8 @@ class Hub:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # sending to an absent worker raises, not drops
         # no ROUTER_HANDOVER: a second connection claiming a connected worker's identity must not take it over
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
         try:
+            limit(sock, self.max_msg_bytes)
             if self.secure:
                 self._server, self._kv = Keys.new(), (Keys.new(), Keys.new())
                 self._zap = _serve_curve(sock, ctx, self._server, "tandem-hub")
@@ -700,6 +720,7 @@ class Link:
     heartbeat_s: float = HEARTBEAT_S
     ctx: zmq.asyncio.Context | None = None
     auth: WorkerAuth | None = None   # from the hub's `credentials(worker_id)`; None only for a hub with secure=False
+    max_msg_bytes: int = HUB_MAX_MSG_BYTES   # a larger message from the hub drops the connection
     stopping: bool = field(default=False, init=False)
     _sock: zmq.asyncio.Socket | None = field(default=None, init=False)
     _beat: asyncio.Task | None = field(default=None, init=False)
@@ -710,12 +731,13 @@ class Link:
         sock = _context(self.ctx).socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity(self.worker_id))
         sock.setsockopt(zmq.LINGER, 1000)  # let a Goodbye or last reply out on close
-        if self.auth is not None:
-            try:
+        try:
+            limit(sock, self.max_msg_bytes)
+            if self.auth is not None:
                 _curve_client(sock, self.auth.hub_public, self.auth.client)
-            except BaseException:
-                sock.close(linger=0)
-                raise
+        except BaseException:
+            sock.close(linger=0)
+            raise
         sock.connect(self.hub_address)
         self._sock = sock
         self._beat = asyncio.create_task(self._heartbeat())
@@ -782,6 +804,10 @@ class PeerInbox:
     ctx: zmq.asyncio.Context | None = None
     auth: WorkerAuth | None = None   # CURVE: serve with the cluster's KV server keys, accept only its KV client key
     accept: tuple[type, ...] = ()    # if set, messages of other types are dropped (counted in rejected_frames)
+    # a frame larger than this drops its connection unread, before or after the handshake; a worker passes the
+    # largest KV message of its deployment (tandem.engine.kv_transfer.kv_message_max_bytes)
+    max_msg_bytes: int = PEER_MAX_MSG_BYTES
+    rcvhwm: int = PEER_RCVHWM
     _sock: zmq.asyncio.Socket | None = field(default=None, init=False)
     _rejects: _Rejects = field(default_factory=lambda: _Rejects("kv inbox"), init=False)
     _handshakes: _HandshakeWatch | None = field(default=None, init=False)
@@ -792,6 +818,8 @@ class PeerInbox:
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         try:
+            limit(sock, self.max_msg_bytes)
+            sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
             if self.auth is not None:
                 self._zap = _serve_curve(sock, ctx, self.auth.kv_server, "tandem-kv")
                 self._zap[0].allow(self._zap[1], self.auth.kv_client.public, "kv")
@@ -852,27 +880,37 @@ class PeerOutbox:
     # a send that cannot go out for this long raises PeerUnreachable: a peer that refused our handshake leaves
     # the PUSH with no pipe (libzmq does not reconnect after a protocol error), and a dead one fills the queue
     send_timeout_s: float = 5.0
+    # the peers' inbox cap: a larger frame raises MessageTooLarge here rather than be dropped there with its connection
+    max_msg_bytes: int = PEER_MAX_MSG_BYTES
     _socks: dict[str, zmq.asyncio.Socket] = field(default_factory=dict, init=False)
 
     async def send(self, address: str, msg: msgspec.Struct, *bufs: Buffer, wait_release: bool = False) -> None:
         """Send `msg` (+ payload frames, not copied) to the inbox at `address`; PeerUnreachable (and the socket
-        is dropped, so the next send connects afresh) if it cannot go out within `send_timeout_s`."""
+        is dropped, so the next send connects afresh) if it cannot go out within `send_timeout_s`; MessageTooLarge
+        (nothing sent) if a frame exceeds `max_msg_bytes`."""
+        parts = self.codec.pack(msg, bufs)
+        for i, part in enumerate(parts):
+            size = memoryview(part).nbytes
+            if size > self.max_msg_bytes:
+                raise MessageTooLarge(f"frame {i} of a {type(msg).__name__} is {size} bytes, over the inboxes' cap "
+                                      f"of {self.max_msg_bytes}: split it")
         sock = self._socks.get(address)
         if sock is None:
             sock = _context(self.ctx).socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
             sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.send_timeout_s * 1000)))
             sock.setsockopt(zmq.LINGER, 1000)
-            if self.auth is not None:
-                try:
+            try:
+                limit(sock, HANDSHAKE_MAX_MSG_BYTES)
+                if self.auth is not None:
                     _curve_client(sock, self.auth.kv_server.public, self.auth.kv_client)
-                except BaseException:
-                    sock.close(linger=0)
-                    raise
+            except BaseException:
+                sock.close(linger=0)
+                raise
             sock.connect(address)
             self._socks[address] = sock
         try:
-            await _send(sock, self.codec.pack(msg, bufs), wait_release)
+            await _send(sock, parts, wait_release)
         except zmq.Again:
             self.forget(address)
             raise PeerUnreachable(f"the inbox at {address} took no message for {self.send_timeout_s:g} s "

@@ -18,7 +18,7 @@ import time
 from tandem.runtime import messages as m
 from tandem.runtime.launcher import WorkerEnv, mark_startup, startup_marks
 from tandem.runtime.state_store import WorkerState, open_store
-from tandem.runtime.transport import Codec, PeerUnreachable
+from tandem.runtime.transport import Codec, PeerUnreachable, TransportError
 from tandem.runtime.worker_shell import WorkerShell
 
 CODEC = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV], frames={m.KVData: 1})   # a KV header without its bytes is dropped
@@ -38,16 +38,20 @@ STEP_COUNTS = ("iteration_tokens", "dllm_commits", "dllm_chunks", "dllm_serve") 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
                publish_s: float = 0.02, perf: str | None = None, threads: int | None = None,
                drop_kv_sends: int = 0, kv_send_faults: list | None = None, step_sleep_s: float = 0.0,
-               drop_control: list[str] | None = None) -> None:
+               drop_control: list[str] | None = None, kv_part_bytes: int | None = None) -> None:
     """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process).
 
     Fault injection (tests, docs/runtime.md): `drop_kv_sends=N` silently drops this worker's next N KV sends, as
     a lost transfer; `kv_send_faults` gives one entry per later KV send: "drop", a delay in seconds, or None;
     `step_sleep_s` makes every engine step that long slower (a loaded machine's long prefill step);
-    `drop_control` names coordinator messages (e.g. ["AddRequest"]) whose next one is lost, once per entry."""
+    `drop_control` names coordinator messages (e.g. ["AddRequest"]) whose next one is lost, once per entry.
+    `kv_part_bytes` is the most KV payload one message carries (None: kv_transfer.KV_PART_BYTES; a longer transfer
+    goes in parts); the KV inbox caps its frames at the largest such message of this deployment."""
     import torch
 
     from tandem.engine.config import EngineConfig
+    from tandem.engine.kv_transfer import KV_PART_BYTES, cache_geometry, kv_bytes_per_token, kv_message_max_bytes, \
+        kv_part_tokens
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.memory_profile import memory_report
 
@@ -67,7 +71,14 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     gc.collect()
     gc.freeze()
     store = open_store(state, cluster=cluster) if state != "embedded" else None
-    inbox, outbox = env.inbox(CODEC, accept=tuple(m.KV)), env.outbox(CODEC)   # CURVE, the cluster's KV keys
+    # the largest KV message of this deployment caps every frame of the KV plane (the inbox drops a larger one unread,
+    # before or after the handshake); every worker of a cluster has the same model, cache dtype and block size
+    geometry = cache_geometry(engine.runner.kv_caches)
+    bs, kv_part_bytes = engine.config.block_size, KV_PART_BYTES if kv_part_bytes is None else kv_part_bytes
+    part_tokens = kv_part_tokens(bs, kv_bytes_per_token(*geometry), engine.max_model_len, kv_part_bytes)
+    kv_cap = kv_message_max_bytes(bs, *geometry, engine.max_model_len, kv_part_bytes)
+    inbox = env.inbox(CODEC, accept=tuple(m.KV), max_msg_bytes=kv_cap)     # CURVE, the cluster's KV keys
+    outbox = env.outbox(CODEC, max_msg_bytes=kv_cap)
     up: collections.deque = collections.deque()        # to the coordinator, appended by both threads
     peer: collections.deque = collections.deque()      # to other workers' KV inboxes
     loop = asyncio.get_running_loop()
@@ -86,7 +97,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
     shell = WorkerShell(engine, env.worker_id, lambda msg, *b: up.append((msg, b)), send_peer,
                         drop_kv_sends=drop_kv_sends, kv_send_faults=kv_send_faults or (), step_sleep_s=step_sleep_s,
-                        drop_control=drop_control or ())
+                        drop_control=drop_control or (), kv_part_tokens=part_tokens)
 
     def run_steps() -> None:
         try:
@@ -120,6 +131,9 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                     await outbox.send(addr, msg, *bufs)
                 except PeerUnreachable as e:               # the receiver's core times the transfer out and recomputes
                     log.warning("worker %d: a KV send was not delivered: %s", env.worker_id, e)
+                except TransportError as e:                # too large for the inboxes: fail its request now, clearly
+                    log.error("worker %d: a KV send was refused: %s", env.worker_id, e)
+                    up.append((m.WorkerFailure(getattr(msg, "request_id", ""), f"KV send refused: {e}"), ()))
             while up:
                 msg, bufs = up.popleft()
                 await link.send(msg, *bufs)
@@ -177,6 +191,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                           "dllm_block": engine.dllm.block if engine.dllm is not None else None,
                           "dllm_canvas": bool(engine.dllm is not None and engine.dllm.canvas),
                           "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": engine.cache_config(),
+                          "kv_max_msg_bytes": kv_cap, "kv_part_tokens": part_tokens,
                           "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
         stepper.start()

@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 
 from tandem.core.types import DECODE, FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
 from tandem.engine.config import EngineError
-from tandem.engine.kv_transfer import KVPayload, KVTransferError
+from tandem.engine.kv_transfer import KV_PART_BYTES, KVAssembly, KVPayload, KVTransferError, cache_geometry, \
+    kv_bytes_per_token, kv_part_tokens, split_kv
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -28,8 +29,13 @@ class WorkerShell:
     def __init__(self, engine: LLMEngine, worker_id: int, send_up: Callable, send_peer: Callable,
                  wall: Callable[[], float] = time.time, drop_kv_sends: int = 0,
                  kv_send_faults: Sequence[str | float | None] = (), step_sleep_s: float = 0.0,
-                 drop_control: Sequence[str] = ()) -> None:
+                 drop_control: Sequence[str] = (), kv_part_tokens: int | None = None) -> None:
         self.engine, self.id = engine, worker_id
+        # the most tokens one KV message carries (None: as many whole blocks as fit in KV_PART_BYTES); a longer
+        # transfer goes as parts in order, joined by the receiver (_assembling), so every frame stays under the
+        # receiving inbox's cap
+        self.kv_part_tokens = kv_part_tokens
+        self._assembling: dict[tuple[str, str], tuple[KVAssembly, float]] = {}   # (request, purpose) -> parts so far
         self.step_sleep_s = step_sleep_s                      # fault injection: every model run that much longer
         # fault injection, one entry per KV send from now on: "drop" (lost), seconds (delayed), None (normal);
         # drop_kv_sends=N is N "drop"s first
@@ -122,11 +128,13 @@ class WorkerShell:
                 eng.on_delivered(msg.request_id)
             elif isinstance(msg, m.RunLocal):
                 self._first.pop(msg.request_id, None)
+                self._forget_parts(msg.request_id)
                 eng.make_local(msg.request_id)
             elif isinstance(msg, m.Release):
                 eng.end_session(msg.session_id)
             elif isinstance(msg, m.Abort):
                 self._first.pop(msg.request_id, None)
+                self._forget_parts(msg.request_id)
                 eng.abort_request(msg.request_id)
                 self._sent.pop(msg.request_id, None)
             elif isinstance(msg, m.Audit):
@@ -146,8 +154,9 @@ class WorkerShell:
             payload = eng.export_history(msg.session_id, msg.tokens)
         else:
             payload, tok, lps = eng.export_new_kv(msg.request_id)
-        head = m.KVData(msg.request_id, msg.purpose, self.id, payload.num_tokens, payload.dtype,
-                        list(payload.shape), self.wall(), tok, lps)
+        parts = split_kv(payload, self._part_tokens())
+        total = payload.num_tokens if len(parts) > 1 else 0
+        sent_s = self.wall()
         fault = self.kv_send_faults.pop(0) if self.kv_send_faults else None
         if fault == "drop":                                    # fault injection: the transfer is lost
             log.warning("worker %d: dropped the %s KV of %s (fault injection)", self.id, msg.purpose, msg.request_id)
@@ -155,9 +164,21 @@ class WorkerShell:
         if fault:                                              # fault injection: the transfer is slow
             log.warning("worker %d: delaying the %s KV of %s by %g s (fault injection)", self.id, msg.purpose,
                         msg.request_id, fault)
-            self.send_peer(msg.dst_addr, head, payload.buffer(), delay_s=float(fault))
-            return
-        self.send_peer(msg.dst_addr, head, payload.buffer())
+        for offset, part in parts:
+            head = m.KVData(msg.request_id, msg.purpose, self.id, part.num_tokens, part.dtype, list(part.shape),
+                            sent_s, tok, lps, offset=offset, total_tokens=total)
+            if fault:
+                self.send_peer(msg.dst_addr, head, part.buffer(), delay_s=float(fault))
+            else:
+                self.send_peer(msg.dst_addr, head, part.buffer())
+
+    def _part_tokens(self) -> int:
+        if self.kv_part_tokens is None:
+            eng = self.engine
+            self.kv_part_tokens = kv_part_tokens(eng.config.block_size,
+                                                 kv_bytes_per_token(*cache_geometry(eng.runner.kv_caches)),
+                                                 eng.max_model_len, KV_PART_BYTES)
+        return self.kv_part_tokens
 
     # ------------------------------------------------------------------ KV plane
     def on_kv(self, head: m.KVData, frames: list) -> None:
@@ -167,23 +188,60 @@ class WorkerShell:
 
     def _kv(self, head: m.KVData, frames: list) -> None:
         req = self.engine.requests.get(head.request_id)
+        key = (head.request_id, head.purpose)
         if req is None or (self.engine.role == DECODE and req.task.local):
             # Late: the request was aborted or finished here, or its transfer timed out and the round is being
             # recomputed locally (RunLocal). Not a failure of the request: drop the bytes.
+            self._forget_parts(head.request_id)
             log.info("worker %d: dropped late %s KV for %s", self.id, head.purpose, head.request_id)
+            return
+        if head.total_tokens and head.offset and key not in self._assembling:
+            # the rest of a transfer whose start was refused (already reported) or never came (the transfer times out)
+            log.warning("worker %d: dropped a %s KV part of %s at token %d without its start", self.id, head.purpose,
+                        head.request_id, head.offset)
             return
         try:
             payload = KVPayload.from_buffer(frames[0] if frames else b"", head.num_tokens, head.dtype,
                                             tuple(head.shape))
+            sent_s = head.sent_s
+            if head.offset and not head.total_tokens:
+                raise KVTransferError(f"a whole transfer at token {head.offset}")
+            if head.total_tokens:
+                payload, sent_s = self._add_part(key, head, payload)
+                if payload is None:
+                    return
             self.engine.receive_kv(head.request_id, payload)
         except (EngineError, KVTransferError) as e:
+            self._assembling.pop(key, None)
             log.warning("worker %d: dropped KV for %s: %s", self.id, head.request_id, e)
             self.send_up(m.WorkerFailure(head.request_id, f"KV transfer to worker {self.id} failed: {e}"))
             return
         if head.first_token >= 0:
             self._first[head.request_id] = (head.first_token, head.first_logprobs)
         self.send_up(m.KVReceived(head.request_id, head.purpose, head.src_worker, payload.nbytes,
-                                  max(0.0, self.wall() - head.sent_s)))
+                                  max(0.0, self.wall() - sent_s)))
+
+    def _add_part(self, key: tuple[str, str], head: m.KVData, part: KVPayload) -> tuple[KVPayload | None, float]:
+        """One part of a transfer sent in parts: (the whole payload once its last part is in, else None; the
+        transfer's send time). Its first part allocates the whole, sized by this worker's cache and max_model_len."""
+        if head.offset == 0:
+            self._forget_parts()
+            eng = self.engine
+            self._assembling[key] = (KVAssembly(head.total_tokens, cache_geometry(eng.runner.kv_caches),
+                                                eng.max_model_len), head.sent_s)
+        assembly, sent_s = self._assembling[key]
+        if assembly.total != head.total_tokens:
+            raise KVTransferError(f"a KV part of a {head.total_tokens}-token transfer in one of {assembly.total}")
+        whole = assembly.add(head.offset, part)
+        if whole is not None:
+            del self._assembling[key]
+        return whole, sent_s
+
+    def _forget_parts(self, request_id: str | None = None) -> None:
+        """Drop the partial transfers of `request_id` and of requests this engine no longer holds (aborted,
+        finished, recomputed here): what a worker holds of unfinished transfers is bounded by its live requests."""
+        for key in [k for k in self._assembling if k[0] == request_id or k[0] not in self.engine.requests]:
+            del self._assembling[key]
 
     # ------------------------------------------------------------------ stepping
     def has_work(self) -> bool:
