@@ -38,11 +38,9 @@ STARTUP_TIMEOUT_S = 60.0   # default time a worker has to send Ready
 # torch itself (about 2 s of CPU). The server is a fresh process that never touches CUDA or opens a socket, so what
 # it forks is as clean as a spawned process. Where there is no fork server (Windows), workers are spawned.
 # TANDEM_WORKER_MULTIPROC_METHOD=spawn starts workers the old way (as vLLM's VLLM_WORKER_MULTIPROC_METHOD).
-# Also preloaded: torch._dynamo, which torch imports on a model's first weight initialisation (nn.Embedding's
-# normal_; 1-1.5 s of CPU on a loaded 2-core machine, the largest part of a replacement's start), and uvloop, which a
-# worker's event loop imports (0.2 s). Neither starts a thread, so forking the server stays safe. (An uninstalled
-# module in this list is skipped by the fork server.)
-PRELOAD = ["torch", "torch._dynamo", "uvloop", "tandem.runtime.worker_main", "tandem.engine.llm_engine"]
+# What the server imports, and why, is tandem/runtime/fork_preload.py (torch._dynamo and uvloop too, then gc.freeze);
+# none of it starts a thread, so forking the server stays safe.
+PRELOAD = ["tandem.runtime.fork_preload"]
 START_METHODS = ("forkserver", "spawn")
 
 

@@ -110,6 +110,12 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] K/V tensor per layer."""
-    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)]
+    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] K/V tensor per layer. On CPU the zeros are the
+    kernel's (calloc'd memory, mapped on first write), not written here: a worker starts without touching its whole
+    pool (1 GiB by default: 0.4 s unloaded, several seconds on a busy 2-core machine, the most of a replacement's
+    start) and holds only the pages its KV has used."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return [torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape) for _ in range(num_layers)]
