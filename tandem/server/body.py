@@ -41,12 +41,14 @@ ARRAY_SLACK = 2                      # the check refuses arrays over this many t
                                      # context_length_exceeded for a prompt of token ids)
 _ITEMS_PER_TOTAL = 2
 
-# One token of the check: a string (escapes handled inside the regex; at most _ESCAPES_PER_MATCH escapes per match, so
-# no single call runs long, and possessive, so a failed match never backtracks), '[' or ',' with the run of numbers
-# after it (their commas counted in C), or another structural character. Groups: 1 the string's closing quote,
-# 2 the ':' after a key, 3 '[', 4 ',', 5 '{', 6 '}', 7 ']'.
+# One token of the check: a string (escapes handled inside the regex; at most _ESCAPES_PER_MATCH escapes and runs of
+# _RUN_PER_MATCH plain bytes per match, so no single call runs long, and possessive, so a failed match never
+# backtracks), '[' or ',' with the run of numbers after it (their commas counted in C), or another structural
+# character. Groups: 1 the string's closing quote, 2 the ':' after a key, 3 '[', 4 ',', 5 '{', 6 '}', 7 ']'.
 _ESCAPES_PER_MATCH = 4096
-_STRING = rb'[^"\\]*+(?:\\.[^"\\]*+){0,%d}+(?:(")[ \t\r\n]*+(:)?)?' % _ESCAPES_PER_MATCH
+_RUN_PER_MATCH = 1 << 16
+_STRING = (rb'[^"\\]{0,%d}+(?:\\.[^"\\]{0,%d}+){0,%d}+(?:(")[ \t\r\n]*+(:)?)?'
+           % (_RUN_PER_MATCH, _RUN_PER_MATCH, _ESCAPES_PER_MATCH))
 _NUMBER_RUN = rb"[-+0-9.eE \t\r\n,]*+"
 _TOKEN = re.compile(rb'"' + _STRING + rb"|(\[)" + _NUMBER_RUN + rb"|(,)" + _NUMBER_RUN + rb"|(\{)|(\})|(\])")
 _STRING_REST = re.compile(_STRING)            # the rest of a string with more escapes than one match takes
