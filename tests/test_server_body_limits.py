@@ -156,18 +156,21 @@ def test_an_unknown_field_is_ignored_with_a_warning_and_capped_as_any_other(app,
 
 # ---------------------------------------------------------------------------- one vocabulary bound
 def test_one_vocabulary_bound_for_prompts_detokenize_stop_ids_and_logit_bias(app, client):
-    """The model embeds 448 ids, the tokenizer decodes 396: id 396 was accepted in a prompt but refused by
-    /detokenize. Every token id a request names is now checked against the smaller, with the same 400."""
+    """The model embeds 448 ids, the tokenizer decodes 396: a prompt was checked against one, /detokenize against
+    the other. Every token id a request names is now checked against the model's, with the same 400; the ids the
+    model can sample past the tokenizer's (its padded rows) are accepted everywhere, decoding to no text, so a
+    round's output ids can be sent back as the next prompt."""
     assert (client.vocab_size, client.tokenizer.vocab_size) == (448, 396)
-    assert token_id_limit(client) == 396
-    ok = _post(app, [(COMP, {"prompt": [395], "max_tokens": 1, "stop_token_ids": [395], "logit_bias": {"395": 1}}),
-                     ("/detokenize", {"tokens": [395]})])
+    assert token_id_limit(client) == 448
+    ok = _post(app, [(COMP, {"prompt": [5, 447], "max_tokens": 1, "stop_token_ids": [447], "logit_bias": {"447": 1}}),
+                     ("/detokenize", {"tokens": [5, 447]})])
     assert [r.status_code for r in ok] == [200, 200], [r.text for r in ok]
-    bad = _post(app, [(COMP, {"prompt": [5, 396]}), ("/detokenize", {"tokens": [396]}),
-                      (COMP, {"prompt": "a", "stop_token_ids": [396]}), (CHAT, {"messages": [
-                          {"role": "user", "content": "a"}], "logit_bias": {"396": 1}})])
+    assert ok[1].json() == {"prompt": client.tokenizer.decode([5])}
+    bad = _post(app, [(COMP, {"prompt": [5, 448]}), ("/detokenize", {"tokens": [448]}),
+                      (COMP, {"prompt": "a", "stop_token_ids": [448]}), (CHAT, {"messages": [
+                          {"role": "user", "content": "a"}], "logit_bias": {"448": 1}})])
     for r, param in zip(bad, ("prompt", "tokens", "stop_token_ids", "logit_bias")):
-        assert _error(r, param) == f"{param}: token id 396 is outside the vocabulary [0, 396)"
+        assert _error(r, param) == f"{param}: token id 448 is outside the vocabulary [0, 448)"
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -183,14 +186,14 @@ def test_a_json_boolean_is_never_a_token_id(app, path, body, param):
 
 
 def test_logit_bias_is_capped_at_vllms_limit_or_the_vocabulary(app):
-    """vLLM's cap (1024 entries) or the vocabulary's size, whichever is smaller: 396 for the tiny model."""
-    assert (MAX_LOGIT_BIAS, logit_bias_cap(396), logit_bias_cap(152_064), logit_bias_cap(None)) == (1024, 396, 1024,
+    """vLLM's cap (1024 entries) or the vocabulary's size, whichever is smaller: 448 for the tiny model."""
+    assert (MAX_LOGIT_BIAS, logit_bias_cap(448), logit_bias_cap(152_064), logit_bias_cap(None)) == (1024, 448, 1024,
                                                                                                    1024)
-    full, over = _post(app, [(COMP, {"prompt": "a", "max_tokens": 1, "logit_bias": {str(i): 0 for i in range(396)}}),
-                             (COMP, {"prompt": "a", "logit_bias": {str(i): 0 for i in range(397)}})])
+    full, over = _post(app, [(COMP, {"prompt": "a", "max_tokens": 1, "logit_bias": {str(i): 0 for i in range(448)}}),
+                             (COMP, {"prompt": "a", "logit_bias": {str(i): 0 for i in range(449)}})])
     assert full.status_code == 200, full.text
-    assert _error(over, "logit_bias") == ("logit_bias may have at most 396 entries (vLLM's cap or the vocabulary's "
-                                          "size, whichever is smaller), got 397")
+    assert _error(over, "logit_bias") == ("logit_bias may have at most 448 entries (vLLM's cap or the vocabulary's "
+                                          "size, whichever is smaller), got 449")
 
 
 # ---------------------------------------------------------------------------- text_offset

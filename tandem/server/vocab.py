@@ -1,11 +1,12 @@
 """The one bound on token ids a request may name: prompts of token ids, /tokenize's output, /detokenize,
 stop_token_ids and logit_bias keys are all checked against `token_id_limit`.
 
-The bound is the smaller of the model's vocabulary (rows of its embedding and LM head) and the tokenizer's: an id at
-or past the model's cannot be embedded (the engine would fail on it), and an id at or past the tokenizer's decodes to
-nothing, so its text, its logprobs' token strings and any stop check on it would be wrong. vLLM takes the larger of
-the two for prompts (some models pad their embedding past the tokenizer, some tokenizers hold multimodal placeholders
-past the model); tandem serves text only, where neither padding row nor placeholder is a token a client can mean.
+The bound is the model's vocabulary (the rows of its embedding and LM head) when the backend reports it, else the
+tokenizer's. An id past the model's cannot be embedded, so it is refused everywhere, the same way. Ids between the
+tokenizer's size and the model's (a padded embedding) decode to no text, but the model can sample them, and a client
+that sends a round's output ids back as its next prompt must not be refused its own tokens; so they are accepted
+(vLLM's prompt check likewise takes the larger of the two). Bounding by the smaller of the two needs the sampler to
+mask those ids first.
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from tandem.server.errors import APIError
 
 
 def token_id_limit(client: Any) -> int | None:
-    """Token ids a request may name are [0, this): the smaller of the backend's `vocab_size` (the model's) and its
-    tokenizer's; None when neither says."""
-    sizes = [n for n in (getattr(client, "vocab_size", None), getattr(client.tokenizer, "vocab_size", None))
-             if isinstance(n, int) and not isinstance(n, bool) and n > 0]
-    return min(sizes) if sizes else None
+    """Token ids a request may name are [0, this): the backend's `vocab_size` (the model's), else its tokenizer's;
+    None when neither says."""
+    for n in (getattr(client, "vocab_size", None), getattr(client.tokenizer, "vocab_size", None)):
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
 
 
 def check_token_ids(ids: Iterable[int], limit: int | None, param: str) -> None:

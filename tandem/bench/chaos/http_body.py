@@ -5,8 +5,8 @@ vocabulary.
   thread. Each must be a 400 naming logit_bias within 1 s, and /health's p99 must stay under 100 ms (the bodies
   once took 5 s each to parse, one after another, and stalled /health 1.65 s).
 * Token ids: `[true]` as a prompt must be a 400 naming prompt (it was taken as id 1); the first id past the bound
-  (the smaller of the model's and the tokenizer's vocabularies) must be a 400 in a prompt and in /detokenize alike,
-  and the last id inside it must be served.
+  (the model's vocabulary, tandem.server.vocab) must be a 400 in a prompt and in /detokenize alike, and the last id
+  inside it must be served by both.
 
 Everything goes to 127.0.0.1; counts and times are bounded."""
 from __future__ import annotations
@@ -109,11 +109,8 @@ def probe_key_flood(ctx: ChaosContext) -> list[Outcome]:
 
 
 def vocabulary_bound(model: Path) -> int:
-    """The token-id bound the server applies: the smaller of the model's and the tokenizer's vocabularies."""
-    from tandem.engine.tokenizer import Tokenizer
-
-    model_vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    return min(int(model_vocab), Tokenizer.from_pretrained(model).vocab_size)
+    """The token-id bound the server applies: the model's vocabulary (tandem.server.vocab)."""
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
 def probe_token_ids(ctx: ChaosContext) -> list[Outcome]:
