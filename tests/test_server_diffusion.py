@@ -54,6 +54,7 @@ def test_a_stream_adds_up_to_the_completion_and_usage_is_exact(server):
     choice = d["choices"][0]
     ids = choice["token_ids"]
     assert d["usage"]["completion_tokens"] == len(ids) and d["usage"]["prompt_tokens"] > 0
+    assert d["usage"]["dllm_chunk"] == "8"                 # the mode that ran: the server's fixed chunk
     text, streamed, n_chunks = "", [], 0
     with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, timeout=60,
                       json=dict({"model": "sdar", "prompt": PROMPT, "stream": True}, **body)) as s:
@@ -78,6 +79,8 @@ def test_a_stream_adds_up_to_the_completion_and_usage_is_exact(server):
     ("dllm_confidence_threshold", 0, "dllm_confidence_threshold"),
     ("dllm_confidence_threshold", 1.5, "dllm_confidence_threshold"),
     ("dllm_unmasking_strategy", "random", "dllm_unmasking_strategy"),
+    ("dllm_chunk", "fast", "dllm_chunk must be auto, elastic, block or an integer in [1, 4096]"),
+    ("dllm_chunk", 0, "dllm_chunk must be auto, elastic, block or an integer in [1, 4096]"),
     ("logprobs", 2, "block-diffusion decoding does not support logprobs"),
 ])
 def test_bad_diffusion_options_get_an_openai_400(server, field, value, expect):
@@ -90,11 +93,12 @@ def test_bad_diffusion_options_get_an_openai_400(server, field, value, expect):
 
 
 def test_per_request_options_are_honoured(server):
-    """A request's own strategy (sequential, one token a step in order) decodes to completion."""
+    """A request's own strategy (sequential, one token a step in order) decodes to completion. The server runs a
+    fixed chunk of 8 for every request, so a request naming the block still decodes chunk 8, and usage says so."""
     r = _post(server, {"max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                       "dllm_unmasking_strategy": "sequential", "dllm_denoising_steps": 32})
+                       "dllm_unmasking_strategy": "sequential", "dllm_denoising_steps": 32, "dllm_chunk": "block"})
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 8
+    assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["usage"]["dllm_chunk"] == "8"
 
 
 def test_the_cli_refuses_what_it_cannot_serve_with_one_line(tmp_path):

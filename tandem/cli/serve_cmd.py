@@ -36,9 +36,10 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--decode-workers", type=int, default=1, metavar="D", help="decode worker processes (default: 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="N",
                    help="co-located worker processes instead of P/D (policies vllm, continuum)")
-    p.add_argument("--policy", default="ampd", help="ampd | ampd-no-pr | ampd-no-ar-pr | dynamo | vllm | continuum | "
-                                                    "laps | laps-no-graph | laps-no-split | ampd+laps | "
-                                                    "ampd+laps-chunked | sglang-pd | sglang-pd-router")
+    p.add_argument("--policy", default=None, help="ampd | ampd-no-pr | ampd-no-ar-pr | dynamo | vllm | continuum | "
+                                                  "laps | laps-no-graph | laps-no-split | ampd+laps | "
+                                                  "ampd+laps-chunked | sglang-pd | sglang-pd-router (default: ampd; "
+                                                  "with --colocated: vllm)")
     p.add_argument("--laps-length-threshold", type=positive_int, default=None, metavar="N",
                    help="LAPS policies: a prefill of fewer new tokens is short (default: 256)")
     p.add_argument("--laps-min-pool", type=int, default=None, metavar="N",
@@ -62,10 +63,11 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--dllm-block-length", type=positive_int, default=None, metavar="B",
                    help="diffusion models: positions per block; SDAR: must be the model's (default: config.json); "
                         "LLaDA: any >= 2 (default: 32)")
-    p.add_argument("--dllm-chunk", default=None, metavar="elastic|block|N",
-                   help="block-diffusion models: each step's window: elastic (Optimus), block (the whole block "
-                        "recomputed), or a fixed streaming chunk N (N masked positions a step, besides the K/V "
-                        "writes of the last commits; default: elastic)")
+    p.add_argument("--dllm-chunk", default=None, metavar="auto|elastic|block|N",
+                   help="block-diffusion models: each step's window: auto (block for a greedy or seeded request, "
+                        "whose tokens then do not depend on the load; elastic for the others), elastic (Optimus, for "
+                        "every request), block (the whole block recomputed), or a fixed streaming chunk N (N masked "
+                        "positions a step, besides the K/V writes of the last commits; default: auto)")
     p.add_argument("--dllm-unmasking-strategy", default=None,
                    choices=("low_confidence_dynamic", "low_confidence_static", "sequential"),
                    help="block-diffusion models: which positions a step commits (default: low_confidence_dynamic)")
@@ -227,6 +229,8 @@ def _cluster_config(args):
     from tandem.runtime.cluster import ClusterConfig
     if not Path(args.model, "config.json").is_file():
         raise CLIError(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    if args.policy is None:                          # co-located workers run the co-located default
+        args.policy = "vllm" if args.colocated else "ampd"
     eng = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
     if args.max_model_len is not None:
         eng["max_model_len"] = args.max_model_len

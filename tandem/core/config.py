@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tandem.policy.dllm_serve import PhaseSpec, parse_admission
-from tandem.policy.optimus.chunk import parse_chunk
+from tandem.policy.optimus.chunk import DEFAULT_CHUNK, parse_chunk
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048     # vLLM's chunked-prefill token budget per step
@@ -51,7 +51,8 @@ class SchedulerConfig:
     kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
     dllm_block_length: int = 0                # block-diffusion models: positions per block (0: autoregressive)
-    dllm_chunk: str = "elastic"               # diffusion steps' window: elastic (Optimus), block (BD-B), or N
+    dllm_chunk: str = DEFAULT_CHUNK           # diffusion steps' window: auto (block for a greedy or seeded request,
+                                              # elastic for the others), elastic (Optimus), block (BD-B), or N
     dllm_prefill_share: float = 0.5           # elastic windows leave waiting prefills up to this share of the budget
     dllm_admission: str | None = None         # dLLM-Serve mode (LLaDA-style Refresh/Reuse phases, co-located
                                               # workers): "phase" (phase-multiplexed), "static" (Fast-dLLM-like

@@ -18,7 +18,7 @@ from tandem.core.types import (
     RoundDone, Seq, SeqState, SessionFailed, StepPlan, StepResult, Swap, SwapKind,
 )
 from tandem.policy.dllm_serve import Candidate, DllmServe, Phase, PhaseState
-from tandem.policy.optimus.chunk import ChunkSizer, SeqWindow
+from tandem.policy.optimus.chunk import ChunkMode, ChunkSizer, ChunkSpec, SeqWindow, request_chunk
 from tandem.policy.reorder import FCFS, Picker
 from tandem.policy.routing import itl_chunk_tokens
 
@@ -101,6 +101,8 @@ class WorkerCore:
         self._phase: dict[str, PhaseState] = {}             # dLLM-Serve: each running request's phase state
         self.last_phases: dict[str, Phase] = {}             # dLLM-Serve: the phase of each request of the last plan
         self.chunker = chunker if cfg.dllm_block and self.dllm is None else None  # Optimus: each step's window
+        self._chunks: dict[str, ChunkSpec] = {}      # diffusion: the chunk each session's current round decodes with
+        self._default_chunk = request_chunk(chunker.spec) if self.chunker is not None else None   # a round never told
         self._sat_out: dict[str, int] = {}           # diffusion: steps a running sequence has sat out in a row
         if cfg.dllm_admission:
             if self.dllm is None or self.dllm.mode != cfg.dllm_admission:
@@ -222,6 +224,7 @@ class WorkerCore:
             self.swaps.append(Swap(SwapKind.DROP, sid, ()))
         seq.state = RELEASED                         # a step in flight must not commit into it
         self._phase.pop(sid, None)
+        self._chunks.pop(sid, None)
         kept = [t for t in self.queue if t.session_id != sid]
         if self.laps is not None:
             for t in [*self.queue, *self.active]:
@@ -294,11 +297,10 @@ class WorkerCore:
                         shape.decode_ctx_tokens = self._ctx + n
                     elif self.cfg.dllm_block:        # diffusion windows: bidirectional rows over the cached keys
                         B = self.cfg.dllm_block
-                        whole = self.chunker is None or self.chunker.recomputes_block
                         for seq in plan.decode:
                             q = seq.query_tokens     # plain block diffusion recomputes the block from its start;
                             # streaming reads every committed position's K/V but the ones it writes now
-                            start = (seq.num_tokens - seq.num_tokens % B if whole
+                            start = (seq.num_tokens - seq.num_tokens % B if self._whole(seq)
                                      else seq.num_tokens - seq.kv_pending - seq.kv_prompt)
                             shape.add_window(start, q)
                         n = shape.num_decode
@@ -474,6 +476,25 @@ class WorkerCore:
         """dLLM-Serve mode: the phase the session's request ran in the last step planned (None: not in it)."""
         return self.last_phases.get(sid)
 
+    def choose_chunk(self, sid: str, asked: ChunkSpec | None = None, reproducible: bool = False) -> ChunkSpec | None:
+        """Optimus windows: decide the chunk session `sid`'s next round decodes with (`request_chunk`: the request's
+        own, else the worker's; `auto` gives the whole block to a request that wants reproducible tokens, greedy or
+        seeded) and keep it for that round's steps; None on a worker without windows (AR, dLLM-Serve phases)."""
+        if self.chunker is None:
+            return None
+        spec = self._chunks[sid] = request_chunk(self.chunker.spec, asked, reproducible)
+        return spec
+
+    def chunk_of(self, sid: str) -> ChunkSpec | None:
+        """The chunk session `sid` decodes with (None on a worker without windows)."""
+        if self.chunker is None:
+            return None
+        return self._chunks.get(sid, self._default_chunk)
+
+    def _whole(self, seq: Seq) -> bool:
+        """Whether the sequence decodes by plain block diffusion (every step recomputes its whole block)."""
+        return self._chunks.get(seq.session_id, self._default_chunk).mode is ChunkMode.BLOCK
+
     def dllm_stats(self) -> dict:
         """dLLM-Serve mode: the worker's phase and admission counters ({} in other modes)."""
         return self.dllm.stats.as_dict() if self.dllm is not None else {}
@@ -632,7 +653,9 @@ class WorkerCore:
         the windows then displace prompt rows, and it prices them so. When even windows of one position do not fit
         the budget (elastic; the carried rows fill it), or a fixed chunk's or the block's windows overflow it (the
         budget caps every step, as in vLLM; a fixed chunk leaves no share to waiting prefills), the sizer runs the
-        first sequences that fit and the others sit the step out, those that sat out longest going first next time."""
+        first sequences that fit and the others sit the step out, those that sat out longest going first next time.
+        Under elastic and auto each session decodes in the mode decided for its round (`choose_chunk`): a whole block
+        or a fixed chunk rides in the elastic steps with its window pinned, priced with them."""
         B = self.cfg.dllm_block
         budget = self.cfg.max_num_batched_tokens
         admitted = ready = 0                         # prompt rows admitted; of those, the ones this step runs beside
@@ -643,25 +666,36 @@ class WorkerCore:
                 ready += left
         waiting = admitted + sum(t.work for t in self.queue)
         claim = min(waiting, int(self.cfg.dllm_prefill_share * budget))   # what waiting prefills keep of the step
-        whole = self.chunker.recomputes_block
-        carried = 0
-        if not whole:                                # rows riding with the windows: K/V writes, prompts' tails
-            carried = sum(seq.kv_pending + seq.kv_prompt for seq in self.running)
-        full = budget - carried                      # the prompt rows that fill the step, when more are ready than
-        # fit beside the smallest windows
+        elastic = self.chunker.elastic
         sat = self._sat_out                          # longest sat out first, else in running order
         order = sorted(self.running, key=lambda q: -sat.get(q.session_id, 0)) if sat else self.running
         lefts = [self._masked_left(seq) for seq in order]
-        windows = self.chunker.plan([SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens, seq.tried)
-                                     for left, seq in zip(lefts, order)],
-                                    room=full - claim if self.chunker.elastic else full,
+        wholes = [self._whole(seq) for seq in order]
+        seqs = []
+        for left, whole, seq in zip(lefts, wholes, order):
+            if not elastic:                          # one mode for all: the sizer's own (the block carries nothing)
+                seqs.append(SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens, seq.tried))
+            elif whole:                              # a request's block beside elastic windows: pinned, with its
+                # decoded positions and prompt tokens, recomputed every step, as extra rows
+                seqs.append(SeqWindow(left, seq.kv_pending, B - left, seq.num_tokens, seq.tried, B))
+            else:                                    # elastic, or a request's fixed chunk (pinned)
+                spec = self.chunk_of(seq.session_id)
+                pin = spec.size if spec is not None and spec.mode is ChunkMode.FIXED else 0
+                seqs.append(SeqWindow(left, seq.kv_pending, seq.kv_prompt, seq.num_tokens, seq.tried, pin))
+        carried = 0                                  # rows riding with the windows: K/V writes, prompts' tails
+        if elastic or not self.chunker.recomputes_block:
+            carried = sum(s.pending + s.extra for s in seqs)
+        full = budget - carried                      # the prompt rows that fill the step, when more are ready than
+        # fit beside the smallest windows
+        windows = self.chunker.plan(seqs, room=full - claim if elastic else full,
                                     prompts=full if 0 < full < ready + len(self.running) else 0).windows
         n = len(windows)
-        if n < len(order) or sat:
-            self._sat_out = {seq.session_id: sat.get(seq.session_id, 0) + 1 for seq in order[n:]}
-        for i, (left, seq) in enumerate(zip(lefts, order)):
+        if n < len(order) or sat or 0 in windows:
+            self._sat_out = {seq.session_id: sat.get(seq.session_id, 0) + 1
+                             for i, seq in enumerate(order) if i >= n or not windows[i]}
+        for i, (left, whole, seq) in enumerate(zip(lefts, wholes, order)):
             pending = seq.kv_pending
-            if i >= n:                               # sits this step out (the budget holds the first n)
+            if i >= n or not windows[i]:             # sits this step out (the budget holds the others)
                 seq.commit_cap = seq.query_tokens = 0
             elif whole:                              # the block, plus a completed block's first write
                 seq.commit_cap = left
@@ -966,7 +1000,7 @@ class WorkerCore:
                 seq.to_decode -= c
             if chunker is not None:                  # what the next window writes (block_state.py)
                 B = self.cfg.dllm_block
-                if chunker.recomputes_block:
+                if self._whole(seq):
                     seq.kv_pending = B if c > 0 and seq.num_tokens % B == 0 else 0
                 else:
                     seq.kv_pending = c               # every window writes the last commits' K/V
@@ -1014,7 +1048,7 @@ class WorkerCore:
         if self.chunker is not None:                 # a prefill writes whole blocks: streaming computes the prompt's
             # leftover tokens with every window of their block, outside its chunk; after a recompute the active
             # block's decoded positions are written by the first window, outside it too
-            left = seq.num_tokens % self.cfg.dllm_block if not self.chunker.recomputes_block else 0
+            left = seq.num_tokens % self.cfg.dllm_block if not self._whole(seq) else 0
             tail = seq.kv_prompt if left else 0
             seq.kv_pending, seq.kv_prompt = (left - tail, tail) if task.recompute else (0, left)
         self._order += 1

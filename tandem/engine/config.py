@@ -10,6 +10,7 @@ from tandem.core.config import (
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_SWAP_SPACE_GIB, SchedulerConfig,
 )
 from tandem.core.factory import resolve_policy
+from tandem.policy.optimus.chunk import DEFAULT_CHUNK
 from tandem.policy.presets import PolicySpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -59,8 +60,10 @@ class EngineConfig:
                                               # longer steps run eagerly. None: min(max_model_len, 4096)
     # block-diffusion models (SDAR; LMDeploy's names): the engine's defaults, a request may override the last three
     dllm_block_length: int | None = None      # None: the model's block_size (config.json; LLaDA: 32)
-    dllm_chunk: str = "elastic"               # each step's window: elastic (Optimus), block (BD-B: the whole block
-                                              # recomputed), or N (a fixed streaming chunk of N positions); SDAR only
+    dllm_chunk: str = DEFAULT_CHUNK           # each step's window: auto (per request: block for a greedy or seeded
+                                              # one, reproducible; elastic for the others), elastic (Optimus), block
+                                              # (BD-B: the whole block recomputed), or N (a fixed streaming chunk of N
+                                              # positions); SDAR only. Under auto and elastic a request may name its own
     dllm_unmasking_strategy: str = "low_confidence_dynamic"
     dllm_denoising_steps: int | None = None   # None: the block length (at least one token a step)
     dllm_confidence_threshold: float = 0.9

@@ -28,6 +28,7 @@ from tandem.engine.structured_output import RequestGrammar, StructuredOutputMana
 from tandem.engine.tokenizer import Tokenizer
 from tandem.perf.profile_io import PerfFileError, WindowLatencyProfile, load_window_latency
 from tandem.policy.dllm_serve import canvas_max_tokens
+from tandem.policy.optimus.chunk import ChunkMode, parse_chunk
 from tandem.policy.optimus.latency import ChunkLatency
 
 
@@ -50,6 +51,7 @@ class _Request:
     first_token: tuple[int, dict[int, float] | None] | None = None   # prefill role: sampled at the end of prefill
     grammar: RequestGrammar | None = None     # structured output: masks sampling, advanced with every token
     prompt_logprobs: list[dict[int, float] | None] | None = None   # vLLM's shape: None, then one dict per position
+    dllm_chunk: str | None = None             # Optimus windows: the chunk the core decided this round decodes with
 
 
 @dataclass
@@ -232,7 +234,7 @@ class LLMEngine:
         if role != COLOCATED:
             raise EngineError("LLaDA-style models run on co-located workers (a request's first step is its prefill "
                               "and its first Refresh)")
-        if config.dllm_chunk != "elastic":
+        if parse_chunk(config.dllm_chunk).mode not in (ChunkMode.AUTO, ChunkMode.ELASTIC):
             raise EngineError(f"dllm_chunk {config.dllm_chunk} sizes Optimus's streaming windows, which need a "
                               f"block-causal model (SDAR): in a LLaDA-style bidirectional model every position attends "
                               f"to the whole canvas, masks after the active block included, so no position's K/V is "
@@ -320,6 +322,7 @@ class LLMEngine:
                        logprobs=[] if params.logprobs is not None else None,
                        cumulative_logprob=0.0 if params.logprobs is not None else None)
         req.grammar = grammar
+        req.dllm_chunk = self._choose_chunk(sid, params)
         if full:
             req.prompt_logprobs = [None] * n
         sess.request = req
@@ -487,6 +490,16 @@ class LLMEngine:
             check_diffusion(params, self.dllm.block if self.dllm is not None else None)
         except SamplingParamsError as e:
             raise EngineError(str(e)) from None
+        if params.dllm_chunk is not None and self.dllm is not None and self.dllm.sparse is not None:
+            raise EngineError(f"dllm_chunk {params.dllm_chunk} sizes Optimus's streaming windows; this engine decodes "
+                              f"in dLLM-Serve phases, whose tokens do not depend on the load")
+
+    def _choose_chunk(self, sid: str, params: SamplingParams) -> str | None:
+        """The core's decision of the chunk this round decodes with (Optimus windows; None otherwise): the request's
+        own `dllm_chunk`, else the engine's, `auto` giving a greedy or seeded request the whole block."""
+        asked = parse_chunk(params.dllm_chunk) if params.dllm_chunk is not None else None
+        spec = self.core.choose_chunk(sid, asked, reproducible=params.temperature == 0 or params.seed is not None)
+        return str(spec) if spec is not None else None
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         """EngineError when a logit_bias names a token id outside the model's vocabulary."""
@@ -609,7 +622,8 @@ class LLMEngine:
                 continue
             if state is None:
                 state = dllm.start(sid, sess.tokens, sess.request.params)
-            dllm.decode(batch, sid, state, seq.commit_cap, seq.query_tokens, tables[seq])
+            dllm.decode(batch, sid, state, seq.commit_cap, seq.query_tokens, tables[seq],
+                        streaming=core.chunk_of(sid).mode is not ChunkMode.BLOCK)
         self.stats.prefill_tokens += sum(n for _, n in plan.prefill)
         self.stats.decode_tokens += batch.tokens
 
@@ -798,4 +812,5 @@ class LLMEngine:
                                 st.finish_reason if req.finished else None, st.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.finished, req.metrics,
                              session_id=req.session_id if req.keep_session else None, error=req.error,
-                             num_cached_tokens=req.task.l_hist, prompt_logprobs=req.prompt_logprobs)
+                             num_cached_tokens=req.task.l_hist, prompt_logprobs=req.prompt_logprobs,
+                             dllm_chunk=req.dllm_chunk)

@@ -55,6 +55,8 @@ class RequestOutput:
     error: str | None = None              # why the request failed (it is finished with finish_reason "abort")
     num_cached_tokens: int = field(default=0)
     prompt_logprobs: list[dict[int, float] | None] | None = None   # vLLM's: None, then {token: logprob} per position
+    dllm_chunk: str | None = None         # block diffusion: the chunk its round decoded with (auto resolved: block,
+                                          # elastic or N); None for other models and for dLLM-Serve phases
 
     @property
     def text(self) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.structured_output import StructuredOutput, StructuredOutputError
+from tandem.policy.optimus.chunk import MAX_FIXED_CHUNK, parse_chunk
 
 MAX_LOGPROBS = 20          # the most top logprobs a request may ask for (vLLM's default max_logprobs)
 MIN_TEMPERATURE = 1e-2     # positive temperatures below this are raised to it (vLLM's _MAX_TEMP)
@@ -94,6 +95,7 @@ class SamplingParams:
     dllm_unmasking_strategy: str | None = None      # low_confidence_dynamic, low_confidence_static, sequential
     dllm_denoising_steps: int | None = None         # steps per block: must divide the block length
     dllm_confidence_threshold: float | None = None  # in (0, 1]: the dynamic strategy commits what passes it
+    dllm_chunk: str | None = None                   # auto, elastic, block or N (tandem's; None: the engine's)
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -163,11 +165,17 @@ class SamplingParams:
             if not _is_real(t) or not 0.0 < t <= 1.0:
                 raise _bad("dllm_confidence_threshold", t, "must be in (0, 1]")
             self.dllm_confidence_threshold = float(t)
+        if self.dllm_chunk is not None:
+            try:
+                self.dllm_chunk = str(parse_chunk(self.dllm_chunk))
+            except ValueError:
+                raise _bad("dllm_chunk", self.dllm_chunk,
+                           f"must be auto, elastic, block or an integer in [1, {MAX_FIXED_CHUNK}]") from None
 
     def diffusion_options(self) -> list[str]:
         """The diffusion options this request sets (an autoregressive model refuses any)."""
         return [n for n in ("dllm_block_length", "dllm_unmasking_strategy", "dllm_denoising_steps",
-                            "dllm_confidence_threshold") if getattr(self, n) is not None]
+                            "dllm_confidence_threshold", "dllm_chunk") if getattr(self, n) is not None]
 
     def _check_stops(self) -> None:
         stop = self.stop

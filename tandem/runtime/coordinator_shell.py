@@ -111,6 +111,10 @@ class CoordinatorShell:
             check_diffusion(params, self.dllm_block)
         except SamplingParamsError as e:
             raise RequestError(str(e), 400) from None
+        if params.dllm_chunk is not None and self.dllm_canvas:
+            raise RequestError(f"dllm_chunk {params.dllm_chunk} sizes Optimus's streaming windows, which need a "
+                               f"block-causal model (SDAR); this LLaDA-style model decodes in dLLM-Serve phases",
+                               400, param="dllm_chunk")
         if len(prompt) >= self.max_model_len:
             raise RequestError(f"prompt of {len(prompt)} tokens leaves no room to generate: the model's context "
                                f"(max_model_len) is {self.max_model_len} tokens", 400, param="messages")
@@ -386,6 +390,8 @@ class CoordinatorShell:
             cached = max(0, cached - req.task.hist_compute)
         out.num_cached_tokens = out.metrics.num_cached_tokens = cached
         out.metrics.num_preemptions = d.num_preemptions       # vllm:num_preemptions_total counts finished requests'
+        if d.dllm_chunk is not None:                          # block diffusion: the chunk the worker's core chose
+            out.dllm_chunk = d.dllm_chunk
         if d.finished:
             comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
             out.error = d.error

@@ -138,6 +138,7 @@ class Delta(msgspec.Struct):
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None   # once, with the first delta (prompt_logprobs set)
     num_preemptions: int = 0                                       # the request's preemptions so far (its metrics)
+    dllm_chunk: str | None = None                                  # block diffusion: the chunk its round decodes with
     scheduled_ago_s: float | None = None     # with a request's first delta: seconds since this worker first scheduled
                                              # it (the coordinator dates vllm:request_queue_time_seconds by it)
 

@@ -321,6 +321,7 @@ class WorkerShell:
                     out.finished, comp.finish_reason, comp.stop_reason, out.num_cached_tokens, out.error,
                     comp.logprobs[n:] if comp.logprobs is not None else None, comp.cumulative_logprob,
                     out.prompt_logprobs if n == 0 else None, out.metrics.num_preemptions,
+                    dllm_chunk=out.dllm_chunk if n == 0 else None,
                     scheduled_ago_s=self._scheduled_ago(out.metrics) if n == 0 else None)
         if out.finished:
             self._sent.pop(out.request_id, None)

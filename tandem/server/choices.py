@@ -133,4 +133,5 @@ def usage(prompt_len: int, outs: list[RequestOutput]) -> Usage:
     done = sum(len(o.outputs[0].token_ids) for o in outs)
     cached = outs[0].num_cached_tokens or outs[0].metrics.num_cached_tokens if outs else 0
     return Usage(prompt_tokens=prompt_len, completion_tokens=done, total_tokens=prompt_len + done,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                 dllm_chunk=outs[0].dllm_chunk if outs else None)

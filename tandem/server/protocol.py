@@ -105,6 +105,7 @@ class _Sampling(_Request):
     dllm_unmasking_strategy: str | None = None
     dllm_denoising_steps: int | None = None
     dllm_confidence_threshold: float | None = None
+    dllm_chunk: str | int | None = None           # tandem's: auto, elastic, block or N (block diffusion's windows)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -167,6 +168,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    dllm_chunk: str | None = None    # tandem's: the chunk a block-diffusion request decoded with (block, elastic, N)
 
 
 class ResponseFunction(BaseModel):

@@ -265,7 +265,8 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
             dllm_block_length=req.dllm_block_length, dllm_unmasking_strategy=req.dllm_unmasking_strategy,
-            dllm_denoising_steps=req.dllm_denoising_steps, dllm_confidence_threshold=req.dllm_confidence_threshold)
+            dllm_denoising_steps=req.dllm_denoising_steps, dllm_confidence_threshold=req.dllm_confidence_threshold,
+            dllm_chunk=req.dllm_chunk)
     except SamplingParamsError as e:
         msg = str(e)
         field = msg.split(" ", 1)[0]
@@ -282,7 +283,8 @@ def usage(prompt_len: int, out: RequestOutput | None) -> Usage:
     if out is not None:
         cached = out.num_cached_tokens or out.metrics.num_cached_tokens
     return Usage(prompt_tokens=prompt_len, completion_tokens=done, total_tokens=prompt_len + done,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                 dllm_chunk=out.dllm_chunk if out is not None else None)
 
 
 def as_api_error(e: RequestError) -> APIError:

@@ -93,11 +93,13 @@ class DiffusionDecoder:
             batch.owners.append(None)
             batch.tokens += end - start
 
-    def decode(self, batch: DiffusionBatch, sid: str, state: BlockState, c: int, rows: int, table: list[int]) -> None:
+    def decode(self, batch: DiffusionBatch, sid: str, state: BlockState, c: int, rows: int, table: list[int],
+               streaming: bool | None = None) -> None:
         """A decoding sequence's window as the core sized it: the whole block in block mode, else c masked positions
         besides the K/V writes and prompt tokens it carries; `rows`, the core's count of the window's positions, must
-        be the window's (RuntimeError otherwise: the core would price and budget another step than the one run)."""
-        w = state.window(c, reuse=self.streaming)
+        be the window's (RuntimeError otherwise: the core would price and budget another step than the one run).
+        `streaming`: the sequence's own mode, as the core decided it (None: the decoder's)."""
+        w = state.window(c, reuse=self.streaming if streaming is None else streaming)
         if len(w.positions) != rows:
             raise RuntimeError(f"session {sid!r}: the core planned a window of {rows} positions, the decoding state "
                                f"has {len(w.positions)}")

@@ -15,6 +15,12 @@ price so far (`StepOverhead`, learnt from the steps' measured times: the work ar
 sequence, that T's timing leaves out).
 `N` (an integer): every step at chunk N (streaming chunked decoding with a fixed window). `block`: plain block
 diffusion, every step recomputing the whole block (BD-B: no reuse of the decoded positions' KV within it).
+`auto` (the default): each request's own mode (`request_chunk`): the whole block for a request that wants reproducible
+tokens (greedy or seeded), elastic windows for the others. An elastic window's size is chosen from the load and from
+the commits seen so far, and the size changes what a step commits (a window of c computes the first c masked positions
+without the masked suffix after them, and only its own positions are candidates), so the same greedy prompt decodes to
+different tokens under different loads; a fixed chunk and the block do not depend on the load. Sequences whose mode
+is not elastic ride in the sizer's steps with their windows pinned (`SeqWindow.pin`), priced with the step.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ DEVIATION_ERRORS = 2.0                      # a sequence leaves the common c's w
 class ChunkMode(StrEnum):
     """How a diffusion step's window is sized."""
 
+    AUTO = "auto"                          # per request: block when it wants reproducible tokens, else elastic
     ELASTIC = "elastic"                    # Optimus: c* from the load each step
     FIXED = "fixed"                        # streaming chunked decoding with a fixed c
     BLOCK = "block"                        # plain block diffusion: the whole block every step, no intra-block reuse
@@ -62,19 +69,41 @@ class ChunkSpec:
         return str(self.size) if self.mode is ChunkMode.FIXED else self.mode.value
 
 
+DEFAULT_CHUNK = ChunkMode.AUTO.value      # the worker's and the engine's dllm_chunk when none is given
+MAX_FIXED_CHUNK = 4096                      # the largest fixed chunk accepted (a window never exceeds the block)
+REPRODUCIBLE_CHUNK = ChunkSpec(ChunkMode.BLOCK)   # what `auto` gives a greedy or seeded request: SDAR's own decoding
+
+
 def parse_chunk(value: str | int | ChunkSpec) -> ChunkSpec:
-    """`elastic`, `block` or a positive integer (a fixed chunk) as a ChunkSpec; ValueError otherwise."""
+    """`auto`, `elastic`, `block` or an integer in [1, MAX_FIXED_CHUNK] (a fixed chunk) as a ChunkSpec; ValueError
+    otherwise."""
     if isinstance(value, ChunkSpec):
         return value
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_FIXED_CHUNK:
         return ChunkSpec(ChunkMode.FIXED, value)
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= 16:
         v = value.strip().lower()
-        if v in (ChunkMode.ELASTIC.value, ChunkMode.BLOCK.value):
+        if v in (ChunkMode.AUTO.value, ChunkMode.ELASTIC.value, ChunkMode.BLOCK.value):
             return ChunkSpec(ChunkMode(v))
-        if v.isdigit() and int(v) >= 1:
+        if v.isascii() and v.isdigit() and 1 <= int(v) <= MAX_FIXED_CHUNK:
             return ChunkSpec(ChunkMode.FIXED, int(v))
-    raise ValueError(f"a diffusion chunk is 'elastic', 'block' or a positive integer, got {value!r}")
+    raise ValueError(f"a diffusion chunk is 'auto', 'elastic', 'block' or an integer in [1, {MAX_FIXED_CHUNK}], "
+                     f"got {value!r}")
+
+
+def request_chunk(default: ChunkSpec, asked: ChunkSpec | None = None, reproducible: bool = False) -> ChunkSpec:
+    """The chunk one request decodes with. Under a worker whose `default` is a fixed chunk or the block, that, for
+    every request (the operator chose one load-independent mode for all). Under `elastic` or `auto`, the one the
+    request asks for (`asked`; None or AUTO: none), else the default; AUTO resolves to the whole block
+    (REPRODUCIBLE_CHUNK) for a request that wants reproducible tokens (greedy or seeded: an elastic window's size
+    follows the load and changes what commits) and to elastic windows for the others (throughput, at the price of
+    tokens that depend on what runs beside them)."""
+    if default.mode in (ChunkMode.FIXED, ChunkMode.BLOCK):
+        return default
+    spec = asked if asked is not None and asked.mode is not ChunkMode.AUTO else default
+    if spec.mode is ChunkMode.AUTO:
+        return REPRODUCIBLE_CHUNK if reproducible else ChunkSpec(ChunkMode.ELASTIC)
+    return spec
 
 
 StepLatency = Callable[[int, int, int, int, int], float]   # (window rows, sequences, cached tokens they read, rows
@@ -89,13 +118,26 @@ class SeqWindow(NamedTuple):
     extra: int = 0       # other rows riding along outside c (a prompt's leftover tokens)
     ctx: int = 0         # cached tokens its rows attend to
     tried: int = 0       # masked positions of its block an earlier window covered (the first ones)
+    pin: int = 0         # elastic sizers: 0, the sizer sizes its window; c > 0, its window is min(c, left) whatever
+                         # the load (a request's fixed chunk; its block: the block pinned, the block's decoded
+                         # positions and prompt tokens, recomputed every step, counted in `extra`)
+
+
+class _Load(NamedTuple):
+    """The rows, sequences, cached tokens and sampled rows of the pinned windows riding in an elastic step."""
+
+    rows: int = 0
+    seqs: int = 0
+    ctx: int = 0
+    sampled: int = 0
 
 
 class StepWindows(NamedTuple):
     """A diffusion step as the sizer plans it: its chunk, and the window of each sequence that decodes in it."""
 
     chunk: int           # the step's chunk size: the candidate its largest window was cut from (what /metrics shows)
-    windows: list[int]   # masked positions each of the first len(windows) sequences covers; the others sit out
+    windows: list[int]   # masked positions each of the first len(windows) sequences covers; the others, and any
+                         # whose window is 0, sit out
 
 
 def fitting(rows: Iterable[int], budget: int) -> int:
@@ -131,8 +173,8 @@ class ChunkSizer:
 
     @property
     def elastic(self) -> bool:
-        """Optimus's c*: the window is chosen each step from the load."""
-        return self.spec.mode is ChunkMode.ELASTIC
+        """Optimus's c*: the window of a sequence that names no chunk of its own is chosen each step from the load."""
+        return self.spec.mode in (ChunkMode.ELASTIC, ChunkMode.AUTO)
 
     @property
     def recomputes_block(self) -> bool:
@@ -145,17 +187,19 @@ class ChunkSizer:
 
     def plan(self, seqs: Sequence[SeqWindow], room: int | None = None, prompts: int = 0) -> StepWindows:
         """The step's chunk and the windows of the sequences that decode in it: the first n of `seqs` in the order
-        given, n = len(windows). `room`: the query rows the step's budget leaves the windows (their K/V writes and
-        extra rows already taken out; None: no limit); `prompts`: the prompt rows that fill the step whatever its
-        windows, because more wait than it holds (0: the waiting prompts fit beside any window). The token budget is
-        a hard cap on a step's rows, as in vLLM, whatever the mode: when the windows overflow the room, the first
-        sequences whose rows fit decode and the others sit the step out (always at least one). A fixed chunk c gives
-        each sequence min(c, left) and runs fewer sequences; the block gives each the rest of its block; elastic
-        weighs smaller windows for all against fewer sequences and sizes each sequence's window (see `_elastic`)."""
+        given, n = len(windows), less any whose window is 0. `room`: the query rows the step's budget leaves the
+        windows (their K/V writes and extra rows already taken out; None: no limit); `prompts`: the prompt rows that
+        fill the step whatever its windows, because more wait than it holds (0: the waiting prompts fit beside any
+        window). The token budget is a hard cap on a step's rows, as in vLLM, whatever the mode: when the windows
+        overflow the room, the first sequences whose rows fit decode and the others sit the step out (always at least
+        one). A fixed chunk c gives each sequence min(c, left) and runs fewer sequences; the block gives each the rest
+        of its block (block + K/V writes rows each, all within `room`); elastic weighs smaller windows for all against
+        fewer sequences and sizes each sequence's window (see `_elastic`). Under elastic (and auto) a sequence may pin
+        its window (`SeqWindow.pin`: a request's own fixed chunk or block): it covers min(pin, left) whatever the load,
+        and the elastic windows beside it are priced with it in the step; the step's chunk is then the elastic one
+        (the largest pin when every sequence pins one)."""
         mode = self.spec.mode
-        if mode is ChunkMode.ELASTIC and seqs:
-            c, windows = self._elastic(seqs, room, prompts)
-        else:
+        if not self.elastic or not seqs:
             c = min(self.spec.size, self.block) if mode is ChunkMode.FIXED and seqs else self.block
             n = len(seqs)
             if room is not None and seqs:
@@ -165,12 +209,46 @@ class ChunkSizer:
                     n = fitting(((min(c, s.left) + s.pending + s.extra) for s in seqs),
                                 room + sum(s.pending + s.extra for s in seqs))
             windows = [s.left if s.left < c else c for s in seqs[:n]]
+        else:
+            free = [s for s in seqs if not s.pin]
+            fixed = [s.left if s.left < s.pin else s.pin for s in seqs if s.pin]
+            if not free:
+                c = max(min(s.pin, self.block) for s in seqs)
+                windows = self._fit(fixed, seqs, room)
+            elif not fixed:
+                c, windows = self._elastic(seqs, room, prompts, _Load())
+            else:                                    # elastic windows beside pinned ones: priced with them
+                pinned = [s for s in seqs if s.pin]
+                load = _Load(sum(w + s.pending + s.extra for w, s in zip(fixed, pinned)), len(pinned),
+                             sum(s.ctx for s in pinned), sum(fixed))
+                c, mine = self._elastic(free, None if room is None else room - sum(fixed), prompts, load)
+                mine_it = iter(mine + [0] * (len(free) - len(mine)))
+                pins = iter(fixed)
+                windows = self._fit([next(pins) if s.pin else next(mine_it) for s in seqs], seqs, room)
+            if free:                                 # kept as priced until the step is timed
+                run = [(w, s) for w, s in zip(windows, seqs) if w]
+                sampled = sum(w for w, _ in run)
+                self._priced = (sampled + sum(s.pending + s.extra for _, s in run), len(run),
+                                sum(s.ctx for _, s in run), sampled, 0)
         self.last = c
         if seqs:
             self.steps_by_chunk[c] = self.steps_by_chunk.get(c, 0) + 1
         return StepWindows(c, windows)
 
-    def _elastic(self, seqs: Sequence[SeqWindow], room: int | None, prompts: int) -> tuple[int, list[int]]:
+    @staticmethod
+    def _fit(windows: list[int], seqs: Sequence[SeqWindow], room: int | None) -> list[int]:
+        """The windows cut to the first sequences whose rows (window, K/V writes, extra rows; none for a window of 0,
+        which sits out) fit `room` plus the rows they all carry (at least one runs); trailing zeros dropped."""
+        if room is not None:
+            n = fitting((w + s.pending + s.extra if w else 0 for w, s in zip(windows, seqs)),
+                        room + sum(s.pending + s.extra for s in seqs))
+            windows = windows[:n]
+        while windows and not windows[-1]:
+            windows.pop()
+        return windows
+
+    def _elastic(self, seqs: Sequence[SeqWindow], room: int | None, prompts: int,
+                 load: _Load) -> tuple[int, list[int]]:
         """(c, windows): the candidate c committing the most tokens per second (the first of equals), run by the
         first len(windows) sequences; when all of them decode, each then takes its own window (`_per_sequence`; c is
         then the smallest candidate holding the largest window). At the common c each sequence's window is min(c,
@@ -185,7 +263,7 @@ class ChunkSizer:
         fit (the rows every window carries fill the budget: prompts' leftover tokens, K/V writes), each candidate c
         is run by the first sequences whose rows, carried ones included, fit the budget, the others sit the step out
         (rather than every window shrinking to 1, whatever c* would choose). During the warm-up: the largest that
-        fits. Either way the step is kept as priced until it is timed."""
+        fits. `load`: the pinned windows riding in the step, added to every price."""
         fits = []                                    # (c, the windows of the sequences that decode)
         if room is None or room >= len(seqs):
             for cand in self.candidates:
@@ -214,9 +292,11 @@ class ChunkSizer:
         def cost(n: int, sampled: int) -> float:
             """Seconds a step of the first n sequences' windows, `sampled` rows in all, adds."""
             if n not in over:
-                over[n] = self.overhead(n) - self.overhead(0) if prompts else self.overhead(n)
+                m = n + load.seqs
+                over[n] = self.overhead(m) - self.overhead(0) if prompts else self.overhead(m)
             ctx, carried = first(n)
-            t = self.latency(sampled + carried, n, ctx, sampled, prompts) - base
+            t = self.latency(sampled + carried + load.rows, n + load.seqs, ctx + load.ctx, sampled + load.sampled,
+                             prompts) - base
             return max(t + over[n], MIN_PRICE_SHARE * t, MIN_PRICE_S)
 
         def price(windows: list[int]) -> float:
@@ -244,10 +324,6 @@ class ChunkSizer:
             if len(windows) == len(seqs):
                 windows = self._per_sequence(seqs, windows, room, judged, cost)
                 c = next(cand for cand in self.candidates if cand >= max(windows))
-        n = len(windows)
-        ctx, carried = first(n)
-        sampled = sum(windows)
-        self._priced = (sampled + carried, n, ctx, sampled, 0)
         return c, windows
 
     def _per_sequence(self, seqs: Sequence[SeqWindow], windows: list[int], room: int | None,
@@ -321,5 +397,5 @@ class ChunkSizer:
         return sum(k * v for k, v in self.commit_counts.items()) / n if n else 0.0
 
 
-__all__ = ["CHUNK_CANDIDATES", "ChunkMode", "ChunkSizer", "ChunkSpec", "SeqWindow", "StepLatency", "StepWindows",
-           "fitting", "parse_chunk"]
+__all__ = ["CHUNK_CANDIDATES", "DEFAULT_CHUNK", "MAX_FIXED_CHUNK", "REPRODUCIBLE_CHUNK", "ChunkMode", "ChunkSizer",
+           "ChunkSpec", "SeqWindow", "StepLatency", "StepWindows", "fitting", "parse_chunk", "request_chunk"]
