@@ -102,6 +102,8 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument("--swap-space", type=nonneg_float, default=None, metavar="GIB",
                    help=f"GiB of host memory per worker for KV preempted by swap (default: {DEFAULT_SWAP_SPACE_GIB:g})")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None, metavar="N",
+                   help="ranks per worker (one process each; co-located workers only; default: 1)")
     p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
                    help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
                         "max-num-seqs, at most 512)")
@@ -271,6 +273,13 @@ def _cluster_config(args):
     check_preemption(eng.get("preemption_mode"), eng.get("swap_space"))
     if args.enforce_eager:
         eng["enforce_eager"] = True
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None and tp > 1:
+        if not args.colocated:
+            raise CLIError(f"--tensor-parallel-size {tp} runs co-located workers (--colocated N): prefill/decode "
+                           f"workers at TP > 1 (KV regrouped between TP degrees) are not supported yet")
+        _check_tp(args.model, tp)
+        eng["tensor_parallel_size"] = tp
     if args.cuda_graph_sizes is not None:
         eng["cuda_graph_sizes"] = tuple(args.cuda_graph_sizes)
     p, d = args.prefill_workers, args.decode_workers
@@ -496,3 +505,16 @@ def cmd_demo(args) -> int:
               f"through HTTP; SLO TTFT {slo.ttft_s * 1e3:g} ms, ITL {slo.itl_s * 1e3:g} ms")
         print_table(out)
     return 0 if out.get("sessions_completed", 0) > 0 else 1
+
+
+def _check_tp(model: str, tp: int) -> None:
+    """--tensor-parallel-size against the machine's cores or devices and the model's heads: one line, before any
+    worker starts."""
+    from tandem.engine.config import EngineConfig, EngineError
+    from tandem.engine.loader import ModelLoadError, read_config
+    from tandem.engine.parallel import check_shardable
+    try:
+        EngineConfig(model=model, tensor_parallel_size=tp)
+        check_shardable(read_config(model), tp)
+    except (EngineError, ModelLoadError, ValueError) as e:
+        raise CLIError(f"--tensor-parallel-size: {e}") from None

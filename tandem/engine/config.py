@@ -51,6 +51,8 @@ class EngineConfig:
                                               # sizes); False: never (CUDA then sizes the pool as free x utilization)
     attention_backend: str | None = None      # None/auto: flash on CUDA when installed, else sdpa
     seed: int = 0
+    tensor_parallel_size: int = 1             # ranks of this worker (vLLM's): one process each, rank 0 the driver that
+                                              # schedules and samples; heads, MLP and vocabulary split (docs/engine.md)
     enforce_eager: bool = False               # CUDA: never capture decode steps as CUDA graphs (always eager)
     cuda_graph_sizes: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, 8, 16, ... 512
     laps_graph_buckets: tuple[tuple[int, int], ...] | None = None   # CUDA, LAPS prefill workers: the (length,
@@ -131,11 +133,35 @@ class EngineConfig:
         m = self.laps_graph_max_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise EngineError(f"laps_graph_max_len must be an integer >= 1, got {m!r}")
+        self._check_tp()
         try:                                      # the scheduler's own check of the preemption knobs
             SchedulerConfig(preemption_mode=self.preemption_mode, swap_space=self.swap_space)
         except ValueError as e:
             raise EngineError(str(e)) from None
         self._check_dllm()
+
+    def _check_tp(self) -> None:
+        """tensor_parallel_size: an integer >= 1, at most the CPU cores (or CUDA devices) there are to run it; the
+        model's heads are checked when it is read (ModelRunner)."""
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise EngineError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp == 1:
+            return
+        dev = self.torch_device()
+        if dev.type == "cuda":
+            have = torch.cuda.device_count() - (dev.index or 0)
+            if tp > have:
+                raise EngineError(f"tensor_parallel_size {tp} exceeds the {have} CUDA devices from {dev} on")
+        else:
+            from tandem.engine.parallel.driver import usable_cpus
+            have = usable_cpus()
+            if tp > have:
+                raise EngineError(f"tensor_parallel_size {tp} exceeds the {have} CPU cores this process may use "
+                                  f"(one rank per core at least)")
+        if self.dllm_admission is not None:
+            raise EngineError("tensor_parallel_size > 1 does not run dLLM-Serve's phases (dllm_admission) yet: their "
+                              "packed sparse KV is kept on the driver only")
 
     def _check_dllm(self) -> None:
         """The diffusion options' types and ranges (EngineError naming the option)."""

@@ -183,3 +183,29 @@ def import_kv(kv_caches: list[torch.Tensor], block_table: list[int], block_size:
     for i, kv in enumerate(kv_caches):
         flat = kv.view(2, -1, kv.shape[-2], kv.shape[-1])
         flat.index_copy_(1, slots, data[i])
+
+
+class SwapSpace:
+    """KV of sequences preempted by swap, in host memory: the core's swaps carried out on one set of paged caches
+    (each tensor-parallel rank keeps its own heads' copy)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, KVPayload] = {}         # session -> its swapped-out KV
+
+    def apply(self, kv_caches: list[torch.Tensor], swaps: list, block_size: int) -> None:
+        """Carry out `swaps` (core Swap actions) in order: OUT copies a sequence's blocks here, IN copies them back
+        into its new blocks, bit for bit, DROP forgets them."""
+        from tandem.core.types import SwapKind
+        for sw in swaps:
+            if sw.kind is SwapKind.OUT:
+                self.held[sw.session_id] = export_kv(kv_caches, list(sw.blocks), block_size, 0,
+                                                     len(sw.blocks) * block_size)
+            elif sw.kind is SwapKind.IN:
+                import_kv(kv_caches, list(sw.blocks), block_size, 0, self.held.pop(sw.session_id))
+            else:
+                self.held.pop(sw.session_id, None)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held."""
+        return sum(p.nbytes for p in self.held.values())

@@ -21,6 +21,16 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's rank processes (they also stop when this process exits). Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  session_ids: Sequence[str | None] | None = None) -> list[RequestOutput]:

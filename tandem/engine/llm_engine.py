@@ -11,7 +11,7 @@ from tandem.core.prefix_hash import extend_hashes
 from tandem.core.config import SchedulerConfig
 from tandem.core.factory import build_worker
 from tandem.core.types import (COLOCATED, DECODE, PREFILL, FirstToken, PrefillTask, RoundDone, SessionFailed, StepPlan,
-                               StepResult, Swap, SwapKind)
+                               StepResult, Swap)
 from tandem.engine.config import EngineConfig, EngineError
 from tandem.engine.diffusion.engine_step import DiffusionBatch, DiffusionDecoder
 from tandem.engine.diffusion.llada_generate import DEFAULT_BLOCK_LENGTH
@@ -129,9 +129,21 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.role = role
+        if config.tensor_parallel_size > 1 and role != COLOCATED:
+            raise EngineError(f"tensor_parallel_size {config.tensor_parallel_size} runs on co-located workers only: "
+                              f"prefill/decode workers at TP > 1 (KV regrouped between TP degrees) are not supported yet")
         profiled = self._load_latency_profile(config)     # a bad file fails before the model loads
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config, self.tokenizer.eos_token_ids, role=role)   # role: which capture LAPS graphs
+        try:
+            self._setup(config, role, worker_id, t_pre, profiled, forward_events)
+        except BaseException:
+            self.runner.close()                 # a tensor-parallel group's ranks do not outlive a failed start
+            raise
+
+    def _setup(self, config: EngineConfig, role: str, worker_id: int, t_pre: Callable[[int, int], float] | None,
+               profiled: WindowLatencyProfile | None, forward_events: bool | None) -> None:
+        """Everything after the model: diffusion decoder, the worker core, the request tables."""
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.model_config.vocab_size)
         mc = self.runner.model_config
         self.model_config = mc
@@ -162,8 +174,9 @@ class LLMEngine:
             latency = self._window_latency(config, profiled)  # forward (also its prefill estimate: the same steps)
             t_pre = lambda h, n: latency.rows(n, 1, 0, 0)   # noqa: E731 - n query tokens' forward, none sampled
         try:
-            self.core = build_worker(worker_id, role, 1, self.runner.num_blocks, config.policy_spec(), sched, t_pre,
-                                     latency=latency, kv_block_bytes=self.runner.kv_block_bytes)
+            self.core = build_worker(worker_id, role, config.tensor_parallel_size, self.runner.num_blocks,
+                                     config.policy_spec(), sched, t_pre, latency=latency,
+                                     kv_block_bytes=self.runner.kv_block_bytes)
         except ValueError as e:
             raise EngineError(str(e)) from None
         if phased:                  # dLLM-Serve: each request's packed KV is the buffer the core's admission reserves
@@ -172,7 +185,7 @@ class LLMEngine:
         self.core_events: list = []                          # every core event, for a coordinator to drain
         self._task_req: dict[PrefillTask, _Request] = {}     # prefill role: its tasks' requests
         self._kv_inbox: dict[str, KVPayload] = {}            # request id -> KV received, not yet placed
-        self._swapped: dict[str, KVPayload] = {}             # session -> its KV preempted by swap (host memory)
+        self._swapped: dict[str, KVPayload] = self.runner.swap_space.held   # session -> its KV preempted by swap
         self._landing: dict[str, _Request] = {}              # session -> remote request whose KV awaits blocks
         self.requests: dict[str, _Request] = {}
         self.sessions: dict[str, _Session] = {}
@@ -447,16 +460,14 @@ class LLMEngine:
                 "cache_dtype": str(self.runner.kv_caches[0].dtype).removeprefix("torch.")}
 
     def _swap(self, swaps: list[Swap]) -> None:
-        """Carry out the core's swaps in order: KV of preempted sequences to host memory and back, bit for bit."""
-        kv, bs = self.runner.kv_caches, self.config.block_size
-        for sw in swaps:
-            if sw.kind is SwapKind.OUT:
-                self._swapped[sw.session_id] = export_kv(kv, list(sw.blocks), bs, 0, len(sw.blocks) * bs)
-            elif sw.kind is SwapKind.IN:
-                import_kv(kv, list(sw.blocks), bs, 0, self._swapped.pop(sw.session_id))
-            else:
-                self._swapped.pop(sw.session_id, None)
-        self.stats.swapped_out_bytes = sum(p.nbytes for p in self._swapped.values())
+        """Carry out the core's swaps in order on every rank: KV of preempted sequences to host memory and back, bit
+        for bit."""
+        self.runner.swap(swaps)
+        self.stats.swapped_out_bytes = self.runner.swap_space.nbytes * self.config.tensor_parallel_size
+
+    def close(self) -> None:
+        """Release what outlives the engine object: a tensor-parallel group's rank processes. Idempotent."""
+        self.runner.close()
 
     def _land_kv(self) -> None:
         """Place received KV once the core has given the session its blocks (FirstToken of a remote round)."""

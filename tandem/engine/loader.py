@@ -10,6 +10,7 @@ import torch
 
 from tandem.engine.attention.registry import get_backend
 from tandem.engine.models import ModelConfig, get_model_class
+from tandem.engine.parallel.group import SINGLE, TPGroup, building
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
@@ -57,6 +58,16 @@ def _few(names: list[str] | set[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + more
 
 
+def _load_slice(param: torch.Tensor, off: int, tensor_slice, cut: tuple[int, int, int]) -> None:
+    """Read only this rank's slice of a checkpoint tensor into its parameter: rows [first, first + count) from row
+    `off` of the parameter (dim 0: column-parallel, vocabulary) or its columns (dim 1: row-parallel)."""
+    dim, first, count = cut
+    if dim == 0:
+        param[off:off + count].copy_(tensor_slice[first:first + count])
+    else:
+        param.copy_(tensor_slice[:, first:first + count])
+
+
 def checkpoint_layout(model: torch.nn.Module) -> dict[str, tuple[str, int, tuple[int, ...]]]:
     """Checkpoint tensor name -> (parameter name, row offset, shape) of the model's parameters.
 
@@ -68,19 +79,27 @@ def checkpoint_layout(model: torch.nn.Module) -> dict[str, tuple[str, int, tuple
     return {n: (n, 0, tuple(t.shape)) for n, t in model.named_parameters()}
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-               backend: str | None = None, *,
-               dtype_for: Callable[[str | None], torch.dtype] | None = None) -> tuple[torch.nn.Module, ModelConfig]:
-    """Build the checkpoint's model on `device` in `dtype` (else dtype_for(checkpoint dtype), else the checkpoint's)."""
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The checkpoint directory's config.json as a ModelConfig (ModelLoadError, one line, when it is not one)."""
     p = Path(path)
     if not p.is_dir():
         raise ModelLoadError(f"model directory {p} does not exist")
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"{p} has no config.json (not a Hugging Face checkpoint directory)")
     try:
-        cfg = ModelConfig.from_pretrained(p)
+        return ModelConfig.from_pretrained(p)
     except ValueError as e:
         raise ModelLoadError(f"{p}: {e}") from None
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+               backend: str | None = None, *,
+               dtype_for: Callable[[str | None], torch.dtype] | None = None,
+               tp: TPGroup = SINGLE) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build the checkpoint's model on `device` in `dtype` (else dtype_for(checkpoint dtype), else the checkpoint's);
+    under tensor parallelism (`tp`), this rank's shard, reading only its slices of the weights."""
+    p = Path(path)
+    cfg = read_config(p)
     if dtype is not None:
         dt = _as_dtype(dtype)
     elif dtype_for is not None:
@@ -94,12 +113,13 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
 
-    with torch.device("meta"):
+    with torch.device("meta"), building(tp):
         model = get_model_class(cfg.architecture)(cfg, attn)
     model = model.to(dtype=dt).to_empty(device=dev)
     model.tie_weights()
     params = dict(model.named_parameters())   # tied lm_head.weight is deduplicated away
     layout = checkpoint_layout(model)         # checkpoint name -> (parameter, row offset, shape)
+    slices = model.checkpoint_slices() if tp.size > 1 else {}   # name -> (dim, first, count) of this rank's part
 
     from safetensors import safe_open
     plan: list[tuple[Path, list[str]]] = []
@@ -138,7 +158,13 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None, 
             with safe_open(str(f), framework="pt", device=load_dev) as sf:
                 for name in names:
                     pname, off, shape = layout[name]
-                    params[pname][off:off + shape[0]].copy_(sf.get_tensor(name))   # a merged part: its rows
+                    if name in slices:
+                        _load_slice(params[pname], off, sf.get_slice(name), slices[name])
+                    else:
+                        params[pname][off:off + shape[0]].copy_(sf.get_tensor(name))   # a merged part: its rows
+        for mod in model.modules():           # a vocabulary slice's padding rows (the last rank's) are zero
+            if getattr(mod, "vocab_shard", None) is not None:
+                mod.weight[mod.vocab_shard[1]:].zero_()
     model.requires_grad_(False)
     model.eval()
     return model, cfg

@@ -11,11 +11,13 @@ from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block, nativ
 from tandem.engine.attention.metadata import AttnMetadata
 from tandem.engine.config import EngineConfig, EngineError, explicit_kv_pool, kv_pool_blocks, wants_memory_profile
 from tandem.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
-from tandem.engine.loader import load_model
+from tandem.engine.kv_transfer import SwapSpace
+from tandem.engine.loader import load_model, read_config
 from tandem.engine.logits import target_logprobs
 from tandem.engine.memory_profile import (DiffusionDummy, MemoryProfile, diffusion_worst_case, kv_budget, run_profile,
                                          weight_bytes, worst_case_batch)
 from tandem.engine.model_input import ModelInput
+from tandem.engine.parallel.group import TPGroup, check_shardable
 from tandem.engine.prefill_graphs import PrefillGraphs, graph_buckets, graph_max_len, prefill_graphs_apply
 from tandem.engine.sampler import Sampler, SampleOutput
 from tandem.policy.task import COLOCATED, PREFILL
@@ -32,13 +34,16 @@ class ModelRunner:
                  role: str = COLOCATED) -> None:
         self.cfg = cfg
         self.device = cfg.torch_device()
-        self.model, self.model_config = load_model(cfg.model, dtype_for=lambda ckpt: cfg.torch_dtype(ckpt, self.device),
-                                                   device=self.device, backend=cfg.attention_backend)
+        self.tp = TPGroup(0, cfg.tensor_parallel_size)
+        self.group = None                              # the other ranks of a tensor-parallel worker (parallel/driver.py)
+        self.model, self.model_config = self._load()
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = cfg.block_size
+        self.kv_heads = self.tp.kv_heads(mc.num_key_value_heads)[1]      # this rank's KV heads: all without TP
+        self.swap_space = SwapSpace()                  # KV preempted by swap (each rank keeps its own heads')
         per_block = self.kv_block_bytes = kv_bytes_per_block(mc.num_hidden_layers, cfg.block_size,
-                                                             mc.num_key_value_heads, mc.head_dim, self.dtype)
+                                                             self.kv_heads, mc.head_dim, self.dtype)
         self.max_num_logits: int | None = None         # logit rows at once when sampling (None: all of them)
         self.prompt_logit_rows = 1                     # ... and for prompt logprobs
         self._set_logit_cap(cfg.max_num_logits)
@@ -59,12 +64,14 @@ class ModelRunner:
                     raise EngineError(_no_room(self.memory, per_block))
         self.num_blocks = kv_pool_blocks(cfg, per_block, self.device, profiled_kv)
         # CUDA only; the graphs' padding rows get a scratch block. A prefill worker never decodes: no decode graphs
-        graphs = graphs_apply(cfg, self.device) and role != PREFILL and not mc.is_diffusion   # AR decode steps
-        prefill_graphs = prefill_graphs_apply(cfg, self.device, role)      # LAPS buckets: CUDA, bucketing workers
-        self.kv_caches = allocate_kv_cache(mc.num_hidden_layers,
-                                           self.num_blocks + (1 if graphs or prefill_graphs else 0),
-                                           cfg.block_size, mc.num_key_value_heads, mc.head_dim, self.dtype,
-                                           self.device)
+        # Under tensor parallelism steps run eagerly: graphs would capture the group's collectives (not supported)
+        eager_tp = self.tp.size > 1
+        graphs = graphs_apply(cfg, self.device) and role != PREFILL and not mc.is_diffusion and not eager_tp
+        prefill_graphs = prefill_graphs_apply(cfg, self.device, role) and not eager_tp   # LAPS buckets: CUDA
+        if eager_tp and (graphs_apply(cfg, self.device) or prefill_graphs_apply(cfg, self.device, role)):
+            log.info("tensor_parallel_size %d: CUDA graphs (decode and LAPS buckets) are not captured; steps run "
+                     "eagerly", self.tp.size)
+        self.kv_caches = self._allocate_kv(self.num_blocks + (1 if graphs or prefill_graphs else 0))
         self.kv_pool_bytes = self.num_blocks * per_block      # the pool the block manager is told about
         if self.memory is not None:
             self.memory.kv_pool_bytes = self.kv_pool_bytes
@@ -78,6 +85,55 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.block_size, max_len, capture_sizes(cfg),
                                        scratch_block=self.num_blocks)
             self.graphs.capture(pool)
+
+    def _load(self) -> tuple[torch.nn.Module, object]:
+        """The model, or under tensor parallelism the driver's view of the group's (TPModel): the other ranks are
+        started and load their shards while this one loads its own; EngineError, one line, when the model cannot
+        be split so (checked before any rank starts) or a rank fails, its processes stopped."""
+        cfg = self.cfg
+
+        def load(tp: TPGroup):
+            return load_model(cfg.model, dtype_for=lambda ckpt: cfg.torch_dtype(ckpt, self.device), device=self.device,
+                              backend=cfg.attention_backend, tp=tp)
+        if self.tp.size == 1:
+            return load(self.tp)
+        from tandem.engine.parallel.driver import RankGroup, TPModel
+        mc = read_config(cfg.model)
+        try:
+            check_shardable(mc, self.tp.size)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        if mc.is_canvas_diffusion:
+            raise EngineError("tensor_parallel_size > 1 does not run LLaDA-style models yet (their dLLM-Serve phases "
+                              "keep packed KV on the driver only)")
+        group = RankGroup(cfg, self.tp.size, self.device)
+        try:
+            model, mc = load(self.tp)
+            group.join()
+        except BaseException:
+            group.close()
+            raise
+        self.group = group
+        return TPModel(model, group), mc
+
+    def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        """This rank's paged KV caches of num_blocks blocks (its heads), the other ranks allocating theirs."""
+        if self.group is not None:
+            self.group.send("alloc", num_blocks)
+        mc = self.model_config
+        return allocate_kv_cache(mc.num_hidden_layers, num_blocks, self.cfg.block_size, self.kv_heads, mc.head_dim,
+                                 self.dtype, self.device)
+
+    def swap(self, swaps: list) -> None:
+        """The core's swaps (KV of preempted sequences to host memory and back), on every rank."""
+        if self.group is not None:
+            self.group.send("swap", swaps)
+        self.swap_space.apply(self.kv_caches, swaps, self.block_size)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel group's other ranks (nothing to do without one). Idempotent."""
+        if self.group is not None:
+            self.group.close()
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> SampleOutput | None:
@@ -127,8 +183,7 @@ class ModelRunner:
         cfg, mc = self.cfg, self.model_config
         if mc.is_diffusion:
             return self._profile_diffusion(max_len)
-        self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, 1, cfg.block_size, mc.num_key_value_heads,
-                                           mc.head_dim, self.dtype, self.device)
+        self.kv_caches = self._allocate_kv(1)
         batch = worst_case_batch(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len, mc.vocab_size,
                                  cfg.block_size, self.sampler.eos_token_ids, self.device)
 
@@ -142,7 +197,7 @@ class ModelRunner:
             prof = run_profile(self.forward, logits_phase, batch, self.device, cfg.max_num_logits,
                                weight_bytes(self.model), cfg.max_num_batched_tokens)
         finally:
-            self.kv_caches = []
+            self.kv_caches = self._allocate_kv(0)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         return prof

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention.metadata import AttnMetadata
+from tandem.engine.parallel.group import TPGroup, current_group
 
 if TYPE_CHECKING:
     from tandem.engine.attention.base import AttentionBackend
@@ -48,6 +49,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias): oneDNN's packed GEMM on CPU float32, else F.linear."""
         w = self.weight
         if ONEDNN_LINEAR and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu" \
                 and x.dim() == 2 and not torch.is_grad_enabled():
@@ -59,8 +64,52 @@ class Linear(nn.Linear):
                     self._packed = None
                 self._packed_key = key
             if self._packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, w, self.bias)
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        return F.linear(x, w, bias)
+
+
+class RowParallelLinear(Linear):
+    """A linear whose input features are split across the tensor-parallel group (Megatron's row-parallel layer):
+    each rank multiplies its slice, one all-reduce sums them, then the bias is added once.
+
+    `in_shard` = (first input feature, full input features) of this rank's slice in the checkpoint's weight."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, first: int,
+                 full_in: int) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+        self.in_shard = (first, full_in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in / tp] -> [T, out], summed over the group."""
+        if self.tp.size == 1:
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings with the vocabulary split across the group: each rank looks up the ids it holds (zeros for
+    the others) and one all-reduce sums them (exact: one non-zero term per token). Its rows past the vocabulary's
+    end (the last rank's padding) are zero."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        first, real, padded = tp.vocab(vocab_size)
+        self.vocab_shard = (first, real)
+        self.weight = nn.Parameter(torch.empty(padded, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, hidden]."""
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        first, real = self.vocab_shard
+        mine = (ids >= first) & (ids < first + real)
+        out = F.embedding((ids - first) * mine, self.weight)
+        out.mul_(mine.unsqueeze(-1).to(out.dtype))
+        return self.tp.all_reduce(out)
 
 
 class RMSNorm(nn.Module):
@@ -146,11 +195,15 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
-        # merged parameter -> its checkpoint parts, stacked along dim 0 in this order (see CausalLM.checkpoint_layout)
-        self.merged_params = {"gate_up_proj": (("gate_proj", intermediate), ("up_proj", intermediate))}
+        tp = current_group()
+        first, n = tp.split(intermediate)        # this rank's intermediate features (all of them without TP)
+        self.intermediate = n
+        self.gate_up_proj = Linear(hidden, 2 * n, bias=bias)      # column-parallel: its rows are this rank's
+        self.down_proj = RowParallelLinear(n, hidden, bias, tp, first, intermediate)
+        # merged parameter -> its checkpoint parts, stacked along dim 0 in this order (see CausalLM.checkpoint_layout):
+        # (part, rows here, first row in the checkpoint's tensor, the tensor's rows)
+        self.merged_params = {"gate_up_proj": (("gate_proj", n, first, intermediate),
+                                               ("up_proj", n, first, intermediate))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -164,18 +217,22 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: "ModelConfig", backend: "AttentionBackend", qk_norm: bool = False) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_kv_heads}")
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {cfg.num_key_value_heads}")
+        tp = current_group()                      # this rank's heads (all of them without TP)
+        q_first, self.num_heads = tp.heads(cfg.num_attention_heads)
+        kv_first, self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)
+        D = self.head_dim = cfg.head_dim
         self.scale = self.head_dim ** -0.5
         h, bias = cfg.hidden_size, cfg.attention_bias
-        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        nq, nkv = self.num_heads * D, self.num_kv_heads * D
         self.q_size, self.kv_size = nq, nkv
-        self.qkv_proj = Linear(h, nq + 2 * nkv, bias=bias)
-        self.merged_params = {"qkv_proj": (("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv))}
-        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.qkv_proj = Linear(h, nq + 2 * nkv, bias=bias)        # column-parallel: this rank's heads' rows
+        full_q, full_kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+        self.merged_params = {"qkv_proj": (("q_proj", nq, q_first * D, full_q), ("k_proj", nkv, kv_first * D, full_kv),
+                                           ("v_proj", nkv, kv_first * D, full_kv))}
+        self.o_proj = RowParallelLinear(nq, h, bias, tp, q_first * D, full_q)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -227,7 +284,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: "ModelConfig", backend: "AttentionBackend", qk_norm: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, current_group())
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, qk_norm) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -255,8 +312,11 @@ class CausalLM(nn.Module):
             from tandem.engine.attention.registry import get_backend
             backend = get_backend("sdpa")
         self.config = config
+        self.tp = current_group()
         self.model = DecoderModel(config, backend, self.qk_norm)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        first, real, padded = self.tp.vocab(config.vocab_size)   # vocab-parallel: this rank's rows of the head
+        self.lm_head = Linear(config.hidden_size, padded, bias=False)
+        self.lm_head.vocab_shard = (first, real)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -280,28 +340,52 @@ class CausalLM(nn.Module):
         return [torch.empty(0, device=device)] * len(self.model.layers)
 
     def checkpoint_layout(self) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-        """Hugging Face checkpoint tensor name -> (parameter name, row offset, shape), in parameter order.
+        """Hugging Face checkpoint tensor name -> (parameter name, row offset, the checkpoint tensor's shape), in
+        parameter order.
 
         A merged parameter (qkv_proj, gate_up_proj) stacks its checkpoint tensors (q/k/v_proj, gate/up_proj)
-        along dim 0; every other parameter is its checkpoint tensor (offset 0, whole shape). Tied lm_head.weight
-        is absent, as in named_parameters().
+        along dim 0; every other parameter is its checkpoint tensor (offset 0). Under tensor parallelism a parameter
+        holds a slice of its tensor (checkpoint_slices says which). Tied lm_head.weight is absent, as in
+        named_parameters().
         """
-        out: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+        return {name: (param, off, shape) for name, (param, off, shape, _cut) in self._placements().items()}
+
+    def checkpoint_slices(self) -> dict[str, tuple[int, int, int]]:
+        """Checkpoint tensor name -> (dim, first, count): the slice of it this rank's parameter holds (tensor
+        parallelism: column-parallel rows, row-parallel columns, a vocabulary range); empty without a group."""
+        if self.tp.size == 1:
+            return {}
+        return {name: cut for name, (_p, _o, _s, cut) in self._placements().items() if cut is not None}
+
+    def _placements(self) -> dict[str, tuple[str, int, tuple[int, ...], tuple[int, int, int] | None]]:
+        """Checkpoint name -> (parameter, row offset, checkpoint shape, this rank's slice or None)."""
+        out: dict[str, tuple[str, int, tuple[int, ...], tuple[int, int, int] | None]] = {}
         for name, p in self.named_parameters():
             mod_path, _, leaf = name.rpartition(".")
             parent_path, _, child = mod_path.rpartition(".")
             parts = getattr(self.get_submodule(parent_path), "merged_params", {}).get(child) if parent_path else None
-            if not parts:
-                out[name] = (name, 0, tuple(p.shape))
+            if parts:
+                off = 0
+                for sub, rows, first, full in parts:
+                    out[f"{parent_path}.{sub}.{leaf}"] = (name, off, (full,) + tuple(p.shape[1:]), (0, first, rows))
+                    off += rows
+                if off != p.shape[0]:
+                    raise AssertionError(f"merged parameter {name} has {p.shape[0]} rows, its parts {off}")
                 continue
-            off = 0
-            for sub, rows in parts:
-                out[f"{parent_path}.{sub}.{leaf}"] = (name, off, (rows,) + tuple(p.shape[1:]))
-                off += rows
-            if off != p.shape[0]:
-                raise AssertionError(f"merged parameter {name} has {p.shape[0]} rows, its parts {off}")
+            mod = self.get_submodule(mod_path)
+            shape, cut = tuple(p.shape), None
+            if leaf == "weight" and getattr(mod, "in_shard", None) is not None:      # row-parallel: its columns
+                first, full = mod.in_shard
+                shape, cut = (shape[0], full), (1, first, shape[1])
+            elif leaf == "weight" and getattr(mod, "vocab_shard", None) is not None:  # vocab-parallel: its rows
+                first, real = mod.vocab_shard
+                shape, cut = (self.config.vocab_size,) + shape[1:], (0, first, real)
+            out[name] = (name, 0, shape, cut)
         return out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden rows [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Hidden rows [N, hidden] -> float32 logits [N, vocab]; under tensor parallelism each rank's vocabulary
+        slice, gathered on the driver (None on the other ranks)."""
+        if self.tp.size == 1:
+            return self.lm_head(hidden).float()
+        return self.tp.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)

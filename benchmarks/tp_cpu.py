@@ -1,0 +1,134 @@
+"""Tensor parallelism on CPU: tp=1 against tp=2 of the same checkpoint, same run.
+
+    python benchmarks/tp_cpu.py [--size 30m] [--requests 16] [--output-len 32] [--json out.json]
+
+A tiny Qwen3 checkpoint (made here, offline; `--size 1m` or `30m`), `--requests` prompts of 64..256 tokens, greedy,
+`--output-len` tokens each. For each TP degree: offline throughput (output tokens / s of `LLM.generate`), the mean
+step time (the engine's execute time / steps) and, for tp=2, the driver's time inside all-reduces per step (waiting
+for the other rank included) and its share of the step. Then the float-order tolerance: the max |logit| difference
+between tp=1 and tp=2 over one 128-token prefill, and how many of 16 seeded samples (temperature 1.0) come out
+different. Prints the CPU model, its vector extensions (lscpu: avx2, avx512f), the cores and the load average, so a
+reader can judge the figures: several processes share this machine's cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+
+import torch
+
+from tandem.engine.llm import LLM
+from tandem.engine.model_input import ModelInput
+from tandem.engine.parallel.driver import usable_cpus
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tiny_model import make_tiny_model
+
+
+def cpu_info() -> dict[str, object]:
+    """CPU model and the vector extensions that matter to the GEMMs (lscpu)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        text = ""
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    return {"model": fields.get("Model name", "?").strip(), "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+            "cores": usable_cpus(), "load_avg": os.getloadavg()}
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(64, 257, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab - 8, (k,), generator=g).tolist() for k in lens]
+
+
+@torch.inference_mode()
+def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """The logits of every position of one prefill of `tokens` on a fresh engine (KV in its first blocks)."""
+    runner = llm.engine.runner
+    batch = ModelInput()
+    batch.add(tokens, 0, list(range(-(-len(tokens) // runner.block_size))))
+    return runner.model.compute_logits(runner.forward(batch))
+
+
+def run(path: str, tp: int, prompts: list[list[int]], out_len: int, threads: int | None = None) -> dict[str, object]:
+    """Throughput, step time and all-reduce time of one TP degree (tp=1 on `threads` torch threads when given: the
+    control for a rank's one thread), and what the tolerance figures need."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    llm = LLM(path, tensor_parallel_size=tp)
+    try:
+        logits = prefill_logits(llm, prompts[0][:128])
+        seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=out_len, ignore_eos=True)
+                  for i in range(16)]
+        samples = [o.token_ids for o in llm.generate([p[:64] for p in prompts[:1]] * 16, seeded)]
+        eng = llm.engine
+        comm = eng.runner.tp.comm
+        ar0, n0, steps0, ex0 = comm.all_reduce_s, comm.all_reduces, eng.stats.steps, eng.stats.execute_s
+        greedy = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, greedy)
+        wall = time.perf_counter() - t0
+        steps = eng.stats.steps - steps0
+        step_s = (eng.stats.execute_s - ex0) / steps
+        ar_s = (comm.all_reduce_s - ar0) / steps
+        return {"tp": tp, "threads": threads or torch.get_num_threads(), "wall_s": wall, "tok_s": sum(len(o.token_ids) for o in outs) / wall, "steps": steps,
+                "step_ms": 1e3 * step_s, "all_reduce_ms": 1e3 * ar_s, "all_reduces_per_step": (comm.all_reduces - n0)
+                / steps, "greedy": [o.token_ids for o in outs], "logits": logits, "samples": samples}
+    finally:
+        llm.close()
+        torch.set_num_threads(before)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="30m", choices=["1m", "30m"])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+    info = cpu_info()
+    print(f"CPU: {info['model']}; avx2 {info['avx2']}, avx512f {info['avx512f']}; {info['cores']} cores usable; "
+          f"load average {', '.join(f'{x:.1f}' for x in info['load_avg'])}")
+    with tempfile.TemporaryDirectory() as tmp:
+        make_tiny_model(tmp, arch="qwen3", size=args.size, seed=0)
+        vocab = json.load(open(os.path.join(tmp, "config.json")))["vocab_size"]
+        prompts = _prompts(args.requests, vocab)
+        rows = [run(tmp, 1, prompts, args.output_len), run(tmp, 2, prompts, args.output_len),
+                run(tmp, 1, prompts, args.output_len, threads=1)]
+    one, two = rows[0], rows[1]
+    print(f"\nqwen3 {args.size}, {args.requests} requests x {args.output_len} output tokens (prompts 64..256), greedy")
+    print("| tp | threads per rank | output tok/s | steps | step ms | all-reduce ms/step | all-reduces/step | "
+          "all-reduce share |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        share = r["all_reduce_ms"] / r["step_ms"] if r["tp"] > 1 else 0.0
+        threads = r["threads"] if r["tp"] == 1 else max(1, usable_cpus() // 2)
+        print(f"| {r['tp']} | {threads} | {r['tok_s']:.1f} | {r['steps']} | {r['step_ms']:.2f} | {r['all_reduce_ms']:.2f} | "
+              f"{r['all_reduces_per_step']:.0f} | {share:.0%} |")
+    print(f"tp2 / tp1 throughput: {two['tok_s'] / one['tok_s']:.2f}x; step time {two['step_ms'] / one['step_ms']:.2f}x")
+    dl = (one["logits"] - two["logits"]).abs()
+    same_greedy = sum(a == b for a, b in zip(one["greedy"], two["greedy"]))
+    same_seeded = sum(a == b for a, b in zip(one["samples"], two["samples"]))
+    flat = [(a, b) for x, y in zip(one["samples"], two["samples"]) for a, b in zip(x, y)]
+    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                  for x, y in zip(one["samples"], two["samples"])]
+    print(f"float order: max |logit tp1 - tp2| {dl.max().item():.2e} (mean {dl.mean().item():.2e}, logits' max "
+          f"|value| {one['logits'].abs().max().item():.1f}) over a 128-token prefill; greedy sequences identical "
+          f"{same_greedy}/{len(one['greedy'])}; seeded (temperature 1.0) identical {same_seeded}/16, tokens equal "
+          f"{sum(a == b for a, b in flat)}/{len(flat)}; first divergence at {[d for d in first_diff if d is not None]}")
+    print("simulator: no prediction beside it (the profiled cost of `tandem profile` has no collective term for a "
+          "CPU group)")
+    if args.json:
+        keep = [{k: v for k, v in r.items() if k not in ("greedy", "logits", "samples")} for r in rows]
+        json.dump({"cpu": info, "rows": keep, "max_logit_diff": dl.max().item(), "seeded_identical": same_seeded},
+                  open(args.json, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()

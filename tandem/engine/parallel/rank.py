@@ -1,0 +1,129 @@
+"""A tensor-parallel rank other than the driver: it loads its shard of the weights, holds its heads' paged KV, and
+runs every model call the driver broadcasts (forward, logits, KV allocation, swaps) until told to stop. It samples
+nothing and does no I/O; it exits by itself when the driver dies."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+ORPHAN_EXIT = 75             # exit code of a rank that noticed its driver died
+DRIVER_POLL_S = 0.2          # how often a rank checks that its driver is alive
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process is started with."""
+
+    rank: int
+    size: int
+    port: int                 # the driver's TCPStore on 127.0.0.1
+    driver_pid: int
+    config: Any               # the EngineConfig
+    device: str
+    threads: int              # torch CPU threads of this rank
+    env: dict[str, str]       # the driver's environment when it started the group
+
+
+def ready_key(rank: int) -> str:
+    """The store key a rank sets once its shard is loaded ("ok", or the error that stopped it)."""
+    return f"tandem/tp/ready/{rank}"
+
+
+def _driver_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch_driver(pid: int) -> None:
+    """Exit at once (no cleanup) when the driver or the process that forked this one is gone: no orphan ranks, even
+    after a SIGKILL of the driver."""
+    forked_by = os.getppid()
+
+    def loop() -> None:
+        while True:
+            if os.getppid() != forked_by or not _driver_alive(pid):
+                os._exit(ORPHAN_EXIT)
+            time.sleep(DRIVER_POLL_S)
+    threading.Thread(target=loop, name="tp-driver-watch", daemon=True).start()
+
+
+def rank_main(spec: RankSpec) -> None:
+    """Entry point of a rank process: watch the driver, load the shard, report, join the group, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)           # Ctrl-C is the driver's to handle
+    _watch_driver(spec.driver_pid)
+    os.environ.clear()
+    os.environ.update(spec.env)
+    torch.set_num_threads(spec.threads)
+    from tandem.engine.parallel import channel
+    store = channel.rank_store(spec.port, spec.size)
+    try:
+        shard = _Shard(spec)
+    except Exception as e:  # noqa: BLE001 - reported to the driver in one line, which fails the engine's start
+        store.set(ready_key(spec.rank), f"{type(e).__name__}: {e}")
+        return
+    store.set(ready_key(spec.rank), "ok")
+    channel.join_group(store, spec.rank, spec.size, shard.device)
+    shard.serve()
+
+
+class _Shard:
+    """This rank's model shard, KV caches and swap space, and the command loop."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        from tandem.engine.attention import native
+        from tandem.engine.kv_transfer import SwapSpace
+        from tandem.engine.loader import load_model
+        from tandem.engine.parallel.group import TPGroup
+        cfg = spec.config
+        self.device = torch.device(spec.device)
+        self.model, self.mc = load_model(cfg.model, dtype_for=lambda ckpt: cfg.torch_dtype(ckpt, self.device),
+                                         device=self.device, backend=cfg.attention_backend,
+                                         tp=TPGroup(spec.rank, spec.size))
+        self.dtype = next(self.model.parameters()).dtype
+        self.block_size = cfg.block_size
+        self.kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        self.kv_caches: list[torch.Tensor] = []
+        self.swap_space = SwapSpace()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            native.load()
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """Run the driver's commands in order until "stop". A command that raises here raises on the driver too
+        (same code, same inputs), so the rank goes on with the next one."""
+        from tandem.engine.attention import allocate_kv_cache
+        from tandem.engine.parallel.channel import receive_command
+        import torch.distributed as dist
+        while True:
+            cmd = receive_command()
+            op = cmd[0]
+            try:
+                if op == "forward":
+                    _, ids, positions, kv, meta = cmd
+                    self.model(ids, positions, self.kv_caches if kv == "pool" else kv, meta)
+                elif op == "logits":
+                    self.model.compute_logits(cmd[1])
+                elif op == "alloc":
+                    self.kv_caches = []
+                    self.kv_caches = allocate_kv_cache(self.mc.num_hidden_layers, cmd[1], self.block_size,
+                                                       self.kv_heads, self.mc.head_dim, self.dtype, self.device)
+                elif op == "swap":
+                    self.swap_space.apply(self.kv_caches, cmd[1], self.block_size)
+                elif op == "stop":
+                    break
+            except Exception as e:  # noqa: BLE001 - the driver raises the same error to its caller
+                log.debug("rank command %s failed: %s", op, e)
+        dist.destroy_process_group()
