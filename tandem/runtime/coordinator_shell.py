@@ -349,12 +349,12 @@ class CoordinatorShell:
                 return
             core_ev = (FetchHistory(req.task, ev.tokens) if isinstance(ev, m.EvFetchHistory)
                        else PrefillDone(req.task, worker, now))
+            if isinstance(ev, m.EvPrefillDone):
+                _scheduled(req.out, now, ev.scheduled_ago_s)
         elif coord.session_worker(ev.session_id) is None:
             return
         elif isinstance(ev, m.EvFirstToken):
             core_ev = FirstToken(ev.session_id, worker, now, now)
-            if isinstance(ev, m.EvPrefillDone):
-                _scheduled(req.out, now, ev.scheduled_ago_s)
         elif isinstance(ev, m.EvRoundDone):
             core_ev = RoundDone(ev.session_id, worker, now, ev.output_tokens, ev.itl_sum, ev.itl_count, ev.itl_max,
                                 ev.preemptions)
@@ -371,11 +371,11 @@ class CoordinatorShell:
         out = req.out
         comp = out.outputs[0]
         now = self.clock()
+        _scheduled(out, now, d.scheduled_ago_s)
         if d.token_ids and out.metrics.first_token_time is None:
             out.metrics.first_token_time = now
         if d.token_ids:
             out.metrics.last_token_time = now
-        _scheduled(out, now, d.scheduled_ago_s)
         comp.token_ids.extend(d.token_ids)                    # in place: consumers get copies (_snapshot)
         comp.text = d.text if d.reset else comp.text + d.text
         if d.logprobs is not None:
