@@ -23,7 +23,7 @@ import torch
 
 from tandem.engine.llm import LLM
 from tandem.engine.model_input import ModelInput
-from tandem.engine.parallel.driver import usable_cpus
+from tandem.engine.parallel.group import usable_cpus
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tiny_model import make_tiny_model
 

@@ -18,7 +18,7 @@ per-layer sum (5 ops + 2 all-reduces) and for a decode step without attention, L
   log-log between the two nearest sizes. Past the CSV's 64 MiB it is extrapolated at the last row's bandwidth.
   These are raw profiles, not Vidur's random-forest predictions. Vidur's predictor adds 0.02 ms of CPU launch per
   all-reduce, which is reported separately in results.json.
-- **tandem measured**: the same pieces `tandem.perf.measured.step._token_tables` adds up. GEMMs come from
+- **tandem measured**: the same pieces `tandem.perf.measured.step.token_tables` adds up. GEMMs come from
   `op_tables("a100_sxm", "vllm").gemm("bfloat16")`. The 4 elementwise kernels are priced at the `streaming_fit`
   floor + bytes / bandwidth. The all-reduce is `all_reduce(tp, graph=True)`: the CUDA-graph time, which matches
   Vidur's kernel-only timing.
@@ -48,7 +48,7 @@ from tandem.perf.hardware import get_gpu
 from tandem.perf.measured.frameworks import framework_defaults
 from tandem.perf.measured.ops import op_tables
 from tandem.perf.measured.overhead import overheads, streaming_fit
-from tandem.perf.measured.step import _token_tables
+from tandem.perf.measured.step import token_tables
 from tandem.perf.models import get_model
 from tandem.perf.roofline import Roofline, kv_heads_per_gpu
 
@@ -154,7 +154,7 @@ def compare(tps: tuple[int, ...] = TPS, tokens: tuple[int, ...] = TOKENS, mlp_cs
     rows: list[dict] = []
     for tp in tps:
         roof = Roofline(model, gpu, tp)
-        graph_table = _token_tables(model, tp, ops, overheads(ops, framework_defaults(FRAMEWORK)))[0]
+        graph_table = token_tables(model, tp, 1, ops, overheads(ops, framework_defaults(FRAMEWORK)))[0]
         q, kv = model.heads // tp * d, kv_heads_per_gpu(model, tp) * d
         inter = model.intermediate * model.experts_per_token // tp
         shapes = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}

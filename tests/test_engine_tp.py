@@ -21,7 +21,7 @@ from tandem.engine.config import EngineConfig, EngineError  # noqa: E402
 from tandem.engine.diffusion.tasks import eval_set  # noqa: E402
 from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
-from tandem.engine.parallel import driver  # noqa: E402
+from tandem.engine.parallel import group  # noqa: E402
 from tandem.engine.parallel.driver import TensorParallelError  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
@@ -29,7 +29,7 @@ from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SDAR = ROOT / "tandem" / "engine" / "diffusion" / "assets" / "tiny-sdar"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-needs_two_cores = pytest.mark.skipif(driver.usable_cpus() < 2, reason="two ranks need two CPU cores")
+needs_two_cores = pytest.mark.skipif(group.usable_cpus() < 2, reason="two ranks need two CPU cores")
 
 
 def _prompts(vocab: int, lens=(5, 17, 33), seed: int = 0) -> list[list[int]]:
@@ -96,11 +96,11 @@ def test_sdar_two_ranks_equal_one_rank_greedy():
 def test_a_split_the_model_or_machine_cannot_take_is_one_line(tiny, monkeypatch):
     """Protects the checks made before any rank starts: tp=3 on 4 attention heads (cores faked to 8), tp above the
     CPU cores, a non-integer tp, tp with dLLM-Serve phases; each a one-line EngineError, no process left."""
-    monkeypatch.setattr(driver, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(group, "usable_cpus", lambda: 8)
     with pytest.raises(EngineError) as e:
         LLM(tiny, tensor_parallel_size=3)
     assert str(e.value) == "tensor_parallel_size 3 does not divide the model's 4 attention heads"
-    monkeypatch.setattr(driver, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(group, "usable_cpus", lambda: 2)
     with pytest.raises(EngineError) as e:
         LLM(tiny, tensor_parallel_size=3)
     assert str(e.value) == "tensor_parallel_size 3 exceeds the 2 CPU cores this process may use (one rank per core " \

@@ -96,8 +96,18 @@ def test_no_import_cycles(graph):
 def test_layer_contracts_hold():
     """Protects: the layer rule (cli > bench > server > runtime > plan > sim | engine > core > policy > perf >
     workload) and the cycle-free layouts of tandem.cli, tandem.engine.attention and tandem.engine.models."""
+    import logging
+
     from importlinter.cli import lint_imports
 
-    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0, \
-        "lint-imports failed: run .venv/bin/lint-imports for the broken contract and the offending imports"
+    # lint_imports configures logging with dictConfig, which disables every logger that exists already (other
+    # tests' caplog would then see nothing): put them back as they were
+    loggers = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    disabled = [lg.disabled for lg in loggers]
+    try:
+        assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0, \
+            "lint-imports failed: run .venv/bin/lint-imports for the broken contract and the offending imports"
+    finally:
+        for lg, was in zip(loggers, disabled):
+            lg.disabled = was
 

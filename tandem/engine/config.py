@@ -154,8 +154,8 @@ class EngineConfig:
             if tp > have:
                 raise EngineError(f"tensor_parallel_size {tp} exceeds the {have} CUDA devices from {dev} on")
         else:
-            from tandem.engine.parallel.driver import usable_cpus
-            have = usable_cpus()
+            from tandem.engine.parallel import group
+            have = group.usable_cpus()
             if tp > have:
                 raise EngineError(f"tensor_parallel_size {tp} exceeds the {have} CPU cores this process may use "
                                   f"(one rank per core at least)")

@@ -115,7 +115,7 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     pool (1 GiB by default: 0.4 s unloaded, several seconds on a busy 2-core machine, the most of a replacement's
     start) and holds only the pages its KV has used."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    if torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu" or 0 in shape:
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     return [torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape) for _ in range(num_layers)]

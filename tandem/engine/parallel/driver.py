@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from tandem.engine.config import EngineConfig, EngineError
-from tandem.engine.parallel import channel
+from tandem.engine.parallel import channel, group
 from tandem.engine.parallel.rank import RankSpec, rank_main, ready_key
 
 STARTUP_TIMEOUT_S = 300.0      # the ranks have this long to load their shards
@@ -36,14 +36,6 @@ def _context() -> multiprocessing.context.BaseContext:
         ctx.set_forkserver_preload(PRELOAD)
         return ctx
     return multiprocessing.get_context("spawn")
-
-
-def usable_cpus() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - no affinity API (macOS)
-        return os.cpu_count() or 1
 
 
 def _how(exitcode: int | None) -> str:
@@ -67,7 +59,7 @@ class RankGroup:
         self.size = size
         self.device = device
         self.error: str | None = None
-        self.threads = max(1, usable_cpus() // size) if device.type == "cpu" else torch.get_num_threads()
+        self.threads = max(1, group.usable_cpus() // size) if device.type == "cpu" else torch.get_num_threads()
         self._threads_before = torch.get_num_threads()
         self._sock = channel.listen_loopback()
         self._store = channel.driver_store(self._sock, size)

@@ -3,6 +3,7 @@ and the vocabulary split across ranks, and the two collectives a sharded layer n
 logits to the driver). Rank 0 is the driver (it runs the worker core and samples)."""
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -118,3 +119,11 @@ def check_shardable(mc: "ModelConfig", size: int) -> None:
     if mc.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
                          f"{mc.intermediate_size}")
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - no affinity API (macOS)
+        return os.cpu_count() or 1

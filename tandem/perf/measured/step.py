@@ -63,7 +63,7 @@ class MeasuredStep(StepTimer):
         self.ovh: Overheads = overheads(ops, self.fw)
         self.roof = Roofline(model, gpu, tp, ep)
         self._L = model.layers
-        self._body_graph, self._body_eager, self._head = _token_tables(model, tp, ep, ops, self.ovh)
+        self._body_graph, self._body_eager, self._head = token_tables(model, tp, ep, ops, self.ovh)
         kv = "fp8" if model.kv_dtype == "fp8" else "bfloat16"
         self._mla = model.mla is not None
         if self._mla:
@@ -184,7 +184,7 @@ def _kernels_per_layer(model: ModelSpec, tp: int) -> int:
 
 
 @lru_cache(maxsize=256)
-def _token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overheads
+def token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overheads
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per token count T = 0..T_MAX: the layers' T-only cost under a CUDA graph and eager, and the LM head's."""
     T = np.arange(T_MAX + 1, dtype=float)
