@@ -75,6 +75,17 @@ def _curve_pair(pull, push) -> None:
     push.setsockopt(zmq.CURVE_SECRETKEY, client_sec)
 
 
+HANDSHAKE_MS = 3000      # as the runtime's sockets: a peer that does not finish its handshake is dropped after 3 s
+
+
+def _cap(sock, max_bytes: int) -> None:
+    """The profile's sockets take no frame larger than the largest payload they time, and no slow handshake (set
+    before bind/connect, as libzmq copies them then; the runtime's sockets do the same)."""
+    import zmq
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+
+
 def _bare_wire_s_per_byte(secure: bool, sizes: list[int], repeats: int) -> float:
     """Seconds per byte of a bare PUSH/PULL pair on loopback (payloads of `sizes` bytes, median of `repeats`,
     fitted slope), with or without CURVE."""
@@ -82,6 +93,8 @@ def _bare_wire_s_per_byte(secure: bool, sizes: list[int], repeats: int) -> float
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     try:
+        for sock in (pull, push):
+            _cap(sock, max(sizes) + (64 << 10))
         if secure:
             _curve_pair(pull, push)
         port = pull.bind_to_random_port("tcp://127.0.0.1")
@@ -129,6 +142,9 @@ def measure_kv_path(runner: ModelRunner, rng: random.Random, repeats: int = 7, m
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     push = ctx.socket(zmq.PUSH)
+    per_token = max(1, runner.kv_pool_bytes // max(1, cap))
+    for sock in (pull, push):
+        _cap(sock, 2 * max(sizes) * per_token + (1 << 20))
     if secure:               # encryption costs about 3 ns a byte on each side: the wire's largest term on CPU hosts
         _curve_pair(pull, push)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
