@@ -255,7 +255,7 @@ def decode_sweep(model_dir: Path, args, tick) -> dict:
     from tandem.engine.cuda_graphs import DecodeGraphs
     from tandem.engine.model_runner import ModelRunner
     from tandem.engine.profiling.grids import Point
-    from tandem.engine.profiling.timing import _Bench
+    from tandem.engine.profiling.timing import Bench
 
     batches, ctx, bs = args.decode_batches, args.decode_ctx, args.block_size
     need = max(batches) * -(-(ctx + 1) // bs) + 64
@@ -287,7 +287,7 @@ def decode_sweep(model_dir: Path, args, tick) -> dict:
         "what-if: eager, 256 MiB groups": (None, 256 << 20, "eager, sdpa decode groups of 256 MiB of K+V instead "
                                            "of DECODE_GROUP_BYTES (4 MiB, sized for a CPU cache)"),
     }
-    bench = _Bench(runner, random.Random(0))
+    bench = Bench(runner, random.Random(0))
     points = [Point("decode", decodes=(ctx,) * b) for b in batches]
     default_group = sdpa.DECODE_GROUP_BYTES
     times = {n: [[] for _ in batches] for n in variants}
@@ -363,7 +363,7 @@ def step_anatomy(model_dir: Path, args, tick) -> dict:
     from tandem.engine.config import EngineConfig
     from tandem.engine.model_runner import ModelRunner
     from tandem.engine.profiling.grids import Point
-    from tandem.engine.profiling.timing import _Bench
+    from tandem.engine.profiling.timing import Bench
 
     ctx, bs = args.decode_ctx, args.block_size
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=bs,
@@ -373,7 +373,7 @@ def step_anatomy(model_dir: Path, args, tick) -> dict:
     for t in runner.kv_caches:
         t.fill_(0)
     g = runner.graphs
-    bench = _Bench(runner, random.Random(0))
+    bench = Bench(runner, random.Random(0))
     cases = [("decode x1", Point("decode", decodes=(ctx,))), ("decode x64", Point("decode", decodes=(ctx,) * 64)),
              ("prefill 512", Point("prefill", ((0, 512),))), ("prefill 2048", Point("prefill", ((0, 2048),)))]
     out = {"host_op_us": host_op_us(), "ctx": ctx, "max_model_len": args.max_len, "cases": []}

@@ -283,13 +283,13 @@ class SpeedCheck:
         from tandem.engine.config import EngineConfig
         from tandem.engine.model_runner import ModelRunner
         from tandem.engine.profiling.grids import Point
-        from tandem.engine.profiling.timing import _Bench
+        from tandem.engine.profiling.timing import Bench
 
         torch.set_num_threads(1)
         runner = ModelRunner(EngineConfig(model=str(model), num_kv_blocks=512))
         for t in runner.kv_caches:
             t.fill_(0)
-        self.bench = _Bench(runner, random.Random(0))
+        self.bench = Bench(runner, random.Random(0))
         self.repeats = repeats
         self.points = []
         for kind, pf, dec in self.POINTS:

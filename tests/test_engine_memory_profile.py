@@ -229,7 +229,7 @@ def test_serve_passes_the_memory_flags_to_the_engines(tmp_path):
 
 def test_the_cluster_takes_only_valid_memory_figures_from_a_worker():
     """Protects the runtime's trust rule: a worker's Ready info is validated before /metrics shows it."""
-    from tandem.runtime.cluster import _memory_info
+    from tandem.runtime.cluster import memory_info
     info = {"memory": {"kv_cache_pool_bytes": 5, "neg": -1, "flag": True, "text": "7", 3: 4, "f": 1.5}}
-    assert _memory_info(info) == {"kv_cache_pool_bytes": 5}
-    assert _memory_info({}) == {} and _memory_info({"memory": [1, 2]}) == {}
+    assert memory_info(info) == {"kv_cache_pool_bytes": 5}
+    assert memory_info({}) == {} and memory_info({"memory": [1, 2]}) == {}

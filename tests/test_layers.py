@@ -111,3 +111,18 @@ def test_layer_contracts_hold():
         for lg, was in zip(loggers, disabled):
             lg.disabled = was
 
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """Protects module boundaries: a name with a leading underscore is its module's own; tandem, its tests and its
+    benchmarks import only public names from tandem modules."""
+    import ast
+
+    found = []
+    for path in [*ROOT.joinpath("tandem").rglob("*.py"), *ROOT.joinpath("tests").glob("*.py"),
+                 *ROOT.joinpath("benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tandem"):
+                found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []

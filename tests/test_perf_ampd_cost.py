@@ -74,8 +74,8 @@ def test_unfitted_tp_raises_parallelism_error(cm):
 
 
 def test_from_roofline_is_fast_and_cached():
-    from tandem.perf.ampd_cost import _from_roofline_cached
-    _from_roofline_cached.cache_clear()
+    from tandem.perf.ampd_cost import from_roofline_cached
+    from_roofline_cached.cache_clear()
     t0 = time.perf_counter()
     a = AMPDCostModel.from_roofline("qwen2.5-32b", "a100-80g")
     assert time.perf_counter() - t0 < 0.5

@@ -19,7 +19,7 @@ from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.engine.tokenizer import Tokenizer  # noqa: E402
 from tandem.runtime import messages as m  # noqa: E402
 from tandem.runtime.async_llm import AsyncLLM  # noqa: E402
-from tandem.runtime.coordinator_shell import _params_dict  # noqa: E402
+from tandem.runtime.coordinator_shell import params_dict  # noqa: E402
 from tandem.runtime.transport import Codec  # noqa: E402
 from tandem.server.app import build_app  # noqa: E402
 
@@ -149,7 +149,7 @@ def test_logit_bias_and_prompt_logprobs_survive_the_wire_with_int_keys():
     rebuilt equal), a Delta keeps prompt logprobs (None first, int token ids)."""
     codec = Codec([*m.CONTROL, *m.UPSTREAM, *m.KV])
     params = SamplingParams(temperature=0, logit_bias={5: 100.0, 7: -2.5}, prompt_logprobs=3, logprobs=1)
-    msg = codec.decode(codec.encode(m.AddRequest("r", "s", [1, 2, 3], _params_dict(params))))
+    msg = codec.decode(codec.encode(m.AddRequest("r", "s", [1, 2, 3], params_dict(params))))
     assert msg.params["logit_bias"] == {5: 100.0, 7: -2.5} and SamplingParams(**msg.params) == params
     plp = [None, {2: -1.5, 9: -0.5}, {3: -0.25}]
     delta = codec.decode(codec.encode(m.Outputs([m.Delta("r", [4], "x", prompt_logprobs=plp)]))).deltas[0]

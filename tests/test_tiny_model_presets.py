@@ -12,7 +12,7 @@ pytest.importorskip("tokenizers")
 
 from tandem.cli.main import main  # noqa: E402
 from tandem.engine.models import ModelConfig, get_model_class  # noqa: E402
-from tandem.engine.tiny_model import (REAL_SIZES, SIZES, _init_weights, model_config,  # noqa: E402
+from tandem.engine.tiny_model import (REAL_SIZES, SIZES, init_weights, model_config,  # noqa: E402
                                       parameter_count)
 from tandem.perf import get_model  # noqa: E402
 
@@ -70,12 +70,12 @@ def test_real_presets_are_qwen3_only(size):
 
 
 def test_weights_are_converted_one_tensor_at_a_time_to_the_same_values():
-    """`_init_weights` in bfloat16 gives every tensor converted from the float32 draw of the same seed."""
+    """`init_weights` in bfloat16 gives every tensor converted from the float32 draw of the same seed."""
     mc = ModelConfig.from_dict(model_config("qwen3", "1m"))
     with torch.device("meta"):
         skeleton = get_model_class(mc.architecture)(mc)
-    f32 = _init_weights(skeleton, 5, True)
-    bf16 = _init_weights(skeleton, 5, True, torch.bfloat16, "cpu")
+    f32 = init_weights(skeleton, 5, True)
+    bf16 = init_weights(skeleton, 5, True, torch.bfloat16, "cpu")
     assert list(bf16) == list(f32) and len(bf16) == 4 * 11 + 2
     for name, t in bf16.items():
         assert t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()

@@ -16,7 +16,7 @@ from tandem.workload.generators import (
     GENERATOR_NAMES,
     PAPER_SLOS,
     ChatSpec,
-    _rounds_mean,
+    rounds_mean,
     chat_calibration,
     chat_multiturn,
     default_slo,
@@ -73,7 +73,7 @@ def test_calibration_makes_the_population_fractions_and_mean_rounds_exact():
     assert mu == pytest.approx(math.log(255.5) - 1.5 * 0.8778962950512288, abs=1e-12)
     assert short_fraction(mu, CHAT.later_input_sigma, 256) == pytest.approx(0.81, abs=1e-12)
     assert math.exp(mu) == pytest.approx(68.47, abs=0.01)                 # median later input
-    assert _rounds_mean("negbin", cal.rounds_param, 1.0, 16) == pytest.approx(2.0, abs=1e-9)
+    assert rounds_mean("negbin", cal.rounds_param, 1.0, 16) == pytest.approx(2.0, abs=1e-9)
     assert cal.rounds_param == pytest.approx(1.0, abs=1e-4)             # the cap at 16 trims almost nothing
     for frac, sigma in ((0.63, 0.7), (0.81, 2.0), (0.5, 1.0)):
         assert short_fraction(mu_for_short_fraction(frac, sigma, 256), sigma, 256) == pytest.approx(frac, abs=1e-12)

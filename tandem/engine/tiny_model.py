@@ -326,7 +326,7 @@ def _llada_config(shape: dict[str, int], vocab_size: int, tok, tie: bool, dtype:
                 pad_token_id=tok.token_to_id("<|endoftext|>"), transformers_version=_TRANSFORMERS_VERSION)
 
 
-def _init_weights(model: torch.nn.Module, seed: int, tied: bool, dtype: torch.dtype = torch.float32,
+def init_weights(model: torch.nn.Module, seed: int, tied: bool, dtype: torch.dtype = torch.float32,
                   device: str = "cpu") -> dict[str, torch.Tensor]:
     """Seeded random weights, scaled so that greedy decoding of the random model wanders instead of repeating.
 
@@ -409,7 +409,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3", size: str =
     mc = ModelConfig.from_dict(config)
     with torch.device("meta"):     # llada: drawn under Llama's names (the init rules read them), then renamed
         skeleton = (LlamaForCausalLM if arch == "llada" else get_model_class(mc.architecture))(mc)
-    tensors = _init_weights(skeleton, seed, tie, _DTYPES[dtype], init_device)
+    tensors = init_weights(skeleton, seed, tie, _DTYPES[dtype], init_device)
     if arch == "llada":
         from tandem.engine.models.llada import llada_checkpoint_name
         tensors = {llada_checkpoint_name(n): t for n, t in tensors.items()}

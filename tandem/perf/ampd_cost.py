@@ -136,7 +136,7 @@ class AMPDCostModel:
         node that the model's heads divide (supported_tps). Cached per arguments in-process."""
         model, gpu = get_model(model), get_gpu(gpu)
         tps = supported_tps(model, gpu) if tps is None else tuple(int(t) for t in tps)
-        return _from_roofline_cached(model, gpu, tps, typical_ctx, chunk_tokens)
+        return from_roofline_cached(model, gpu, tps, typical_ctx, chunk_tokens)
 
     # --- persistence --------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -211,7 +211,7 @@ def _kv_samples(model: ModelSpec, gpu: GPU, src: int, dst: int, same: bool) -> S
 
 
 @lru_cache(maxsize=64)
-def _from_roofline_cached(model: ModelSpec, gpu: GPU, tps: tuple[int, ...], typical_ctx: int,
+def from_roofline_cached(model: ModelSpec, gpu: GPU, tps: tuple[int, ...], typical_ctx: int,
                           chunk_tokens: int | None) -> AMPDCostModel:
     return from_timers({tp: Roofline(model, gpu, tp) for tp in tps}, typical_ctx, chunk_tokens, "roofline")
 

@@ -220,7 +220,7 @@ class ServingCluster:
         kv_addr = {wid: info["kv_address"] for wid, info in infos.items()}
         self._cache_config = next((dict(info.get("cache_config") or {}) for wid, info in sorted(infos.items())
                                    if self.roles.get(wid) != PREFILL), {})
-        self._memory = {wid: _memory_info(info) for wid, info in infos.items()}
+        self._memory = {wid: memory_info(info) for wid, info in infos.items()}
         self.shell = CoordinatorShell(coord, store, self._send, kv_addr, self.max_model_len,
                                       block_size=int(first["block_size"]), slo=self._slo(),
                                       vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs,
@@ -398,7 +398,7 @@ class ServingCluster:
         if self._closing:
             return
         self._lost.discard(wid)
-        self._memory[wid] = _memory_info(wp.info)
+        self._memory[wid] = memory_info(wp.info)
         self.shell.coord.view.revive(wid)
         self.shell.on_worker_joined(wid, wp.info["kv_address"])
         routable = time.monotonic()
@@ -498,7 +498,7 @@ def restart_phases(dead_at: float, marks: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _memory_info(info: dict) -> dict[str, int]:
+def memory_info(info: dict) -> dict[str, int]:
     """A worker's memory figures from its Ready info, validated (non-negative integers; anything else dropped)."""
     mem = info.get("memory")
     if not isinstance(mem, dict):

@@ -63,7 +63,7 @@ def _snapshot(o: RequestOutput) -> RequestOutput:
                                metrics=dataclasses.replace(o.metrics))
 
 
-def _params_dict(p: SamplingParams) -> dict:
+def params_dict(p: SamplingParams) -> dict:
     return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
 
 
@@ -254,7 +254,7 @@ class CoordinatorShell:
             return
         req.task, req.worker = t, t.decode_worker
         self.by_task[t] = req
-        params = _params_dict(req.params)
+        params = params_dict(req.params)
         local = a.worker == t.decode_worker
         slo = (t.ttft_slo_s, t.itl_slo_s)
         if not req.sent_to_decode:

@@ -74,7 +74,7 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
-class _Sampling(_Request):
+class SamplingFields(_Request):
     """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -108,7 +108,7 @@ class _Sampling(_Request):
     dllm_chunk: str | int | None = None           # tandem's: auto, elastic, block or N (block diffusion's windows)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -123,7 +123,7 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]

@@ -32,12 +32,12 @@ from tandem.server.body import BodyLimits
 from tandem.server.drain import DRAIN_ENTRY
 from tandem.server.errors import APIError, error_body
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import PromptTokensDetails, Usage, _Sampling
+from tandem.server.protocol import PromptTokensDetails, Usage, SamplingFields
 from tandem.server.vocab import logit_bias_cap
 
 log = logging.getLogger("tandem.server")
 T = TypeVar("T")
-M = TypeVar("M", bound=_Sampling)
+M = TypeVar("M", bound=SamplingFields)
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID_CHARS = 256
 _MIN_LOGPROB = -9999.0          # -inf is not JSON; vLLM clamps the same way
@@ -155,19 +155,19 @@ def encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
-def check_model(state: ServerState, req: _Sampling) -> None:
+def check_model(state: ServerState, req: SamplingFields) -> None:
     """404 model_not_found unless the request names the served model (or none)."""
     if req.model is not None and req.model != state.model_name:
         raise APIError(f"The model {shorten(req.model)} does not exist.", 404, "model_not_found", "model")
 
 
-def check_common(req: _Sampling) -> None:
+def check_common(req: SamplingFields) -> None:
     """Reject OpenAI features that cannot be served, and stream_options without stream (as vLLM)."""
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options can only be set when stream is true", 400, "invalid_value", "stream_options")
 
 
-def session_of(request: Request, req: _Sampling) -> str | None:
+def session_of(request: Request, req: SamplingFields) -> str | None:
     """The session id from the body's `session_id` or the `x-session-id` header (400 if they differ)."""
     header = request.headers.get(SESSION_HEADER) or None
     body = req.session_id or None
@@ -244,7 +244,7 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[in
     return out
 
 
-def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
                     renames: dict[str, str] | None = None, vocab_size: int | None = None) -> SamplingParams:
     """SamplingParams from the request; a 400 naming the (API) field when a value is invalid (stop_token_ids and
     logit_bias ids outside [0, vocab_size) too)."""

@@ -292,7 +292,7 @@ def _rounds_pmf(dist: str, param: float, shape: float | None, cap: int) -> np.nd
     return pmf
 
 
-def _rounds_mean(dist: str, param: float, shape: float | None, cap: int) -> float:
+def rounds_mean(dist: str, param: float, shape: float | None, cap: int) -> float:
     """E[min(1 + N, cap)] = 1 + sum_{j=1..cap-1} P(N >= j), N Poisson(param) or NB(shape, mean param)."""
     j = np.arange(0, cap - 1)
     if dist == "poisson":
@@ -305,7 +305,7 @@ def _rounds_mean(dist: str, param: float, shape: float | None, cap: int) -> floa
 @lru_cache(maxsize=64)
 def rounds_param_for_mean(dist: str, mean_rounds: float, shape: float | None, cap: int) -> float:
     """Mean of N such that min(1 + N, cap) averages `mean_rounds` (the cap trims a little of the tail)."""
-    f = lambda m: _rounds_mean(dist, m, shape, cap) - mean_rounds  # noqa: E731
+    f = lambda m: rounds_mean(dist, m, shape, cap) - mean_rounds  # noqa: E731
     return float(optimize.brentq(f, 1e-9, 50.0 * cap, xtol=1e-12))
 
 

@@ -8,7 +8,7 @@ from tandem.bench.experiment.tasks import Task, TaskResult, run_task
 from tandem.bench.parallel import ParallelMap
 
 
-class _Runner(ParallelMap):
+class Runner(ParallelMap):
     """Runs experiment tasks (tandem.bench.parallel.ParallelMap with the sweep's labels), on `executor` if given."""
 
     def __init__(self, jobs: int, progress: bool, total: int, executor: Executor | None = None):

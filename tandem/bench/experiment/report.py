@@ -78,7 +78,7 @@ def split_run(result: dict) -> tuple[dict, dict]:
     return results, run
 
 
-def _write_outputs(out_dir: Path, result: dict, policies: Sequence[str]) -> dict[str, str]:
+def write_outputs(out_dir: Path, result: dict, policies: Sequence[str]) -> dict[str, str]:
     from tandem.sim import report
     cols = _table_columns()
     files = {}

@@ -26,7 +26,7 @@ def _fixed_deploy(spec: ExperimentSpec, workload: str, policy: str, gpus: int) -
     return d
 
 
-def _plan(spec: ExperimentSpec, model: str, gpu: str) -> dict[tuple[str, str], dict]:
+def plan_cells(spec: ExperimentSpec, model: str, gpu: str) -> dict[tuple[str, str], dict]:
     plans: dict[tuple[str, str], dict] = {}
     for w in spec.workloads:
         gpus = workload_gpus(spec, w)
@@ -47,7 +47,7 @@ def _plan(spec: ExperimentSpec, model: str, gpu: str) -> dict[tuple[str, str], d
     return plans
 
 
-def _tasks(spec: ExperimentSpec, model: str, gpu: str, w: str, p: str, deploy: str, rate: float) -> list[Task]:
+def cell_tasks(spec: ExperimentSpec, model: str, gpu: str, w: str, p: str, deploy: str, rate: float) -> list[Task]:
     sim = tuple(sorted(spec.sim.items()))
     return [Task(w, p, deploy, float(rate), s, spec.sessions, workload_gpus(spec, w), workload_slo(spec, w),
                  model, gpu, sim, spec.prefill_basis) for s in spec.seeds]
@@ -63,13 +63,13 @@ def plan_deploy(plan: dict, rate: float) -> str:
     return plan.get("deploy_by_rate", {}).get(float(rate), plan["deploy"])
 
 
-def _search(spec, model, gpu, plans, runner, ref_rate) -> dict[tuple, list[TaskResult]]:
+def search_deployments(spec, model, gpu, plans, runner, ref_rate) -> dict[tuple, list[TaskResult]]:
     """Simulate every candidate at the search rates; pick each plan's best by mean SLO attainment
     over those rates (ties: lower mean TTFT p95), and with `deploy_per_rate` also each rate's best;
     return the winners' runs for reuse."""
     rates = search_rates(spec, ref_rate)
     keys = [(w, p, d) for (w, p), plan in plans.items() if plan["source"] == "search" for d in plan["candidates"]]
-    tasks = [t for (w, p, d) in keys for r in rates for t in _tasks(spec, model, gpu, w, p, d, r)]
+    tasks = [t for (w, p, d) in keys for r in rates for t in cell_tasks(spec, model, gpu, w, p, d, r)]
     results = runner.run(tasks, "search")
     grouped: dict[tuple, list[TaskResult]] = {}
     for r in results:

@@ -6,9 +6,9 @@ import time
 from concurrent.futures import Executor
 from pathlib import Path
 
-from tandem.bench.experiment.pool import _Runner
-from tandem.bench.experiment.report import BASELINES, _write_outputs, relative_improvement
-from tandem.bench.experiment.search import _plan, _search, _tasks, plan_deploy, search_rates
+from tandem.bench.experiment.pool import Runner
+from tandem.bench.experiment.report import BASELINES, write_outputs, relative_improvement
+from tandem.bench.experiment.search import plan_cells, search_deployments, cell_tasks, plan_deploy, search_rates
 from tandem.bench.experiment.spec import (ExperimentError, ExperimentSpec, canonical_gpu, canonical_model,
                                           reference_rate, validate_spec, workload_gpus, workload_slo)
 from tandem.bench.experiment.tasks import Task, TaskResult, cell_summary
@@ -26,21 +26,21 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = T
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ref = reference_rate(spec)
-    plans = _plan(spec, model, gpu)
+    plans = plan_cells(spec, model, gpu)
 
     n_rates = len(search_rates(spec, ref))
     n_search = sum(len(p["candidates"]) for p in plans.values() if p["source"] == "search") * len(spec.seeds) * n_rates
     n_runs = len(plans) * len(spec.rates) * len(spec.seeds)
     n_reused = sum(1 for p in plans.values() if p["source"] == "search") * len(spec.seeds) * (
         n_rates if spec.search_all_rates else (ref in spec.rates))
-    runner = _Runner(spec.jobs, progress, n_search + n_runs - n_reused, executor)
+    runner = Runner(spec.jobs, progress, n_search + n_runs - n_reused, executor)
     try:
-        reuse = _search(spec, model, gpu, plans, runner, ref)
+        reuse = search_deployments(spec, model, gpu, plans, runner, ref)
         todo: list[Task] = []
         for (w, p), plan in plans.items():
             for r in spec.rates:
                 if (w, p, plan_deploy(plan, r), float(r)) not in reuse:
-                    todo.extend(_tasks(spec, model, gpu, w, p, plan_deploy(plan, r), r))
+                    todo.extend(cell_tasks(spec, model, gpu, w, p, plan_deploy(plan, r), r))
         grouped: dict[tuple, list[TaskResult]] = {k: list(v) for k, v in reuse.items()}
         for res in runner.run(todo, "run"):
             t = res.task
@@ -80,5 +80,5 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | Path, progress: bool = T
         "wall_s": time.perf_counter() - t0,
         "executor": "local" if executor is None else type(executor).__name__,
     }
-    result["files"] = _write_outputs(out_dir, result, spec.policies)
+    result["files"] = write_outputs(out_dir, result, spec.policies)
     return result

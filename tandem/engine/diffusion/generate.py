@@ -31,18 +31,18 @@ from tandem.engine.models.sdar import BlockDiffusionMetadata
 from tandem.engine.sampling_params import SamplingParams, unsupported_diffusion_fields
 
 
-def _check_params(params: SamplingParams) -> None:
+def check_params(params: SamplingParams) -> None:
     """Refuse the sampling fields the diffusion loops do not implement, rather than ignore them."""
     bad = unsupported_diffusion_fields(params) + (["stop"] if params.stop else [])
     if bad:
         raise ValueError(f"block-diffusion decoding does not support {', '.join(bad)}")
 
 
-def _setup(model: torch.nn.Module, params: SamplingParams, cfg: DllmConfig | None,
+def setup(model: torch.nn.Module, params: SamplingParams, cfg: DllmConfig | None,
            eos_token_ids: Sequence[int] | None) -> tuple[DllmConfig, int, frozenset[int], int]:
     """The validated options, block length, EOS ids and position limit shared by both loops."""
     cfg = cfg or DllmConfig()
-    _check_params(params)
+    check_params(params)
     mc = model.config
     block = cfg.block_length(model.diffusion_block_size)
     cfg.quota(block)
@@ -50,7 +50,7 @@ def _setup(model: torch.nn.Module, params: SamplingParams, cfg: DllmConfig | Non
     return cfg, block, eos, int(mc.max_position_embeddings)
 
 
-def _device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
     """Where the model's weights are (inputs and generators go there)."""
     return next(model.parameters()).device
 
@@ -59,8 +59,8 @@ def _device(model: torch.nn.Module) -> torch.device:
 def generate_reference(model: torch.nn.Module, prompt: Sequence[int], params: SamplingParams,
                        cfg: DllmConfig | None = None, eos_token_ids: Sequence[int] | None = None) -> DiffusionOutput:
     """Decode one prompt by full recomputation: every step runs prefix + active block, no KV cache."""
-    cfg, block, eos, max_len = _setup(model, params, cfg, eos_token_ids)
-    dev = _device(model)
+    cfg, block, eos, max_len = setup(model, params, cfg, eos_token_ids)
+    dev = model_device(model)
     seq = BlockState(prompt, params, cfg, block, model.mask_token_id, eos, max_len, dev)
     while not seq.done:
         cand = seq.candidates()
@@ -80,10 +80,10 @@ def generate_cached(model: torch.nn.Module, prompts: Sequence[Sequence[int]], pa
     """Decode a batch of prompts with each prefix's K/V cached, one forward per step: without `chunk` the whole
     active block each step (its K/V written once it is complete); with `chunk` = c, Optimus's streaming chunks of at
     most c positions, decoded positions' K/V reused inside the block (block_state.py)."""
-    cfg, block, eos, max_len = _setup(model, params, cfg, eos_token_ids)
+    cfg, block, eos, max_len = setup(model, params, cfg, eos_token_ids)
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-    dev = _device(model)
+    dev = model_device(model)
     seqs = [BlockState(p, params, cfg, block, model.mask_token_id, eos, max_len, dev) for p in prompts]
     mc = model.config
     pages = [-(-(s.limit + block) // kv_block_size) for s in seqs]     # room for the prefix + the active block

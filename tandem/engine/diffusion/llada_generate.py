@@ -25,7 +25,7 @@ import torch
 
 from tandem.engine.attention.metadata import allocate_kv_cache
 from tandem.engine.diffusion.block_state import BlockState, DiffusionOutput
-from tandem.engine.diffusion.generate import _check_params, _device
+from tandem.engine.diffusion.generate import check_params, model_device
 from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.models.bidirectional import BidirectionalMetadata
 from tandem.engine.sampling_params import SamplingParams
@@ -65,7 +65,7 @@ def _options(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: S
              gen_length: int | None, eos_token_ids: Sequence[int] | None) -> tuple[DllmConfig, int, int, frozenset[int]]:
     """Validated options shared by both loops: (cfg, block length, gen_length, EOS ids); one ValueError per mistake."""
     cfg = cfg or DllmConfig()
-    _check_params(params)
+    check_params(params)
     block = cfg.block_length(DEFAULT_BLOCK_LENGTH)
     steps = cfg.dllm_denoising_steps
     if steps is not None and block % steps:
@@ -102,7 +102,7 @@ def generate_llada_reference(model: torch.nn.Module, prompt: Sequence[int], para
                              eos_token_ids: Sequence[int] | None = None) -> LladaOutput:
     """Decode one prompt by recomputing the whole canvas at every step (LLaDA's generate), no KV cache."""
     cfg, block, gen_length, eos = _options(model, [prompt], params, cfg, gen_length, eos_token_ids)
-    dev = _device(model)
+    dev = model_device(model)
     seq = CanvasState(prompt, params, cfg, block, model.mask_token_id, eos, gen_length, dev)
     while not seq.done:
         _record(seq, True)
@@ -127,7 +127,7 @@ class PrefixCachedLoop:
             raise ValueError(f"refresh_interval must be an integer >= 0, got {refresh_interval!r}")
         cfg, block, gen_length, eos = _options(model, prompts, params, cfg, gen_length, eos_token_ids)
         self.model, self.interval, self.page = model, refresh_interval, kv_block_size
-        self.device = _device(model)
+        self.device = model_device(model)
         self.seqs = [CanvasState(p, params, cfg, block, model.mask_token_id, eos, gen_length, self.device)
                      for p in prompts]
         self.block_step = [0] * len(self.seqs)          # steps taken in each sequence's active block

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from tandem.engine.diffusion.block_state import BlockState
-from tandem.engine.diffusion.generate import DiffusionOutput, _device, _setup
+from tandem.engine.diffusion.generate import DiffusionOutput, model_device, setup
 from tandem.engine.diffusion.sparse_attention import SeqStep, SparseKVBackend, sparse_step_metadata
 from tandem.engine.diffusion.sparse_kv import PagedSparseKV, SparseKVBuffer, SparseKVConfig
 from tandem.engine.diffusion.unmasking import DllmConfig
@@ -105,11 +105,11 @@ def generate_refresh(model: torch.nn.Module, prompts: Sequence[Sequence[int]], p
                      delay_step: int = DEFAULT_DELAY_STEP, refresh_interval: int = 0,
                      eos_token_ids: Sequence[int] | None = None) -> list[RefreshOutput]:
     """Decode a batch of prompts in Refresh/Reuse phases over per-request sparse KV; one forward per step."""
-    cfg, block, eos, max_len = _setup(model, params, cfg, eos_token_ids)
+    cfg, block, eos, max_len = setup(model, params, cfg, eos_token_ids)
     sparse = sparse or SparseKVConfig()
     schedule = PhaseSchedule(PhaseSpec(block, delay_step, refresh_interval, RefreshSpan.ALIGNED,
                                        sparse.kv_retention_ratio))
-    dev, mc = _device(model), model.config
+    dev, mc = model_device(model), model.config
     dtype = next(model.parameters()).dtype
     reqs = []
     for p in prompts:

@@ -28,7 +28,7 @@ def device_info(device: torch.device) -> dict:
             "machine": platform.machine()}
 
 
-def _load_avg() -> float | None:
+def load_avg() -> float | None:
     """The 1-minute load average (other jobs competing for the cores make timings noisy), if known."""
     try:
         return os.getloadavg()[0]

@@ -11,7 +11,7 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.profiling.grids import Point
-from tandem.engine.profiling.timing import _Bench
+from tandem.engine.profiling.timing import Bench
 
 
 # Steps the interference measurement times (victims) and what the co-running engine process repeats.
@@ -26,7 +26,7 @@ def _corunner(cfg_dict: dict, threads: int | None, kind: str, ready, stop) -> No
         torch.set_num_threads(threads)
     cfg = EngineConfig(**cfg_dict)
     runner = ModelRunner(cfg)
-    bench = _Bench(runner, random.Random(1))
+    bench = Bench(runner, random.Random(1))
     p = _CORUN[kind]
     for _ in range(3):
         bench.run(p)
@@ -35,7 +35,7 @@ def _corunner(cfg_dict: dict, threads: int | None, kind: str, ready, stop) -> No
         bench.run(p)
 
 
-def measure_interference(cfg: EngineConfig, bench: _Bench, threads: int | None, rounds: int = 5,
+def measure_interference(cfg: EngineConfig, bench: Bench, threads: int | None, rounds: int = 5,
                          progress: Callable[[int, int], None] | None = None) -> dict:
     """How much slower a step runs while another engine process on this host steps (CPU: shared cores,
     caches, memory bandwidth). In a 1P+1D deployment a prefill step overlaps the decode worker's steps and a

@@ -12,12 +12,12 @@ import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.profiling.device import _load_avg, device_info, memory_bandwidth
+from tandem.engine.profiling.device import load_avg, device_info, memory_bandwidth
 from tandem.engine.profiling.grids import Point, block_aligned, heldout_grid, train_grid
 from tandem.engine.profiling.interference import measure_interference
 from tandem.engine.profiling.kv_path import measure_kv_link, measure_kv_path
 from tandem.engine.profiling.options import ProfileOptions
-from tandem.engine.profiling.timing import _Bench
+from tandem.engine.profiling.timing import Bench
 from tandem.engine.profiling.windows import measure_window_latency_profile
 from tandem.perf.roofline import BatchShape
 from tandem.perf.step_model import DEFAULT_KV_LINK, Profile, StepTimeModel
@@ -43,7 +43,7 @@ def profile(model: str, options: ProfileOptions | None = None, progress: Progres
 
 def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Profile:
     t_start = time.perf_counter()
-    load_before = _load_avg()
+    load_before = load_avg()
     cfg = EngineConfig(model=model, dtype=opt.dtype, device=opt.device, block_size=opt.block_size,
                        max_model_len=opt.max_model_len, max_num_batched_tokens=opt.max_num_batched_tokens,
                        max_num_seqs=opt.max_num_seqs,
@@ -78,7 +78,7 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
         if not train:
             raise ValueError(f"no whole-block prefill of {dblock} tokens fits a budget of {budget} tokens")
 
-    bench = _Bench(runner, rng)
+    bench = Bench(runner, rng)
     # Touch the whole KV pool once: a fresh allocation is mapped lazily, and the first write to every
     # page would otherwise be charged to whichever measured step reaches it first.
     for t in getattr(runner, "kv_caches", []):
@@ -150,7 +150,7 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
                  "dtype": str(runner.dtype).removeprefix("torch.")}
     opts = dataclasses.asdict(opt)
     opts.update(repeats=opt.n_repeats, heldout=len(held), train_points=len(train), profiled_max_len=max_len,
-                load_avg_before=load_before, load_avg_after=_load_avg())
+                load_avg_before=load_before, load_avg_after=load_avg())
     return Profile(
         model=str(model), device={**device_info(runner.device),
                                   "memory_bandwidth_bytes_per_s": memory_bandwidth(runner.device)},

@@ -24,7 +24,7 @@ CHEAP_S = 0.25          # a step is cheap while all its runs so far took less th
 P = TypeVar("P")
 
 
-class _Bench:
+class Bench:
     """Builds a ModelInput for a Point (random tokens, scattered distinct blocks) and times its execution."""
 
     def __init__(self, runner: ModelRunner, rng: random.Random) -> None:

@@ -79,7 +79,7 @@ class RunCache:
             pass  # a read-only or full cache never stops planning
 
 
-def _usable(m: Measurement | None, cutoff: float) -> Measurement | None:
+def usable(m: Measurement | None, cutoff: float) -> Measurement | None:
     """A cached measurement answers a request when it is exact, or a bound at least as high as the cutoff."""
     if m is None:
         return None

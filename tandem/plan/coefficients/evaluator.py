@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from tandem.plan.coefficients.cache import RunCache, _usable
+from tandem.plan.coefficients.cache import RunCache, usable
 from tandem.plan.coefficients.measurement import Measurement
 from tandem.plan.coefficients.objective import INF
 from tandem.plan.coefficients.simulate import simulate_one
@@ -85,7 +85,7 @@ class Evaluator:
         queue = []
         for d in todo:   # cached answers first: they tighten the cutoff for the runs that follow
             key = self.cache.key(self.spec, workload.key, d)
-            hit = _usable(self.cache.get(key), cutoff())
+            hit = usable(self.cache.get(key), cutoff())
             if hit is not None:
                 finish(d, key, hit)
             else:
@@ -95,7 +95,7 @@ class Evaluator:
         if self.jobs <= 1 or len(queue) == 1:
             for d, key in queue:
                 c = cutoff()
-                hit = _usable(self.cache.get(key), c)
+                hit = usable(self.cache.get(key), c)
                 finish(d, key, hit if hit is not None else
                        simulate_one(workload.sessions, workload.key, self.spec, d, gpus, c))
             return out
@@ -108,7 +108,7 @@ class Evaluator:
                     d, key = queue[pos]
                     pos += 1
                     c = cutoff()
-                    hit = _usable(self.cache.get(key), c)
+                    hit = usable(self.cache.get(key), c)
                     if hit is not None:
                         finish(d, key, hit)
                         continue

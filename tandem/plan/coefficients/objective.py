@@ -11,7 +11,7 @@ INF = float("inf")
 
 
 @dataclass(slots=True)
-class _Info:
+class Info:
     """Per-session facts the objective needs: servable rounds, which have ITL samples, the SLO."""
 
     by_id: dict[str, tuple[int, tuple[bool, ...], float, float]]
@@ -19,7 +19,7 @@ class _Info:
     n_itl: int
 
 
-def _info(sessions: Sequence[Session], max_context: int) -> _Info:
+def _info(sessions: Sequence[Session], max_context: int) -> Info:
     by_id, n_t, n_i = {}, 0, 0
     for s in sessions:
         ctx, servable = 0, 0
@@ -34,7 +34,7 @@ def _info(sessions: Sequence[Session], max_context: int) -> _Info:
         by_id[s.session_id] = (servable, has_itl, s.slo.ttft_s, s.slo.itl_s)
         n_t += servable
         n_i += sum(has_itl)
-    return _Info(by_id, n_t, n_i)
+    return Info(by_id, n_t, n_i)
 
 
 def p95(values: list[float]) -> float:
@@ -57,7 +57,7 @@ def needed_above(n: int) -> int:
     return n - math.floor(0.95 * (n - 1)) if n > 0 else 1
 
 
-def objective(records, info: _Info) -> tuple[float, float, float, float]:
+def objective(records, info: Info) -> tuple[float, float, float, float]:
     """(ttft_norm, itl_norm, ttft_p95_s, itl_p95_s) of finished session records (package docstring)."""
     tn, tr, itn, itr = [], [], [], []
     for rec in records:
@@ -83,10 +83,10 @@ def objective(records, info: _Info) -> tuple[float, float, float, float]:
     return p95(tn), p95(itn), p95(tr), p95(itr)
 
 
-_INFOS: dict[tuple[str, int], _Info] = {}
+_INFOS: dict[tuple[str, int], Info] = {}
 
 
-def _info_for(sessions: Sequence[Session], workload_key: str, max_context: int) -> _Info:
+def info_for(sessions: Sequence[Session], workload_key: str, max_context: int) -> Info:
     key = (workload_key, max_context)
     info = _INFOS.get(key)
     if info is None:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 
 from tandem.plan.coefficients.measurement import Measurement
-from tandem.plan.coefficients.objective import INF, _Info, _info_for, needed_above, objective
+from tandem.plan.coefficients.objective import INF, Info, info_for, needed_above, objective
 from tandem.plan.coefficients.workload import SimSpec
 from tandem.workload.session import Session
 
@@ -18,7 +18,7 @@ class _Stop(Exception):
 class _Tracker:
     """Progress hook of the event loop: counts rounds above cutoff x SLO as their latencies become final."""
 
-    def __init__(self, coord, loop, info: _Info, cutoff: float):
+    def __init__(self, coord, loop, info: Info, cutoff: float):
         self.coord, self.loop, self.info, self.cutoff = coord, loop, info, cutoff
         self.need_t, self.need_i = needed_above(info.n_ttft), needed_above(info.n_itl)
         self.above_t = self.above_i = 0
@@ -68,7 +68,7 @@ def simulate_one(sessions: Sequence[Session], workload_key: str, spec: SimSpec, 
     from tandem.sim.cluster import SimConfig, build
     from tandem.workload.metrics import summarize
 
-    info = _info_for(sessions, workload_key, get_model(spec.model).max_context)
+    info = info_for(sessions, workload_key, get_model(spec.model).max_context)
     cfg = SimConfig(model=spec.model, gpu=spec.gpu, gpus=gpus, deploy=deploy, policy=spec.policy, seed=spec.seed,
                     **dict(spec.sim))
     coord, _workers, loop = build(cfg)
