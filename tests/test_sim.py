@@ -244,7 +244,7 @@ def test_host_loop_kv_arriving_mid_step_is_taken_at_once(tmp_path):
 
 
 def test_host_loop_begin_round_and_submit_run_beside_the_step(tmp_path):
-    """As the runtime (messages.EARLY_CONTROL): a round > 0 that arrives while its worker steps is asked about
+    """As the runtime (tandem.core.commands.EARLY): a round > 0 that arrives while its worker steps is asked about
     (BeginRound) and submitted during that step, so its prefill runs in the very next step; it used to wait for
     the running step's end (the BeginRound), then for the next one's (the Submit)."""
     rt = {"step_factor": {"decode": 50.0, "prefill": 50.0}, "hop_s": 0.001}       # steps of ~0.1 s

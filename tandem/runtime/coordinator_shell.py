@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.core import actions as act
+from tandem.core.commands import DELIVERED, KV_ARRIVED, RELEASE, RUN_LOCAL, SEND_KV, SUBMIT, commands
 from tandem.core.coordinator import Coordinator
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
@@ -213,39 +214,38 @@ class CoordinatorShell:
 
     # ------------------------------------------------------------------ core actions out
     def _apply(self, actions: list) -> None:
-        for a in actions:
-            if isinstance(a, act.Submit):
+        """Send each command of the core's actions to its worker as its message (a ToolCall waits for the
+        client's next request; check_timeouts ticks the core, whatever a Timer says)."""
+        for kind, worker, a in commands(actions):
+            if kind == SUBMIT:
                 self._submit(a)
-            elif isinstance(a, act.Transfer):
-                req = self.by_task.get(a.task)
-                if req is None:
-                    continue
-                req.transfers[a.purpose.value] = a
-                self.send(a.src, m.SendKV(req.request_id, req.session_id, a.purpose.value, a.tokens, a.dst,
-                                          self.kv_addr[a.dst]))
-            elif isinstance(a, (act.HistoryReady, act.KVArrived, act.Delivered)):
-                req = self.by_task.get(a.task)
-                if req is not None:
-                    self.send(a.worker, {act.HistoryReady: m.HistoryReady, act.KVArrived: m.KVArrived,
-                                         act.Delivered: m.Delivered}[type(a)](req.request_id))
-                    if isinstance(a, act.KVArrived):
-                        req.kv_arrived = True
-                    if isinstance(a, act.Delivered):
-                        self.by_task.pop(a.task, None)
-            elif isinstance(a, act.Release):
+            elif kind == RELEASE:
                 self._release(a)
-            elif isinstance(a, act.Cancel):                 # the remote prefill is not wanted any more
+            elif kind == SEND_KV:
                 req = self.by_task.get(a.task)
                 if req is not None:
-                    self.send(a.worker, m.Abort(req.request_id))
-            elif isinstance(a, act.RunLocal):               # its KV transfer failed or timed out
-                req = self.by_task.get(a.task)
-                if req is not None:
-                    req.transfers.clear()
-                    req.prefill_worker = -1
-                    self.send(a.worker, m.RunLocal(req.request_id))
-                    self.stats.kv_transfer_timeouts += 1
-            # ToolCall: a live session waits for its client's next request; Timer: check_timeouts ticks the core
+                    req.transfers[a.purpose.value] = a
+                    self.send(worker, m.SendKV(req.request_id, req.session_id, a.purpose.value, a.tokens, a.dst,
+                                               self.kv_addr[a.dst]))
+            elif kind in m.NOTICE:
+                self._notice(kind, worker, a)
+
+    def _notice(self, kind: int, worker: int, a) -> None:
+        """A command about one request's task: KV arrived or delivered, a history fetched, a prefill cancelled (not
+        wanted any more) or run locally (its KV transfer failed or timed out)."""
+        req = self.by_task.get(a.task)
+        if req is None:
+            return
+        if kind == RUN_LOCAL:
+            req.transfers.clear()
+            req.prefill_worker = -1
+        self.send(worker, m.NOTICE[kind](req.request_id))
+        if kind == KV_ARRIVED:
+            req.kv_arrived = True
+        elif kind == DELIVERED:
+            self.by_task.pop(a.task, None)
+        elif kind == RUN_LOCAL:
+            self.stats.kv_transfer_timeouts += 1
 
     def _submit(self, a: act.Submit) -> None:
         t = a.task

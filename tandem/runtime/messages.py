@@ -1,14 +1,16 @@
 """The messages between the coordinator and worker processes (msgspec structs; KV bytes travel as extra frames).
 
-Each coordinator action of the sans-I/O core maps to one message (Submit -> AddRequest/AddPrefill,
-Transfer -> SendKV, HistoryReady, KVArrived, Delivered, Release); each worker core event comes back as
-one (FetchHistory, PrefillDone, FirstToken, RoundDone, SessionFailed) keyed by request id.
+Each coordinator action of the sans-I/O core is a command to a worker (tandem.core.commands), which one message
+carries (`COMMAND`: Submit -> AddRequest/AddPrefill, Transfer -> SendKV, Cancel -> Abort, ...); each worker core
+event comes back as one (FetchHistory, PrefillDone, FirstToken, RoundDone, SessionFailed) keyed by request id.
 """
 from __future__ import annotations
 
 from typing import Literal, Union
 
 import msgspec
+
+from tandem.core import commands as c
 
 Purpose = Literal["history", "incremental"]     # tandem.core.actions.TransferPurpose on the wire
 
@@ -214,16 +216,6 @@ class WorkerFailure(msgspec.Struct, tag=True):
     reason: str
 
 
-CONTROL = [BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered, RunLocal, Release,
-           Abort, Audit]
-# Control messages a worker carries out while its model runs a step, in arrival order, as long as no message
-# before them waits for the step's end. They queue work, pin KV, or move the KV of requests the running step
-# does not include (a finished prefill's new KV, an idle session's history, a waiting task's): the step reads
-# and writes only its own batch's blocks, and new blocks are handed out only when the next step is planned.
-# Audit only reads which requests the engine holds (those of the running step included). RunLocal, Release and
-# Abort may concern a request of the running batch, so they wait for the step's end.
-EARLY_CONTROL = (BeginRound, AddRequest, AddPrefill, SendKV, HistoryReady, KVArrived, Delivered, Audit)
-
 class StepCounts(msgspec.Struct, tag=True):
     """Worker -> coordinator, with its state: engine steps by tokens per step since the last StepCounts (the
     vllm:iteration_tokens_total histogram of the multi-process backend)."""
@@ -238,7 +230,18 @@ class StepCounts(msgspec.Struct, tag=True):
 
 UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure, StepCounts, Holding]
 KV = [KVData]
-EARLY = (*EARLY_CONTROL, KVData)      # a peer's KV is kept for its request at once too (placed later)
+
+# the worker command each message to a worker carries: the one table between core actions and the wire
+COMMAND: dict[type, int] = {BeginRound: c.BEGIN, AddRequest: c.SUBMIT, AddPrefill: c.SUBMIT, SendKV: c.SEND_KV,
+                            HistoryReady: c.HISTORY_READY, KVArrived: c.KV_ARRIVED, Delivered: c.DELIVERED,
+                            RunLocal: c.RUN_LOCAL, Release: c.RELEASE, Abort: c.CANCEL, Audit: c.AUDIT,
+                            KVData: c.KV_IN}
+CONTROL = [t for t, kind in COMMAND.items() if kind != c.KV_IN]
+# the messages a worker carries out while its model runs a step (tandem.core.commands.EARLY says which and why)
+EARLY = tuple(t for t, kind in COMMAND.items() if kind in c.EARLY)
+# the message of each command that names just its request
+NOTICE: dict[int, type] = {c.HISTORY_READY: HistoryReady, c.KV_ARRIVED: KVArrived, c.DELIVERED: Delivered,
+                           c.RUN_LOCAL: RunLocal, c.CANCEL: Abort}
 
 
 class Stats(msgspec.Struct, tag=True):

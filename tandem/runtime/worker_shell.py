@@ -53,7 +53,7 @@ class WorkerShell:
         self._sent: dict[str, tuple[int, str]] = {}          # request -> (tokens, text) streamed so far
         self._first: dict[str, tuple[int, dict | None]] = {}  # remote request -> first token from its prefill
         # Held while the engine's state is read or changed: by the step thread except while the model runs
-        # (execute_step), so that early control messages (EARLY_CONTROL) are carried out during the model's run
+        # (execute_step), so that early control messages (messages.EARLY) are carried out during the model's run
         # rather than after it: a new round's BeginRound and AddRequest then cost no extra step.
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)          # the step thread waits on it for work or messages

@@ -5,20 +5,17 @@ from __future__ import annotations
 from typing import Callable
 
 from tandem.core.actions import ToolCall, Transfer
+from tandem.core.commands import BEGIN, EARLY, KV_ARRIVED, KV_IN, SEND_KV
 from tandem.core.coordinator import Coordinator
 from tandem.core.types import BatchShape, PREFILL, StepPlan, Swap, SwapKind
 from tandem.core.worker import WorkerCore
 from tandem.sim.faults import Fate
-from tandem.sim.loop import (
-    M_BEGIN, M_DELIVERED, M_HISTORY_READY, M_KV_ARRIVED, M_KV_IN, M_SEND_KV, M_SUBMIT, STEP, TOOL, EventLoop,
-)
+from tandem.sim.loop import STEP, TOOL, EventLoop
 from tandem.sim.network import Network
 from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
 REQ, TOOLREQ, BEGUN, CTL, CTLDONE, EVT, HOST = range(7, 14)
-# carried out while the worker steps (tandem.runtime.messages.EARLY: EARLY_CONTROL and a peer's KV)
-EARLY = (M_BEGIN, M_SUBMIT, M_SEND_KV, M_HISTORY_READY, M_KV_ARRIVED, M_DELIVERED, M_KV_IN)
 
 
 class HostLoop(EventLoop):
@@ -33,12 +30,12 @@ class HostLoop(EventLoop):
     - every coordinator action is a message that reaches its worker `hop_s` later, and every worker event
       reaches the coordinator `hop_s` later;
     - a worker handles its messages one after the other (`msg_s` each); between two steps all of them, during
-      a step those of `EARLY` (the runtime's `messages.EARLY`: BeginRound, Submit and the KV moves of requests
-      outside the running batch) as long as nothing waits before them; the others wait for the step's end, and
-      so does everything after them. A KV send first gathers the KV on the source worker (export), the bytes
-      then cross the link, and the destination worker places them (import): each holds its worker's message
-      handling like a message does, and a step that ends meanwhile waits for it before the next one starts
-      (the runtime's I/O thread holds the shell's lock);
+      a step those of `EARLY` (tandem.core.commands, as in the runtime: BeginRound, Submit and the KV moves
+      of requests outside the running batch) as long as nothing waits before them; the others wait for the
+      step's end, and so does everything after them. A KV send first gathers the KV on the source worker
+      (export), the bytes then cross the link, and the destination worker places them (import): each holds
+      its worker's message handling like a message does, and a step that ends meanwhile waits for it before
+      the next one starts (the runtime's I/O thread holds the shell's lock);
     - every step takes `step_factor[kind]` times the step model plus `step_gap_s` (the worker loop between
       steps);
     - a step runs `interference[kind]` times slower while another worker is in a step (the slow-down applies
@@ -69,9 +66,9 @@ class HostLoop(EventLoop):
                               HOST: self._on_host})
 
     # ------------------------------------------------------------------ messages
-    def _send(self, wid: int, kind: int, arg, kick: set[int]) -> None:
-        """The action travels to its worker as a message (hop_s)."""
-        self._push(self.now + self.costs.hop_s, CTL, wid, (kind, arg))
+    def _send(self, wid: int, kind: int, act, kick: set[int]) -> None:
+        """The command travels to its worker as a message (hop_s)."""
+        self._push(self.now + self.costs.hop_s, CTL, wid, (kind, act))
 
     def _tool_call(self, act: ToolCall) -> None:
         st = self.coord.live.get(act.session_id)
@@ -88,9 +85,9 @@ class HostLoop(EventLoop):
 
     def _cost(self, item: tuple) -> float:
         c = self.costs
-        if item[0] == M_SEND_KV:
+        if item[0] == SEND_KV:
             return c.msg_s + c.export_s(item[1].tokens * self.kv_bytes)
-        if item[0] == M_KV_IN:
+        if item[0] == KV_IN:
             return c.msg_s + c.import_s(item[1].tokens * self.kv_bytes)
         return c.msg_s
 
@@ -113,16 +110,16 @@ class HostLoop(EventLoop):
         """A message handled between two steps: its effect on the worker, then the events it caused."""
         w = self.workers[wid]
         kind = item[0]
-        if kind == M_BEGIN:
+        if kind == BEGIN:
             self._push(self.now + self.costs.hop_s, BEGUN, item[1])
-        elif kind == M_KV_IN:
+        elif kind == KV_IN:
             tr, started, fate = item[1], item[2], item[3]
             self._push(self.now + self.costs.hop_s, EVT, None, ("kv", tr, started, fate))
         else:
             self._effect(wid, kind, item[1])
-            if kind == M_KV_ARRIVED:
+            if kind == KV_ARRIVED:
                 self._host_work(self.costs.host_token_s)
-            elif kind == M_SEND_KV:              # its encryption takes CPU on both ends while the bytes move
+            elif kind == SEND_KV:              # its encryption takes CPU on both ends while the bytes move
                 self._host_work(self.costs.crypto_s(item[1].tokens * self.kv_bytes))
         if w.events:
             self._forward(w)
@@ -133,7 +130,7 @@ class HostLoop(EventLoop):
 
     def _landed(self, tr: Transfer, started: float, fate: Fate) -> None:
         """The bytes reached the destination worker, which imports them between its steps."""
-        self._deliver(tr.dst, (M_KV_IN, tr, started, fate))
+        self._deliver(tr.dst, (KV_IN, tr, started, fate))
 
     # ------------------------------------------------------------------ steps with interference
     def _kick(self, wid: int) -> None:
@@ -265,7 +262,7 @@ class HostLoop(EventLoop):
         self._host_work(self.costs.host_round_s)
         if st is not None:
             self._client_sent[sid] = sent
-            self._send(st.worker, M_BEGIN, sid, set())
+            self._send(st.worker, BEGIN, sid, set())
 
     def _on_begun(self, sid: str, b) -> None:
         sent = self._client_sent.pop(sid, self.now)

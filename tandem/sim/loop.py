@@ -12,9 +12,9 @@ import time
 from collections import deque
 from typing import Callable
 
-from tandem.core.actions import (
-    Cancel, Delivered, HistoryReady, KVArrived, Release, RunLocal, Submit, Timer, ToolCall, Transfer,
-)
+from tandem.core.actions import ToolCall, Transfer
+from tandem.core.commands import CANCEL, DELIVERED, HISTORY_READY, KV_ARRIVED, RELEASE, RUN_LOCAL, SEND_KV, SUBMIT, \
+    TOOL_CALL, commands
 from tandem.core.coordinator import Coordinator
 from tandem.core.types import BatchShape, StepPlan, StepResult, Swap
 from tandem.core.worker import WorkerCore
@@ -25,17 +25,11 @@ from tandem.workload.session import Session
 
 # event kinds (the heap holds (time, seq, kind, a, b)); HostLoop adds its own after these
 ARRIVAL, TOOL, STEP, XFER, WAKE, TICK, KILL = range(7)
-# what a coordinator action asks of a worker (the message the runtime would send it)
-M_SUBMIT, M_KV_ARRIVED, M_DELIVERED, M_HISTORY_READY, M_RELEASE, M_RUN_LOCAL, M_CANCEL, M_SEND_KV, M_KV_IN, \
-    M_BEGIN = range(10)
 
 STALL_S = 86_400.0
 """Simulated time with rounds under way but none finishing anywhere, after which the loop calls it a livelock."""
 
 _OK = Fate.OK
-# actions that carry a task to one worker, and the message each becomes
-_TASK_MESSAGE = {Submit: M_SUBMIT, KVArrived: M_KV_ARRIVED, Delivered: M_DELIVERED, HistoryReady: M_HISTORY_READY,
-                 RunLocal: M_RUN_LOCAL, Cancel: M_CANCEL}
 
 
 class EventLoop:
@@ -92,63 +86,55 @@ class EventLoop:
 
     # ------------------------------------------------------------------ actions
     def _apply(self, actions: list) -> None:
-        """Carry out the coordinator's actions: each becomes a message to a worker (`_send`), a KV flow, a
-        tool gap or a timer."""
+        """Carry out the coordinator's actions: each command reaches its worker (`_send`; a KV send starts a
+        flow), a tool call waits out its gap, a timer ticks the coordinator."""
         kick: set[int] = set()
         send = self._send
-        for act in actions:
-            t = type(act)
-            kind = _TASK_MESSAGE.get(t)
-            if kind is not None:
-                send(act.worker, kind, act.task, kick)
-            elif t is Transfer:
-                if act.tokens <= 0:
+        for kind, wid, act in commands(actions):
+            if wid >= 0:
+                if kind == SEND_KV and act.tokens <= 0:
                     self._apply(self.coord.on_transfer_done(act, self.now, 0.0))
                 else:
-                    send(act.src, M_SEND_KV, act, kick)
-            elif t is ToolCall:
+                    send(wid, kind, act, kick)
+            elif kind == TOOL_CALL:
                 self._tool_call(act)
-            elif t is Release:
-                send(act.worker, M_RELEASE, act.session_id, kick)
-            elif t is Timer:
-                self._push(max(act.at_s, self.now), TICK, None)
             else:
-                raise TypeError(f"unknown action {act!r}")
+                self._push(max(act.at_s, self.now), TICK, None)
         for w in kick:
             self._kick(w)
 
-    def _send(self, wid: int, kind: int, arg, kick: set[int]) -> None:
-        """A message reaches its worker at once (a lost worker gets nothing)."""
+    def _send(self, wid: int, kind: int, act, kick: set[int]) -> None:
+        """A command reaches its worker at once (a lost worker gets nothing)."""
         if self.dead[wid]:
             return
-        self._effect(wid, kind, arg)
-        if kind != M_SEND_KV:                           # a send starts a flow; the worker's step goes on
+        self._effect(wid, kind, act)
+        if kind != SEND_KV:                           # a send starts a flow; the worker's step goes on
             kick.add(wid)
 
-    def _effect(self, wid: int, kind: int, arg) -> None:
-        """What a message does to its worker's core (or, for a KV send, to the network)."""
+    def _effect(self, wid: int, kind: int, act) -> None:
+        """What a command does to its worker's core (or, for a KV send, to the network)."""
         w = self.workers[wid]
         now = self.now
-        if kind == M_SUBMIT:
-            w.submit(arg, now)
-        elif kind == M_KV_ARRIVED:
-            w.on_kv_received(arg, now)
-        elif kind == M_DELIVERED:
-            w.on_delivered(arg, now)
-        elif kind == M_HISTORY_READY:
-            w.on_history_fetched(arg, now)
-        elif kind == M_RELEASE:
-            w.release(arg)
-        elif kind == M_RUN_LOCAL:
-            w.run_local(arg, now)
-        elif kind == M_CANCEL:
-            w.cancel(arg)
-        elif kind == M_SEND_KV:
+        if kind == SUBMIT:
+            w.submit(act.task, now)
+        elif kind == KV_ARRIVED:
+            w.on_kv_received(act.task, now)
+        elif kind == DELIVERED:
+            w.on_delivered(act.task, now)
+        elif kind == HISTORY_READY:
+            w.on_history_fetched(act.task, now)
+        elif kind == RELEASE:
+            w.release(act.session_id)
+        elif kind == RUN_LOCAL:
+            w.run_local(act.task, now)
+        elif kind == CANCEL:
+            w.cancel(act.task)
+        elif kind == SEND_KV:
             fate = self.faults.fate() if self.faults is not None else _OK
             if fate is not Fate.LOST:                   # a lost transfer never lands: the coordinator times out
-                self.network.start(arg.src, arg.dst, arg.tokens * self.kv_bytes, (arg, now, fate), now)
+                self.network.start(act.src, act.dst, act.tokens * self.kv_bytes, (act, now, fate), now)
         else:
-            raise TypeError(f"unknown worker message {kind}")
+            raise TypeError(f"unknown worker command {kind}")
 
     def _tool_call(self, act: ToolCall) -> None:
         self._push(self.now + act.delay_s, TOOL, act.session_id)
