@@ -1,9 +1,12 @@
-"""benchmarks/gpu_roofline.py without a GPU: the one-line skip, and the re-analysis of saved profiles (--from-profile)
-against the roofline on made-up measurements whose ratios are known."""
+"""tandem.bench.gpu_roofline and its report without a GPU: the catalogue lookups, measured/roofline ratios of made-up
+profiles whose ratios are known, the report of saved profiles, and benchmarks/gpu_roofline.py's command line (the
+one-line skip without CUDA, --from-profile)."""
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,13 +14,21 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
+from tandem.bench import gpu_roofline as gr  # noqa: E402
+from tandem.bench.gpu_roofline_report import saved_results, write_report  # noqa: E402
 from tandem.perf import get_model  # noqa: E402
 from tandem.perf.roofline import BatchShape, Roofline  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_roofline.py"
-spec = importlib.util.spec_from_file_location("gpu_roofline", SCRIPT)
-gr = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gr)
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_roofline.py"
+
+
+def run_script(argv: list[str]) -> subprocess.CompletedProcess:
+    """benchmarks/gpu_roofline.py in its own process, as a user runs it."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=env)
+
 
 Q8 = {"architecture": "Qwen3ForCausalLM", "layers": 36, "hidden": 4096, "intermediate": 12288, "heads": 32,
       "kv_heads": 8, "head_dim": 128, "vocab": 151936, "max_position_embeddings": 4096, "params": 8_190_735_360,
@@ -51,12 +62,14 @@ def _profile(eager: bool) -> dict:
             "heldout_error": {"n": 4, "median": 0.05, "p90": 0.1, "mean": 0.06, "max": 0.2}}
 
 
-def test_without_cuda_it_skips_in_one_line_and_exits_2(capsys):
+def test_without_cuda_the_script_skips_in_one_line_and_exits_2(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    assert gr.main(["--out", "unused"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    p = run_script(["--out", str(tmp_path / "unused")])
+    assert p.returncode == 2 and p.stdout == ""
+    err = p.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gpu_roofline: skipped: no CUDA device")
+    assert not (tmp_path / "unused").exists()
 
 
 def test_gpu_names_map_to_the_catalogue():
@@ -93,7 +106,8 @@ def test_ratios_by_kind_are_measured_over_roofline():
     assert big["bound"] == "compute" and big["ratio"] == pytest.approx(2.5)
 
 
-def test_from_profile_writes_the_report_and_keeps_a_saved_sweep(tmp_path, capsys):
+def _saved(tmp_path: Path) -> tuple[list[Path], dict]:
+    """Two saved profiles (graphs, eager) and an earlier results.json holding a decode sweep; the paths, the sweep."""
     for mode, eager in (("graphs", False), ("eager", True)):
         (tmp_path / f"profile_{mode}.json").write_text(json.dumps(_profile(eager)))
     sweep = {"ctx": 1024, "batches": [1, 8], "reps": 3, "max_model_len": 4096, "block_size": 16,
@@ -104,18 +118,49 @@ def test_from_profile_writes_the_report_and_keeps_a_saved_sweep(tmp_path, capsys
              "roofline_s": [0.008, 0.009]}
     (tmp_path / "old.json").write_text(json.dumps({"env": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"},
                                                    "decode_sweep": sweep}))
-    out = tmp_path / "report"
-    assert gr.main(["--from-profile", str(tmp_path / "profile_graphs.json"), "--from-profile",
-                    str(tmp_path / "profile_eager.json"), "--sweep-from", str(tmp_path / "old.json"),
-                    "--out", str(out)]) == 0
-    md = (out / "table.md").read_text()
-    assert md == capsys.readouterr().out.rstrip("\n") + "\n"
-    assert "| prefill | 3 | 1.50 | 1.50 | 2.50 |" in md and "| decode | 2 | 2.50 | 2.00 | 3.00 |" in md
-    assert "| 1 | 10.00 | 30.00 | 3.00x | 8.00 | 1.25 | 3.75 |" in md
-    assert "35 sizes (1..256) captured in 12.5 s, graph pool 300 MiB reserved" in md
-    res = json.loads((out / "results.json").read_text())
+    return [tmp_path / "profile_graphs.json", tmp_path / "profile_eager.json", tmp_path / "old.json"], sweep
+
+
+def test_saved_profiles_make_the_report_with_the_saved_sweep(tmp_path):
+    """Protects the re-analysis: ratio rows by kind, the decode sweep's rows (graphs, eager, speed-up, roofline and
+    both ratios in ms), the capture line, and results.json keeping the earlier file's sweep untouched."""
+    (graphs, eager, old), sweep = _saved(tmp_path)
+    profiles = [graphs, eager]
+    res = saved_results(profiles, [old])
     assert [p["mode"] for p in res["profiles"]] == ["graphs", "eager"] and res["decode_sweep"] == sweep
+    assert res["env"] == {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"}
+    out = tmp_path / "report"
+    md = write_report(res, out)
+    assert (out / "table.md").read_text() == md + "\n"
+    assert "| prefill | 3 | 1.50 | 1.50 | 2.50 |" in md and "| decode | 2 | 2.50 | 2.00 | 3.00 |" in md
+    assert "| mixed | 1 | 1.25 | 1.25 | 1.25 |" in md and "| all | 6 | 1.75 | 1.25 | 3.00 |" in md
+    assert "| 1 | 10.00 | 30.00 | 3.00x | 8.00 | 1.25 | 3.75 |" in md
+    assert "| 8 | 12.00 | 36.00 | 3.00x | 9.00 | 1.33 | 4.00 |" in md
+    assert "35 sizes (1..256) captured in 12.5 s, graph pool 300 MiB reserved (100 MiB allocated)" in md
+    assert json.loads((out / "results.json").read_text()) == res
     assert (out / "gpu_roofline.png").stat().st_size > 10_000
+
+
+def test_a_later_results_file_adds_only_what_earlier_ones_lack(tmp_path):
+    """Protects --sweep-from's order: the first file that holds a key wins; later files fill in the rest."""
+    (tmp_path / "profile.json").write_text(json.dumps(_profile(False)))
+    (tmp_path / "a.json").write_text(json.dumps({"env": {"device": "A"}}))
+    (tmp_path / "b.json").write_text(json.dumps({"env": {"device": "B"}, "anatomy": {"ctx": 7}, "other": 1}))
+    res = saved_results([tmp_path / "profile.json"], [tmp_path / "a.json", tmp_path / "b.json"])
+    assert set(res) == {"env", "anatomy", "profiles"}
+    assert res["env"] == {"device": "A"} and res["anatomy"] == {"ctx": 7}
+
+
+def test_the_script_re_analyses_saved_profiles_and_prints_the_table(tmp_path):
+    """Protects the command line: --from-profile (twice) and --sweep-from write the report and print its table."""
+    (graphs, eager, old), _ = _saved(tmp_path)
+    out = tmp_path / "report"
+    p = run_script(["--from-profile", str(graphs), "--from-profile", str(eager), "--sweep-from", str(old),
+                    "--out", str(out)])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == (out / "table.md").read_text()
+    assert "| 1 | 10.00 | 30.00 | 3.00x | 8.00 | 1.25 | 3.75 |" in p.stdout
+    assert [x["mode"] for x in json.loads((out / "results.json").read_text())["profiles"]] == ["graphs", "eager"]
 
 
 def test_profile_passes_max_model_len_to_the_engine(tmp_path):

@@ -1,23 +1,17 @@
-"""benchmarks/vidur_check.py on its vendored Vidur data: the rows compared, Vidur's values read as the CSVs hold
-them, and tandem's side assembled as the measured step model assembles it."""
+"""tandem.bench.vidur on its vendored Vidur data: the rows compared, Vidur's values read as the CSVs hold them, and
+tandem's side assembled as the measured step model assembles it; the report built from those rows."""
 from __future__ import annotations
 
-import importlib.util
+import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from tandem.bench import vidur as vc
+from tandem.bench.vidur_report import write_report
 from tandem.perf.measured.source import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="measured cost tables (aiconfigurator-core) not installed")
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vidur_check.py"
-spec = importlib.util.spec_from_file_location("vidur_check", SCRIPT)
-vc = importlib.util.module_from_spec(spec)
-sys.modules["vidur_check"] = vc
-spec.loader.exec_module(vc)
 
 
 def test_vidur_values_are_read_as_the_csvs_hold_them():
@@ -56,3 +50,23 @@ def test_comparison_rows_ratios_and_tandem_assembly():
     assert by[(2, 1, "qkv")]["vidur_ms"] == 0.058
     assert by[(2, 1, "elementwise")]["vidur_ms"] == pytest.approx(
         sum(vc.load_vidur_mlp()[(2, 1)][o] for o in vc.VIDUR_OPS["elementwise"]))
+
+
+def test_the_report_holds_every_row_and_the_geomean_ratios(tmp_path):
+    """Protects the report: one markdown row per compared value (interpolated Vidur reads marked), the ratio tables,
+    and results.json's geometric mean of each ratio over the token counts."""
+    rows = vc.compare(tps=(2,), tokens=(1, 128))
+    md = write_report(rows, tmp_path)
+    assert (tmp_path / "table.md").read_text() == md and (tmp_path / "per_op.png").stat().st_size > 0
+    by = {(r["tokens"], r["op"]): r for r in rows}
+    ar = by[(128, "all_reduce")]
+    assert (f"| 2 | 128 | all_reduce | 0.054 | {ar['measured_ms']:.3g} | {ar['roofline_ms']:.3g} | "
+            f"{ar['measured_over_vidur']:.2f} | {ar['roofline_over_vidur']:.2f} |") in md
+    assert by[(1, "all_reduce")]["vidur_read"] == "interpolated" and "| 2 | 1 | all_reduce | " in md
+    assert md.count("| 2 | ") == len(rows) == 2 * len(vc.ROWS)
+    qkv = [by[(t, "qkv")]["measured_over_vidur"] for t in (1, 128)]
+    assert f"| qkv | {qkv[0]:.2f} | {qkv[1]:.2f} |" in md
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["rows"] == json.loads(json.dumps(rows)) and res["meta"]["vidur"]["commit"] == vc.VIDUR_COMMIT
+    assert res["geomean_ratio_over_tokens"]["tp2"]["qkv"]["measured_over_vidur"] == pytest.approx(
+        math.sqrt(qkv[0] * qkv[1]))
