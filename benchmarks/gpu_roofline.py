@@ -71,7 +71,8 @@ def _summary(xs: list[float]) -> dict:
 
 def analyse_profile(prof: dict, gpu: str | None = None) -> dict:
     """Every measured step of a profile.json against the roofline: rows and the ratio's summary by kind."""
-    from tandem.perf.roofline import BatchShape, Roofline
+    from tandem.perf.batch_shape import BatchShape
+    from tandem.perf.roofline import Roofline
     device = prof.get("device", {})
     gpu = gpu or gpu_key(device.get("name", ""))
     if gpu is None:

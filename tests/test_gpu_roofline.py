@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
 from tandem.perf import get_model  # noqa: E402
-from tandem.perf.roofline import BatchShape, Roofline  # noqa: E402
+from tandem.perf.batch_shape import BatchShape  # noqa: E402
+from tandem.perf.roofline import Roofline  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_roofline.py"
 spec = importlib.util.spec_from_file_location("gpu_roofline", SCRIPT)
