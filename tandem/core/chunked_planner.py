@@ -14,25 +14,48 @@ from tandem.policy.routing import itl_chunk_tokens
 
 
 class StepPlanner(Protocol):
-    """How a worker core of one mode forms its steps and applies their results (tandem.core.factory picks it)."""
+    """How a worker core of one mode forms its steps and applies their results (tandem.core.factory picks it); the
+    hooks do nothing unless a mode has something of its own to do."""
 
-    def plan(self, core: WorkerHost, now: float) -> StepPlan | None: ...
-    def admits(self, core: WorkerHost, task: PrefillTask, now: float) -> bool: ...
-    def started(self, core: WorkerHost, seq: Seq, task: PrefillTask) -> None: ...
-    def commit(self, core: WorkerHost, plan: StepPlan, result: StepResult, now: float) -> None: ...
-    def finished(self, core: WorkerHost, seq: Seq) -> None: ...
-    def forget(self, sid: str) -> None: ...
-    def choose_chunk(self, sid: str, asked: ChunkSpec | None, reproducible: bool) -> ChunkSpec | None: ...
-    def chunk_of(self, sid: str) -> ChunkSpec | None: ...
-    def phase_of(self, sid: str) -> Phase | None: ...
+    def plan(self, core: WorkerHost, now: float) -> StepPlan | None:
+        """Form the next step (None: nothing can run now)."""
+        ...
+
+    def commit(self, core: WorkerHost, plan: StepPlan, result: StepResult, now: float) -> None:
+        """Apply the committed tokens of a step's decodes."""
+        core.commit(plan, result.committed, result.finished, now)
+
+    def admits(self, core: WorkerHost, task: PrefillTask, now: float) -> bool:
+        """Whether a submitted task may ever run here (False: its session failed, with the reason)."""
+        return True
+
+    def started(self, core: WorkerHost, seq: Seq, task: PrefillTask) -> None:
+        """A sequence starts decoding its round after `task`'s prefill."""
+
+    def finished(self, core: WorkerHost, seq: Seq) -> None:
+        """A sequence's round is over (before it goes idle)."""
+
+    def forget(self, sid: str) -> None:
+        """The session ended: drop what this planner keeps of it."""
+
+    def choose_chunk(self, sid: str, asked: ChunkSpec | None = None, reproducible: bool = False) -> ChunkSpec | None:
+        """The chunk a diffusion round decodes with (None: no windows in this mode)."""
+        return None
+
+    def chunk_of(self, sid: str) -> ChunkSpec | None:
+        """The chunk session `sid` decodes with (None: no windows in this mode)."""
+        return None
+
+    def phase_of(self, sid: str) -> Phase | None:
+        """The dLLM-Serve phase of the session's request in the last step planned (None: no phases in this mode)."""
+        return None
 
 
-class ChunkedPlanner:
+class ChunkedPlanner(StepPlanner):
     """Autoregressive steps: admit prefills (picker order), then prefill chunks and/or decodes. The other modes'
     planners derive from it and keep its hooks where they have nothing of their own to do."""
 
     def plan(self, core: WorkerHost, now: float) -> StepPlan | None:
-        """Form the next step (None: nothing can run now)."""
         kv, cfg = core.kv, core.cfg
         if kv.swapped:
             kv.swap_in(now)
@@ -144,38 +167,6 @@ class ChunkedPlanner:
     def cost(self, core: WorkerHost, t: PrefillTask, n: int) -> int:
         """The tokens a prefill chunk of `n` computes in this step."""
         return n
-
-    def admits(self, core: WorkerHost, task: PrefillTask, now: float) -> bool:
-        """Whether a submitted task may ever run here (False: its session failed, with the reason)."""
-        return True
-
-    def started(self, core: WorkerHost, seq: Seq, task: PrefillTask) -> None:
-        """A sequence starts decoding its round after `task`'s prefill."""
-
-    def commit(self, core: WorkerHost, plan: StepPlan, result: StepResult, now: float) -> None:
-        """Apply the committed tokens of a step's decodes."""
-        if result.committed is None and core.cfg.decode_query_tokens == 1:
-            core.commit_one_each(plan, result.finished, now)
-        else:
-            core.commit(plan, result.committed, result.finished, now)
-
-    def finished(self, core: WorkerHost, seq: Seq) -> None:
-        """A sequence's round is over (before it goes idle)."""
-
-    def forget(self, sid: str) -> None:
-        """The session ended: drop what this planner keeps of it."""
-
-    def choose_chunk(self, sid: str, asked: ChunkSpec | None = None, reproducible: bool = False) -> ChunkSpec | None:
-        """The chunk a diffusion round decodes with (None: no windows in this mode)."""
-        return None
-
-    def chunk_of(self, sid: str) -> ChunkSpec | None:
-        """The chunk session `sid` decodes with (None: no windows in this mode)."""
-        return None
-
-    def phase_of(self, sid: str) -> Phase | None:
-        """The dLLM-Serve phase of the session's request in the last step planned (None: no phases in this mode)."""
-        return None
 
 
 __all__ = ["ChunkedPlanner", "StepPlanner"]

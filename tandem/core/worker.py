@@ -232,32 +232,6 @@ class WorkerCore:
         if plan.decode:
             self.planner.commit(self, plan, result, now)
 
-    def commit_one_each(self, plan: StepPlan, stopped, now: float) -> None:
-        """AR steps: every decoding sequence committed one token (the simulator's hot path)."""
-        itl_sum, n_tok = 0.0, 0
-        finished = False
-        for seq in plan.decode:
-            if seq.state is not RUNNING:
-                continue
-            seq.num_tokens += 1
-            gap = now - seq.last_token_s
-            seq.itl_sum += gap
-            seq.itl_count += 1
-            if gap > seq.itl_max:
-                seq.itl_max = gap
-            itl_sum += gap
-            n_tok += 1
-            seq.last_token_s = now
-            seq.to_decode -= 1
-            if stopped and seq.session_id in stopped:
-                seq.to_decode = 0
-            if seq.to_decode <= 0:
-                finished = True
-        self.ctx_tokens += n_tok
-        self.itl.add(now, itl_sum, n_tok)
-        if finished:
-            self._retire(now)
-
     def commit(self, plan: StepPlan, committed: dict[str, int] | None, stopped, now: float,
                hook: CommitHook | None = None) -> None:
         """Multi-token (or executor-reported) commits: 0..commit_cap tokens per decoding sequence; `hook`, the
@@ -413,33 +387,15 @@ class WorkerCore:
         """Busy share of the last window (LAPS Alg. 2's u): step time ended within it over its length."""
         return min(1.0, self.busy_window.total(now) / self.cfg.window_s)
 
-    @property
-    def capacity_tokens(self) -> int:
-        """The longest sequence this worker's KV pool holds."""
-        return self.kv.capacity_tokens
-
-    @property
-    def swapped(self) -> list[Seq]:
-        """Sequences preempted by swap, their KV in host memory."""
-        return self.kv.swapped
-
-    @property
-    def swaps(self) -> list[Swap]:
-        """The KV copies planned and not yet taken (take_swaps)."""
-        return self.kv.swaps
+    capacity_tokens = property(lambda self: self.kv.capacity_tokens, doc="The longest sequence the KV pool holds.")
+    swapped = property(lambda self: self.kv.swapped, doc="Sequences preempted by swap, their KV in host memory.")
+    swaps = property(lambda self: self.kv.swaps, doc="The KV copies planned and not yet taken (take_swaps).")
+    kv_usage = property(lambda self: self.blocks.usage, doc="Share of the KV pool's blocks in use.")
+    swap_usage = property(lambda self: self.kv.swap_usage, doc="Share of the swap space holding preempted KV.")
 
     def take_swaps(self) -> list[Swap]:
         """The KV copies planned since the last call, in order, for the shell to carry out before its next forward."""
         return self.kv.take_swaps()
-
-    @property
-    def kv_usage(self) -> float:
-        return self.blocks.usage
-
-    @property
-    def swap_usage(self) -> float:
-        """Fraction of the swap space holding preempted KV (vLLM's cpu_cache_usage_perc / 100; 0 without one)."""
-        return self.kv.swap_usage
 
     def has_work(self) -> bool:
         return bool(self.queue or self.active or self.running or self.pending_kv or self.kv.swapped)
