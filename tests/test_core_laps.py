@@ -12,7 +12,8 @@ import pytest
 from tandem.core.factory import build_worker, make_router, resolve_policy
 from tandem.core.types import DECODE, PREFILL, FetchHistory, PrefillDone, PrefillTask, StepResult
 from tandem.core.worker import WorkerConfig, WorkerCore
-from tandem.perf.roofline import BatchShape, Roofline
+from tandem.perf.batch_shape import BatchShape
+from tandem.perf.roofline import Roofline
 from tandem.policy.laps.classify import LengthClassifier, PrefillClass
 from tandem.policy.laps.pools import PooledRouter
 from tandem.policy.laps.pressure import PressureConfig

@@ -71,8 +71,8 @@ def test_a_preempted_sequence_is_swapped_out_and_back_in_without_a_recompute():
     ]
     # b decoded its 2nd token at t=4 and its 3rd at t=5 with no prefill again (recompute: t=5 and t=6)
     assert (done["b"].preemptions, done["b"].itl_count, done["b"].itl_max, done["b"].time_s) == (1, 2, 3.0, 5.0)
-    assert core.preempted == {RECOMPUTE: 0, SWAP: 1}
-    assert (b.state, b.num_tokens, b.swapped_blocks, core.swap_free, core.swapped) == (SeqState.IDLE, 8, 0, 4, [])
+    assert core.kv.preempted == {RECOMPUTE: 0, SWAP: 1}
+    assert (b.state, b.num_tokens, b.swapped_blocks, core.kv.swap_free, core.swapped) == (SeqState.IDLE, 8, 0, 4, [])
 
 
 def test_a_queued_prefill_waits_while_a_swapped_sequence_waits_for_its_blocks():
@@ -88,7 +88,7 @@ def test_a_full_swap_space_falls_back_to_recompute():
     core = three_decoding(swap_blocks=1)             # b holds 2 blocks: no room on the host
     core.schedule(1.0)
     rec = core.queue[0]
-    assert core.take_swaps() == [] and core.preempted == {RECOMPUTE: 1, SWAP: 0}
+    assert core.take_swaps() == [] and core.kv.preempted == {RECOMPUTE: 1, SWAP: 0}
     assert (rec.session_id, rec.recompute, rec.l_incr, core.seqs["b"].state) == ("b", True, 6, SeqState.PREFILL)
 
 
@@ -99,7 +99,7 @@ def test_a_session_that_ends_while_swapped_out_drops_its_host_copy():
     core.release("b")
     [drop] = core.take_swaps()
     assert (out.kind, drop.kind, drop.session_id, drop.blocks) == (SwapKind.OUT, SwapKind.DROP, "b", ())
-    assert (core.swap_free, core.swapped, core.seqs.get("b")) == (4, [], None)
+    assert (core.kv.swap_free, core.swapped, core.seqs.get("b")) == (4, [], None)
 
 
 @pytest.mark.parametrize("kw, block_bytes, want", [
@@ -158,10 +158,10 @@ def test_the_simulator_swaps_streaming_windows_and_charges_every_copy():
         loop.swap_time = [_recording_timer(timer, charged)]
         loop.run(sessions, concurrency=64)
         assert all(rec.completed for rec in coord.records)
-        assert (w.preempted[SWAP] > 0, w.preempted[RECOMPUTE] > 0) == (swaps, recomputes)
+        assert (w.kv.preempted[SWAP] > 0, w.kv.preempted[RECOMPUTE] > 0) == (swaps, recomputes)
         assert sum(charged) == cfg.block_size * sum(len(sw.blocks) for sw in planned)
-        assert len(planned) == 2 * w.preempted[SWAP]                      # each swapped out once, back in once
-        assert w.swap_free == w.cfg.swap_blocks and not w.swapped
+        assert len(planned) == 2 * w.kv.preempted[SWAP]                      # each swapped out once, back in once
+        assert w.kv.swap_free == w.cfg.swap_blocks and not w.swapped
 
 
 def _recording(take, planned: list):

@@ -138,7 +138,7 @@ def test_max_num_seqs_caps_admitted_plus_running_sequences():
 
 def test_an_admitted_prefill_leaves_the_watermark_blocks_free():
     core = make(COLOCATED, num_blocks=100, block_size=16, watermark=0.1, max_num_batched_tokens=4096)
-    assert core.watermark_blocks == 10             # int(0.1 * 100)
+    assert core.kv.watermark_blocks == 10             # int(0.1 * 100)
     a = start(core, "a", 50 * 16, out=2)          # 50 blocks + 10 free <= 100 free: admitted, 50 left
     b = start(core, "b", 40 * 16, out=2)          # 40 blocks + 10 free <= 50 free: admitted, exactly 10 left
     c = start(core, "c", 16, out=2)               # 1 block + 10 > 10 free: refused, though 10 blocks are free
@@ -264,12 +264,12 @@ def test_idle_kv_stays_resident_after_a_round_and_is_evicted_least_recently_used
     assert x.state is SeqState.IDLE and x.num_tokens == 4 and core.blocks.num_free == 4   # KV kept
     start(core, "y", 4, out=1, now=1.0)
     step(core, 1.0)
-    assert list(core.idle) == ["x", "y"] and core.blocks.num_free == 3
+    assert list(core.kv.idle) == ["x", "y"] and core.blocks.num_free == 3
     assert core.begin_round("x") == 4             # x's next round finds its history resident ...
     core.submit(PrefillTask("x", 1, 4, 4, 2.0, output_tokens=1), 2.0)
     plan, _ = step(core, 2.0)
     assert chunks(plan) == [("x", 4)] and plan.shape.prefill_kv_read_tokens == 4   # ... and computes only 4
-    assert list(core.idle) == ["y", "x"] and x.num_tokens == 8 and core.blocks.num_free == 2
+    assert list(core.kv.idle) == ["y", "x"] and x.num_tokens == 8 and core.blocks.num_free == 2
     start(core, "z", 12, out=1, now=3.0)           # 3 blocks, 2 free: y, now the least recently used, goes
     plan = core.schedule(3.0)
     assert chunks(plan) == [("z", 12)]

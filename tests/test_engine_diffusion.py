@@ -106,10 +106,10 @@ def test_streaming_outputs_do_not_depend_on_the_batch_through_swap_preemptions(p
     kw = dict(max_model_len=128, num_kv_blocks=8)
     eng = _engine("4", **kw)
     batched, outs = _run(eng, prompts, GREEDY)
-    assert eng.core.preempted == {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 3}
+    assert eng.core.kv.preempted == {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 3}
     preempted = [int(r) for r, o in outs.items() if o.metrics.num_preemptions]
     assert sum(o.metrics.num_preemptions for o in outs.values()) == 3 and preempted
-    assert eng._swapped == {} and eng.core.swap_free == eng.core.cfg.swap_blocks
+    assert eng._swapped == {} and eng.core.kv.swap_free == eng.core.cfg.swap_blocks
     alone = _engine("4", **kw)
     for i in preempted:
         assert _run(alone, [prompts[i]], GREEDY)[0]["0"] == batched[str(i)]

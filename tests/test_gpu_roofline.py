@@ -17,7 +17,8 @@ pytest.importorskip("matplotlib")
 from tandem.bench import gpu_roofline as gr  # noqa: E402
 from tandem.bench.gpu_roofline_report import saved_results, write_report  # noqa: E402
 from tandem.perf import get_model  # noqa: E402
-from tandem.perf.roofline import BatchShape, Roofline  # noqa: E402
+from tandem.perf.batch_shape import BatchShape  # noqa: E402
+from tandem.perf.roofline import Roofline  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_roofline.py"

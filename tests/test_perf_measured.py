@@ -13,7 +13,8 @@ from tandem.perf.measured.grid import LogGrid
 from tandem.perf.measured.ops import op_tables
 from tandem.perf.measured.step import MeasuredStep
 from tandem.perf.models import get_model
-from tandem.perf.roofline import BatchShape, kv_capacity_tokens
+from tandem.perf.batch_shape import BatchShape
+from tandem.perf.roofline import kv_capacity_tokens
 
 pytestmark = pytest.mark.skipif(not source.available(), reason="aiconfigurator-core is not installed")
 

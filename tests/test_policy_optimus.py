@@ -366,7 +366,7 @@ def test_sequences_that_sit_a_step_out_go_first_in_the_next(chunk):
         sat = {f"s{i}" for i in range(4)} - set(ran)
         w.on_step_done(plan, StepResult(1.0, {sid: 0 for sid in ran}), t + 1.0)
         t += 1.0
-    assert w._sat_out and set(w._sat_out) == sat
+    assert w.planner.sat_out and set(w.planner.sat_out) == sat
 
 
 def test_elastic_adds_what_its_steps_took_beyond_t_to_their_price():

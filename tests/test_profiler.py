@@ -10,7 +10,7 @@ import pytest
 
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.fit import PiecewiseLinear
-from tandem.perf.roofline import BatchShape
+from tandem.perf.batch_shape import BatchShape
 from tandem.perf.step_model import FEATURES, Profile, StepTimeModel, shape_features
 
 SIM_ARGS = ["--workload", "toolbench", "--sessions", "5", "--deploy", "P:tp1x1,D:tp1x1",

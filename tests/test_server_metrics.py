@@ -89,8 +89,8 @@ def test_swap_preemptions_show_in_the_metrics_and_the_cache_config(tmp_path):
     finally:
         asyncio.run(client.shutdown())
     lab = '{model_name="tiny"}'
-    swapped = core.preempted[PreemptionMode.SWAP]
-    assert swapped > 0 and core.preempted[PreemptionMode.RECOMPUTE] == 0
+    swapped = core.kv.preempted[PreemptionMode.SWAP]
+    assert swapped > 0 and core.kv.preempted[PreemptionMode.RECOMPUTE] == 0
     assert _value(text, f"vllm:num_preemptions_total{lab}") == swapped
     assert _value(text, f"vllm:num_requests_swapped{lab}") == 0
     assert _value(text, f"vllm:cpu_cache_usage_perc{lab}") == 0

@@ -150,7 +150,7 @@ def test_two_sequences_that_exactly_fill_the_pool_do_not_preempt_each_other_fore
 
 def _profile(tmp_path, runtime=None, kv_link=None, interference=None, name="p.json"):
     """A synthetic `tandem profile` file: step time 2 ms + 0.1 ms per query token + 1 us per KV token read."""
-    from tandem.perf.roofline import BatchShape
+    from tandem.perf.batch_shape import BatchShape
     from tandem.perf.step_model import Profile, StepTimeModel
     shapes = []
     for n in (1, 8, 64, 256, 1024):

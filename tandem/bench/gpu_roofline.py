@@ -4,7 +4,8 @@ from __future__ import annotations
 import statistics
 
 from tandem.perf.models import MODELS, ModelSpec
-from tandem.perf.roofline import BatchShape, Roofline
+from tandem.perf.batch_shape import BatchShape
+from tandem.perf.roofline import Roofline
 
 KINDS = ("prefill", "decode", "mixed")
 SHAPE_FIELDS = ("prefill_tokens", "prefill_attn_pairs", "prefill_kv_read_tokens", "num_prefill", "num_decode",

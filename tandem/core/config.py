@@ -1,5 +1,5 @@
 """The scheduler configuration every shell shares: one set of defaults (vLLM's names) for the simulator,
-the engine and the runtime's workers and coordinator."""
+the engine and the runtime's workers and coordinator; and the knobs of one worker core drawn from it."""
 from __future__ import annotations
 
 import math
@@ -113,3 +113,30 @@ class SchedulerConfig:
         """The Refresh/Reuse policy of the dLLM-Serve mode (ValueError names a bad knob)."""
         return PhaseSpec(max(2, self.dllm_block_length), self.dllm_delay_step, self.dllm_refresh_interval,
                          self.dllm_refresh_span, self.dllm_kv_retention)
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Scheduling knobs of one worker (vLLM names where they exist); defaults are SchedulerConfig's. Shells
+    get one from tandem.core.factory.build_worker, never by hand."""
+
+    role: str
+    tp: int
+    num_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # sequences prefilling or decoding at once
+    mix_decode_with_prefill: bool = False   # co-located chunked prefill: decodes ride along prefill chunks
+    retain_s: float = 0.0                   # idle session KV is pinned this long after a round (Continuum TTL)
+    watermark: float = DEFAULT_WATERMARK    # share of blocks an admitted prefill must leave free so sequences can
+                                            # grow (vLLM's watermark); waived for a context that needs the rest
+    window_s: float = DEFAULT_WINDOW_S      # windowed TTFT/ITL statistics
+    decode_query_tokens: int = 1            # query tokens per decode step (1: AR; >1: multi-token steps)
+    itl_chunk_beta: float | None = None     # decode worker: local prefills ride along the decodes in chunks whose
+                                            # estimate fits itl_chunk_beta * the round's ITL SLO (None: prefill-first)
+    dllm_block: int = 0                     # block-diffusion decoding: positions per block (0: autoregressive)
+    dllm_prefill_share: float = 0.5         # elastic windows leave waiting prefills up to this share of the budget
+    dllm_admission: str = ""                # dLLM-Serve mode (co-located diffusion workers): Refresh/Reuse phases
+                                            # packed by "phase", "static" or "reserve" admission ("": Optimus windows)
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE   # how a running sequence gives up its KV
+    swap_blocks: int = 0                    # host KV blocks for preemption by swap (falls back to recompute when full)

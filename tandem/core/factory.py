@@ -6,15 +6,19 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+from tandem.core.chunked_planner import ChunkedPlanner, StepPlanner
 from tandem.core.config import PreemptionMode, SchedulerConfig
 from tandem.core.coordinator import Coordinator, CoordinatorView
+from tandem.core.laps_planner import LapsPlanner
 from tandem.core.laps_sched import LapsScheduler, LocalLaps, laps_options
+from tandem.core.phase_planner import PhasePlanner
 from tandem.core.types import COLOCATED, Role
+from tandem.core.window_planner import WindowPlanner
 from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.policy.binding import LeastKVBinder, PrefixAffinityBinder
 from tandem.policy.laps.classify import DEFAULT_THRESHOLD, LengthClassifier
 from tandem.policy.laps.pools import PooledRouter
-from tandem.perf.roofline import BatchShape
+from tandem.perf.batch_shape import BatchShape
 from tandem.policy.laps.pressure import PressureConfig
 from tandem.policy.dllm_serve import Admission, DllmServe
 from tandem.policy.optimus.chunk import ChunkMode, ChunkSizer, StepLatency, parse_chunk
@@ -27,7 +31,8 @@ from tandem.policy.routing import (
     AdaptiveRouter, LeastCostRemoteRouter, LeastLoadRouter, LocalRouter, RoundRobinRouter, Router,
 )
 
-__all__ = ["build_worker", "build_coordinator", "laps_threshold", "make_router", "make_picker", "resolve_policy"]
+__all__ = ["build_worker", "build_coordinator", "laps_threshold", "make_planner", "make_router", "make_picker",
+           "resolve_policy"]
 
 
 def resolve_policy(policy: str | PolicySpec, **options) -> PolicySpec:
@@ -134,7 +139,20 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
     elif sched.dllm_block_length and role != Role.PREFILL:
         chunker = ChunkSizer(parse_chunk(sched.dllm_chunk), sched.dllm_block_length,
                              latency.rows if latency is not None else chunk_latency(t_step, t_pre))
-    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker, dllm=dllm)
+    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker, dllm=dllm,
+                      planner=make_planner(laps, chunker, dllm))
+
+
+def make_planner(laps: LapsScheduler | None, chunker: ChunkSizer | None, dllm: DllmServe | None) -> StepPlanner:
+    """A worker's step planner, picked once from its mode: dLLM-Serve phases, Optimus windows, LAPS buckets
+    (temporal disaggregation on), else autoregressive chunked steps."""
+    if dllm is not None:
+        return PhasePlanner(dllm)
+    if chunker is not None:
+        return WindowPlanner(chunker)
+    if laps is not None and laps.opts.split:
+        return LapsPlanner()
+    return ChunkedPlanner()
 
 
 def chunk_latency(t_step: Callable[[BatchShape], float] | None,

@@ -20,7 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from tandem.core.types import BatchShape, PrefillTask, StepPlan
+from tandem.core.types import PrefillTask, StepPlan
+from tandem.perf.batch_shape import BatchShape
 from tandem.policy.laps.awd import AWDBatcher, AWDConfig, ShortRequest
 from tandem.policy.laps.buckets import Bucket, BucketGrid
 from tandem.policy.laps.classify import LengthClassifier, PrefillClass

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from tandem.perf.roofline import BatchShape
+from tandem.perf.batch_shape import BatchShape
 from tandem.policy.task import COLOCATED, DECODE, PREFILL, PrefillTask, Role
 
 # Worker roles and the prefill task live with the policies that read them.

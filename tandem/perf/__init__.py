@@ -3,7 +3,8 @@ and AMPD's T_pre / T_dec / T_kv. See docs/cost-models.md."""
 from tandem.perf.errors import DoesNotFitError, ParallelismError, UnknownNameError
 from tandem.perf.hardware import GPU, GPUS, get_gpu
 from tandem.perf.models import MODELS, ModelSpec, get_model
-from tandem.perf.roofline import (BatchShape, Roofline, check_tp, kv_bytes_per_token_per_gpu, kv_capacity_tokens,
+from tandem.perf.batch_shape import BatchShape
+from tandem.perf.roofline import (Roofline, check_tp, kv_bytes_per_token_per_gpu, kv_capacity_tokens,
                                   kv_transfer_time, supported_tps)
 from tandem.perf.fit import PiecewiseLinear, fit
 from tandem.perf.ampd_cost import AMPDCostModel, dec_features, kv_features, pre_features

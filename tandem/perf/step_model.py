@@ -37,7 +37,7 @@ import numpy as np
 
 from tandem.perf.ampd_cost import TYPICAL_CTX, AMPDCostModel, dec_features, kv_features, pre_features
 from tandem.perf.fit import PiecewiseLinear, fit
-from tandem.perf.roofline import BatchShape
+from tandem.perf.batch_shape import BatchShape
 from tandem.perf.step_timer import StepTimer
 from tandem.perf.window_profile import SECTION as DLLM_SECTION, WindowLatencyProfile
 

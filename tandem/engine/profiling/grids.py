@@ -5,7 +5,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from tandem.perf.roofline import BatchShape
+from tandem.perf.batch_shape import BatchShape
 
 
 @dataclass(frozen=True)

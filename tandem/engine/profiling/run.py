@@ -19,7 +19,7 @@ from tandem.engine.profiling.kv_path import measure_kv_link, measure_kv_path
 from tandem.engine.profiling.options import ProfileOptions
 from tandem.engine.profiling.timing import Bench
 from tandem.engine.profiling.windows import measure_window_latency_profile
-from tandem.perf.roofline import BatchShape
+from tandem.perf.batch_shape import BatchShape
 from tandem.perf.step_model import DEFAULT_KV_LINK, Profile, StepTimeModel
 
 Progress = Callable[[str, int, int], None]      # (stage, done, total)

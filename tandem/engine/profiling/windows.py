@@ -19,7 +19,7 @@ from typing import Callable
 from tandem.engine.diffusion.window_timing import WindowTimer
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.profiling.timing import measure_rounds
-from tandem.perf.roofline import BatchShape
+from tandem.perf.batch_shape import BatchShape
 from tandem.perf.step_model import rel_errors
 from tandem.perf.window_profile import WindowLatencyProfile
 from tandem.policy.optimus.latency import ChunkLatency
