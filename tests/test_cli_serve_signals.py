@@ -53,8 +53,10 @@ def test_sigterm_stops_the_server_and_its_workers_with_exit_code_0(tmp_path):
         assert proc.wait(15) == 0, proc.stderr.read().decode()[-2000:]
         assert time.monotonic() - t0 < 8
         pending.close()
-        gone, alive = psutil.wait_procs(workers, timeout=5)
-        assert not alive, alive
+        # every child ends: the workers before serve exits, the fork server once it sees its parent gone (its
+        # interpreter's teardown can take seconds on a loaded 2-core machine)
+        gone, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, [(p.pid, " ".join(p.cmdline())[:120]) for p in alive]
     finally:
         if proc.poll() is None:
             proc.kill()
