@@ -139,9 +139,9 @@ def _choice(state: ServerState, req: ChatCompletionRequest, policy: ToolPolicy, 
             out: RequestOutput) -> ChatChoice:
     """One finished choice of a non-streaming response."""
     comp = out.outputs[0]
-    content, calls, reason = _reply(policy, comp.text, comp.finish_reason)
     top = req.top_logprobs or 0
     lp = logprobs_content(state.client.tokenizer, comp.token_ids, comp.logprobs, top) if req.logprobs else None
+    content, calls, reason = _reply(policy, comp.text, comp.finish_reason)
     return ChatChoice(index=index, message=ResponseMessage(content=content, tool_calls=calls),
                       logprobs={"content": lp} if lp is not None else None, finish_reason=reason,
                       stop_reason=comp.stop_reason)

@@ -1,11 +1,9 @@
 """A request's sampling parameters: the room left in the context, the grammar its response_format or forced tool
-calls ask for, logit_bias, and a 400 naming the API field for a value the engine refuses."""
+calls ask for, and a 400 naming the API field for a value the engine refuses."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
 
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, shorten
 from tandem.engine.structured_output import StructuredOutput, StructuredOutputError
@@ -13,10 +11,9 @@ from tandem.server.errors import APIError
 from tandem.server.forced_tools import ToolPolicy, forced_output
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tandem.server.state import ServerState
-from tandem.server.vocab import logit_bias_cap, token_id_limit
+from tandem.server.vocab import logit_bias, token_id_limit
 
 MAX_SCHEMA_BYTES = 64 << 10          # a JSON schema larger than this is refused before it is compiled
-_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 
 
 def chat_params(state: ServerState, req: ChatCompletionRequest, prompt_len: int, policy: ToolPolicy) -> SamplingParams:
@@ -68,34 +65,6 @@ def structured_output(response_format: dict | None) -> StructuredOutput | None:
         return StructuredOutput.from_response_format(response_format)
     except (StructuredOutputError, TypeError, ValueError) as e:
         raise APIError(shorten(str(e), 300), 400, "invalid_value", "response_format") from None
-
-
-def logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias (token ids as JSON string keys) as token id -> bias; a 400 naming logit_bias for more
-    entries than logit_bias_cap, a key that is not an integer, an id outside [0, vocab_size), or a bias that is not a
-    number in [-100, 100]."""
-    if not bias:
-        return None
-    cap = logit_bias_cap(vocab_size)
-    if len(bias) > cap:
-        raise APIError(f"logit_bias may have at most {cap} entries (vLLM's cap or the vocabulary's size, whichever is "
-                       f"smaller), got {len(bias)}", 400, "invalid_value", "logit_bias")
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        if not _TOKEN_ID_KEY.fullmatch(key):
-            raise APIError(f"logit_bias keys must be token ids (integers), got {shorten(key)}", 400,
-                           "invalid_value", "logit_bias")
-        tid = int(key) if len(key) <= 20 else -1            # no vocabulary has a 20-digit id
-        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
-            top = f"[0, {vocab_size})" if vocab_size is not None else "of the model"
-            shown = key if len(key) <= 20 else shorten(key)
-            raise APIError(f"logit_bias: token id {shown} is outside the vocabulary {top}", 400, "invalid_value",
-                           "logit_bias")
-        if not math.isfinite(value) or not -100.0 <= value <= 100.0:
-            raise APIError(f"logit_bias values must be in [-100, 100], got {shorten(value)} for token {tid}", 400,
-                           "invalid_value", "logit_bias")
-        out[tid] = value
-    return out
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
