@@ -86,9 +86,8 @@ class LLMEngine:
                                 dllm_kv_retention=self.dllm.sparse.kv_retention_ratio if phased else 1.0,
                                 preemption_mode=config.preemption_mode, swap_space=config.swap_space)
         latency = None
-        if self.dllm is not None and not phased:   # Optimus's T(c, b): a profile's, or fitted on this engine's own
-            latency = window_latency(config, profiled, self.runner, self.dllm.block)   # forward (also its prefill
-            # estimate: the same steps)
+        if self.dllm is not None and not phased:   # Optimus's T(c, b), also its prefill estimate (the same steps)
+            latency = window_latency(config, profiled, self.runner, self.dllm.block)
             t_pre = lambda h, n: latency.rows(n, 1, 0, 0)   # noqa: E731 - n query tokens' forward, none sampled
         try:
             self.core = build_worker(worker_id, role, config.tensor_parallel_size, self.runner.num_blocks,
