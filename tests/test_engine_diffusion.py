@@ -109,7 +109,7 @@ def test_streaming_outputs_do_not_depend_on_the_batch_through_swap_preemptions(p
     assert eng.core.kv.preempted == {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 3}
     preempted = [int(r) for r, o in outs.items() if o.metrics.num_preemptions]
     assert sum(o.metrics.num_preemptions for o in outs.values()) == 3 and preempted
-    assert eng._swapped == {} and eng.core.kv.swap_free == eng.core.cfg.swap_blocks
+    assert eng.runner.swap_space.held == {} and eng.core.kv.swap_free == eng.core.cfg.swap_blocks
     alone = _engine("4", **kw)
     for i in preempted:
         assert _run(alone, [prompts[i]], GREEDY)[0]["0"] == batched[str(i)]

@@ -99,7 +99,7 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(tiny, cold):
     assert [o.token_ids for o in swapped] == alone
     assert core.kv.preempted[PreemptionMode.SWAP] > 0 and core.kv.preempted[PreemptionMode.RECOMPUTE] == 0
     assert sum(o.metrics.num_computed_tokens for o in swapped) == sum(len(p) for p in prompts)
-    assert swap.engine._swapped == {} and swap.engine.stats.swapped_out_bytes == 0
+    assert swap.engine.runner.swap_space.held == {} and swap.engine.stats.swapped_out_bytes == 0
 
 
 def test_aborting_a_swapped_out_request_drops_its_host_copy_and_frees_the_swap_space(tiny):
@@ -119,10 +119,11 @@ def test_aborting_a_swapped_out_request_drops_its_host_copy_and_frees_the_swap_s
         if victim is None and eng.core.swapped:
             victim = eng.core.swapped[0].session_id
             rid = next(r for r, q in eng.requests.items() if q.session_id == victim)
-            assert eng._swapped and eng.core.kv.swap_free < eng.core.cfg.swap_blocks
+            assert eng.runner.swap_space.held and eng.core.kv.swap_free < eng.core.cfg.swap_blocks
             eng.abort_request(rid)
     assert victim is not None
-    assert eng._swapped == {} and eng.core.kv.swap_free == eng.core.cfg.swap_blocks and eng.core.swapped == []
+    assert eng.runner.swap_space.held == {} and eng.core.kv.swap_free == eng.core.cfg.swap_blocks \
+        and eng.core.swapped == []
     assert eng.stats.swapped_out_bytes == 0 and rid not in done
     alone = LLM(tiny, enable_prefix_caching=False)
     for r, toks in done.items():

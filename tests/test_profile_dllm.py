@@ -129,7 +129,7 @@ def test_engine_takes_t_from_the_profile_without_measuring(profiled, tmp_path, m
     measurement), the engine decodes with it, and a bad file is one clear EngineError."""
     def no_measuring(*a, **k):
         raise AssertionError("the engine measured T(c, b) at start")
-    monkeypatch.setattr("tandem.engine.llm_engine.measure_window_latency", no_measuring)
+    monkeypatch.setattr("tandem.engine.diffusion_setup.measure_window_latency", no_measuring)
     path = profiled[0]
     want = _latency(Profile.from_json(path).dllm_latency)
     eng = LLMEngine(EngineConfig(model=str(ASSET), dtype="float32", device="cpu", num_kv_blocks=320,

@@ -27,7 +27,7 @@ from tandem.engine.tokenizer import Tokenizer  # noqa: E402
 from tandem.runtime.async_llm import AsyncLLM  # noqa: E402
 from tandem.runtime.client import BackendStats, RequestError  # noqa: E402
 from tandem.server.app import DEFAULT_MAX_BODY_BYTES, build_app  # noqa: E402
-from tandem.server.serving import CHARS_PER_TOKEN, Limits, encode  # noqa: E402
+from tandem.server.state import CHARS_PER_TOKEN, Limits, encode  # noqa: E402
 
 MODEL = "tiny"
 MAX_LEN = 512

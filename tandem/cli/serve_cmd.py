@@ -349,7 +349,7 @@ def api_key_of(args, environ=None) -> str | None:
 
 def server_options(args) -> dict:
     """build_app and uvicorn settings from `tandem serve` flags (absent flags keep the defaults)."""
-    from tandem.server.serving import Limits
+    from tandem.server.state import Limits
     app: dict = {"limits": Limits(max_messages=getattr(args, "max_messages", None),
                                   max_prompt_chars=getattr(args, "max_prompt_chars", None))}
     if getattr(args, "max_body_bytes", None) is not None:

@@ -20,13 +20,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.engine.sampling_params import shorten
 from tandem.runtime.client import EngineClient
-from tandem.server import serving as sv
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.drain import DRAIN_ENTRY, HEALTH_DRAINING, OPEN_PATHS, REFUSED, Drain, OpenRequest, ended_by_drain
-from tandem.server.errors import APIError, error_bytes, error_response, install_handlers
+from tandem.server.errors import APIError, ClientGone, error_bytes, error_response, install_handlers
 from tandem.server.http_protocol import UNHEALTHY
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
+from tandem.server.state import Limits, ServerState
 from tandem.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                     TokenizeRequest, TokenizeResponse)
@@ -170,13 +170,13 @@ def _received(request: Request) -> float:
 
 
 def build_app(client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: sv.Limits | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: Limits | None = None,
               body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S, drain: Drain | None = None) -> FastAPI:
     """An OpenAI-compatible app in front of `client` (which it does not start or stop); `drain` (app.state.drain)
     refuses new requests and ends those in flight at shutdown (tandem.server.drain)."""
     name = served_model_name or client.model_name
     drain = drain if drain is not None else Drain()
-    state = sv.ServerState(client, name, ServerMetrics(client, name), limits or sv.Limits())
+    state = ServerState(client, name, ServerMetrics(client, name), limits or Limits())
     app = FastAPI(title="tandem", summary="OpenAI-compatible API of tandem", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.tandem = state
@@ -260,5 +260,5 @@ async def _answer(work: Any) -> Any:
     """Await a handler; a client that left gets an empty 499 (nobody reads it)."""
     try:
         return await work
-    except sv.ClientGone:
+    except ClientGone:
         return Response(status_code=499)

@@ -3,8 +3,6 @@ under "required" or a named function), streaming and not."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,23 +13,16 @@ from fastapi.responses import JSONResponse
 
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams, shorten
-from tandem.server import choices
-from tandem.server import serving as sv
+from tandem.server import choices, limits
 from tandem.server.errors import APIError
-from tandem.server.forced_tools import ForcedCallScanner, ToolMode, ToolPolicy, forced_output, resolve, scan_all
+from tandem.server.forced_tools import ForcedCallScanner, ToolMode, ToolPolicy, resolve, scan_all
+from tandem.server.params import chat_params
+from tandem.server.state import ServerState, encode
+from tandem.server.streaming import SSE_DONE, SSEResponse, TextDelta, clamp_logprob, now_s, sse, stream_error, usage
 from tandem.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
                                     ResponseFunction, ResponseMessage, ResponseToolCall)
 from tandem.server.tool_parser import ParsedToolCall, StreamingToolParser, parse_tool_calls
-from tandem.server.vocab import token_id_limit
 
-def _check(req: ChatCompletionRequest) -> None:
-    """Reject chat features that cannot be served (400 naming the field)."""
-    sv.check_common(req)
-    if req.functions or req.function_call is not None:
-        raise APIError("functions/function_call are deprecated and not supported: use tools", 400,
-                       "unsupported_parameter", "functions")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError("top_logprobs requires logprobs to be true", 400, "invalid_value", "top_logprobs")
 
 
 def _content(m: ChatMessage, i: int) -> str | None:
@@ -69,31 +60,7 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def check_size(state: sv.ServerState, req: ChatCompletionRequest) -> int:
-    """400 before any templating when there are too many messages or too many characters of content; else the
-    characters to render."""
-    max_len = state.client.max_model_len
-    cap = state.limits.messages(max_len)
-    if len(req.messages) > cap:
-        raise APIError(f"{len(req.messages)} messages are more than the limit of {cap} per request", 400,
-                       "invalid_value", "messages")
-    chars = 0
-    for m in req.messages:
-        c = m.content
-        if isinstance(c, str):
-            chars += len(c)
-        elif c is not None:
-            chars += sum(len(p.text or "") for p in c)
-        for call in m.tool_calls or ():
-            if isinstance(call.function.arguments, str):
-                chars += len(call.function.arguments)
-    if req.tools:                                     # the template renders them as JSON
-        chars += len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools]))
-    sv.check_prompt_chars(state, chars, "messages")
-    return chars
-
-
-def render_prompt(state: sv.ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True,
+def render_prompt(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True,
                   add_special_tokens: bool = False) -> tuple[str, list[int]]:
     """The chat template applied with the tools (and a generation prompt), then encoded (without special tokens by
     default); slow for long conversations: the handler runs it on the preparation threads."""
@@ -105,7 +72,7 @@ def render_prompt(state: sv.ServerState, req: ChatCompletionRequest, add_generat
     except Exception as e:  # noqa: BLE001 - template errors (TokenizerError, jinja TypeError, ...) are the caller's
         raise APIError(f"the chat template cannot render these messages: {shorten(str(e), 300)}", 400,
                        "invalid_value", "messages") from None
-    return text, sv.encode(tok, text, add_special_tokens=add_special_tokens)
+    return text, encode(tok, text, add_special_tokens=add_special_tokens)
 
 
 def logprobs_content(tok: Any, ids: list[int], lps: list[dict[int, float]] | None, top: int) -> list[dict] | None:
@@ -116,10 +83,10 @@ def logprobs_content(tok: Any, ids: list[int], lps: list[dict[int, float]] | Non
     for tid, entry in zip(ids, lps):
         s = tok.decode([tid], skip_special_tokens=False)
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
-        out.append({"token": s, "logprob": sv.clamp_logprob(entry.get(tid, float("-inf"))),
+        out.append({"token": s, "logprob": clamp_logprob(entry.get(tid, float("-inf"))),
                     "bytes": list(s.encode()),
                     "top_logprobs": [{"token": (t := tok.decode([k], skip_special_tokens=False)),
-                                      "logprob": sv.clamp_logprob(v), "bytes": list(t.encode())}
+                                      "logprob": clamp_logprob(v), "bytes": list(t.encode())}
                                      for k, v in ranked]})
     return out
 
@@ -146,46 +113,35 @@ def _reply(policy: ToolPolicy, text: str, reason: str | None) -> tuple[str | Non
     return content, _calls(parsed), "tool_calls" if parsed else reason
 
 
-async def create_chat_completion(state: sv.ServerState, request: Request, received: float) -> Any:
-    """Handle one chat completion request."""
-    req = await sv.parse_body(request, ChatCompletionRequest, state)
+async def create_chat_completion(state: ServerState, request: Request, received: float) -> Any:
+    """Handle one chat completion request: checks, the prompt rendered, its params, then the choices generated."""
+    req = await limits.parse_body(request, ChatCompletionRequest, state)
     async with state.admission:
-        sv.check_model(state, req)
-        _check(req)
+        limits.check_model(state, req)
+        limits.check_chat(req)
         policy = resolve(req)
-        sid = sv.session_of(request, req)
-        choices.check_n(req.n, sid)
-        chars = check_size(state, req)
+        sid = limits.session_of(request, req)
+        limits.check_n(req.n, sid)
+        chars = limits.chat_size(state, req)
         text, ids = await state.prepare(chars, render_prompt, state, req)
-        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = sv.room_for(len(ids), limit, state.client.max_model_len, field, "messages")
-        top = req.top_logprobs or 0
-        params = sv.sampling_params(req, max_tokens, top if req.logprobs else None,
-                                    {"logprobs": "top_logprobs", "max_tokens": field}, token_id_limit(state.client))
-        forced = forced_output(policy, req.tools or [])
-        if forced is not None:
-            params = dataclasses.replace(params, structured_output=forced)
+        params = chat_params(state, req, len(ids), policy)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received)
     if req.stream:
-        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, started, policy))
-    outs = await choices.collect_all(request, started)
-    failed = next((o for o in outs if o.error is not None or o.outputs[0].finish_reason == "abort"), None)
-    if failed is not None:
-        raise sv.failure(state, failed)
-    body = ChatCompletionResponse(id=rid, model=state.model_name, usage=choices.usage(len(ids), outs),
+        return SSEResponse(_stream(state, req, rid, len(ids), params, started, policy))
+    outs = await choices.finish_all(state, request, started)
+    body = ChatCompletionResponse(id=rid, model=state.model_name, usage=usage(len(ids), outs),
                                   choices=[_choice(state, req, policy, i, o) for i, o in enumerate(outs)])
     return JSONResponse(body.model_dump())
 
 
-def _choice(state: sv.ServerState, req: ChatCompletionRequest, policy: ToolPolicy, index: int,
+def _choice(state: ServerState, req: ChatCompletionRequest, policy: ToolPolicy, index: int,
             out: RequestOutput) -> ChatChoice:
     """One finished choice of a non-streaming response."""
     comp = out.outputs[0]
-    content, calls, reason = _reply(policy, comp.text, comp.finish_reason)
     top = req.top_logprobs or 0
     lp = logprobs_content(state.client.tokenizer, comp.token_ids, comp.logprobs, top) if req.logprobs else None
+    content, calls, reason = _reply(policy, comp.text, comp.finish_reason)
     return ChatChoice(index=index, message=ResponseMessage(content=content, tool_calls=calls),
                       logprobs={"content": lp} if lp is not None else None, finish_reason=reason,
                       stop_reason=comp.stop_reason)
@@ -195,7 +151,7 @@ def _choice(state: sv.ServerState, req: ChatCompletionRequest, policy: ToolPolic
 class _ChoiceStream:
     """What one streamed choice has sent so far, and how its next output becomes a chunk."""
 
-    texts: sv.TextDelta
+    texts: TextDelta
     calls: _StreamedCalls
     sent_tokens: int = 0
     done: RequestOutput | None = None
@@ -219,26 +175,26 @@ class _ChoiceStream:
         return delta, lp, bool(new_ids)
 
 
-async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, prompt_len: int,
+async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, prompt_len: int,
                   params: SamplingParams, started: list[choices.Choice], policy: ToolPolicy) -> AsyncIterator[bytes]:
     """SSE chunks: each choice's role first, then its content / tool-call deltas and finish reason as they come,
     optional usage, [DONE]."""
-    created, tok = sv.now_s(), state.client.tokenizer
+    created, tok = now_s(), state.client.tokenizer
     opts = req.stream_options
     with_usage = bool(opts and opts.include_usage)
     every_usage = with_usage and bool(opts and opts.continuous_usage_stats)
     timers = {c.index: c.timer for c in started}
-    streams = {c.index: _ChoiceStream(sv.TextDelta(params), _StreamedCalls(policy)) for c in started}
+    streams = {c.index: _ChoiceStream(TextDelta(params), _StreamedCalls(policy)) for c in started}
 
     def chunk(index: int, delta: dict, reason: str | None = None, logprobs: Any = None,
-              out: RequestOutput | None = None, usage: Any = None) -> bytes:
+              out: RequestOutput | None = None, final_usage: Any = None) -> bytes:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                 "model": state.model_name,
                                 "choices": [] if index < 0 else [{"index": index, "delta": delta,
                                                                   "logprobs": logprobs, "finish_reason": reason}]}
         if with_usage:
-            body["usage"] = usage or (sv.usage(prompt_len, out).model_dump() if every_usage and out else None)
-        return sv.sse(body)
+            body["usage"] = final_usage or (usage(prompt_len, [out]).model_dump() if every_usage and out else None)
+        return sse(body)
 
     try:
         for c in started:
@@ -246,7 +202,7 @@ async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, p
         async with contextlib.aclosing(choices.merged(started)) as events:
             async for index, out in events:
                 timers[index].update(out)
-                err = sv.stream_error(state, out)
+                err = stream_error(state, out)
                 if err is not None:
                     yield err
                     break
@@ -260,8 +216,8 @@ async def _stream(state: sv.ServerState, req: ChatCompletionRequest, rid: str, p
                     yield chunk(index, {"content": ""}, None, None, out)   # (as vLLM: one per engine output)
         done = [streams[i].done for i in sorted(streams)]
         if with_usage and all(d is not None for d in done):
-            yield chunk(-1, {}, usage=choices.usage(prompt_len, done).model_dump())
-        yield sv.SSE_DONE
+            yield chunk(-1, {}, final_usage=usage(prompt_len, done).model_dump())
+        yield SSE_DONE
     finally:
         await choices.close_all(started)
 

@@ -1,4 +1,5 @@
-"""Several choices for one request (`n > 1`), as vLLM's parallel sampling: one engine request per choice.
+"""A request's generation on the backend, watched for a vanished client: its choices (`n > 1`, as vLLM's parallel
+sampling: one engine request per choice) started, merged as they stream, or collected.
 
 The first choice starts alone; the others start when its first output arrives, that is when the prompt's KV is
 computed and its full blocks are in the prefix cache, so the other choices take the prompt's blocks from the cache
@@ -11,19 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import Request
+from starlette.types import Receive
 
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.sampling_params import SamplingParams, shorten
-from tandem.server import serving as sv
-from tandem.server.errors import APIError
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.client import RequestError
+from tandem.server.errors import APIError, ClientGone, as_api_error, failure
 from tandem.server.metrics import RequestTimer
-from tandem.server.protocol import PromptTokensDetails, Usage
+from tandem.server.state import ServerState
+from tandem.server.streaming import close
 
-MAX_N = 128                      # OpenAI's limit on choices per request
+T = TypeVar("T")
 
 
 @dataclass
@@ -34,15 +38,6 @@ class Choice:
     gen: AsyncIterator[RequestOutput]
     first: RequestOutput
     timer: RequestTimer
-
-
-def check_n(n: int, session_id: str | None) -> None:
-    """400 naming n unless 1 ≤ n ≤ MAX_N, and for n > 1 in a session (a session's history is one conversation)."""
-    if not 1 <= n <= MAX_N:
-        raise APIError(f"n must be between 1 and {MAX_N}, got {shorten(n)}", 400, "invalid_value", "n")
-    if n > 1 and session_id is not None:
-        raise APIError("n > 1 cannot be used with a session (a session continues one conversation)", 400,
-                       "invalid_value", "n")
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -57,19 +52,60 @@ def _failed(out: RequestOutput) -> bool:
     return out.error is not None or (out.finished and out.outputs[0].finish_reason == "abort")
 
 
-async def _start_one(state: sv.ServerState, request: Request, ids: list[int], params: SamplingParams, rid: str,
+async def _wait_disconnect(receive: Receive) -> None:
+    """Return when the ASGI server reports that the client went away."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it and raising ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise ClientGone()
+    try:
+        return task.result()
+    except RequestError as e:
+        raise as_api_error(e) from None
+
+
+async def _first_output(request: Request, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The first output of a generation (add-time errors raise APIError; a vanished client raises ClientGone)."""
+    try:
+        return await unless_gone(request, gen.__anext__())
+    except StopAsyncIteration:
+        raise APIError("the backend returned no output", 500, "request_failed") from None
+    except BaseException:
+        await close(gen)
+        raise
+
+
+async def _start_one(state: ServerState, request: Request, ids: list[int], params: SamplingParams, rid: str,
                      sid: str | None, text: str | None, index: int, received: float) -> Choice:
-    gen = sv.start(state, ids, child_params(params, index), rid if index == 0 else f"{rid}-{index}", sid, text)
+    """Start one choice on the backend (errors surface on its first output)."""
+    gen = state.client.generate(ids, child_params(params, index), rid if index == 0 else f"{rid}-{index}",
+                                session_id=sid, prompt=text)
     timer = state.metrics.timer(received)
-    first = await sv.first_output(request, gen)
+    first = await _first_output(request, gen)
     if _failed(first):
         timer.update(first)
-        await sv.close(gen)
-        raise sv.failure(state, first)
+        await close(gen)
+        raise failure(state, first)
     return Choice(index, gen, first, timer)
 
 
-async def start(state: sv.ServerState, request: Request, ids: list[int], params: SamplingParams, rid: str,
+async def start(state: ServerState, request: Request, ids: list[int], params: SamplingParams, rid: str,
                 sid: str | None, text: str | None, n: int, received: float) -> list[Choice]:
     """Start `n` choices (see the module docstring); any failure closes the started ones and raises. A started
     request's n goes to vllm:request_params_n."""
@@ -91,17 +127,34 @@ async def close_all(choices: list[Choice]) -> None:
     """Close every choice's generation (the backend aborts what is still running)."""
     for c in choices:
         with contextlib.suppress(Exception):
-            await sv.close(c.gen)
+            await close(c.gen)
 
 
-async def collect_all(request: Request, choices: list[Choice]) -> list[RequestOutput]:
-    """Every choice's finished output (a vanished client cancels them all)."""
-    async def all_done() -> list[RequestOutput]:
-        return list(await asyncio.gather(*(sv.collect(c.gen, c.first, c.timer.update) for c in choices)))
+async def _collect(gen: AsyncIterator[RequestOutput], first: RequestOutput, on_output: Any) -> RequestOutput:
+    """Drain a generation to its finished output, reporting each one to `on_output`."""
+    out = first
+    on_output(out)
     try:
-        return await sv.unless_gone(request, all_done())
+        while not out.finished:
+            out = await gen.__anext__()
+            on_output(out)
+    finally:
+        await close(gen)
+    return out
+
+
+async def finish_all(state: ServerState, request: Request, choices: list[Choice]) -> list[RequestOutput]:
+    """Every choice's finished output (a vanished client cancels them all); the failure of the first that failed."""
+    async def all_done() -> list[RequestOutput]:
+        return list(await asyncio.gather(*(_collect(c.gen, c.first, c.timer.update) for c in choices)))
+    try:
+        outs = await unless_gone(request, all_done())
     finally:
         await close_all(choices)
+    failed = next((o for o in outs if _failed(o)), None)
+    if failed is not None:
+        raise failure(state, failed)
+    return outs
 
 
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -126,12 +179,3 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutpu
             fut.cancel()
         await asyncio.gather(*pending, return_exceptions=True)     # a generator cannot close while it runs
         await close_all(choices)
-
-
-def usage(prompt_len: int, outs: list[RequestOutput]) -> Usage:
-    """The request's usage: the prompt once, every choice's completion tokens, the first choice's cached tokens."""
-    done = sum(len(o.outputs[0].token_ids) for o in outs)
-    cached = outs[0].num_cached_tokens or outs[0].metrics.num_cached_tokens if outs else 0
-    return Usage(prompt_tokens=prompt_len, completion_tokens=done, total_tokens=prompt_len + done,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-                 dllm_chunk=outs[0].dllm_chunk if outs else None)

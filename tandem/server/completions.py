@@ -3,7 +3,6 @@ prompt's text (and with logprobs its tokens' logprobs, the first one None) befor
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,24 +12,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.sampling_params import SamplingParams, shorten
-from tandem.server import choices
-from tandem.server import serving as sv
+from tandem.engine.sampling_params import SamplingParams
+from tandem.server import choices, limits
 from tandem.server.errors import APIError
+from tandem.server.params import completion_params
 from tandem.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from tandem.server.state import ServerState, encode
+from tandem.server.streaming import SSE_DONE, SSEResponse, TextDelta, clamp_logprob, now_s, sse, stream_error, usage
 from tandem.server.vocab import check_token_ids, token_id_limit
 
 
-def _check(req: CompletionRequest) -> None:
-    """Reject completion features that cannot be served (400 naming the field)."""
-    sv.check_common(req)
-    if req.suffix:
-        raise APIError("suffix is not supported", 400, "unsupported_parameter", "suffix")
-    if req.best_of is not None and req.best_of != 1:
-        raise APIError(f"best_of must be 1, got {shorten(req.best_of)}", 400, "unsupported_parameter", "best_of")
-
-
-def prompt_of(state: sv.ServerState, req: CompletionRequest) -> tuple[str | None, list[int]]:
+def prompt_of(state: ServerState, req: CompletionRequest) -> tuple[str | None, list[int]]:
     """(text, token ids) of the single prompt; 400 for several prompts, an empty one, or a token id outside the
     vocabulary (tandem.server.vocab)."""
     p: Any = req.prompt
@@ -40,27 +32,13 @@ def prompt_of(state: sv.ServerState, req: CompletionRequest) -> tuple[str | None
                            "unsupported_parameter", "prompt")
         p = p[0]
     if isinstance(p, str):
-        text, ids = p, sv.encode(state.client.tokenizer, p, add_special_tokens=True) if p else []
+        text, ids = p, encode(state.client.tokenizer, p, add_special_tokens=True) if p else []
     else:
         text, ids = None, list(p)
         check_token_ids(ids, token_id_limit(state.client), "prompt")
     if not ids:
         raise APIError("the prompt is empty", 400, "invalid_value", "prompt")
     return text, ids
-
-
-def check_size(state: sv.ServerState, req: CompletionRequest) -> int:
-    """400 before tokenizing: a text over the character cap; token ids that fill the context (a length check).
-    Returns the characters to tokenize (0 for token ids)."""
-    p: Any = req.prompt
-    if isinstance(p, list) and len(p) == 1 and not isinstance(p[0], int):
-        p = p[0]
-    if isinstance(p, str):
-        sv.check_prompt_chars(state, len(p), "prompt")
-        return len(p)
-    if isinstance(p, list):
-        sv.room_for(len(p), None, state.client.max_model_len)
-    return 0
 
 
 @dataclass(frozen=True)
@@ -114,8 +92,8 @@ def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float] | N
             token_lps.append(None)
             tops.append(None)
         else:
-            token_lps.append(sv.clamp_logprob(entry.get(tid, float("-inf"))))
-            tops.append({tok.decode([k], skip_special_tokens=False): sv.clamp_logprob(v)
+            token_lps.append(clamp_logprob(entry.get(tid, float("-inf"))))
+            tops.append({tok.decode([k], skip_special_tokens=False): clamp_logprob(v)
                          for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
         offsets.append(offset)
         if not (tid in hidden and i >= skip_special_from):
@@ -123,20 +101,17 @@ def completion_logprobs(tok: Any, ids: list[int], lps: list[dict[int, float] | N
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
-async def create_completion(state: sv.ServerState, request: Request, received: float) -> Any:
-    """Handle one completion request."""
-    req = await sv.parse_body(request, CompletionRequest, state)
+async def create_completion(state: ServerState, request: Request, received: float) -> Any:
+    """Handle one completion request: checks, the prompt tokenized, its params, then the choices generated."""
+    req = await limits.parse_body(request, CompletionRequest, state)
     async with state.admission:
-        sv.check_model(state, req)
-        _check(req)
-        sid = sv.session_of(request, req)
-        choices.check_n(req.n, sid)
-        chars = check_size(state, req)
+        limits.check_model(state, req)
+        limits.check_completion(req)
+        sid = limits.session_of(request, req)
+        limits.check_n(req.n, sid)
+        chars = limits.completion_size(state, req)
         text, ids = await state.prepare(chars, prompt_of, state, req)
-        max_tokens = sv.room_for(len(ids), req.max_tokens, state.client.max_model_len)
-        params = sv.sampling_params(req, max_tokens, req.logprobs, vocab_size=token_id_limit(state.client))
-        if req.echo and req.logprobs is not None:                # the prompt's logprobs too (vLLM: k of them each)
-            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        params = completion_params(state, req, len(ids))
     rid = f"cmpl-{uuid.uuid4().hex}"
     started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received)
     tok = state.client.tokenizer
@@ -146,12 +121,9 @@ async def create_completion(state: sv.ServerState, request: Request, received: f
         await choices.close_all(started)
         raise
     if req.stream:
-        return sv.SSEResponse(_stream(state, req, rid, len(ids), params, started, echo))
-    outs = await choices.collect_all(request, started)
-    failed = next((o for o in outs if o.error is not None or o.outputs[0].finish_reason == "abort"), None)
-    if failed is not None:
-        raise sv.failure(state, failed)
-    body = CompletionResponse(id=rid, model=state.model_name, usage=choices.usage(len(ids), outs),
+        return SSEResponse(_stream(state, req, rid, len(ids), params, started, echo))
+    outs = await choices.finish_all(state, request, started)
+    body = CompletionResponse(id=rid, model=state.model_name, usage=usage(len(ids), outs),
                               choices=[_choice(tok, req, ids, echo, i, o) for i, o in enumerate(outs)])
     data = body.model_dump()
     if not req.return_token_ids:
@@ -178,7 +150,7 @@ def _choice(tok: Any, req: CompletionRequest, ids: list[int], echo: Echo | None,
 class _ChoiceStream:
     """What one streamed choice has sent so far (the echoed prompt goes with its first chunk)."""
 
-    texts: sv.TextDelta
+    texts: TextDelta
     echo: Echo | None
     sent_tokens: int = 0
     offset: int = 0
@@ -201,17 +173,17 @@ class _ChoiceStream:
         return text, lp, new_ids
 
 
-async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, prompt_len: int, params: SamplingParams,
+async def _stream(state: ServerState, req: CompletionRequest, rid: str, prompt_len: int, params: SamplingParams,
                   started: list[choices.Choice], echo: Echo | None = None) -> AsyncIterator[bytes]:
     """SSE chunks of each choice's text deltas (its first led by the echoed prompt) and finish reason as they come,
     optional usage, then [DONE]."""
-    created, tok = sv.now_s(), state.client.tokenizer
+    created, tok = now_s(), state.client.tokenizer
     opts = req.stream_options
     with_usage = bool(opts and opts.include_usage)
     every_usage = with_usage and bool(opts and opts.continuous_usage_stats)
     ids_too = req.return_token_ids
     timers = {c.index: c.timer for c in started}
-    streams = {c.index: _ChoiceStream(sv.TextDelta(params), echo) for c in started}
+    streams = {c.index: _ChoiceStream(TextDelta(params), echo) for c in started}
 
     def chunk(index: int, text: str, reason: str | None, logprobs: Any, out: RequestOutput,
               new_ids: list[int]) -> bytes:
@@ -222,14 +194,14 @@ async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, promp
         body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                                 "choices": [choice]}
         if with_usage:
-            body["usage"] = sv.usage(prompt_len, out).model_dump() if every_usage else None
-        return sv.sse(body)
+            body["usage"] = usage(prompt_len, [out]).model_dump() if every_usage else None
+        return sse(body)
 
     try:
         async with contextlib.aclosing(choices.merged(started)) as events:
             async for index, out in events:
                 timers[index].update(out)
-                err = sv.stream_error(state, out)
+                err = stream_error(state, out)
                 if err is not None:
                     yield err
                     break
@@ -240,8 +212,8 @@ async def _stream(state: sv.ServerState, req: CompletionRequest, rid: str, promp
                     yield chunk(index, text, None, lp, out, new_ids)
         done = [streams[i].done for i in sorted(streams)]
         if with_usage and all(d is not None for d in done):
-            yield sv.sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                          "choices": [], "usage": choices.usage(prompt_len, done).model_dump()})
-        yield sv.SSE_DONE
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                          "choices": [], "usage": usage(prompt_len, done).model_dump()})
+        yield SSE_DONE
     finally:
         await choices.close_all(started)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,11 +17,16 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.engine.outputs import RequestOutput
+from tandem.runtime.client import RequestError
+from tandem.server.state import ServerState
+
 log = logging.getLogger("tandem.server")
 
 _DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
                   408: "request_timeout", 409: "conflict", 413: "request_too_large", 500: "internal_error",
                   503: "service_unavailable"}
+_REQUEST_ID = re.compile(r"\b(?:chatcmpl|cmpl)-[0-9a-f]{32}\b")
 
 
 class APIError(Exception):
@@ -30,6 +36,24 @@ class APIError(Exception):
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
         self.code = code or _DEFAULT_CODES.get(status, "error")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+def as_api_error(e: RequestError) -> APIError:
+    """A backend RequestError as an APIError; other requests' ids are redacted (a busy session's message names
+    the request that holds it, another client's) and the message is cut to 1000 characters."""
+    msg = _REQUEST_ID.sub("another request", e.message)
+    return APIError(msg if len(msg) <= 1000 else msg[:1000] + "...", e.status, e.code, e.param)
+
+
+def failure(state: ServerState, out: RequestOutput) -> APIError:
+    """The error for a request that failed after acceptance (503 if the backend is down, else 500)."""
+    msg = out.error or "the request was aborted by the backend"
+    status = 500 if state.client.is_healthy() else 503
+    return APIError(msg, status, "request_failed")
 
 
 def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:

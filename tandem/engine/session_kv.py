@@ -1,0 +1,173 @@
+"""Sessions across rounds and their KV: a round opened on a session's resident KV, KV exported and imported for
+prefill/decode disaggregation (engine/kv_transfer.py moves the tensors), and KV swapped to host memory and back."""
+from __future__ import annotations
+
+from typing import Callable
+
+from tandem.core.prefix_hash import extend_hashes
+from tandem.core.types import FirstToken, PrefillTask, Swap
+from tandem.engine.config import EngineConfig, EngineError
+from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.request_state import Request, RequestTable, Session
+from tandem.engine.step_executor import StepStats
+
+
+class SessionKV:
+    """Where each session's KV is and goes: rounds opened on it, remote prefills' KV in and out, swaps."""
+
+    def __init__(self, config: EngineConfig, core, runner: ModelRunner, table: RequestTable,
+                 clock: Callable[[], float], stats: StepStats) -> None:
+        self.config, self.core, self.runner, self.table, self.clock, self.stats = \
+            config, core, runner, table, clock, stats
+        self.inbox: dict[str, KVPayload] = {}             # request id -> KV received, not yet placed
+        self.landing: dict[str, Request] = {}             # session -> remote request whose KV awaits blocks
+
+    def open_round(self, sid: str, ids: list[int], full: bool, remote: bool, arrival_time: float | None,
+                   max_tokens: int, slo: tuple[float, float] | None) -> tuple[Session, PrefillTask]:
+        """The session a round extends (afresh when its conversation was rewritten, or every position must be
+        computed) and the round's prefill task on its resident KV."""
+        sessions = self.table.sessions
+        sess = sessions.get(sid)
+        if sess is not None and sess.request is not None:
+            raise EngineError(f"session {sid!r} already has a request running; send its rounds one at a time")
+        if full or (sess is not None and ids[:len(sess.tokens)] != sess.tokens):
+            self.core.release(sid)                   # rewritten, or every position must be computed: start afresh
+            sess = None
+        if sess is None:
+            sess = sessions[sid] = Session()
+        now = self.clock() if arrival_time is None else arrival_time
+        sess.tokens = list(ids)
+        if self.config.enable_prefix_caching:
+            extend_hashes(sess.hashes, ids, self.config.block_size)
+        else:
+            sess.hashes = []
+        n = len(ids)
+        # a local round takes its prompt's cached prefix as history; a remote one keeps the history the
+        # coordinator routed with (RoundBegun told it what begin_round below returns)
+        hist = self.core.begin_round(sid, () if remote or full else sess.hashes, n)
+        wid = self.core.id
+        task = PrefillTask(sid, sess.rounds, hist, n - hist, now, output_tokens=max_tokens, decode_worker=wid,
+                           worker=wid, local=not remote, block_hashes=tuple(sess.hashes), full_prefill=full)
+        if slo is not None:
+            task.ttft_slo_s, task.itl_slo_s = slo
+        return sess, task
+
+    def begin_round(self, session_id: str, prompt_token_ids: list[int] | None = None) -> int:
+        """Pin a session's resident KV for its next round; returns how many tokens of it are resident."""
+        hashes: list[int] = []
+        if prompt_token_ids and self.config.enable_prefix_caching:
+            extend_hashes(hashes, prompt_token_ids, self.config.block_size)
+        return self.core.begin_round(session_id, hashes, len(prompt_token_ids or ()))
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a session and free its KV (prefix-cached blocks stay reusable)."""
+        sess = self.table.sessions.pop(session_id, None)
+        if sess is not None and sess.request is not None:
+            self.table.finish(sess.request, "abort", self.clock(), release=False)
+        self.core.release(session_id)
+
+    def cancel(self, req: Request) -> None:
+        """Prefill role: drop a task and the KV it received."""
+        self.table.requests.pop(req.request_id, None)
+        self.table.task_req.pop(req.task, None)
+        self.inbox.pop(req.request_id, None)
+        self.core.cancel(req.task)
+
+    def export_history(self, session_id: str, tokens: int) -> KVPayload:
+        """Decode role: the first `tokens` positions of a resident session's KV (a remote prefill's history)."""
+        seq = self.core.seqs.get(session_id)
+        if seq is None or seq.num_tokens < tokens:
+            have = 0 if seq is None else seq.num_tokens
+            raise EngineError(f"session {session_id!r} has {have} tokens of KV here, {tokens} were asked for")
+        return export_kv(self.runner.kv_caches, self.core.blocks.tables[seq], self.config.block_size, 0, tokens)
+
+    def receive_kv(self, request_id: str, payload: KVPayload) -> None:
+        """Keep KV that arrived for a request until the coordinator says where it goes."""
+        if request_id not in self.table.requests:
+            raise EngineError(f"KV for unknown request {request_id!r}")
+        self.inbox[request_id] = payload
+
+    def on_history_ready(self, request_id: str) -> None:
+        """Prefill role: place the history KV in the task's blocks and let the task run."""
+        req = self.table.requests[request_id]
+        payload = self.inbox.pop(request_id)
+        import_kv(self.runner.kv_caches, self.core.blocks.tables[req.task], self.config.block_size, 0, payload)
+        self.core.on_history_fetched(req.task, self.clock())
+
+    def export_new_kv(self, request_id: str) -> tuple[KVPayload, int, dict[int, float] | None]:
+        """Prefill role: the KV this task computed, and the first token it sampled (with its logprobs)."""
+        req = self.table.requests[request_id]
+        t = req.task
+        if req.first_token is None:
+            raise EngineError(f"request {request_id!r} has not finished its prefill")
+        payload = export_kv(self.runner.kv_caches, self.core.blocks.tables[t], self.config.block_size,
+                            t.l_hist, t.l_hist + t.l_incr)
+        tok, lps = req.first_token
+        return payload, tok, lps
+
+    def on_delivered(self, request_id: str) -> None:
+        """Prefill role: the decode worker has the new KV: free it here."""
+        req = self.table.requests.pop(request_id, None)
+        if req is not None:
+            self.table.task_req.pop(req.task, None)
+            self.core.on_delivered(req.task, self.clock())
+
+    def on_kv_arrived(self, request_id: str, first_token: int,
+                      first_logprobs: dict[int, float] | None) -> list[RequestOutput]:
+        """Decode role: a remote prefill's KV (already received) and first token are here: start decoding."""
+        table = self.table
+        req = table.requests.get(request_id)
+        if req is None or req.finished:
+            self.inbox.pop(request_id, None)
+            return []
+        now = self.clock()
+        touched = {request_id: req}
+        if table.append_token(req, first_token, first_logprobs, now):
+            req.task.output_tokens = 1                       # the first token already ends the round
+        self.landing[req.session_id] = req
+        self.core.on_kv_received(req.task, now)
+        self.land_kv()
+        table.on_events(self.core.drain(), now, touched)
+        return table.collect(touched)
+
+    def make_local(self, request_id: str) -> None:
+        """Decode role: a remote round whose KV did not come is prefilled here instead (recompute)."""
+        req = self.table.requests.get(request_id)
+        if req is None or req.finished or req.task.local:
+            return
+        self.inbox.pop(request_id, None)
+        self.landing.pop(req.session_id, None)
+        self.core.run_local(req.task, self.clock())
+
+    def before_step(self) -> None:
+        """What the core's last schedule asked of the KV: its swaps carried out, received KV placed."""
+        if self.core.swaps:
+            self.swap(self.core.take_swaps())
+        if self.landing:
+            self.land_kv()
+
+    def swap(self, swaps: list[Swap]) -> None:
+        """Carry out the core's swaps in order on every rank: KV of preempted sequences to host memory and back, bit
+        for bit."""
+        self.runner.swap(swaps)
+        self.stats.swapped_out_bytes = self.runner.swap_space.nbytes * self.config.tensor_parallel_size
+
+    def land_kv(self) -> None:
+        """Place received KV once the core has given the session its blocks (FirstToken of a remote round)."""
+        for ev in self.core.events:
+            if isinstance(ev, FirstToken) and ev.session_id in self.landing:
+                req = self.landing.pop(ev.session_id)
+                payload = self.inbox.pop(req.request_id)
+                seq = self.core.seqs[req.session_id]
+                import_kv(self.runner.kv_caches, self.core.blocks.tables[seq], self.config.block_size,
+                          seq.num_tokens - payload.num_tokens, payload)
+
+    def cache_config(self) -> dict[str, str]:
+        """The labels of vllm:cache_config_info for this engine's KV cache and swap space."""
+        cfg, core = self.config, self.core
+        return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(self.runner.num_blocks),
+                "num_cpu_blocks": str(core.cfg.swap_blocks), "preemption_mode": core.cfg.preemption_mode.value,
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "cache_dtype": str(self.runner.kv_caches[0].dtype).removeprefix("torch.")}
