@@ -102,7 +102,7 @@ class LLMEngine:
         forward = (lambda evs: self.core_events.extend(evs)) if self.forward_events else None
         self.table = RequestTable(self.core, self.dllm, role, forward)
         self.requests, self.sessions = self.table.requests, self.table.sessions
-        self._task_req = self.table.task_req                 # the worker shell reads it (FetchHistory's request)
+        self.task_req = self.table.task_req                  # a prefill task -> its request (the worker shell reads it)
         self.inputs = InputProcessor(self.tokenizer, self.structured, mc.vocab_size, self.max_model_len, self.dllm,
                                      self.runner.device)
         self.steps = StepExecutor(self.core, self.runner, self.dllm, self.table, role, self.clock)
@@ -185,7 +185,7 @@ class LLMEngine:
                            worker=self.core.id, local=False, ttft_slo_s=ttft_slo_s, hist_compute=hist_compute)
         req = self.inputs.request(request_id, session_id, False, None, ids, params, task, grammar)
         self.requests[request_id] = req
-        self._task_req[task] = req
+        self.task_req[task] = req
         self.core.submit(task, now)
 
     def export_history(self, session_id: str, tokens: int) -> KVPayload:

@@ -343,7 +343,7 @@ class WorkerShell:
         out = []
         for ev in evs:
             if isinstance(ev, (FetchHistory, PrefillDone)):
-                req = eng._task_req.get(ev.task)
+                req = eng.task_req.get(ev.task)
                 if req is None:
                     continue                                   # aborted meanwhile
                 if isinstance(ev, FetchHistory):
