@@ -9,7 +9,7 @@ import pytest
 
 from tandem.bench.demo import DemoPlan, PolicyRun, demo_threads, plan_demo, profile_path
 from tandem.bench.demo_calibration import calibrate, round_costs
-from tandem.bench.demo_report import comparison, markdown_table, row_cells, write_outputs
+from tandem.bench.demo_report import comparison, header, markdown_table, row_cells, write_outputs
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.fit import PiecewiseLinear
 from tandem.workload.metrics import summarize
@@ -132,3 +132,17 @@ def test_outputs_table_png_and_results_from_given_records(tmp_path):
     assert saved["runs"][1]["deployment"] == "P:tp1x1,D:tp1x1"
     assert sorted(p.name for p in (tmp_path / "demo").glob("records-*.jsonl")) == [
         "records-ampd-simulated.jsonl", "records-ampd.jsonl", "records-dynamo-simulated.jsonl", "records-dynamo.jsonl"]
+
+
+def test_header_prints_the_derived_rate_and_slo_and_calls_out_a_noisy_profile():
+    plan = DemoPlan("toolbench", list(SESSIONS), 173.0, SLO(0.0244, 0.008), calibrate(SESSIONS, _cost(), 0.65, 4.0),
+                    ("ampd", "dynamo"), 0.5, 16, 0)
+    prof = SimpleNamespace(device_name="cpu", device={"threads": 1, "cores": 2}, heldout_error={"median": 0.04},
+                           options={"load_avg_before": 6.2})
+    text = header(plan, "m", "m/p.json", prof, 1, (1.0, 2.0, 3.0)).splitlines()
+    assert text[2].startswith("  rate 173.33 sessions/s = 0.65 x") and text[3].startswith("  SLO TTFT 24 ms")
+    assert text[4] == "  load average 1.00 2.00 3.00 over 2 cores (other jobs slow the live runs, not the simulation)"
+    prof.heldout_error = {"median": 0.5}
+    noisy = header(plan, "m", "m/p.json", prof, 1).splitlines()
+    assert noisy[2] == ("  the profile predicts its held-out steps 50% off (made at load average 6.2): the rate and "
+                        "SLO below are as rough; delete m/p.json to profile again on a quieter machine")

@@ -12,7 +12,8 @@ from tandem.perf.step_model import Profile
 from tandem.workload.records import SessionRecord, dump_records
 from tandem.workload.session import SLO
 
-TABLE_WIDTH = 118
+TABLE_WIDTH = 118               # a piped table's width
+NOISY_PROFILE_ERROR = 0.15      # a profile whose median held-out step error exceeds this is called out
 PNG_NAME = "ttft.png"
 TABLE_NAME = "table.md"
 RESULTS_NAME = "results.json"
@@ -184,6 +185,12 @@ def header(plan: DemoPlan, model: str, perf: str, profile: Profile, threads: int
              + ", then ".join(plan.policies) + ", each on fresh workers, then the simulator",
              f"  profile {perf}: {profile.device_name}, {profile.device.get('threads', '?')} torch thread(s), "
              f"held-out step error {100 * (profile.heldout_error.get('median') or 0):.1f}%"]
+    err = profile.heldout_error.get("median") or 0.0
+    if err > NOISY_PROFILE_ERROR:
+        load = profile.options.get("load_avg_before")
+        lines.append(f"  the profile predicts its held-out steps {100 * err:.0f}% off" +
+                     (f" (made at load average {load:.1f})" if isinstance(load, (int, float)) else "") +
+                     f": the rate and SLO below are as rough; delete {perf} to profile again on a quieter machine")
     derived = cal.describe()
     if plan.rate_given:
         lines.append(f"  rate {plan.rate:g} sessions/s (--rate; calibrated: {derived[0]})")
