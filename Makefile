@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The end-to-end demo: a tiny model served by 1 prefill + 1 decode worker process (AMPD routing), a
-# multi-round ToolBench-shaped workload replayed through the HTTP API, the metrics table, shutdown.
+# The end-to-end demo: a tiny model served by 1 prefill + 1 decode worker process, a multi-round ToolBench-shaped
+# workload at a rate and SLO derived from this machine's profile, replayed through the HTTP API with AMPD and then
+# an always-remote baseline, side by side with the simulator's prediction (table and reports/demo/ttft.png).
 run: $(STAMP)
 	$(BIN)/tandem demo
 

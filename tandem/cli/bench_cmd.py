@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tandem.cli.bench_table import print_table
-from tandem.cli.common import (CLIError, check_out_path, flush_notes, load_workload, positive_float, positive_int,
+from tandem.cli.common import (CLIError, SessionBar, check_out_path, flush_notes, load_workload, positive_float, positive_int,
                                seed_arg)
 
 DEFAULT_BENCH_SESSIONS = 20
@@ -73,32 +73,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-class _Bar:
-    """A rich progress bar of completed sessions on stderr."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("sessions"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(),
-                                console=Console(stderr=True), transient=True)
-            self.task = self.bar.add_task("sessions", total=total, failed=0)
-            self.failed = 0
-            self.bar.start()
-
-    def __call__(self, rec) -> None:
-        if self.bar is None:
-            return
-        self.failed += bool(rec.failed)
-        self.bar.update(self.task, advance=1, failed=self.failed)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def cmd_bench(args) -> int:
     """`tandem bench`: load the workload, replay it against --url, print and write the metrics."""
     from tandem.bench.serve_client import BenchConfig, BenchError, run_bench
@@ -118,12 +92,13 @@ def cmd_bench(args) -> int:
     check_out_path(args.records)
     flush_notes()
 
-    bar = _Bar(len(sessions), not args.no_progress and sys.stderr.isatty())
+    bar = SessionBar(not args.no_progress and sys.stderr.isatty())
     cfg = BenchConfig(url=args.url, endpoint=args.endpoint, model=args.model,
                       api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
                       scale=args.scale, max_tokens_cap=args.max_tokens_cap, tokenizer=tokenizer, seed=args.seed,
                       timeout_s=args.timeout, tool_role=args.tool_role,
-                      return_token_ids=not args.no_return_token_ids, on_session_done=bar)
+                      return_token_ids=not args.no_return_token_ids,
+                      on_session_done=bar.track("sessions", len(sessions)))
     try:
         res = asyncio.run(run_bench(sessions, cfg))
     except BenchError as e:

@@ -54,6 +54,40 @@ def clear_notes() -> None:
     _NOTES.clear()
 
 
+# --------------------------------------------------------------------------- progress
+
+
+class SessionBar:
+    """A rich progress bar of completed sessions on stderr, one line per tracked run; inert when not enabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(),
+                                console=Console(stderr=True), transient=True)
+            self.bar.start()
+
+    def track(self, label: str, total: int):
+        """A new line of `total` sessions; returns the callback that advances it by one finished session record."""
+        if self.bar is None:
+            return None
+        task = self.bar.add_task(label, total=total, failed=0)
+        failed = [0]
+
+        def done(rec) -> None:
+            failed[0] += bool(rec.failed)
+            self.bar.update(task, advance=1, failed=failed[0])
+        return done
+
+    def close(self) -> None:
+        """Stop drawing (the bar is transient: it leaves nothing behind)."""
+        if self.bar is not None:
+            self.bar.stop()
+
+
 # --------------------------------------------------------------------------- argument types
 
 

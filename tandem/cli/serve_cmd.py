@@ -8,18 +8,21 @@ import contextlib
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 from tandem.cli.bench_table import print_table
-from tandem.cli.common import (PREEMPTION_MODE_HELP, CLIError, byte_size, check_preemption, csv_list, nonneg_float,
-                               nonneg_int, positive_int, ray_address_arg, require_ray, unit_fraction)
+from tandem.bench.demo import DEFAULT_BASELINE as DEMO_BASELINE
+from tandem.bench.demo_calibration import DEFAULT_LOAD as DEMO_LOAD, DEFAULT_SLO_FACTOR as DEMO_SLO_FACTOR
+from tandem.cli.common import (PREEMPTION_MODE_HELP, CLIError, SessionBar, byte_size, check_preemption, csv_list,
+                               nonneg_float, nonneg_int, positive_float, positive_int, ray_address_arg, require_ray,
+                               unit_fraction)
 from tandem.core.config import DEFAULT_SWAP_SPACE_GIB
 from tandem.bench.ports import free_port
 from tandem.policy.presets import POLICIES, PrefillSchedKind
 
 LAPS_POLICIES = tuple(name for name, spec in POLICIES.items() if spec.prefill_sched is PrefillSchedKind.LAPS)
 
-DEMO_SLO = (0.05, 0.02)         # TTFT, ITL seconds: a 1M-parameter model's steps take a few milliseconds
 API_KEY_ENV = "TANDEM_API_KEY"
 # Slow clients (slowloris): uvicorn closes an idle keep-alive connection after TIMEOUT_KEEP_ALIVE_S and refuses
 # header blocks over H11_MAX_INCOMPLETE_EVENT_BYTES; the app answers 408 to a body not received within
@@ -176,14 +179,27 @@ def add_parser(sub) -> None:
     p.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
                    help="most open connections + requests before uvicorn answers 503 (default: no limit)")
     p.set_defaults(func=cmd_serve)
-    d = sub.add_parser("demo", help="serve a tiny model 1P+1D, replay a multi-round workload through HTTP, report")
+    d = sub.add_parser("demo", help="serve a tiny model 1P+1D with AMPD and a baseline, replay multi-round sessions "
+                                     "through HTTP at a load calibrated to this machine, compare with the simulator")
     _add_server_args(d, False)
+    d.set_defaults(threads=None)
     d.add_argument("--workload", default="toolbench")
-    d.add_argument("--sessions", type=int, default=30)
-    d.add_argument("--rate", type=float, default=6.0, help="sessions/s (default: 6, enough to queue prefills)")
-    d.add_argument("--scale", type=float, default=0.5, help="token counts and tool gaps x this (default: 0.5)")
-    d.add_argument("--max-tokens-cap", type=int, default=16)
+    d.add_argument("--sessions", type=positive_int, default=30)
+    d.add_argument("--rate", type=positive_float, default=None,
+                   help="sessions/s (default: --load x the capacity the machine's profile gives 1P+1D)")
+    d.add_argument("--load", type=unit_fraction, default=DEMO_LOAD, metavar="F",
+                   help=f"the calibrated rate as a share of the profiled capacity (default: {DEMO_LOAD:g})")
+    d.add_argument("--slo-factor", type=positive_float, default=DEMO_SLO_FACTOR, metavar="K",
+                   help=f"the calibrated SLO as K x the profiled unloaded TTFT and ITL (default: {DEMO_SLO_FACTOR:g})")
+    d.add_argument("--baseline", default=DEMO_BASELINE,
+                   help=f"the policy compared with AMPD on the same two worker processes (a co-located one runs "
+                        f"--colocated 2; ampd: no comparison; default: {DEMO_BASELINE})")
+    d.add_argument("--scale", type=positive_float, default=0.5, help="token counts and tool gaps x this (default: 0.5)")
+    d.add_argument("--max-tokens-cap", type=positive_int, default=16)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", default="reports/demo", metavar="DIR",
+                   help="where the comparison table, its PNG and results.json go (default: reports/demo)")
+    d.add_argument("--verbose", action="store_true", help="also print each run's full `tandem bench` table")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
 
@@ -460,51 +476,84 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """A tiny checkpoint (made once under models/), served 1P+1D; the bench replays sessions through HTTP."""
-    import json
-
-    from tandem.bench.serve_client import BenchConfig, run_bench
+    """A tiny checkpoint (made once under models/) and its quick profile (once per thread count); the sessions at the
+    calibrated rate and SLO served by AMPD, then by the baseline, each on fresh workers, and simulated (bench/demo)."""
+    from tandem.bench import demo, demo_report
     from tandem.engine.tokenizer import Tokenizer
-    from tandem.workload.generators import generate
+    from tandem.perf.profile_io import PerfFileError, load_perf
+    from tandem.perf.step_model import Profile
     if args.model is None:
         args.model = "models/tiny-qwen3-1m"
         if not Path(args.model, "config.json").is_file():
             from tandem.engine.tiny_model import make_tiny_model
             make_tiny_model(args.model, arch="qwen3", size="1m", seed=0)
-    if args.max_model_len is None:
-        args.max_model_len = 4096
-    if args.perf is None:                                   # routing costs measured on this machine, once
-        args.perf = str(Path(args.model) / "profile-quick.json")
+    args.max_model_len = args.max_model_len or 4096
+    args.threads = demo.demo_threads(args.threads)
+    if args.perf is None:                                   # step costs measured on this machine, once
+        args.perf = str(demo.profile_path(args.model, args.threads))
         if not Path(args.perf).is_file():
             from tandem.engine.profiling import ProfileOptions, profile
-            print(f"tandem demo: profiling {args.model} once (tandem profile --quick) for routing costs ...",
-                  flush=True)
-            profile(args.model, ProfileOptions(quick=True, threads=1, max_len=args.max_model_len)).to_json(args.perf)
-    if args.slo_ttft is None and args.slo_itl is None:      # targets at the tiny model's scale (ms steps)
-        args.slo_ttft, args.slo_itl = DEMO_SLO
-    cfg = _cluster_config(args)
-    from tandem.workload.session import SLO
-    slo = SLO(args.slo_ttft or float("inf"), args.slo_itl or float("inf"))
-    sessions = generate(args.workload, args.sessions, args.rate, args.seed, slo=slo)
-    port = free_port()
+            print(f"tandem demo: profiling {args.model} once at {args.threads} torch thread(s) (tandem profile "
+                  f"--quick) ...", flush=True)
+            profile(args.model, ProfileOptions(quick=True, threads=args.threads, max_len=args.max_model_len)
+                    ).to_json(args.perf)
+    try:
+        prof = load_perf(args.perf)
+    except (OSError, PerfFileError) as e:
+        raise CLIError(str(e)) from None
+    if not isinstance(prof, Profile):
+        raise CLIError(f"--perf {args.perf}: the demo calibrates from a `tandem profile` output")
+    try:
+        plan = demo.plan_demo(prof, args.workload, args.sessions, args.scale, args.max_tokens_cap, args.seed,
+                              args.rate, args.slo_ttft, args.slo_itl, args.load, args.slo_factor, args.baseline)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    args.slo_ttft, args.slo_itl = plan.slo.ttft_s, plan.slo.itl_s
+    for policy in plan.policies:
+        _cluster_config(_demo_args(args, policy))            # every run's configuration checked before any starts
 
-    async def run() -> dict:
-        async with serving(cfg, "127.0.0.1", port):
-            bc = BenchConfig(url=f"http://127.0.0.1:{port}", endpoint="completions", scale=args.scale,
-                             max_tokens_cap=args.max_tokens_cap, tokenizer=Tokenizer.from_pretrained(args.model),
-                             seed=args.seed)
-            res = await run_bench(sessions, bc)
-            return res.metrics()
-    out = asyncio.run(run())
-    out.update({"workload": args.workload, "policy": cfg.policy, "model": args.model})
+    @contextlib.asynccontextmanager
+    async def serve(policy: str):
+        port = free_port()
+        async with serving(_cluster_config(_demo_args(args, policy)), "127.0.0.1", port):
+            yield f"http://127.0.0.1:{port}"
+
+    if not args.json:
+        print(demo_report.header(plan, args.model, args.perf, prof, args.threads, _load_avg()), flush=True)
+    bar = SessionBar(not args.json and sys.stderr.isatty())
+    try:
+        runs = asyncio.run(demo.run_demo(plan, serve, Tokenizer.from_pretrained(args.model), prof, args.perf,
+                                         on_policy=lambda p: bar.track(f"{p} sessions", len(plan.sessions))))
+    finally:
+        bar.close()
+    results = demo_report.write_outputs(args.out, plan, runs)
     if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print(f"tandem demo: {args.workload} x{args.sessions} sessions at {args.rate}/s (tokens x{args.scale}) on "
-              f"{args.model}, policy {cfg.policy}, {cfg.prefill_workers}P+{cfg.decode_workers}D worker processes, "
-              f"through HTTP; SLO TTFT {slo.ttft_s * 1e3:g} ms, ITL {slo.itl_s * 1e3:g} ms")
-        print_table(out)
-    return 0 if out.get("sessions_completed", 0) > 0 else 1
+        print(json.dumps(results, indent=2))
+        return 0 if all(r.measured.get("sessions_completed") for r in runs) else 1
+    if args.verbose:
+        for run in runs:
+            print_table({**run.measured, "workload": args.workload, "rate": plan.rate, "seed": args.seed})
+    demo_report.print_comparison(demo_report.comparison(runs), demo_report.title(plan))
+    print("\n".join(demo_report.footer(args.out, runs, prof)))
+    return 0 if all(r.measured.get("sessions_completed") for r in runs) else 1
+
+
+def _load_avg() -> tuple[float, float, float] | None:
+    """The host's load averages (None where the OS has none)."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def _demo_args(args, policy: str) -> argparse.Namespace:
+    """The demo's server flags for one policy: its two worker processes 1P+1D, or co-located for such a policy."""
+    from tandem.policy.presets import get_policy
+    a = argparse.Namespace(**vars(args))
+    a.policy = policy
+    if not get_policy(policy).disaggregated:
+        a.colocated = a.prefill_workers + a.decode_workers
+    return a
 
 
 def _check_tp(model: str, tp: int) -> None:
