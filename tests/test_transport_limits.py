@@ -16,7 +16,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from tandem.bench.chaos.zmq_inbox import Stranger
+from tandem.bench.chaos.zmq_inbox import SLACK, Stranger
 from tandem.engine.kv_transfer import (KV_FRAMING_BYTES, KV_PART_BYTES, KVAssembly, KVPayload, KVTransferError,
                                        export_kv, import_kv, kv_bytes_per_token, kv_message_max_bytes,
                                        kv_part_tokens, split_kv)
@@ -160,7 +160,7 @@ def test_a_stranger_declaring_a_frame_of_the_cap_holds_at_most_the_cap_until_the
     print(f"RSS {before >> 20} -> {peak >> 20} -> {after >> 20} MiB; connections closed after {held} s")
     assert all(h is not None and HANDSHAKE_S - 0.5 < h < HANDSHAKE_S + 2.5 for h in held)
     assert peak - before < 3 * (CAP + 2 * MiB)
-    assert after - before < 4 * MiB
+    assert after - before < SLACK      # back, up to the allocator's and the other tests' noise in this process
 
 
 # -- legitimate KV under the cap --------------------------------------------------------------------------------
