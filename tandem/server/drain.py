@@ -64,8 +64,9 @@ class Drain:
 
     def begin(self) -> None:
         """Refuse new requests from now on (REFUSED; /health HEALTH_DRAINING)."""
-        if not self.draining:
-            log.warning("draining: refusing new requests; %d in flight", len(self._open))
+        if not self.draining:             # a warning only when requests are cut short by it
+            (log.warning if self._open else log.info)("draining: refusing new requests; %d in flight",
+                                                      len(self._open))
         self.draining = True
 
     def hurry(self) -> None:
