@@ -393,7 +393,7 @@ def test_a_round_whose_message_is_lost_fails_with_the_reason_and_serving_goes_on
     which requests it holds, and the round it should hold and does not ends with a 500 naming the worker and the
     loss, counted in tandem:lost_requests_total. A lost Audit is asked again after AUDIT_RETRY intervals. The next
     round on the same server completes with the offline engine's output, and nothing else is failed."""
-    from tandem.runtime.coordinator_shell import AUDIT_RETRY
+    from tandem.runtime.request_audit import AUDIT_RETRY
     audit_s = 0.2
     srv = LiveServer(ClusterConfig(ckpt, 1, 1, 0, "ampd", served_model_name=MODEL, engine_args=ENGINE,
                                    audit_interval_s=audit_s, worker_kwargs={worker: {"drop_control": dropped}},

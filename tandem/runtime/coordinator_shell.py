@@ -9,7 +9,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.core import actions as act
@@ -17,12 +16,14 @@ from tandem.core.commands import DELIVERED, KV_ARRIVED, RELEASE, RUN_LOCAL, SEND
 from tandem.core.coordinator import Coordinator
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
-from tandem.policy.dllm_serve import canvas_max_tokens
 from tandem.policy.dllm_serve.admission import COUNTERS as DLLM_COUNTERS
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, check_diffusion
+from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
+from tandem.runtime.request_audit import AUDIT_S, RequestAudit
+from tandem.runtime.round_checks import check_prompt, round_budget
+from tandem.runtime.shell_request import ShellRequest
 from tandem.runtime.state_store import SessionInfo, StateStoreError
 from tandem.workload.session import SLO
 
@@ -31,37 +32,6 @@ log = logging.getLogger("tandem.coordinator")
 MAX_UNREAD = 4096          # outputs a request may have queued unread before it is cancelled (a stalled client)
 MAX_KV_SAMPLES = 10_000    # kv_transfer_seconds kept between two /metrics scrapes (the oldest go first)
 MAX_STEP_TOKENS = 1 << 20  # a StepCounts key beyond this (tokens in one engine step) is not a real step: dropped
-AUDIT_S = 5.0             # how often each worker is asked which requests it holds (a lost message fails its round)
-AUDIT_RETRY = 4            # an Audit unanswered for this many intervals is asked again (it may be what was lost)
-
-
-@dataclass
-class _Req:
-    """One HTTP request = one round of a session."""
-
-    request_id: str
-    session_id: str
-    prompt: list[int]
-    params: SamplingParams
-    keep_session: bool
-    ready: asyncio.Event                # set when `out` changed since the consumer last read it
-    out: RequestOutput                  # cumulative, updated in place; the consumer reads snapshots of it
-    worker: int = -1                    # the session's decode/co-located worker
-    task: PrefillTask | None = None
-    prefill_worker: int = -1            # remote prefill worker, -1 when local
-    sent_to_decode: bool = False
-    kv_arrived: bool = False            # its remote prefill's KV reached the decode worker (KVArrived sent)
-    transfers: dict = field(default_factory=dict)    # purpose -> Transfer in flight (the core times it)
-    done: bool = False
-    unread: int = 0                     # outputs (deltas) coalesced into `out` since the consumer last read
-
-
-def _snapshot(o: RequestOutput) -> RequestOutput:
-    """A copy of a cumulative output the shell may go on updating (what one generate() step yields)."""
-    c = o.outputs[0]
-    return dataclasses.replace(o, outputs=[dataclasses.replace(c, token_ids=list(c.token_ids),
-                                                               logprobs=list(c.logprobs) if c.logprobs else c.logprobs)],
-                               metrics=dataclasses.replace(o.metrics))
 
 
 def params_dict(p: SamplingParams) -> dict:
@@ -83,59 +53,30 @@ class CoordinatorShell:
         self.max_unread = max_unread                         # a stream this far behind is cancelled (_push)
         self.max_model_len, self.block_size, self.clock = max_model_len, block_size, clock
         self.slo = slo                                       # every round's TTFT/ITL target (routing reads it)
-        self.reqs: dict[str, _Req] = {}
-        self.by_task: dict[PrefillTask, _Req] = {}
-        self.session_req: dict[str, _Req] = {}
+        self.reqs: dict[str, ShellRequest] = {}
+        self.by_task: dict[PrefillTask, ShellRequest] = {}
+        self.session_req: dict[str, ShellRequest] = {}
         self.conv: dict[str, list[int]] = {}                 # session -> conversation tokens resident on its worker
         self._begun: dict[str, tuple[asyncio.Future, int]] = {}    # request -> (RoundBegun answer, its worker)
         self._ids = itertools.count()
         self.stats = BackendStats()
-        if not audit_s > 0:
-            raise ValueError(f"the audit interval must be > 0 s, got {audit_s}")
-        self.audit_s = audit_s
-        self._next_audit = clock() + audit_s
-        # worker -> (Audit nonce, the requests it must hold, when asked)
-        self._audits: dict[int, tuple[int, list[_Req], float]] = {}
+        self.audits = RequestAudit(audit_s, clock())       # which requests each worker must hold, asked now and then
 
     # ------------------------------------------------------------------ requests in
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
                        session_id: str | None = None, prompt_text: str | None = None):
         """Stream cumulative RequestOutputs for one round (EngineClient.generate)."""
-        if not prompt:
-            raise RequestError("the prompt is empty", 400, param="prompt")
-        if self.vocab_size is not None:                        # rejected now (400), not by a worker later (500)
-            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", 400,
-                                   param="prompt")
-        try:                                                   # diffusion options against the model: 400 here
-            check_diffusion(params, self.dllm_block)
-        except SamplingParamsError as e:
-            raise RequestError(str(e), 400) from None
-        if params.dllm_chunk is not None and self.dllm_canvas:
-            raise RequestError(f"dllm_chunk {params.dllm_chunk} sizes Optimus's streaming windows, which need a "
-                               f"block-causal model (SDAR); this LLaDA-style model decodes in dLLM-Serve phases",
-                               400, param="dllm_chunk")
-        if len(prompt) >= self.max_model_len:
-            raise RequestError(f"prompt of {len(prompt)} tokens leaves no room to generate: the model's context "
-                               f"(max_model_len) is {self.max_model_len} tokens", 400, param="messages")
+        check_prompt(prompt, params, self.max_model_len, self.vocab_size, self.dllm_block, self.dllm_canvas)
         if request_id in self.reqs:
             raise RequestError(f"request id {request_id!r} is already running", 409)
-        max_out = self.max_model_len - len(prompt)
-        if params.max_tokens is not None:
-            max_out = min(max_out, params.max_tokens)
-        if self.dllm_canvas and self.dllm_block:                # as the engine clamps it: 400 here, not a worker 500
-            try:
-                max_out = canvas_max_tokens(len(prompt), params.max_tokens, self.dllm_block, self.max_model_len)
-            except ValueError as e:
-                raise RequestError(str(e), 400, param="messages") from None
+        max_out = round_budget(prompt, params, self.max_model_len, self.dllm_block, self.dllm_canvas)
         keep = session_id is not None
         sid = session_id if keep else f"req-{request_id}"
         if sid in self.session_req:
             raise RequestError(f"session {sid!r} already has a request running "
                                f"({self.session_req[sid].request_id!r}); send rounds one at a time", 409)
         now = self.clock()
-        req = _Req(request_id, sid, list(prompt), params, keep, asyncio.Event(),
+        req = ShellRequest(request_id, sid, list(prompt), params, keep, asyncio.Event(),
                    RequestOutput(request_id, prompt_text, list(prompt), [CompletionOutput(0, "", [], None, None)],
                                  False, RequestMetrics(now), session_id=session_id))
         self.reqs[request_id] = req
@@ -147,7 +88,7 @@ class CoordinatorShell:
                     await req.ready.wait()
                 req.ready.clear()
                 req.unread = 0
-                out = _snapshot(req.out)
+                out = req.snapshot()
                 yield out
                 if out.finished:
                     return
@@ -155,7 +96,7 @@ class CoordinatorShell:
             if not req.done:                                    # the client went away: abort, free the KV
                 self._abort(req, "client disconnected")
 
-    async def _start(self, req: _Req, max_out: int, now: float) -> None:
+    async def _start(self, req: ShellRequest, max_out: int, now: float) -> None:
         sid, coord = req.session_id, self.coord
         worker = coord.session_worker(sid)
         hist_tokens = self.conv.get(sid)
@@ -192,7 +133,7 @@ class CoordinatorShell:
             raise RequestError(str(e), 503, code="engine_unavailable") from None
         self._apply(actions)
 
-    async def _begin_round(self, req: _Req, worker: int, prompt: list[int]) -> int:
+    async def _begin_round(self, req: ShellRequest, worker: int, prompt: list[int]) -> int:
         """Ask `worker` to pin the session's resident KV (with `prompt`: first take its cached prefix); returns
         how many tokens are resident."""
         fut = asyncio.get_running_loop().create_future()
@@ -350,7 +291,7 @@ class CoordinatorShell:
             core_ev = (FetchHistory(req.task, ev.tokens) if isinstance(ev, m.EvFetchHistory)
                        else PrefillDone(req.task, worker, now))
             if isinstance(ev, m.EvPrefillDone):
-                _scheduled(req.out, now, ev.scheduled_ago_s)
+                req.mark_scheduled(now, ev.scheduled_ago_s)
         elif coord.session_worker(ev.session_id) is None:
             return
         elif isinstance(ev, m.EvFirstToken):
@@ -368,41 +309,17 @@ class CoordinatorShell:
         req = self.reqs.get(d.request_id)
         if req is None or req.done:
             return
-        out = req.out
-        comp = out.outputs[0]
         now = self.clock()
-        _scheduled(out, now, d.scheduled_ago_s)
-        if d.token_ids and out.metrics.first_token_time is None:
-            out.metrics.first_token_time = now
-        if d.token_ids:
-            out.metrics.last_token_time = now
-        comp.token_ids.extend(d.token_ids)                    # in place: consumers get copies (_snapshot)
-        comp.text = d.text if d.reset else comp.text + d.text
-        if d.logprobs is not None:
-            if comp.logprobs is None:
-                comp.logprobs = []
-            comp.logprobs.extend(d.logprobs)
-            comp.cumulative_logprob = d.cumulative_logprob
-        if d.prompt_logprobs is not None:
-            out.prompt_logprobs = d.prompt_logprobs
-        cached = d.num_cached_tokens                          # the decode worker's history; what a remote prefill
-        if req.task is not None and req.task.hist_compute:    # recomputed (vllm-pd) was not reused
-            cached = max(0, cached - req.task.hist_compute)
-        out.num_cached_tokens = out.metrics.num_cached_tokens = cached
-        out.metrics.num_preemptions = d.num_preemptions       # vllm:num_preemptions_total counts finished requests'
-        if d.dllm_chunk is not None:                          # block diffusion: the chunk the worker's core chose
-            out.dllm_chunk = d.dllm_chunk
+        req.merge(d, now)
         if d.finished:
-            comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
-            out.error = d.error
             self._finish(req, now)
             if req.keep_session and d.error is None:
-                self.conv[req.session_id] = req.prompt + comp.token_ids
+                self.conv[req.session_id] = req.prompt + req.out.outputs[0].token_ids
             elif not req.keep_session:
                 self._apply(self.coord.end_session(req.session_id, now))
         self._push(req)
 
-    def _push(self, req: _Req) -> None:
+    def _push(self, req: ShellRequest) -> None:
         """Tell the consumer `req.out` changed. Nothing is copied or queued here: the consumer snapshots the
         cumulative output when it reads (deltas it did not read are coalesced), so an unread stream holds O(1)
         extra memory. A consumer `max_unread` outputs behind is taken as stalled and its request cancelled."""
@@ -414,7 +331,7 @@ class CoordinatorShell:
             self._abort(req, f"cancelled: the client read none of the last {req.unread - 1} outputs of its stream "
                              f"(limit {self.max_unread})")
 
-    def _finish(self, req: _Req, now: float) -> None:
+    def _finish(self, req: ShellRequest, now: float) -> None:
         req.done = True
         req.out.finished = True
         req.out.metrics.finished_time = now
@@ -424,7 +341,7 @@ class CoordinatorShell:
         if req.task is not None and self.by_task.get(req.task) is req:    # a local prefill gets no Delivered
             del self.by_task[req.task]
 
-    def _fail(self, req: _Req, reason: str) -> None:
+    def _fail(self, req: ShellRequest, reason: str) -> None:
         """End a request with an error the client sees (finish_reason abort)."""
         if req.done:
             return
@@ -433,7 +350,7 @@ class CoordinatorShell:
         self._finish(req, self.clock())
         self._push(req)
 
-    def _abort(self, req: _Req, reason: str) -> None:
+    def _abort(self, req: ShellRequest, reason: str) -> None:
         """Stop a request everywhere, free its KV and end its session (the client gone or a worker failure)."""
         self._fail(req, reason)
         if req.worker >= 0:
@@ -448,7 +365,7 @@ class CoordinatorShell:
     def on_worker_joined(self, worker: int, kv_address: str) -> None:
         """A replacement for a lost worker is up: its new KV inbox, and the core may route to it again."""
         self.kv_addr[worker] = kv_address
-        self._audits.pop(worker, None)
+        self.audits.forget(worker)
         self._apply(self.coord.on_worker_joined(worker, self.clock()))
 
     def on_send_failed(self, worker: int, msg, reason: str, lost: bool = False) -> None:
@@ -472,60 +389,28 @@ class CoordinatorShell:
         decode worker) and ends sessions idle longer than its session_ttl_s. Called every 0.1 s."""
         now = self.clock()
         self._apply(self.coord.on_tick(now))
-        if now >= self._next_audit:
-            self._next_audit = now + self.audit_s
+        if self.audits.due(now):
             self.audit()
         coord = self.coord
         if len(coord.records) > 2 * len(coord.live) + 1000:  # live serving keeps records of live sessions only
             coord.records = [r for r in coord.records if r.session_id in coord.live]
 
-    def _holders(self, req: _Req) -> list[int]:
-        """The workers that must hold `req` now, by the messages sent them: its decode worker from AddRequest to its
-        last output, its prefill worker from AddPrefill until Delivered (sent with KVArrived) or RunLocal."""
-        out = [req.worker] if req.sent_to_decode and req.worker >= 0 else []
-        if req.prefill_worker >= 0 and not req.kv_arrived:
-            out.append(req.prefill_worker)
-        return out
-
     def audit(self) -> None:
-        """Ask each worker that must hold running requests which ones it holds (Audit). Messages between two
-        processes arrive in order, so its answer (Holding) follows everything sent before the question and every
-        output it sent before the answer: a request it should hold and does not was lost on the way (a dropped
-        message, a worker that forgot it), and fails with that reason instead of waiting forever. One question
-        per worker at a time (a worker busy with a long step answers after it), asked again after AUDIT_RETRY
-        intervals unanswered (the question itself may be the message lost)."""
-        now = self.clock()
-        expect: dict[int, list[_Req]] = {}
-        for req in self.reqs.values():
-            if not req.done:
-                for w in self._holders(req):
-                    expect.setdefault(w, []).append(req)
-        for w, reqs in expect.items():
-            asked = self._audits.get(w)
-            if asked is None or now - asked[2] > AUDIT_RETRY * self.audit_s:
-                nonce = next(self._ids)
-                self._audits[w] = (nonce, reqs, now)
-                self.send(w, m.Audit(nonce))
+        """Ask each worker which of its requests it holds (RequestAudit); the answers come back as Holding."""
+        for w, question in self.audits.questions(self.reqs.values(), self.clock()):
+            self.send(w, question)
 
     def _holding(self, worker: int, msg: m.Holding) -> None:
         """A worker's answer to audit(): fail the requests it should hold and does not."""
-        nonce, expected, _ = self._audits.get(worker, (None, [], 0.0))
-        if nonce != msg.nonce:
-            return                                             # not the question outstanding (a stale answer)
-        del self._audits[worker]
-        held = set(msg.request_ids)
-        for req in expected:
-            rid = req.request_id
-            if rid in held or req.done or self.reqs.get(rid) is not req or worker not in self._holders(req):
-                continue                                       # held, or finished, failed or moved since the question
+        for req in self.audits.lost(worker, msg, self.reqs):
             self.stats.lost_requests += 1
-            log.error("request %s: worker %d no longer holds it; failing it", rid, worker)
-            self._abort(req, f"lost: worker {worker} no longer holds request {rid!r} (a message between the "
-                             f"coordinator and the worker was lost)")
+            log.error("request %s: worker %d no longer holds it; failing it", req.request_id, worker)
+            self._abort(req, f"lost: worker {worker} no longer holds request {req.request_id!r} (a message between "
+                             f"the coordinator and the worker was lost)")
 
     def on_worker_lost(self, worker: int) -> None:
         """A worker died: fail its sessions' requests, re-route prefills it was running."""
-        self._audits.pop(worker, None)
+        self.audits.forget(worker)
         for req in list(self.reqs.values()):
             if req.prefill_worker == worker and not req.kv_arrived:    # its prefill is lost: re-routed below
                 req.transfers.clear()
@@ -538,9 +423,3 @@ class CoordinatorShell:
             if req.worker == worker and not req.done:
                 self._fail(req, f"worker lost: decode worker {worker} stopped")
 
-
-def _scheduled(out: RequestOutput, now: float, ago_s: float | None) -> None:
-    """Date the request's first scheduling by a worker's report (`ago_s` before `now`, never before its arrival
-    here): the earliest report wins, so a remote prefill's counts, not the decode worker's later step."""
-    if ago_s is not None and out.metrics.first_scheduled_time is None:
-        out.metrics.first_scheduled_time = max(out.metrics.arrival_time, now - ago_s)
