@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from tandem.runtime.transport.codec import Codec, Frames, Goodbye, Heartbeat, Ready
 from tandem.runtime.transport.errors import BadMessage, TransportError, WorkerUnreachable
-from tandem.runtime.transport.security import HandshakeWatch, Keys, WorkerAuth, Zap, serve_curve
+from tandem.runtime.transport.security import HandshakeWatch, Keys, WorkerAuth, Zap, close_secured, serve_curve
 from tandem.runtime.transport.sockets import HUB_MAX_MSG_BYTES, Buffer, Rejects, bind, identity, limit, recv_parts, \
     send_parts, zmq_context
 
@@ -119,14 +119,8 @@ class Hub:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        if self._handshakes is not None:
-            self._handshakes.close()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._zap is not None:
-            self._zap[0].drop(self._zap[1])
-            self._zap = None
+        close_secured(self._sock, self._handshakes, self._zap)
+        self._sock = self._zap = None
 
     # -- authentication -------------------------------------------------------------------------
     @property

@@ -10,7 +10,7 @@ import zmq.asyncio
 
 from tandem.runtime.transport.codec import Codec, Frames, unpack_or_drop
 from tandem.runtime.transport.errors import MessageTooLarge, PeerUnreachable
-from tandem.runtime.transport.security import HandshakeWatch, WorkerAuth, Zap, curve_client, serve_curve
+from tandem.runtime.transport.security import HandshakeWatch, WorkerAuth, Zap, close_secured, curve_client, serve_curve
 from tandem.runtime.transport.sockets import HANDSHAKE_MAX_MSG_BYTES, PEER_MAX_MSG_BYTES, PEER_RCVHWM, Buffer, \
     Rejects, bind, limit, recv_parts, send_parts, zmq_context
 
@@ -78,15 +78,8 @@ class PeerInbox:
 
     def close(self) -> None:
         """Close the socket (queued messages are dropped)."""
-        if self._handshakes is not None:
-            self._handshakes.close()
-            self._handshakes = None
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._zap is not None:
-            self._zap[0].drop(self._zap[1])
-            self._zap = None
+        close_secured(self._sock, self._handshakes, self._zap)
+        self._sock = self._handshakes = self._zap = None
 
 
 @dataclass

@@ -191,3 +191,14 @@ class HandshakeWatch:
                 pass
             self._pair.close(linger=0)
             self._pair = None
+
+
+def close_secured(sock: zmq.Socket | None, handshakes: HandshakeWatch | None, zap: tuple[Zap, bytes] | None) -> None:
+    """Close a listening socket with its handshake watch and its ZAP domain (each may be None): queued messages
+    are dropped."""
+    if handshakes is not None:
+        handshakes.close()
+    if sock is not None:
+        sock.close(linger=0)
+    if zap is not None:
+        zap[0].drop(zap[1])
