@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -21,9 +18,8 @@ from pathlib import Path
 import httpx
 
 from tandem.bench.chaos import ChaosContext, Outcome
-from tandem.bench.ports import free_port
+from tandem.bench.serve_process import serve_subprocess
 
-HOST = "127.0.0.1"
 DOC_ARGS = ("--colocated", "1")        # docs/diffusion.md's `tandem serve --model DIR --colocated 1`
 GREEDY_PROMPT = "words:"               # random words: one token a step, where window sizes matter most
 REPEATS = 10                           # greedy requests compared
@@ -33,51 +29,20 @@ LOAD_PROMPTS = ("copy: abc def ->", "reverse: kkh ->", "sort: bca ->", "words: x
 LOAD_TEMPERATURE = 0.8
 START_TIMEOUT_S = 180.0
 REQUEST_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 20.0
 
 
 @contextlib.contextmanager
 def serve(args: Sequence[str], workdir: Path, timeout_s: float = START_TIMEOUT_S) -> Iterator[str]:
-    """`tandem serve ARGS --host 127.0.0.1 --port P` (a free port) as a subprocess until the block ends; yields its
-    base URL once /health answers 200 (RuntimeError with the log's tail if it dies or never does). Stopped with
-    SIGTERM, then killed if it lingers."""
-    port = free_port()
+    """`tandem serve ARGS` on a free port of 127.0.0.1 until the block ends (tandem.bench.serve_process); yields its
+    base URL once /health answers 200."""
     workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", *args, "--host", HOST, "--port", str(port)]
-    url = f"http://{HOST}:{port}"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {proc.returncode}: {_tail(log)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tandem serve: no /health 200 within {timeout_s:g} s: {_tail(log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
+    with serve_subprocess(list(args), workdir / "serve.log", timeout_s=timeout_s) as (url, _):
         yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def serve_dllm(model: Path, workdir: Path, extra: Sequence[str] = ()):
     """The docs' diffusion command, `tandem serve --model MODEL --colocated 1 [extra]`, as `serve` runs it."""
     return serve(["--model", str(model), *DOC_ARGS, *extra], workdir)
-
-
-def _tail(log: Path, n: int = 600) -> str:
-    """The last n characters of a log, on one line."""
-    return " | ".join(log.read_text(errors="replace")[-n:].splitlines())
 
 
 @dataclass
