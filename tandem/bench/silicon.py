@@ -241,14 +241,16 @@ def prefill_demand(case: Case) -> float:
     framework's token budget (whole prompts at their mean context). Above 1 the row ran more prefill than the
     tables' kernels can with the GPU doing nothing else: its prompts were shorter or partly served from a prefix
     cache, which a simulation of full prompts cannot show."""
-    from tandem.perf.measured.step import MeasuredStep
+    from tandem.core.types import Role
+    from tandem.perf.costs import choose_cost_model, step_timer
 
     fw = framework_defaults(case.framework)
-    tp = int(re.search(r"tp(\d+)", case.deploy).group(1))
     spec = get_model(case.model).with_precision(None if case.precision == "bf16" else case.precision,
                                                 case.kv_cache_dtype)
-    step = MeasuredStep(spec, case.gpu, tp, case.framework)
+    group = next(g for g in parse_deploy(case.deploy).groups if g.role != Role.DECODE)   # who prefills, how many
+    step = step_timer(spec, case.gpu, group.tp, choose_cost_model("measured", case.gpu, case.framework), group.ep)
     budget = fw.max_num_batched_tokens
-    capacity = budget / step.step_time_args(budget, budget * case.isl / 2, 0, max(1, budget // case.isl), 0, 0)
+    capacity = group.count * budget / step.step_time_args(budget, budget * case.isl / 2, 0,
+                                                          max(1, budget // case.isl), 0, 0)
     rate = case.concurrency / ((case.ttft_ms + (case.osl - 1) * case.tpot_ms) / 1e3)
     return rate * case.isl / capacity
