@@ -13,16 +13,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cli import bench_cmd, plan_cmd, profile_cmd, serve_cmd, tiny_cmd
-from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, Parser, add_cost_args, add_ray_args, check_out_path, cost_fields, cost_note,
-                               PREEMPTION_MODE_HELP, check_preemption, clear_notes, csv_list, flush_notes, gpus_arg, load_workload,
-                               nonneg_float, nonneg_int, note, positive_float, positive_int, ray_executor, seed_arg,
-                               unit_fraction)
-from tandem.core.config import DEFAULT_SWAP_SPACE_GIB
+from tandem.cli.common import (PROG, CLIError, Parser, check_out_path, cost_fields, cost_note,
+                               check_preemption, clear_notes, flush_notes, load_workload,
+                               note, ray_executor)
+from tandem.cli.args import add_knobs, knob_values
+from tandem.cli.options import GenerateOptions, OutputOptions
+from tandem.bench.sweep_options import ExperimentOptions, SweepOptions
+from tandem.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tandem.core.deploy import DeploymentError, parse_deploy
-from tandem.perf.dllm import OPTIMUS_LENGTHS
+from tandem.sim.config import COST_KNOBS, SimConfig, SimTarget
+from tandem.workload.options import WorkloadOptions
 from tandem.workload.session import WorkloadError
-
-DLLM_DATASETS = tuple(OPTIMUS_LENGTHS)     # Optimus Table 2 rows (--dllm-dataset)
 
 
 # --------------------------------------------------------------------------- parser
@@ -36,131 +37,37 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="simulate one workload on one deployment with one policy",
                        description="Simulate one workload (a generator name, a public trace name or a "
                                    "JSONL session file) on one deployment and print its metrics.")
-    s.add_argument("--workload", required=True, metavar="NAME|FILE",
-                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long, chat-multiturn), public trace "
-                        "(azure-conv, azure-code, mooncake, sharegpt) or a .jsonl session file")
-    s.add_argument("--model", default="llama-3.1-70b", help="model name (default: %(default)s)")
-    s.add_argument("--gpu", default="h20", help="GPU name (default: %(default)s)")
-    s.add_argument("--gpus", type=positive_int, default=None,
-                   help="GPUs in the cluster (default: AMPD's for the workload, else what --deploy uses)")
-    s.add_argument("--deploy", default=None, metavar="SPEC",
-                   help="deployment, e.g. 'P:tp4x1,D:tp4x1' or 'C:tp4x2' (default: a balanced one that fits)")
-    s.add_argument("--policy", default="ampd", help="serving policy (default: %(default)s)")
-    s.add_argument("--rate", type=positive_float, default=None,
-                   help=f"session arrival rate per second (default: {DEFAULT_RATE:g} for generators)")
-    s.add_argument("--seed", type=seed_arg, default=0, help="seed of the workload and simulator (default: 0)")
-    s.add_argument("--sessions", type=positive_int, default=None,
-                   help=f"sessions to generate (default: {DEFAULT_SESSIONS}); for traces, the first K")
-    s.add_argument("--override-arrivals", action="store_true",
-                   help="re-time a trace's sessions as a Poisson process at --rate")
-    s.add_argument("--laps-length-threshold", type=positive_int, default=None, metavar="N",
-                   help="LAPS policies: a prefill of fewer new tokens is short (default: the roofline's boundary "
-                        "L_m for the prefill workers, where a prefill step turns compute-bound)")
-    s.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
-                   help="closed loop: N clients, each running one session at a time (the first N start at 0 s, "
-                        "each next one when a client's session ends); arrival times are not used, so not with "
-                        "--rate or --override-arrivals")
-    s.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
-                   help="what AMPD Table 1's prefill length is read as for generators: new tokens per round "
-                        "(input, default) or each round's whole prompt (prompt); docs/session-format.md")
-    s.add_argument("--slo-ttft", type=positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
-    s.add_argument("--slo-itl", type=positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
-    s.add_argument("--dllm-block-length", type=positive_int, default=None, metavar="B",
-                   help="decode as a block-diffusion model in blocks of B positions (the model must be one of "
-                        "Optimus's: sdar-8b, llada2.0-16b); default: autoregressive")
-    s.add_argument("--dllm-chunk", default="elastic", metavar="elastic|block|N",
-                   help="each diffusion step's window: elastic (Optimus: chosen per step from the load), block "
-                        "(plain block diffusion, the whole block every step) or a fixed N (N masked positions a "
-                        "step, besides the K/V writes of the last commits; default: %(default)s)")
-    s.add_argument("--dllm-prefill-share", type=float, default=0.5, metavar="F",
-                   help="elastic windows leave waiting prefills up to this share of the step's token budget, in "
-                        "[0, 1); 0: the windows may take all of it, as the paper's c* (default: %(default)s)")
-    s.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"),
-                   help=PREEMPTION_MODE_HELP)
-    s.add_argument("--swap-space", type=nonneg_float, default=DEFAULT_SWAP_SPACE_GIB, metavar="GIB",
-                   help="GiB of host memory per worker for KV preempted by swap (default: %(default)s)")
-    s.add_argument("--dllm-dataset", default="sharegpt", choices=DLLM_DATASETS,
-                   help="the Optimus Table 2 row the simulated commits per step follow (default: %(default)s)")
-    s.add_argument("--dllm-admission", default=None, choices=("phase", "static", "reserve"),
-                   help="dLLM-Serve mode of the diffusion worker (co-located): Refresh/Reuse phases packed under the "
-                        "token budget by phase-multiplexed admission (phase), static batches reserving each request's "
-                        "Refresh peak (static, Fast-dLLM-like) or continuous request-level admission reserving it "
-                        "(reserve); the KV pool follows the dLLM memory model (docs/dllm-serve.md)")
-    s.add_argument("--dllm-delay-step", type=nonneg_int, default=1, metavar="N",
-                   help="dLLM-Serve: full-length steps at a block's start before its cache is written; a block starts "
-                        "with N + 1 of them (default: %(default)s, dLLM-Serve's)")
-    s.add_argument("--dllm-refresh-interval", type=nonneg_int, default=0, metavar="N",
-                   help="dLLM-Serve: also refresh every N steps after the block's cache write (default: 0, only at "
-                        "block transitions)")
-    s.add_argument("--dllm-refresh-span", default="full", choices=("full", "prefix"),
-                   help="dLLM-Serve: a Refresh recomputes the prompt and the whole generation length (full, LLaDA) or "
-                        "the prompt, the generated tokens and the active block (prefix) (default: %(default)s)")
-    s.add_argument("--dllm-kv-retention", type=unit_fraction, default=1.0, metavar="R",
-                   help="dLLM-Serve: share of a request's positions whose KV it keeps (head-centric sparse KV), in "
-                        "(0, 1] (default: %(default)s, the dense cache)")
-    s.add_argument("--dllm-commits", type=_commits, default=None, metavar="MEAN[,STD]",
-                   help="diffusion tokens committed per step at block 32 (mean and standard deviation of the stretch "
-                        "distribution; 1 = one a step); default: Optimus Table 2's row, LLaDA-8B one a step")
-    s.add_argument("--max-num-logits", type=positive_int, default=None, metavar="N",
-                   help="dLLM-Serve memory model: logit rows materialised at once (default: every row, monolithic)")
-    s.add_argument("--max-num-batched-tokens", type=_budget, default=None, metavar="N|auto",
-                   help="query tokens per step of every worker (default: 2048); with --dllm-admission, auto is the "
-                        "largest whose activation peak leaves KV for the retained positions of that many tokens")
-    s.add_argument("--perf", default=None, metavar="FILE", help="fitted performance model (tandem profile)")
-    add_cost_args(s)
-    s.add_argument("--faults", default=None, metavar="SPEC",
-                   help="inject faults and compare with the fault-free run: kv-fail=P (a KV transfer fails), "
-                        "kv-lost=P (it never lands), kill=WORKER@SECONDS; comma-separated")
-    s.add_argument("--kv-timeout", type=positive_float, default=None, metavar="S",
-                   help="a KV transfer not landed after S seconds is recomputed locally (default: 10)")
-    s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    s.add_argument("--records", default=None, metavar="FILE.jsonl",
-                   help="also write every session's per-round record (TTFT, ITL, placement, KV) as JSON lines")
+    add_knobs(s, WorkloadOptions, ("workload",), required=("workload",))
+    add_knobs(s, SimTarget, ("model", "gpu", "gpus", "deploy"))
+    add_knobs(s, SimConfig, ("policy",))
+    add_knobs(s, WorkloadOptions, ("rate", "seed", "sessions", "override_arrivals"))
+    add_knobs(s, SimConfig, ("laps_length_threshold", "concurrency"))
+    add_knobs(s, WorkloadOptions, ("prefill_basis", "slo_ttft", "slo_itl"))
+    add_knobs(s, SimConfig, ("dllm_block_length", "dllm_chunk", "dllm_prefill_share", "preemption_mode", "swap_space",
+                             "dllm_dataset", "dllm_admission", "dllm_delay_step", "dllm_refresh_interval",
+                             "dllm_refresh_span", "dllm_kv_retention", "dllm_commits", "max_num_logits",
+                             "colocated_max_num_batched_tokens", "perf", *COST_KNOBS, "faults", "kv_timeout_s"))
+    add_knobs(s, OutputOptions, ("json", "records"))
     s.set_defaults(func=cmd_simulate)
 
     g = sub.add_parser("generate", help="write a workload (generator or public trace) as a session JSONL file",
                        description="Write sessions in tandem's JSONL format (docs/session-format.md), e.g. to "
                                    "edit them or to replay them with `tandem simulate --workload FILE.jsonl`.")
-    g.add_argument("--workload", required=True, metavar="NAME",
-                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long, chat-multiturn) or public trace "
-                        "(azure-conv, azure-code, mooncake, sharegpt)")
-    g.add_argument("--model", default="llama-3.1-70b", help="model whose AMPD SLOs are attached (default: %(default)s)")
-    g.add_argument("--sessions", type=positive_int, default=None,
-                   help=f"sessions to generate (default: {DEFAULT_SESSIONS}); for traces, the first K")
-    g.add_argument("--rate", type=positive_float, default=None, help="session arrival rate per second")
-    g.add_argument("--seed", type=seed_arg, default=0, help="seed (default: 0)")
-    g.add_argument("--override-arrivals", action="store_true", help="re-time a trace as a Poisson process at --rate")
-    g.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
-                   help="what AMPD Table 1's prefill length is read as for generators: new tokens per round "
-                        "(input, default) or each round's whole prompt (prompt); docs/session-format.md")
-    g.add_argument("--slo-ttft", type=positive_float, default=None, metavar="S", help="TTFT SLO in seconds")
-    g.add_argument("--slo-itl", type=positive_float, default=None, metavar="S", help="mean ITL SLO in seconds")
-    g.add_argument("--out", required=True, metavar="FILE.jsonl", help="where to write the sessions")
+    add_knobs(g, WorkloadOptions, ("workload",), required=("workload",))
+    add_knobs(g, SimTarget, ("model",))
+    add_knobs(g, WorkloadOptions, ("sessions", "rate", "seed", "override_arrivals", "prefill_basis", "slo_ttft",
+                                   "slo_itl"))
+    add_knobs(g, GenerateOptions, required=("out",))
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("experiment", help="sweep workloads x policies x rates (AMPD Fig. 4/5) and write a report",
                        description="Run a preset sweep, optionally narrowed, and write results.json, "
                                    "table.md/txt, summary.md and figures to --out.")
-    e.add_argument("--preset", default="demo", help="demo, paper or ablation (default: %(default)s)")
-    e.add_argument("--model", default=None, help="model (default: the preset's)")
-    e.add_argument("--gpu", default=None, help="GPU (default: the preset's)")
-    e.add_argument("--workloads", type=csv_list(str), default=None, metavar="A,B", help="workloads")
-    e.add_argument("--policies", type=csv_list(str), default=None, metavar="A,B", help="policies")
-    e.add_argument("--rates", type=csv_list(positive_float), default=None, metavar="R1,R2", help="arrival rates")
-    e.add_argument("--sessions", type=positive_int, default=None, help="sessions per cell and seed")
-    e.add_argument("--seeds", type=csv_list(seed_arg), default=None, metavar="0,1", help="seeds")
-    e.add_argument("--jobs", type=positive_int, default=None, help="worker processes (default: 1)")
-    e.add_argument("--gpus", type=gpus_arg, default=None, metavar="N|W=N,...",
-                   help="GPUs per workload: one count for all, or e.g. toolbench=16,gaia=32 (default: AMPD's)")
-    e.add_argument("--prefill-basis", choices=("input", "prompt"), default=None,
-                   help="what AMPD Table 1's prefill length is read as (default: input; docs/session-format.md)")
-    e.add_argument("--deploy-per-rate", action="store_true",
-                   help="give each (workload, policy, rate) its own best deployment of the search "
-                        "(default: one per workload and policy, best mean over the rates)")
-    e.add_argument("--out", default=None, metavar="DIR", help="report folder (default: reports/<preset>)")
-    add_cost_args(e)
-    e.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_ray_args(e, "simulations")
+    add_knobs(e, ExperimentOptions, exclude=("out",))
+    add_knobs(e, WorkloadOptions, ("prefill_basis",))
+    add_knobs(e, ExperimentOptions, ("out",))
+    add_knobs(e, SimConfig, COST_KNOBS)
+    add_knobs(e, SweepOptions)
     e.set_defaults(func=cmd_experiment)
 
     for command in (plan_cmd, tiny_cmd, profile_cmd, serve_cmd, bench_cmd):
@@ -169,23 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- simulate
-
-
-def _commits(text: str) -> tuple[float, float]:
-    parts = text.split(",")
-    try:
-        mean = float(parts[0])
-        std = float(parts[1]) if len(parts) == 2 else 0.0
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MEAN or MEAN,STD, got {text!r}") from None
-    if len(parts) > 2 or not 1 <= mean < 32 or std < 0 or (mean > 1 and std == 0):
-        raise argparse.ArgumentTypeError(f"expected 1 <= MEAN < 32 and STD > 0 (or MEAN 1 alone), got {text!r}")
-    return mean, std
-
-
-def _budget(text: str) -> int:
-    return 0 if text.strip().lower() == "auto" else positive_int(text)
-
 
 
 def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False) -> tuple[str, int]:
@@ -223,42 +113,22 @@ def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False)
 
 
 def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, policy: str):
-    cfg = cluster.SimConfig(model=model, gpu=gpu, gpus=gpus, deploy=deploy, policy=policy, seed=args.seed,
-                            **cost_fields(args))
-    if args.perf is None:
+    """The SimConfig of the command line: its knob flags as they are, the target resolved (faults left out: the
+    caller runs with and without them)."""
+    knobs = knob_values(args, cluster.SimConfig)
+    knobs.update(model=model, gpu=gpu, gpus=gpus, deploy=deploy, policy=policy, seed=args.seed, faults=None)
+    budget = knobs["colocated_max_num_batched_tokens"]
+    if budget == 0 and knobs.get("dllm_admission") is None:
+        raise CLIError("--max-num-batched-tokens auto sizes a dLLM-Serve worker's budget: give --dllm-admission")
+    knobs["max_num_batched_tokens"] = budget or knobs.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    if knobs.get("dllm_admission") is not None and not knobs.get("dllm_block_length"):
+        raise CLIError("--dllm-admission needs a block-diffusion model: give --dllm-block-length")
+    if knobs.get("dllm_block_length") == 1:
+        raise CLIError("--dllm-block-length must be at least 2")
+    check_preemption(knobs.get("preemption_mode"), knobs.get("swap_space"))
+    cfg = cluster.SimConfig(**knobs)
+    if cfg.perf is None:
         cost_note(gpu, args)                # one line when measured costs are asked for and missing
-    if args.perf is not None:
-        cfg = dataclasses.replace(cfg, perf=args.perf)
-    if hasattr(args, "swap_space"):
-        check_preemption(args.preemption_mode, args.swap_space)
-        cfg = dataclasses.replace(cfg, preemption_mode=args.preemption_mode, swap_space=args.swap_space)
-    if getattr(args, "dllm_block_length", None):
-        from tandem.policy.optimus.chunk import parse_chunk
-        try:
-            chunk = str(parse_chunk(args.dllm_chunk))
-        except ValueError as e:
-            raise CLIError(f"--dllm-chunk: {e}") from None
-        if args.dllm_block_length < 2:
-            raise CLIError("--dllm-block-length must be at least 2")
-        if not 0 <= args.dllm_prefill_share < 1:
-            raise CLIError(f"--dllm-prefill-share must be in [0, 1), got {args.dllm_prefill_share}")
-        cfg = dataclasses.replace(cfg, dllm_block_length=args.dllm_block_length, dllm_chunk=chunk,
-                                  dllm_dataset=args.dllm_dataset, dllm_prefill_share=args.dllm_prefill_share,
-                                  dllm_commits=getattr(args, "dllm_commits", None))
-    admission = getattr(args, "dllm_admission", None)
-    if admission is not None:
-        if not getattr(args, "dllm_block_length", None):
-            raise CLIError("--dllm-admission needs a block-diffusion model: give --dllm-block-length")
-        cfg = dataclasses.replace(cfg, dllm_admission=admission, dllm_delay_step=args.dllm_delay_step,
-                                  dllm_refresh_interval=args.dllm_refresh_interval,
-                                  dllm_refresh_span=args.dllm_refresh_span, dllm_kv_retention=args.dllm_kv_retention,
-                                  max_num_logits=args.max_num_logits)
-    budget = getattr(args, "max_num_batched_tokens", None)
-    if budget is not None:
-        if budget == 0 and admission is None:
-            raise CLIError("--max-num-batched-tokens auto sizes a dLLM-Serve worker's budget: give --dllm-admission")
-        cfg = dataclasses.replace(cfg, colocated_max_num_batched_tokens=budget,
-                                  max_num_batched_tokens=budget or cfg.max_num_batched_tokens)
     return cfg
 
 
@@ -338,13 +208,8 @@ def cmd_simulate(args) -> int:
     sessions, rate, _ = load_workload(args, model)
     cfg = _sim_config(cluster, args, model, gpu, gpus, deploy, args.policy)
     if args.concurrency is not None:
-        cfg = dataclasses.replace(cfg, concurrency=args.concurrency)
         rate = None
-    if args.laps_length_threshold is not None:
-        cfg = dataclasses.replace(cfg, laps_length_threshold=args.laps_length_threshold)
-    faults = _faults(args)
-    if args.kv_timeout is not None:
-        cfg = dataclasses.replace(cfg, kv_timeout_s=args.kv_timeout)
+    faults = args.faults
     check_out_path(args.records)
     flush_notes()
     base = None
@@ -390,17 +255,6 @@ def _check_concurrency(args) -> None:
 FAULT_METRICS = ("sessions_completed", "sessions_failed", "slo_attainment", "round_slo_attainment",
                  "ttft_initial_p95_s", "ttft_incremental_p95_s", "itl_mean_s", "kv_failures", "kv_fallback_tokens",
                  "recomputed_tokens", "local_prefill_fraction")
-
-
-def _faults(args):
-    """The --faults spec, parsed; a malformed one is a one-line CLI error."""
-    if args.faults is None:
-        return None
-    from tandem.sim.faults import FaultError, parse_faults
-    try:
-        return parse_faults(args.faults)
-    except FaultError as e:
-        raise CLIError(f"--faults: {e}") from None
 
 
 def _fault_cost(spec: str, base: dict, faulty: dict) -> dict:

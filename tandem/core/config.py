@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from tandem.knob import KnobError, knob, nonneg_float, nonneg_int, positive_float, positive_int, share, unit_fraction
 from tandem.policy.dllm_serve import PhaseSpec, parse_admission
+from tandem.policy.dllm_serve.admission import AdmissionMode
 from tandem.policy.optimus.chunk import DEFAULT_CHUNK, parse_chunk
 
 DEFAULT_BLOCK_SIZE = 16
@@ -27,6 +29,14 @@ class PreemptionMode(Enum):
     SWAP = "swap"               # copy the KV to host memory (swap_space); it is copied back when the sequence resumes
 
 
+def chunk_text(text: str) -> str:
+    """--dllm-chunk: auto, elastic, block or a positive N, normalised."""
+    try:
+        return str(parse_chunk(text))
+    except ValueError as e:
+        raise KnobError(str(e)) from None
+
+
 def _int(name: str, v, lo: int = 1) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -41,32 +51,52 @@ def _seconds(name: str, v, allow_inf: bool = True) -> None:
 class SchedulerConfig:
     """How every worker core schedules and how the coordinator times out (validated on construction)."""
 
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    block_size: int = knob(DEFAULT_BLOCK_SIZE, "tokens per KV block", parse=positive_int)
+    max_num_batched_tokens: int = knob(DEFAULT_MAX_NUM_BATCHED_TOKENS, "query tokens per step of every worker "
+                                       "(chunked prefill's budget)", parse=positive_int, metavar="N")
+    max_num_seqs: int = knob(DEFAULT_MAX_NUM_SEQS, "sequences prefilling or decoding at once per worker",
+                             parse=positive_int, metavar="N")
     watermark: float = DEFAULT_WATERMARK
     window_s: float = DEFAULT_WINDOW_S
     decode_query_tokens: int = 1              # query tokens a decoding sequence computes per step (1: AR; the
                                               # diffusion chunk or 1 + draft tokens for multi-token steps)
-    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
-    session_ttl_s: float = DEFAULT_SESSION_TTL_S
-    dllm_block_length: int = 0                # block-diffusion models: positions per block (0: autoregressive)
-    dllm_chunk: str = DEFAULT_CHUNK           # diffusion steps' window: auto (block for a greedy or seeded request,
-                                              # elastic for the others), elastic (Optimus), block (BD-B), or N
-    dllm_prefill_share: float = 0.5           # elastic windows leave waiting prefills up to this share of the budget
-    dllm_admission: str | None = None         # dLLM-Serve mode (LLaDA-style Refresh/Reuse phases, co-located
-                                              # workers): "phase" (phase-multiplexed), "static" (Fast-dLLM-like
-                                              # static batches) or "reserve" (request-level continuous); None: off
-    dllm_delay_step: int = 1                  # dLLM-Serve: full-length steps of a block before its cache is written
-    dllm_refresh_interval: int = 0            # dLLM-Serve: also refresh every this many steps (0: block starts only)
-    dllm_refresh_span: str = "full"           # dLLM-Serve: a Refresh recomputes prompt + the whole generation length
-                                              # ("full", LLaDA) or prompt + generated + the active block ("prefix";
-                                              # "aligned": SDAR's blocks at absolute positions, the engine's)
-    dllm_kv_retention: float = 1.0            # dLLM-Serve: share ρ of a request's positions whose KV it keeps
-    preemption_mode: str | None = None        # recompute or swap; None: swap where a recompute would change the
-                                              # output (streaming diffusion windows: a decoded position's K/V depend on
-                                              # the window that wrote it) and swap_space allows, recompute elsewhere
-    swap_space: float = DEFAULT_SWAP_SPACE_GIB   # GiB of host memory per worker for KV preempted by swap
+    kv_timeout_s: float = knob(DEFAULT_KV_TIMEOUT_S, "a KV transfer not landed after S seconds is recomputed "
+                               "locally", parse=positive_float, metavar="S", flags=("--kv-timeout",))
+    session_ttl_s: float = knob(DEFAULT_SESSION_TTL_S, "a session idle this long (no round) is ended and its KV "
+                                "freed", parse=positive_float, metavar="S", flags=("--session-ttl",))
+    dllm_block_length: int = knob(0, "block-diffusion decoding in blocks of B positions (0: autoregressive)",
+                                  parse=nonneg_int, metavar="B")
+    dllm_chunk: str = knob(DEFAULT_CHUNK, "block-diffusion models: each step's window: auto (block for a greedy or "
+                           "seeded request, whose tokens then do not depend on the load; elastic for the others), "
+                           "elastic (Optimus, chosen per step from the load, for every request), block (the whole "
+                           "block recomputed every step) or a fixed streaming chunk N (N masked positions a step, "
+                           "besides the K/V writes of the last commits)", parse=chunk_text,
+                           metavar="auto|elastic|block|N")
+    dllm_prefill_share: float = knob(0.5, "elastic windows leave waiting prefills up to this share of the step's "
+                                     "token budget, in [0, 1); 0: the windows may take all of it, as the paper's c*",
+                                     parse=share, metavar="F")
+    dllm_admission: str | None = knob(None, "block-diffusion models: dLLM-Serve's Refresh/Reuse phases over sparse "
+                                      "KV, admitted by phase (dLLM-Serve), static (Fast-dLLM-like batches reserving "
+                                      "each request's Refresh peak) or reserve (request-level continuous); default: "
+                                      "Optimus windows (--dllm-chunk); docs/dllm-serve.md",
+                                      choices=tuple(a.value for a in AdmissionMode))
+    dllm_delay_step: int = knob(1, "dLLM-Serve: full-length steps at a block's start before its cache is written",
+                                parse=nonneg_int, metavar="N")
+    dllm_refresh_interval: int = knob(0, "dLLM-Serve: also refresh every N steps after the block's cache write (0: "
+                                      "only at block transitions)", parse=nonneg_int, metavar="N")
+    dllm_refresh_span: str = knob("full", "dLLM-Serve: a Refresh recomputes the prompt and the whole generation "
+                                  "length (full, LLaDA) or the prompt, the generated tokens and the active block "
+                                  "(prefix)", choices=("full", "prefix"))
+    # ("aligned": SDAR's blocks at absolute positions and "canvas": LLaDA's, set by the engine for its model)
+    dllm_kv_retention: float = knob(1.0, "dLLM-Serve: share of a request's positions whose KV it keeps "
+                                    "(head-centric sparse KV), in (0, 1]", parse=unit_fraction, metavar="R")
+    preemption_mode: str | None = knob(None, "how a running sequence gives up its KV when the pool runs short: "
+                                       "recompute (drop it, prefill again) or swap (copy it to host memory and back; "
+                                       "recompute when --swap-space is full); default: swap for streaming diffusion "
+                                       "windows, whose K/V a recompute would change, else recompute",
+                                       choices=tuple(m.value for m in PreemptionMode))
+    swap_space: float = knob(DEFAULT_SWAP_SPACE_GIB, "GiB of host memory per worker for KV preempted by swap",
+                             parse=nonneg_float, metavar="GIB")
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "decode_query_tokens"):

@@ -5,18 +5,14 @@ import dataclasses
 import random
 from dataclasses import dataclass, field
 
-from tandem.core.config import (
-    DEFAULT_BLOCK_SIZE, DEFAULT_KV_TIMEOUT_S, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_SESSION_TTL_S, DEFAULT_SWAP_SPACE_GIB, DEFAULT_WINDOW_S, SchedulerConfig,
-)
 from tandem.core.coordinator import Coordinator
 from tandem.core.deploy import Deployment, DeploymentError, parse_deploy
-from tandem.core.factory import build_coordinator, build_worker, resolve_policy
+from tandem.core.factory import build_coordinator, build_worker
 from tandem.core.state import InProcessState
 from tandem.core.types import COLOCATED, PREFILL
 from tandem.core.worker import WorkerCore
-from tandem.perf.costs import DEFAULT_COST_MODEL, CostChoice, choose_cost_model, routing_costs, step_timer
-from tandem.perf.measured.source import DEFAULT_FRAMEWORK, MissingCostData
+from tandem.perf.costs import routing_costs, step_timer
+from tandem.perf.measured.source import MissingCostData
 from tandem.perf.dllm import FIXED_SCHEDULE_COMMITS, OPTIMUS_TABLE2, commit_model, stretch_model
 from tandem.perf.dllm_memory import DllmMemory
 from tandem.perf.errors import DoesNotFitError, UnknownNameError
@@ -25,11 +21,12 @@ from tandem.perf.models import get_model
 from tandem.perf.roofline import kv_bytes_per_token_per_gpu, kv_capacity_tokens
 from tandem.perf.profile_io import PerfFileError, load_perf
 from tandem.perf.step_model import Profile
-from tandem.policy.presets import POLICIES, PolicySpec
+from tandem.policy.presets import POLICIES
+from tandem.sim.config import ConfigError, SimConfig
 from tandem.sim.commit import StretchCommit, UniformCommit
 from tandem.policy.laps.cost import boundary_from_profile
 from tandem.policy.optimus.latency import ChunkLatency
-from tandem.sim.faults import FaultError, FaultSpec
+from tandem.sim.faults import FaultError
 from tandem.sim.host_loop import HostLoop
 from tandem.sim.loop import EventLoop
 from tandem.sim.network import Network
@@ -38,105 +35,6 @@ from tandem.workload.session import Session
 
 __all__ = ["SimConfig", "SimResult", "simulate", "build", "load_perf", "ConfigError", "POLICIES", "FaultError",
            "dllm_pool", "dllm_serve_summary"]
-
-
-class ConfigError(ValueError):
-    """The simulation configuration is inconsistent (policy vs deployment, bad knob values)."""
-
-
-@dataclass(slots=True)
-class SimConfig:
-    """Everything a simulation run needs besides the sessions."""
-
-    model: str
-    gpu: str
-    gpus: int
-    deploy: str
-    policy: str = "ampd"
-    seed: int = 0
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # prefill and decode workers (chunked prefill)
-    colocated_max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # co-located workers
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    mem_util: float = 0.9
-    window_s: float = DEFAULT_WINDOW_S          # AMPD windowed TTFT/ITL
-    alpha: float = 0.9
-    beta: float = 0.85
-    reorder_window: int = 3
-    continuum_ttl_s: float = 30.0               # idle KV retention of policies that retain it (Continuum)
-    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S  # a KV transfer not landed after this falls back to local prefill
-    session_ttl_s: float = DEFAULT_SESSION_TTL_S  # an idle session's KV is released after this
-    decode_query_tokens: int = 1                # query tokens per decode step (multi-token steps when > 1)
-    commit_tokens: tuple[int, int] | None = None  # multi-token steps: each commits U[lo, hi] tokens (None: all)
-    dllm_block_length: int = 0                  # block-diffusion decoding in blocks of this many positions (0: AR)
-    dllm_chunk: str = "elastic"                 # each diffusion step's window: elastic (Optimus), block, or N
-    dllm_dataset: str = "sharegpt"              # Optimus Table 2 row the diffusion commits follow (with the model)
-    dllm_prefill_share: float = 0.5             # elastic windows leave waiting prefills this share of the budget
-    dllm_admission: str | None = None           # dLLM-Serve mode: "phase", "static" or "reserve" (docs/dllm-serve.md);
-                                                # its co-located workers' KV pool follows tandem.perf.dllm_memory and
-                                                # colocated_max_num_batched_tokens 0 means the largest that fits
-    dllm_delay_step: int = 1                    # dLLM-Serve: full-length steps of a block before its cache is written
-    dllm_refresh_interval: int = 0              # dLLM-Serve: also refresh every this many steps (0: block starts)
-    dllm_refresh_span: str = "full"             # dLLM-Serve: a Refresh recomputes the whole canvas or the prefix
-    dllm_kv_retention: float = 1.0              # dLLM-Serve: share of a request's positions whose KV it keeps
-    max_num_logits: int | None = None           # dLLM-Serve memory model: logit rows at once (None: monolithic)
-    dllm_commits: tuple[float, float] | None = None   # diffusion commits per step (mean, std at block 32); None:
-                                                # Optimus Table 2's row, or the model's fixed schedule (LLaDA-8B: 1)
-    faults: FaultSpec | None = None             # injected KV-transfer failures and worker deaths
-    perf: str | None = None                     # `tandem profile` JSON (step timer, routing costs, KV pool), or
-                                                # an AMPDCostModel JSON (routing costs only); roofline if None
-    cost_model: str = DEFAULT_COST_MODEL        # step costs: auto (measured where tables exist), measured, roofline
-    cost_framework: str = DEFAULT_FRAMEWORK     # whose measured kernels and defaults: vllm, sglang or trtllm
-    cost_donor: str | None = None               # derive the GPU's costs from this GPU's tables (the check of
-                                                # derived costs on a GPU that has tables of its own)
-    quantization: str | None = None            # fp8: fp8 weights (w8a8) in the linear layers (None: the model's own)
-    kv_cache_dtype: str = "auto"                # fp8: an fp8 KV cache (auto: the model's own)
-    laps_length_threshold: int | None = None    # LAPS class threshold (None: the roofline's boundary L_m)
-    concurrency: int | None = None              # closed loop: this many clients, one session each at a time
-                                                # (sessions' own arrival times ignored); None: open loop
-    preemption_mode: str | None = None          # recompute or swap (None: swap for streaming diffusion windows)
-    swap_space: float = DEFAULT_SWAP_SPACE_GIB  # GiB of host memory per worker for KV preempted by swap
-
-    def policy_spec(self) -> PolicySpec:
-        """The run's policy with this config's knobs (validated; ConfigError names the bad one)."""
-        try:
-            spec = resolve_policy(self.policy)
-            return spec.with_options(
-                reorder_window=self.reorder_window, alpha=self.alpha, beta=self.beta,
-                retain_idle_kv_s=self.continuum_ttl_s if spec.retain_idle_kv else 0.0,
-                laps_length_threshold=self.laps_length_threshold or spec.laps_length_threshold)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def model_spec(self):
-        """The catalogue model at this run's precision (ConfigError for an unknown precision)."""
-        try:
-            return get_model(self.model).with_precision(self.quantization, self.kv_cache_dtype)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def cost_choice(self) -> CostChoice:
-        """The run's resolved cost model (ConfigError when measured costs were asked for and are missing)."""
-        try:
-            return choose_cost_model(self.cost_model, get_gpu(self.gpu).name, self.cost_framework, self.cost_donor)
-        except (ValueError, MissingCostData) as e:
-            raise ConfigError(str(e)) from None
-
-    def scheduler(self, **over) -> SchedulerConfig:
-        """The scheduler configuration every core of this run is built with."""
-        kw = dict(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
-                  max_num_seqs=self.max_num_seqs, window_s=self.window_s, kv_timeout_s=self.kv_timeout_s,
-                  session_ttl_s=self.session_ttl_s, decode_query_tokens=self.decode_query_tokens,
-                  dllm_block_length=self.dllm_block_length, dllm_chunk=self.dllm_chunk,
-                  dllm_prefill_share=self.dllm_prefill_share, dllm_admission=self.dllm_admission,
-                  dllm_delay_step=self.dllm_delay_step, dllm_refresh_interval=self.dllm_refresh_interval,
-                  dllm_refresh_span=self.dllm_refresh_span, dllm_kv_retention=self.dllm_kv_retention,
-                  preemption_mode=self.preemption_mode, swap_space=self.swap_space)
-        kw.update(over)
-        try:
-            return SchedulerConfig(**kw)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from scipy import optimize, special, stats
 from tandem.workload.arrivals import check_rate, check_seed, poisson_arrivals
 from tandem.workload.session import SLO, Round, Session, WorkloadError
 from tandem.workload.traces import sharegpt_file, sharegpt_lengths
+from tandem.workload.options import PREFILL_BASES
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,6 @@ class WorkloadSpec:
             raise WorkloadError(f"workload spec {self.name!r}: {bad}")
 
 
-PREFILL_BASES = ("input", "prompt")
 
 
 def _spec_problem(s: WorkloadSpec) -> str:
