@@ -20,7 +20,9 @@ from tandem.cli.args import add_knobs, knob_values
 from tandem.cli.options import GenerateOptions, OutputOptions
 from tandem.bench.sweep_options import ExperimentOptions, SweepOptions
 from tandem.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from tandem.core.admission import check_deployment
 from tandem.core.deploy import DeploymentError, parse_deploy
+from tandem.policy.presets import get_policy
 from tandem.sim.config import COST_KNOBS, SimConfig, SimTarget
 from tandem.workload.options import WorkloadOptions
 from tandem.workload.session import WorkloadError
@@ -97,12 +99,7 @@ def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False)
         return cands[0], gpus
     dep = parse_deploy(args.deploy, args.gpus)
     gpus = args.gpus or dep.gpus
-    if colocated and dep.disaggregated:
-        raise DeploymentError(f"policy {policy} serves co-located workers; give a deployment like 'C:tp4x2', "
-                              f"not {args.deploy!r}")
-    if not colocated and not dep.disaggregated:
-        raise DeploymentError(f"policy {policy} needs prefill and decode workers, e.g. 'P:tp4x1,D:tp4x1', "
-                              f"not {args.deploy!r}")
+    check_deployment(get_policy(policy), dep)
     if profiled:
         tps = sorted({g.tp for g in dep.groups if g.tp != 1})
         if tps:

@@ -16,7 +16,7 @@ from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, c
 from tandem.engine.stop import StopChecker
 from tandem.engine.structured_output import RequestGrammar, StructuredOutputManager
 from tandem.engine.tokenizer import Tokenizer
-from tandem.policy.dllm_serve import canvas_max_tokens
+from tandem.core.admission import ContextError, generation_budget
 
 
 class InputProcessor:
@@ -36,18 +36,11 @@ class InputProcessor:
         if params.prompt_logprobs is not None and remote:
             raise EngineError("a request with prompt_logprobs is prefilled on its decode worker, not remotely")
         grammar = self.grammar(params)
-        n = len(ids)
-        if n >= self.max_model_len:
-            raise EngineError(f"prompt of {n} tokens leaves no room to generate: the model's context "
-                              f"(max_model_len) is {self.max_model_len} tokens")
-        max_tokens = self.max_model_len - n
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        if self.dllm is not None and self.dllm.canvas:      # LLaDA: the canvas holds G rounded up to whole blocks
-            try:
-                max_tokens = canvas_max_tokens(n, params.max_tokens, self.dllm.block, self.max_model_len)
-            except ValueError as e:
-                raise EngineError(str(e)) from None
+        canvas = self.dllm.block if self.dllm is not None and self.dllm.canvas else 0   # LLaDA: whole blocks
+        try:
+            max_tokens = generation_budget(len(ids), params.max_tokens, self.max_model_len, canvas)
+        except ContextError as e:
+            raise EngineError(str(e)) from None
         return text, ids, grammar, max_tokens
 
     def process_prefill(self, prompt_token_ids: list[int], params: SamplingParams, l_hist: int,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from tandem.core.admission import SessionBusyError, check_one_round, continues
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FirstToken, PrefillTask, Swap
 from tandem.engine.config import EngineConfig, EngineError
@@ -30,9 +31,11 @@ class SessionKV:
         computed) and the round's prefill task on its resident KV."""
         sessions = self.table.sessions
         sess = sessions.get(sid)
-        if sess is not None and sess.request is not None:
-            raise EngineError(f"session {sid!r} already has a request running; send its rounds one at a time")
-        if full or (sess is not None and ids[:len(sess.tokens)] != sess.tokens):
+        try:
+            check_one_round(sid, sess.request.request_id if sess is not None and sess.request is not None else None)
+        except SessionBusyError as e:
+            raise EngineError(str(e)) from None
+        if full or (sess is not None and not continues(sess.tokens, ids)):
             self.core.release(sid)                   # rewritten, or every position must be computed: start afresh
             sess = None
         if sess is None:

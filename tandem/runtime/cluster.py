@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.core.admission import check_worker_counts
 from tandem.core.config import DEFAULT_KV_TIMEOUT_S, DEFAULT_SESSION_TTL_S, SchedulerConfig
 from tandem.core.factory import build_coordinator, resolve_policy
 from tandem.core.types import COLOCATED, DECODE, PREFILL
@@ -147,15 +148,9 @@ class ServingCluster:
     def _specs(self) -> list[WorkerSpec]:
         cfg = self.cfg
         spec = self.policy_spec()
-        if spec.disaggregated:
-            if cfg.colocated or cfg.prefill_workers < 1 or cfg.decode_workers < 1:
-                raise ValueError(f"policy {spec.name} needs --prefill-workers >= 1 and --decode-workers >= 1 "
-                                 "(and no --colocated)")
-            roles = [PREFILL] * cfg.prefill_workers + [DECODE] * cfg.decode_workers
-        else:
-            if cfg.colocated < 1:
-                raise ValueError(f"policy {spec.name} serves co-located workers: give --colocated N (N >= 1)")
-            roles = [COLOCATED] * cfg.colocated
+        check_worker_counts(spec, cfg.prefill_workers, cfg.decode_workers, cfg.colocated)
+        roles = ([PREFILL] * cfg.prefill_workers + [DECODE] * cfg.decode_workers if spec.disaggregated
+                 else [COLOCATED] * cfg.colocated)
         opts = {k: getattr(spec, k) for k in ("laps_length_threshold",) if getattr(spec, k) is not None}
         model, perf = cfg.model, cfg.perf
         if cfg.launcher == "ray":              # actors run in Ray's folders: paths absolute (the same on every node)

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Callable
 
+from tandem.core.admission import SessionBusyError, check_one_round, continues
 from tandem.core import actions as act
 from tandem.core.commands import DELIVERED, KV_ARRIVED, RELEASE, RUN_LOCAL, SEND_KV, SUBMIT, commands
 from tandem.core.coordinator import Coordinator
@@ -72,9 +73,11 @@ class CoordinatorShell:
         max_out = round_budget(prompt, params, self.max_model_len, self.dllm_block, self.dllm_canvas)
         keep = session_id is not None
         sid = session_id if keep else f"req-{request_id}"
-        if sid in self.session_req:
-            raise RequestError(f"session {sid!r} already has a request running "
-                               f"({self.session_req[sid].request_id!r}); send rounds one at a time", 409)
+        running = self.session_req.get(sid)
+        try:
+            check_one_round(sid, running and running.request_id)
+        except SessionBusyError as e:
+            raise RequestError(str(e), 409) from None
         now = self.clock()
         req = ShellRequest(request_id, sid, list(prompt), params, keep, asyncio.Event(),
                    RequestOutput(request_id, prompt_text, list(prompt), [CompletionOutput(0, "", [], None, None)],
@@ -101,8 +104,7 @@ class CoordinatorShell:
         worker = coord.session_worker(sid)
         hist_tokens = self.conv.get(sid)
         full = req.params.prompt_logprobs is not None          # every prompt position computed: no KV reused
-        if worker is not None and (full or hist_tokens is None or req.prompt[:len(hist_tokens)] != hist_tokens
-                                   or len(req.prompt) <= len(hist_tokens)):
+        if worker is not None and (full or not continues(hist_tokens, req.prompt)):
             del self.session_req[sid]                          # the conversation was rewritten: start afresh
             self._apply(coord.end_session(sid, now))
             self.session_req[sid] = req

@@ -3,7 +3,7 @@ refused here with a 400 naming the field, not by a worker later with a 500."""
 from __future__ import annotations
 
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, check_diffusion
-from tandem.policy.dllm_serve import canvas_max_tokens
+from tandem.core.admission import ContextError, generation_budget
 from tandem.runtime.client import RequestError
 
 
@@ -24,21 +24,15 @@ def check_prompt(prompt: list[int], params: SamplingParams, max_model_len: int, 
         raise RequestError(f"dllm_chunk {params.dllm_chunk} sizes Optimus's streaming windows, which need a "
                            f"block-causal model (SDAR); this LLaDA-style model decodes in dLLM-Serve phases",
                            400, param="dllm_chunk")
-    if len(prompt) >= max_model_len:
-        raise RequestError(f"prompt of {len(prompt)} tokens leaves no room to generate: the model's context "
-                           f"(max_model_len) is {max_model_len} tokens", 400, param="messages")
+    round_budget(prompt, params, max_model_len, dllm_block, dllm_canvas)
 
 
 def round_budget(prompt: list[int], params: SamplingParams, max_model_len: int, dllm_block: int | None,
                  dllm_canvas: bool) -> int:
     """The most tokens the round may generate: the context left, max_tokens, and a diffusion canvas's whole blocks
     (as the engine clamps it)."""
-    max_out = max_model_len - len(prompt)
-    if params.max_tokens is not None:
-        max_out = min(max_out, params.max_tokens)
-    if dllm_canvas and dllm_block:
-        try:
-            max_out = canvas_max_tokens(len(prompt), params.max_tokens, dllm_block, max_model_len)
-        except ValueError as e:
-            raise RequestError(str(e), 400, param="messages") from None
-    return max_out
+    try:
+        return generation_budget(len(prompt), params.max_tokens, max_model_len,
+                                 dllm_block if dllm_canvas and dllm_block else 0)
+    except ContextError as e:
+        raise RequestError(str(e), 400, param="messages") from None

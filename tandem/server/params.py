@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from tandem.core.admission import ContextError, ContextFault, generation_budget
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError, shorten
 from tandem.engine.structured_output import StructuredOutput, StructuredOutputError
 from tandem.server.errors import APIError
@@ -42,17 +43,19 @@ def room_for(prompt_len: int, max_tokens: int | None, max_model_len: int, field:
              prompt_param: str = "prompt") -> int:
     """The max_tokens to run with; 400 context_length_exceeded when prompt + max_tokens exceeds the context (naming
     `prompt_param` when the prompt alone fills it)."""
-    if prompt_len >= max_model_len:
-        raise APIError(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                       f"{prompt_len} tokens, leaving no room for the completion. Please shorten the prompt.",
-                       400, "context_length_exceeded", prompt_param)
-    if max_tokens is None:
-        return max_model_len - prompt_len
-    if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
+    asked = max_tokens if isinstance(max_tokens, int) and max_tokens >= 1 else None
+    try:
+        room = generation_budget(prompt_len, asked, max_model_len, clamp=False)
+    except ContextError as e:
+        if e.fault is ContextFault.PROMPT_FILLS:
+            raise APIError(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                           f"{prompt_len} tokens, leaving no room for the completion. Please shorten the prompt.",
+                           400, "context_length_exceeded", prompt_param) from None
         raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                       f"completion). Please reduce the prompt or {field}.", 400, "context_length_exceeded", field)
-    return max_tokens
+                       f"completion). Please reduce the prompt or {field}.", 400, "context_length_exceeded",
+                       field) from None
+    return room if max_tokens is None else max_tokens
 
 
 def structured_output(response_format: dict | None) -> StructuredOutput | None:

@@ -5,6 +5,7 @@ import dataclasses
 import random
 from dataclasses import dataclass, field
 
+from tandem.core.admission import check_deployment
 from tandem.core.coordinator import Coordinator
 from tandem.core.deploy import Deployment, DeploymentError, parse_deploy
 from tandem.core.factory import build_coordinator, build_worker
@@ -94,9 +95,10 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ConfigError(f"concurrency must be None or an integer >= 1, got {c!r}")
     dep = parse_deploy(cfg.deploy, cfg.gpus)
-    if spec.disaggregated != dep.disaggregated:
-        kind = "a disaggregated deployment (P:...,D:...)" if spec.disaggregated else "a co-located deployment (C:...)"
-        raise ConfigError(f"policy {spec.name} needs {kind}, got {dep}")
+    try:
+        check_deployment(spec, dep)
+    except DeploymentError as e:
+        raise ConfigError(str(e)) from None
     try:
         perf = load_perf(cfg.perf) if cfg.perf else None
     except PerfFileError as e:
