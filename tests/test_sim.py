@@ -115,7 +115,7 @@ def test_agentic_sessions_with_hundreds_of_rounds_replay_from_jsonl(tmp_path):
 def test_policy_and_deployment_kinds_must_agree():
     with pytest.raises(ConfigError, match="co-located"):
         build(SimConfig(LLAMA, "h20", 8, "P:tp4x1,D:tp4x1", "vllm"))
-    with pytest.raises(ConfigError, match="disaggregated"):
+    with pytest.raises(ConfigError, match="needs prefill and decode workers"):
         build(SimConfig(LLAMA, "h20", 8, "C:tp4x2", "ampd"))
     with pytest.raises(ConfigError, match="unknown policy"):
         build(SimConfig(LLAMA, "h20", 8, "C:tp4x2", "nope"))
