@@ -24,7 +24,8 @@ from tandem.policy.dllm_serve import Admission, DllmServe
 from tandem.policy.optimus.chunk import ChunkMode, ChunkSizer, StepLatency, parse_chunk
 from tandem.policy.optimus.latency import ChunkLatency
 from tandem.policy.presets import (
-    BinderKind, HistorySource, PickerKind, PolicySpec, PrefillSchedKind, RouterKind, get_policy,
+    LapsRole,
+    BinderKind, HistorySource, PickerKind, PolicySpec, RouterKind, get_policy,
 )
 from tandem.policy.reorder import FCFS, Picker, SessionFirst, TTFTAwareReorder
 from tandem.policy.routing import (
@@ -122,12 +123,13 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
         itl_chunk_beta=spec.beta if spec.local_chunked and role == Role.DECODE else None,
         preemption_mode=preemption, swap_blocks=swap_blocks if preemption is PreemptionMode.SWAP else 0)
     laps, local = None, None
-    if spec.prefill_sched is PrefillSchedKind.LAPS and role in (Role.PREFILL, Role.DECODE):
+    laps_role = spec.laps_role(role)
+    if laps_role is not LapsRole.NONE:
         opts = laps_options(laps_threshold(spec, boundary), spec.laps_split, spec.laps_graphs, spec.laps_long_chunk,
                             cfg.max_num_batched_tokens)
-        if role == Role.PREFILL:
+        if laps_role is LapsRole.PREFILL:
             laps = LapsScheduler(opts, t_pre or (lambda h, n: 0.0))
-        elif spec.laps_local_awd:
+        else:
             local = LocalLaps(opts, t_pre or (lambda h, n: 0.0))
     chunker, dllm = None, None
     if sched.dllm_admission:

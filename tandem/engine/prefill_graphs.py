@@ -34,8 +34,6 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import capture_graphs
 from tandem.engine.model_input import ModelInput
 from tandem.policy.laps.buckets import Bucket, BucketGrid
-from tandem.policy.presets import PolicySpec, PrefillSchedKind
-from tandem.policy.task import DECODE, PREFILL
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_LEN = 4096      # keys per row of a prefill graph by default (capped at max_model_len); see the docstring
@@ -66,20 +64,12 @@ def graph_max_len(cfg: EngineConfig, max_model_len: int) -> int:
     return min(cfg.laps_graph_max_len or DEFAULT_MAX_LEN, max_model_len)
 
 
-def bucket_steps(spec: PolicySpec, role: str) -> bool:
-    """Whether a worker of this role runs LAPS bucket steps under the policy: a LAPS prefill worker with graphs on,
-    and a decode worker whose short local prefills AWD batches (`laps_local_awd`, AMPD+LAPS)."""
-    if spec.prefill_sched is not PrefillSchedKind.LAPS or not spec.laps_graphs:
-        return False
-    return role == PREFILL or (role == DECODE and spec.laps_local_awd)
-
-
 def prefill_graphs_apply(cfg: EngineConfig, device: torch.device, role: str) -> bool:
     """Whether a runner captures prefill graphs: on CUDA, unless enforce_eager, on a worker that runs bucket steps
     (only those replay), with at least one bucket to capture. Never on CPU."""
     if device.type != "cuda" or cfg.enforce_eager:
         return False
-    return bucket_steps(cfg.policy_spec(), role) and bool(graph_buckets(cfg))
+    return cfg.policy_spec().bucket_steps(role) and bool(graph_buckets(cfg))
 
 
 class PrefillGraphs:

@@ -56,6 +56,14 @@ def _enum(kind: type[StrEnum], value, what: str):
         raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(k.value for k in kind)}") from None
 
 
+class LapsRole(StrEnum):
+    """What LAPS does on one worker."""
+
+    NONE = "none"
+    PREFILL = "prefill"      # a prefill worker: length classes, AWD bucket steps, long prefills in chunks
+    LOCAL = "local"          # a decode worker: AWD over its short local prefills
+
+
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
     """One serving policy: where prefills run, how queues are ordered, how idle KV is kept. Validated on
@@ -122,6 +130,19 @@ class PolicySpec:
     @property
     def retain_idle_kv(self) -> bool:
         return self.retain_idle_kv_s > 0
+
+    def laps_role(self, role: str) -> LapsRole:
+        """What LAPS runs on a worker of this role: AWD bucket steps of a prefill worker, AWD over the short local
+        prefills of a decode worker (AMPD+LAPS's laps_local_awd), or nothing."""
+        if self.prefill_sched is not PrefillSchedKind.LAPS:
+            return LapsRole.NONE
+        if role == "prefill":
+            return LapsRole.PREFILL
+        return LapsRole.LOCAL if role == "decode" and self.laps_local_awd else LapsRole.NONE
+
+    def bucket_steps(self, role: str) -> bool:
+        """Whether a worker of this role runs LAPS's bucket steps (captured graphs when laps_graphs)."""
+        return self.laps_graphs and self.laps_role(role) is not LapsRole.NONE
 
     def with_options(self, **options) -> PolicySpec:
         """This policy with some knobs changed (validated again)."""
