@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.bench.text import TextSynth
+from tandem.knob import knob, positive_float, positive_int, shared
+from tandem.workload.options import WorkloadOptions
 from tandem.workload.metrics import summarize
 from tandem.workload.records import RoundRecord, SessionRecord
 from tandem.workload.session import Round, Session
@@ -45,19 +47,26 @@ class BenchError(Exception):
 
 @dataclass
 class BenchConfig:
-    """How to replay: the server, the request shape, and the workload transformations."""
+    """How to replay: the server, the request shape, and the workload transformations (the knobs of `tandem
+    bench`, tandem.knob)."""
 
-    url: str                                  # server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)
-    endpoint: str = "chat"                    # "chat" (/v1/chat/completions) or "completions" (/v1/completions)
-    model: str | None = None                  # None: the first model of GET /v1/models
-    api_key: str | None = None                # sent as "Authorization: Bearer <key>"
-    scale: float = 1.0                        # multiplies input/output tokens (floor 1) and tool gaps
-    max_tokens_cap: int | None = None         # caps every round's output tokens (after scaling)
+    url: str = knob(help="server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    endpoint: str = knob("chat", "/v1/chat/completions or /v1/completions", choices=ENDPOINTS)
+    model: str | None = knob(None, "model name in requests (default: the first of GET /v1/models); a catalogue "
+                             "name (e.g. llama-3.1-70b) also selects AMPD's SLOs for generated workloads")
+    api_key: str | None = knob(None, "bearer token, sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY "
+                               "if set)", metavar="KEY")
+    scale: float = knob(1.0, "multiply input/output tokens (floor 1) and tool gaps by F, e.g. 0.05 for a tiny CPU "
+                        "model", parse=positive_float, metavar="F")
+    max_tokens_cap: int | None = knob(None, "cap every round's output tokens at N (after --scale)", parse=positive_int,
+                                      metavar="N")
     tokenizer: object | None = None           # tandem.engine.tokenizer.Tokenizer: exact token counts
-    seed: int = 0                             # seed of the synthetic text
-    timeout_s: float = 600.0                  # connect/read/write timeout of one request (per read: between chunks)
-    tool_role: str = "tool"                   # chat mode: role of the message carrying round k>0's new tokens
-    return_token_ids: bool = True             # completions with a tokenizer: ask for the completion's ids (vLLM)
+    seed: int = shared(WorkloadOptions, "seed")   # also the seed of the synthetic text
+    timeout_s: float = knob(600.0, "per-request connect/read timeout in seconds (per read: between chunks)",
+                            parse=positive_float, metavar="S", flags=("--timeout",))
+    tool_role: str = knob("tool", "chat: role of the message carrying a later round's new tokens", choices=TOOL_ROLES)
+    return_token_ids: bool = knob(True, "completions with --tokenizer: ask for the completion's token ids (vLLM's "
+                                  "return_token_ids); --no-return-token-ids re-encodes the completion text instead")
     scrape_metrics: bool = True               # read tandem's prefill counters from /metrics before and after
     extra_body: dict | None = None            # merged into every request body
     on_session_done: Callable[[SessionRecord], None] | None = None   # e.g. a progress bar

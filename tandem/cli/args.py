@@ -27,6 +27,12 @@ def _flag_type(parse: Callable[[str], Any] | None) -> Callable[[str], Any] | Non
     return typed
 
 
+def _optional_bool(f: dataclasses.Field) -> bool:
+    """Whether the field is declared `bool | None` (a switch that may be left unset)."""
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return t.replace(" ", "") in ("bool|None", "None|bool", "Optional[bool]")
+
+
 def _show(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return ",".join(str(v) for v in value)
@@ -50,6 +56,8 @@ def add_knob(parser: argparse.ArgumentParser | Any, cls: type, name: str, *, req
     if isinstance(default, bool) and k.parse is None:
         kw["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
         kw["default"] = default
+    elif default is None and k.parse is None and _optional_bool(f):   # --x/--no-x; None: neither given
+        kw.update(action=argparse.BooleanOptionalAction, default=None)
     else:
         kw.update(default=default, type=_flag_type(k.parse), metavar=k.metavar, choices=k.choices)
         if k.repeat:

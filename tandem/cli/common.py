@@ -8,17 +8,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tandem import knob
+from tandem.bench.sweep_options import ray_address
+from tandem.workload.options import DEFAULT_RATE, DEFAULT_SESSIONS
 from tandem.workload.session import SLO, WorkloadError
 
 PROG = "tandem"
-DEFAULT_SESSIONS = 200
-DEFAULT_RATE = 1.0
 
 
 class CLIError(Exception):
@@ -91,19 +91,31 @@ class SessionBar:
 # --------------------------------------------------------------------------- argument types
 
 
-def _parse(text: str, cast, expected: str, ok, rule: str):
-    """text cast to a number, or an argparse error naming what was expected or the rule it breaks."""
-    try:
-        x = cast(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if not ok(x):
-        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
-    return x
+def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A tandem.knob value parser as an argparse type (for hand-written flags, e.g. of the scripts under
+    benchmarks/): its KnobError becomes the one-line message argparse prints."""
+    def typed(text: str) -> Any:
+        try:
+            return parse(text)
+        except knob.KnobError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    typed.__name__ = getattr(parse, "__name__", "value")
+    return typed
 
 
-def positive_float(text: str) -> float:
-    return _parse(text, float, "a number", lambda x: math.isfinite(x) and x > 0, "> 0")
+positive_float = argparse_type(knob.positive_float)
+nonneg_float = argparse_type(knob.nonneg_float)
+unit_fraction = argparse_type(knob.unit_fraction)
+positive_int = argparse_type(knob.positive_int)
+nonneg_int = argparse_type(knob.nonneg_int)
+seed_arg = argparse_type(knob.seed)
+byte_size = argparse_type(knob.byte_size)
+ray_address_arg = argparse_type(ray_address)
+
+
+def csv_list(item_type: Callable[[str], Any]) -> Callable[[str], list]:
+    """An argument type: a comma-separated list of `item_type` values."""
+    return argparse_type(knob.csv_list(item_type))
 
 
 PREEMPTION_MODE_HELP = ("how a running sequence gives up its KV when the pool runs short: recompute (drop it, prefill "
@@ -118,52 +130,6 @@ def check_preemption(mode: str | None, swap_space: float | None) -> None:
         raise CLIError("--preemption-mode swap needs --swap-space > 0")
 
 
-def nonneg_float(text: str) -> float:
-    return _parse(text, float, "a number", lambda x: math.isfinite(x) and x >= 0, ">= 0")
-
-
-def unit_fraction(text: str) -> float:
-    """A number in (0, 1]."""
-    return _parse(text, float, "a number in (0, 1]", lambda x: 0 < x <= 1, "in (0, 1]")
-
-
-def positive_int(text: str) -> int:
-    return _parse(text, int, "an integer", lambda x: x >= 1, ">= 1")
-
-
-def nonneg_int(text: str) -> int:
-    return _parse(text, int, "an integer", lambda x: x >= 0, ">= 0")
-
-
-def seed_arg(text: str) -> int:
-    return _parse(text, int, "an integer seed", lambda x: x >= 0, ">= 0")
-
-
-_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def byte_size(text: str) -> int:
-    """A byte count: an integer, optionally with a binary suffix K, M, G or T (KiB, MiB, ...; 4G = 4 GiB)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _BYTE_UNITS else ""
-    try:
-        n = int(t[:len(t) - len(unit)]) * _BYTE_UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bytes such as 4G, 512M or 1048576, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
-    return n
-
-
-def ray_address_arg(text: str) -> str:
-    """--ray-address: 'auto' or HOST:PORT (checked here; the cluster is joined later)."""
-    from tandem.runtime.ray_launcher import check_ray_address
-    try:
-        return check_ray_address(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def require_ray(flag: str) -> None:
     """CLIError naming the extra when Ray is not installed (`flag` is the option that asked for it)."""
     from tandem.runtime.ray_launcher import RayUnavailable, import_ray
@@ -171,16 +137,6 @@ def require_ray(flag: str) -> None:
         import_ray(flag)
     except RayUnavailable as e:
         raise CLIError(str(e)) from None
-
-
-def add_ray_args(p: argparse.ArgumentParser, what: str) -> None:
-    """--ray and --ray-address of a sweep command (`what` runs as Ray tasks)."""
-    p.add_argument("--ray", action="store_true",
-                   help=f"run the {what} as Ray tasks on a Ray cluster, one CPU each (pip install 'tandem[ray]'; "
-                        "docs/ray.md); the results are the same as a local run's")
-    p.add_argument("--ray-address", type=ray_address_arg, default=None, metavar="auto|HOST:PORT",
-                   help="--ray: the Ray cluster to join (auto: the one `ray start` started here; default: "
-                        "$RAY_ADDRESS, else a private Ray on this machine)")
 
 
 @contextlib.contextmanager
@@ -202,29 +158,6 @@ def ray_executor(args) -> Iterator[Any]:
         yield executor
     finally:
         executor.close()
-
-
-def csv_list(item_type):
-    """An argument type: a comma-separated list of `item_type` values."""
-    def parse(text: str) -> list:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-        return [item_type(t) for t in items]
-    return parse
-
-
-def gpus_arg(text: str) -> int | dict[str, int]:
-    """`N` (every workload) or `workload=N,...`."""
-    if "=" not in text:
-        return positive_int(text)
-    out: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, n = part.partition("=")
-        if not sep or not name.strip():
-            raise argparse.ArgumentTypeError(f"expected N or workload=N,..., got {text!r}")
-        out[name.strip()] = positive_int(n.strip())
-    return out
 
 
 def check_out_path(path: str | None) -> None:
@@ -295,27 +228,11 @@ def slo_from_args(args, default: SLO | None) -> SLO | None:
                args.slo_itl if args.slo_itl is not None else default.itl_s)
 
 
-def add_cost_args(p) -> None:
-    """--cost-model, --cost-framework, --quantization and --kv-cache-dtype (simulate, experiment, plan)."""
-    from tandem.perf.costs import COST_MODELS, DEFAULT_COST_MODEL
-    from tandem.perf.measured.source import DEFAULT_FRAMEWORK, FRAMEWORKS
-
-    p.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
-                   help="step costs: measured GPU operator tables (aiconfigurator-core; derived for GPUs of the same "
-                        "architecture without tables), the datasheet roofline, or auto: measured where tables exist, "
-                        "else the roofline (default: %(default)s)")
-    p.add_argument("--cost-framework", default=DEFAULT_FRAMEWORK, choices=FRAMEWORKS,
-                   help="whose measured kernels price the steps (default: %(default)s)")
-    p.add_argument("--quantization", default=None, choices=("fp8",),
-                   help="fp8 weights in the linear layers (w8a8), as vLLM's --quantization fp8 (default: bf16)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"),
-                   help="KV-cache element type, as vLLM's --kv-cache-dtype (default: %(default)s, the model's bf16)")
-
-
 def cost_fields(args) -> dict:
     """The SimConfig fields of the cost flags (absent flags keep SimConfig's defaults)."""
-    keys = ("cost_model", "cost_framework", "quantization", "kv_cache_dtype")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    from tandem.sim.config import COST_KNOBS
+
+    return {k: getattr(args, k) for k in COST_KNOBS if getattr(args, k, None) is not None}
 
 
 def cost_note(gpu: str, args) -> None:

@@ -22,3 +22,28 @@ class GenerateOptions:
     """Where `tandem generate` writes its sessions."""
 
     out: str | None = knob(None, "where to write the sessions", metavar="FILE.jsonl")
+
+
+@dataclass(slots=True)
+class PlanOutputOptions:
+    """How `tandem plan` prints its plan and when it fails."""
+
+    format: str = knob("table", "table, json, or deploy: only the first choice's --deploy string",
+                       choices=("table", "json", "deploy"))
+    json: bool = knob(False, "same as --format json")
+    best_effort: bool = knob(False, "exit 0 even when no deployment meets the SLO at P95")
+
+
+@dataclass(slots=True)
+class ReportFileOptions:
+    """Where a command also writes the JSON object it reports (`tandem bench`)."""
+
+    out: str | None = knob(None, "also write the JSON object to FILE", metavar="FILE")
+
+
+@dataclass(slots=True)
+class ProfileFiles:
+    """The checkpoint `tandem profile` measures and where it writes the profile."""
+
+    model: str | None = knob(None, "Hugging Face checkpoint directory", metavar="PATH")
+    out: str = knob("profile.json", "where to write the profile", metavar="FILE")

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
 
-from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, CLIError, add_cost_args, add_ray_args, cost_fields,
-                               cost_note, flush_notes, load_workload, positive_float, positive_int, ray_executor,
-                               seed_arg)
-
-DEFAULT_JOBS = max(1, min(os.cpu_count() or 1, 8))
+from tandem.bench.sweep_options import SweepOptions
+from tandem.cli.args import add_knobs
+from tandem.cli.common import CLIError, cost_fields, cost_note, flush_notes, load_workload, ray_executor
+from tandem.cli.options import PlanOutputOptions
+from tandem.plan.options import DEFAULT_JOBS, PlanOptions
+from tandem.sim.config import COST_KNOBS, SimConfig, SimTarget
+from tandem.workload.options import DEFAULT_RATE, DEFAULT_SESSIONS, WorkloadOptions
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -29,46 +30,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="choose prefill/decode workers and TP degrees for a GPU budget (AMPD planner)",
                        description="Search the prefill/decode deployments of --gpus GPUs (TP degrees 1, 2, 4, 8) "
                                    "for the one whose worst P95 latency relative to the SLO (TTFT for prefill, "
-                                   "ITL for decode) is lowest, by simulating them (AMPD §5, docs/planner.md).")
-    p.add_argument("--workload", required=True, metavar="NAME|FILE",
-                   help="generator (toolbench, gaia, hotpotqa, dureader, agentic-long, chat-multiturn), "
-                        "public trace or .jsonl file")
-    p.add_argument("--model", default="llama-3.1-70b", help="model name (default: %(default)s)")
-    p.add_argument("--gpu", default="h20", help="GPU name (default: %(default)s)")
-    p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="GPU budget")
-    p.add_argument("--rate", type=positive_float, default=None,
-                   help=f"session arrival rate per second (generators: default {DEFAULT_RATE:g}; files and "
-                        "traces: re-time their sessions as a Poisson process at this rate)")
-    p.add_argument("--override-arrivals", action="store_true",
-                   help="accepted as in `tandem simulate`; --rate always re-times a file's or trace's sessions")
-    p.add_argument("--slo-ttft", type=positive_float, default=None, metavar="S",
-                   help="TTFT SLO in seconds (default: AMPD's for the model and workload)")
-    p.add_argument("--slo-itl", type=positive_float, default=None, metavar="S",
-                   help="mean ITL SLO in seconds (default: AMPD's for the model and workload)")
-    p.add_argument("--sessions", type=positive_int, default=None,
-                   help=f"sessions simulated per deployment (default: {DEFAULT_SESSIONS}; for files, the first K)")
-    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the workload and simulator (default: 0)")
-    p.add_argument("--policy", default="ampd", help="serving policy simulated (default: %(default)s)")
-    add_cost_args(p)
-    p.add_argument("--top", type=positive_int, default=3, metavar="K", help="deployments to list (default: 3)")
-    p.add_argument("--jobs", type=positive_int, default=None,
-                   help=f"simulator processes (default: {DEFAULT_JOBS}; with --ray, simulations at once, default: "
-                        "the cluster's CPUs)")
-    add_ray_args(p, "candidate simulations")
-    p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="where simulation runs are cached (default: ~/.cache/tandem/plan)")
-    p.add_argument("--no-cache", action="store_true", help="neither read nor write the run cache")
-    p.add_argument("--exact", action="store_true",
-                   help="simulate every maximal deployment on the full cluster whatever --gpus (default: only up "
-                        "to 16 GPUs; above, a 16-GPU slice shortlists deployments)")
-    p.add_argument("--exhaustive", action="store_true",
-                   help="also simulate every feasible deployment and print both top-K side by side")
-    p.add_argument("--format", choices=("table", "json", "deploy"), default="table",
-                   help="table (default), json, or deploy: only the first choice's --deploy string")
-    p.add_argument("--json", action="store_true", help="same as --format json")
-    p.add_argument("--best-effort", action="store_true",
-                   help="exit 0 even when no deployment meets the SLO at P95")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+                                   "ITL for decode) is lowest, by simulating them (AMPD §5, docs/planner.md). "
+                                   "--sessions sessions are simulated per deployment; a trace's or file's sessions "
+                                   "are re-timed at --rate when it is given (--override-arrivals is implied).")
+    add_knobs(p, WorkloadOptions, ("workload",), required=("workload",))
+    add_knobs(p, SimTarget, ("model", "gpu"))
+    add_knobs(p, PlanOptions, ("gpus",))
+    add_knobs(p, WorkloadOptions, ("rate", "override_arrivals", "slo_ttft", "slo_itl", "sessions", "seed"))
+    add_knobs(p, SimConfig, ("policy", *COST_KNOBS))
+    add_knobs(p, PlanOptions, ("top_k", "jobs"))
+    add_knobs(p, SweepOptions, ("ray", "ray_address"))
+    add_knobs(p, PlanOptions, ("cache_dir", "no_cache", "exact", "exhaustive"))
+    add_knobs(p, PlanOutputOptions)
+    add_knobs(p, SweepOptions, ("no_progress",))
     p.set_defaults(func=cmd_plan)
     return p
 
@@ -135,7 +109,7 @@ def _reproduce(args, model: str, gpu: str, deploy: str, rate, kind: str) -> str:
         cmd += ["--slo-ttft", f"{args.slo_ttft:g}"]
     if args.slo_itl is not None:
         cmd += ["--slo-itl", f"{args.slo_itl:g}"]
-    if args.policy != "ampd":
+    if args.policy != SimConfig.__dataclass_fields__["policy"].default:
         cmd += ["--policy", args.policy]
     cmd += ["--deploy", deploy]
     return shlex.join(cmd)
@@ -178,7 +152,7 @@ def cmd_plan(args) -> int:
         args.sessions = DEFAULT_SESSIONS
     cache = None if args.no_cache else (Path(args.cache_dir) if args.cache_dir else default_cache_dir())
     inp = PlanInputs(model=model, gpu=gpu, budget=args.gpus, sessions=sessions, policy=args.policy, seed=args.seed,
-                     top_k=args.top, jobs=args.jobs or DEFAULT_JOBS, cache_dir=cache,
+                     top_k=args.top_k, jobs=args.jobs or DEFAULT_JOBS, cache_dir=cache,
                      sim=tuple(sorted(cost_fields(args).items())))
     cost_note(gpu, args)
     if args.exact:
@@ -202,7 +176,7 @@ def cmd_plan(args) -> int:
     rows = [_row(r, result, "planner") for r in result.ranked]
     for row in rows:
         row["simulate"] = _reproduce(args, model, gpu, row["deploy"], rate, kind)
-    ex_rows = [_row(r, full, "exhaustive") for r in full.ranked[: args.top]] if full else []
+    ex_rows = [_row(r, full, "exhaustive") for r in full.ranked[: args.top_k]] if full else []
     if fmt == "deploy":
         print(rows[0]["deploy"])
     elif fmt == "json":

@@ -12,7 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from tandem.cli.common import CLIError, csv_list, positive_int, seed_arg
+from tandem.cli.args import add_knobs, knob_values
+from tandem.cli.common import CLIError
+from tandem.cli.options import OutputOptions, ProfileFiles
+from tandem.engine.profiling.options import ProfileOptions
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -20,34 +23,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="measure the engine's step times on this device and fit its cost model",
                        description="Time prefill, decode and mixed steps of the PyTorch engine over lengths, "
                                    "histories and batch sizes, fit the step-time model and AMPD's cost functions, "
-                                   "and write them as JSON for `tandem simulate --perf FILE` (docs/profiler.md).")
-    p.add_argument("--model", required=True, metavar="PATH", help="Hugging Face checkpoint directory")
-    p.add_argument("--out", default="profile.json", metavar="FILE", help="where to write the profile (default: %(default)s)")
-    p.add_argument("--quick", action="store_true",
-                   help="a small grid with sequences up to 1024 tokens (seconds on a tiny model): checks the pipeline")
-    p.add_argument("--max-len", type=positive_int, default=None, metavar="N",
-                   help="longest sequence profiled (default: the model's context, within the KV pool)")
-    p.add_argument("--repeats", type=positive_int, default=None, metavar="K",
-                   help="timed runs of every step; the median is kept (default: 3)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="torch CPU threads (default: torch's; profile with what the server will use)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
-                   help="compute dtype (default: %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, metavar="N",
-                   help="the engine's token budget per step, the largest step measured (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256, metavar="N",
-                   help="the engine's most sequences per step (default: %(default)s)")
-    p.add_argument("--num-kv-blocks", type=positive_int, default=None, metavar="N",
-                   help="KV pool size in blocks (default: the engine's memory budget)")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: time decode steps eagerly (no CUDA graphs)")
-    p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
-                   help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
-                        "max-num-seqs, at most 512)")
-    p.add_argument("--heldout", type=positive_int, default=None, metavar="N",
-                   help="random held-out steps for the error estimate (default: 40; --quick: 16)")
-    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the grids and tokens (default: 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+                                   "and write them as JSON for `tandem simulate --perf FILE` (docs/profiler.md). "
+                                   "The largest step measured is --max-num-batched-tokens tokens.")
+    add_knobs(p, ProfileFiles, required=("model",))
+    add_knobs(p, ProfileOptions, ("quick", "max_len", "repeats", "device", "threads", "dtype",
+                                  "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "enforce_eager",
+                                  "cuda_graph_sizes", "heldout", "seed"))
+    add_knobs(p, OutputOptions, ("no_progress",))
     p.set_defaults(func=cmd_profile)
     return p
 
@@ -166,13 +148,9 @@ def cmd_profile(args) -> int:
         raise CLIError(f"--out {args.out}: folder {out.parent} does not exist")
     from tandem.engine.config import EngineError
     from tandem.engine.loader import ModelLoadError
-    from tandem.engine.profiling import ProfileOptions, profile
+    from tandem.engine.profiling import profile
 
-    opts = ProfileOptions(quick=args.quick, max_len=args.max_len, repeats=args.repeats, device=args.device,
-                          threads=args.threads, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, heldout=args.heldout,
-                          seed=args.seed, enforce_eager=args.enforce_eager,
-                          cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
+    opts = ProfileOptions(**knob_values(args, ProfileOptions))
     bar = _Bar(not args.no_progress and sys.stderr.isatty())
     try:
         prof = profile(str(model), opts, bar)

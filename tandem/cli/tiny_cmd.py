@@ -11,53 +11,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tandem.cli.common import CLIError, csv_list, nonneg_int, positive_int, seed_arg
+from tandem.cli.args import add_knobs
+from tandem.cli.common import CLIError
+from tandem.engine.tiny_options import DEFAULT_DTYPE, TinyModelOptions
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `tiny-model` on the subparsers `sub` of the tandem parser."""
-    from tandem.engine.tiny_model import ARCHS, SIZES
-
     p = sub.add_parser("tiny-model", help="write a tiny Qwen3/Llama/SDAR/LLaDA checkpoint (HF layout) for tests",
                        description="Write a random model with its config, safetensors weights, byte-level BPE "
                                    "tokenizer and chat template, loadable by tandem (and by transformers, but sdar and "
                                    "llada). "
                                    "--arch sdar --train trains the block-diffusion model on a synthetic task corpus "
                                    "instead (docs/diffusion.md).")
-    p.add_argument("--arch", choices=ARCHS, default="qwen3", help="architecture (default: %(default)s)")
-    p.add_argument("--size", choices=SIZES, default="1m",
-                   help="about 1M or 30M parameters, or (qwen3 only) the shape of Qwen3-0.6B or Qwen3-8B with their "
-                        "151936-id vocabulary (default: %(default)s)")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
-    p.add_argument("--seed", type=seed_arg, default=0, help="weight seed (default: 0)")
-    p.add_argument("--shards", type=positive_int, default=1, metavar="K",
-                   help="split the weights into K safetensors files with an index (default: 1)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                   help="weight dtype (default: float32; with --train, bfloat16)")
-    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
-                   help="tie lm_head to the input embeddings (default: as the real model: tied for qwen3 except 8b, "
-                        "untied for llama)")
-    p.add_argument("--init-device", default="cpu", metavar="DEVICE",
-                   help="draw the random weights on this torch device, e.g. cuda for the 8b size (same seed, other "
-                        "values than on cpu; default: %(default)s)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty directory")
-    p.add_argument("--train", action="store_true",
-                   help="(--arch sdar) train the model with the block-diffusion objective on the synthetic task "
-                        "corpus (seeded by --seed; two threads unless --train-threads; a few minutes on two cores), "
-                        "then evaluate it")
-    p.add_argument("--train-steps", type=positive_int, default=None, metavar="N",
-                   help="training steps with --train (default: the committed checkpoint's)")
-    p.add_argument("--train-ar-steps", type=nonneg_int, default=None, metavar="N",
-                   help="with --train, SDAR's recipe: N next-token-prediction steps (causal, shifted) before the "
-                        "block-diffusion steps convert the model (default: 0, the committed checkpoint's)")
-    p.add_argument("--train-block-sizes", type=csv_list(positive_int), default=None, metavar="B[,B...]",
-                   help="with --train, draw each step's noisy-block size from these divisors of the model's block "
-                        "size 32 (default: 1,2,4,8,16,32, the committed checkpoint's; 32: blocks of 32 alone)")
-    p.add_argument("--train-threads", type=positive_int, default=None, metavar="N",
-                   help="with --train, torch threads (default: 2; the weights depend on the thread count, as float "
-                        "reductions are split differently)")
-    p.add_argument("--eval-examples", type=int, default=100, metavar="N",
-                   help="held-out examples per task evaluated after --train (0: none; default: %(default)s)")
+    add_knobs(p, TinyModelOptions, required=("out",))
     p.set_defaults(func=cmd_tiny_model)
     return p
 
@@ -78,7 +45,7 @@ def cmd_tiny_model(args) -> int:
              if v is not None]
     if given:
         raise CLIError(f"{given[0]} needs --train")
-    dtype = args.dtype or "float32"
+    dtype = args.dtype or DEFAULT_DTYPE
     try:
         make_tiny_model(out, arch=args.arch, size=args.size, seed=args.seed, dtype=dtype, shards=args.shards,
                         tie_word_embeddings=args.tie_embeddings, init_device=args.init_device)
@@ -93,11 +60,11 @@ def _train(args, out: Path) -> int:
     """--train: train the tiny SDAR model, save it, evaluate it on held-out examples and print the table."""
     if args.arch != "sdar":
         raise CLIError("--train trains the block-diffusion model: give --arch sdar")
-    if args.size != "1m" or args.shards != 1 or args.tie_embeddings is False or args.init_device != "cpu":
+    made = TinyModelOptions()                    # the one shape the training makes: the maker's defaults
+    if (args.size, args.shards, args.init_device) != (made.size, made.shards, made.init_device) \
+            or args.tie_embeddings is False:
         raise CLIError("--train makes the one tiny SDAR shape: leave --size, --shards, --tie-embeddings and "
                        "--init-device at their defaults")
-    if args.eval_examples < 0:
-        raise CLIError(f"--eval-examples must be >= 0, got {args.eval_examples}")
     import shlex
     import sys
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3", "llama", "sdar", "llada")
-REAL_SIZES = ("0.6b", "8b")          # qwen3 only: the real models' shapes
-SIZES = ("1m", "30m", *REAL_SIZES)
+from tandem.engine.tiny_options import (ARCHS, DEFAULT_ARCH, DEFAULT_DTYPE, DEFAULT_SIZE, REAL_SIZES,  # noqa: F401
+                                        SDAR_BLOCK_SIZE, SIZES)
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TRANSFORMERS_VERSION = "4.51.0"
 
@@ -61,7 +61,6 @@ _REAL = {("qwen3", "0.6b"): dict(vocab_size=151936, max_position_embeddings=4096
          ("qwen3", "8b"): dict(vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False)}
 
 SDAR_VOCAB_SIZE = 32768          # the sdar checkpoints' vocabulary (the tokenizer covers its first few hundred ids)
-SDAR_BLOCK_SIZE = 32             # their diffusion block length (config.json `block_size`)
 MASK_TOKEN = "<|mask|>"          # their mask token (config.json `mask_token_id`)
 LLADA_MASK_TOKEN = "<|mdm_mask|>"  # LLaDA's mask token (id 126336 in LLaDA-8B)
 
@@ -273,7 +272,7 @@ def _default_tie(arch: str, size: str) -> bool:
     return real["tie_word_embeddings"] if real else arch in ("qwen3", "sdar")
 
 
-def model_config(arch: str = "qwen3", size: str = "1m", dtype: str = "float32",
+def model_config(arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE, dtype: str = DEFAULT_DTYPE,
                  tie_word_embeddings: bool | None = None) -> dict[str, Any]:
     """The config.json that `make_tiny_model` writes for `arch` and `size` (no weights)."""
     _check(arch, size)
@@ -389,8 +388,8 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3", size: str = "1m", seed: int = 0,
-                    dtype: str = "float32", shards: int = 1, tie_word_embeddings: bool | None = None,
+def make_tiny_model(out_dir: str | os.PathLike, arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE, seed: int = 0,
+                    dtype: str = DEFAULT_DTYPE, shards: int = 1, tie_word_embeddings: bool | None = None,
                     init_device: str = "cpu", config_overrides: dict[str, Any] | None = None) -> Path:
     """Write a random `arch` model of about `size` parameters, its tokenizer and chat template into out_dir.
 
@@ -459,7 +458,8 @@ def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any], tensors
     return out
 
 
-def parameter_count(arch: str = "qwen3", size: str = "1m", tie_word_embeddings: bool | None = None) -> int:
+def parameter_count(arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE,
+                    tie_word_embeddings: bool | None = None) -> int:
     """Number of distinct parameters of a tiny model (tied embeddings counted once), built on the meta device."""
     from tandem.engine.models import ModelConfig, get_model_class
     mc = ModelConfig.from_dict(model_config(arch, size, "float32", tie_word_embeddings))

@@ -25,12 +25,11 @@ from pathlib import Path
 from tandem.plan.coefficients import (INF, Evaluator, Measurement, RunCache, SimSpec, Stats, Workload,
                                       default_cache_dir, share)
 from tandem.plan.milp import Coefficients, solve_topk
+from tandem.plan.options import DEFAULT_TOP_K, EXACT_MAX_GPUS, SLICE_GPUS
 from tandem.plan.space import (DEGREES, Pair, PlanError, explain_no_fit, feasible_degrees, min_kv_tokens, pairs,
                                slice_gpus_for)
 from tandem.workload.session import Session
 
-EXACT_MAX_GPUS = 16
-SLICE_GPUS = 16
 EXTRA_VERIFY = 0   # slice mode: full-cluster runs beyond the top k
 SLICE_FRACTION = 0.5
 SLICE_MIN_SESSIONS = 64
@@ -80,7 +79,7 @@ class PlanInputs:
     sessions: list[Session]
     policy: str = "ampd"
     seed: int = 0
-    top_k: int = 3
+    top_k: int = DEFAULT_TOP_K
     jobs: int = 1
     executor: Executor | None = None   # runs the simulations instead of `jobs` local processes (e.g. Ray tasks)
     cache_dir: str | Path | None = field(default_factory=default_cache_dir)

@@ -45,6 +45,7 @@ from torch import Tensor
 from tandem.engine.diffusion.tasks import TASKS, draw
 from tandem.engine.models import ModelConfig, SDARForCausalLM
 from tandem.engine.tiny_model import MASK_TOKEN, SDAR_BLOCK_SIZE, arch_tokenizer, model_config, write_checkpoint
+from tandem.engine.tiny_options import TRAIN_AR_STEPS, TRAIN_BLOCK_SIZES, TRAIN_DTYPE, TRAIN_STEPS, TRAIN_THREADS
 
 SIZE_STREAM = 12345              # the seed offset of the stream that draws each step's block size (block_sizes)
 DEFAULT_MIX = {"copy": 2.0, "reverse": 2.0, "sort": 1.0, "count": 1.0, "add": 1.0, "words": 0.5}
@@ -55,7 +56,7 @@ class TrainConfig:
     """Hyperparameters of `train`; the defaults made the committed checkpoint (docs/diffusion.md)."""
 
     seed: int = 0
-    steps: int = 3200
+    steps: int = TRAIN_STEPS
     batch_size: int = 32
     lr: float = 3e-3
     min_lr_ratio: float = 0.1          # cosine decay to lr * this
@@ -65,16 +66,16 @@ class TrainConfig:
     eps: float = 1e-3                  # t ~ U(eps, 1)
     init_std: float = 0.1              # linear weights (residual outputs: / sqrt(2 * layers))
     embed_std: float = 0.5             # the (tied) embedding rows (at 0.02, as HF's default, nothing was learnt)
-    dtype: str = "bfloat16"            # the saved weights' dtype
-    threads: int = 2                   # torch threads while training: the weights depend on the count (float
+    dtype: str = TRAIN_DTYPE           # the saved weights' dtype
+    threads: int = TRAIN_THREADS       # torch threads while training: the weights depend on the count (float
                                        # reductions split differently), not on the machine's cores
     mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
     warm_steps: int = 600              # the first steps draw only the warm_tasks (a curriculum: without it, whether
                                        # copy and reverse were learnt in the budget depended on the seed)
     warm_tasks: tuple[str, ...] = ("copy", "reverse")
-    ar_steps: int = 0                  # SDAR's recipe: next-token prediction (causal, shifted) for these steps first,
+    ar_steps: int = TRAIN_AR_STEPS     # SDAR's recipe: next-token prediction (causal, shifted) for these steps first,
                                        # then `steps` of the block-diffusion objective convert the AR model
-    block_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)   # the noisy blocks' size, drawn per step from these (each
+    block_sizes: tuple[int, ...] = TRAIN_BLOCK_SIZES      # the noisy blocks' size, drawn per step from these (each
                                        # dividing the model's block_size, which its config keeps); (): block_size alone
 
     def __post_init__(self) -> None:

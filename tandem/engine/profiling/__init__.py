@@ -10,14 +10,28 @@ pool: a step's block table points at blocks whose contents do not matter for tim
 A separate random grid of realistic batches (heterogeneous decode contexts, mixed steps) is held
 out: the StepTimeModel is fitted on the training grid only and its median / p90 relative error on
 the held-out steps is reported. See docs/profiler.md.
+
+The package's names are imported when first used (PEP 562), so reading ProfileOptions (the knobs `tandem profile`'s
+flags are built from) does not load torch.
 """
-from tandem.engine.profiling.device import device_info
-from tandem.engine.profiling.grids import Point, heldout_grid, train_grid
-from tandem.engine.profiling.interference import measure_interference
-from tandem.engine.profiling.kv_path import measure_kv_link, measure_kv_path
-from tandem.engine.profiling.options import ProfileOptions
-from tandem.engine.profiling.run import profile
-from tandem.perf.step_model import Profile
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {"device_info": "device", "Point": "grids", "heldout_grid": "grids", "train_grid": "grids",
+          "measure_interference": "interference", "measure_kv_link": "kv_path", "measure_kv_path": "kv_path",
+          "ProfileOptions": "options", "profile": "run"}
 
 __all__ = ["Point", "ProfileOptions", "Profile", "profile", "train_grid", "heldout_grid", "measure_kv_link",
            "measure_kv_path", "measure_interference", "device_info"]
+
+
+def __getattr__(name: str) -> Any:
+    """The package's public names, imported from their module when first asked for."""
+    if name == "Profile":
+        from tandem.perf.step_model import Profile
+        return Profile
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

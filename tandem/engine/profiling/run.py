@@ -16,7 +16,7 @@ from tandem.engine.profiling.device import load_avg, device_info, memory_bandwid
 from tandem.engine.profiling.grids import Point, block_aligned, heldout_grid, train_grid
 from tandem.engine.profiling.interference import measure_interference
 from tandem.engine.profiling.kv_path import measure_kv_link, measure_kv_path
-from tandem.engine.profiling.options import ProfileOptions
+from tandem.engine.profiling.options import QUICK_MAX_LEN, ProfileOptions
 from tandem.engine.profiling.timing import Bench
 from tandem.engine.profiling.windows import measure_window_latency_profile
 from tandem.perf.batch_shape import BatchShape
@@ -60,7 +60,7 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
     if opt.max_len is not None:
         max_len = min(max_len, opt.max_len)
     if opt.quick:
-        max_len = min(max_len, 1024)
+        max_len = min(max_len, QUICK_MAX_LEN)
     if max_len < 2:
         raise ValueError(f"cannot profile sequences of at most {max_len} token(s)")
     budget = min(cfg.max_num_batched_tokens, max_len - 1)
