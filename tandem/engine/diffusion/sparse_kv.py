@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SELECTIONS = ("head", "uniform")
-DEFAULT_RETENTION = 0.5          # dLLM-Serve's and Sparse-dLLM's retention ratio
-DEFAULT_POOL_KERNEL = 3          # dLLM-Serve's max-pool kernel
+from tandem.engine.config import DEFAULT_KV_POOL_KERNEL as DEFAULT_POOL_KERNEL
+from tandem.engine.config import DEFAULT_KV_RETENTION_RATIO as DEFAULT_RETENTION
+from tandem.engine.config import KV_SELECTIONS as SELECTIONS
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class SparseKVConfig:
 
     kv_retention_ratio: float = DEFAULT_RETENTION
     kv_pool_kernel: int = DEFAULT_POOL_KERNEL
-    kv_selection: str = "head"
+    kv_selection: str = SELECTIONS[0]
 
     def __post_init__(self) -> None:
         """Validate every option, naming it."""
