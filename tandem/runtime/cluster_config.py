@@ -56,10 +56,11 @@ class ClusterConfig:
                           parse=nonneg_int, metavar="N")
     policy: str | None = knob(None, POLICY_HELP)   # None: resolved on construction from `colocated`
     state: str = knob("embedded", "state store: embedded or redis://HOST:PORT[/DB]")
-    served_model_name: str | None = knob(None, "the model's name in the API (default: the checkpoint folder's name)")
+    served_model_name: str | None = knob(None, "the model's name in the API (default: the checkpoint folder's name)",
+                                          metavar="NAME")
     engine_args: dict = field(default_factory=dict)   # EngineConfig fields every worker's engine gets
     perf: str | None = knob(None, "a `tandem profile` output for routing costs", metavar="FILE")
-    threads: int | None = knob(1, "torch threads per worker", parse=positive_int)
+    threads: int | None = knob(1, "torch threads per worker", parse=positive_int, metavar="N")
     kv_timeout_s: float = shared(SchedulerConfig, "kv_timeout_s")
     session_ttl_s: float = shared(SchedulerConfig, "session_ttl_s")
     slo_ttft_s: float | None = knob(None, "TTFT target of every round: AMPD routes a prefill locally when no prefill "
