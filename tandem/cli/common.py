@@ -106,12 +106,6 @@ def positive_float(text: str) -> float:
     return _parse(text, float, "a number", lambda x: math.isfinite(x) and x > 0, "> 0")
 
 
-PREEMPTION_MODE_HELP = ("how a running sequence gives up its KV when the pool runs short: recompute (drop it, prefill "
-                        "again) or swap (copy it to host memory and back; recompute when --swap-space is full); "
-                        "default: swap for streaming diffusion windows, whose K/V a recompute would change, else "
-                        "recompute")
-
-
 def check_preemption(mode: str | None, swap_space: float | None) -> None:
     """--preemption-mode swap with no swap space is refused before anything starts."""
     if mode == "swap" and swap_space == 0:
