@@ -196,8 +196,11 @@ def api_key_of(args, environ=None) -> str | None:
 
 def server_options(args) -> dict:
     """build_app and uvicorn settings from `tandem serve`'s ServerOptions flags."""
+    from tandem.server.state import Limits
     opts = ServerOptions(**knob_values(args, ServerOptions))
-    return {"app": opts.app_kwargs(), "uvicorn": opts.uvicorn_kwargs()}
+    app = {"limits": Limits(**knob_values(args, Limits)), "max_body_bytes": opts.max_body_bytes,
+           "body_timeout_s": opts.body_timeout_s}
+    return {"app": app, "uvicorn": opts.uvicorn_kwargs()}
 
 
 @contextlib.asynccontextmanager

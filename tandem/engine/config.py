@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from tandem.core.config import SchedulerConfig
 from tandem.core.factory import resolve_policy
 from tandem.engine.sampling_params import UNMASKING_STRATEGIES
+from tandem.engine.sparse_kv_config import DEFAULT_POOL_KERNEL, DEFAULT_RETENTION, SELECTIONS, SparseKVConfig
 from tandem.knob import byte_size, csv_list, knob, nonneg_int, positive_int, shared, unit_fraction
 from tandem.policy.dllm_serve.phases import DEFAULT_DELAY_STEP
 from tandem.policy.presets import PolicySpec
@@ -25,9 +26,6 @@ CPU_KV_CACHE_BYTES = 1 << 30        # vLLM's CPU backend takes its KV space from
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_CONFIDENCE_THRESHOLD = 0.9
 LLADA_BLOCK_LENGTH = 32             # LLaDA's and Fast-dLLM's examples (LLaDA's config.json has no block length)
-DEFAULT_KV_RETENTION_RATIO = 0.5    # dLLM-Serve's and Sparse-dLLM's retention ratio
-DEFAULT_KV_POOL_KERNEL = 3          # dLLM-Serve's max-pool kernel
-KV_SELECTIONS = ("head", "uniform")  # per KV head (dLLM-Serve) or one shared set (Sparse-dLLM); the first is the default
 
 
 def _dtypes() -> dict[str, torch.dtype]:
@@ -113,12 +111,12 @@ class EngineConfig:
                                        f"(default: {DEFAULT_DELAY_STEP}; LLaDA: 0)", parse=nonneg_int, metavar="N")
     dllm_refresh_interval: int = shared(SchedulerConfig, "dllm_refresh_interval")
     kv_retention_ratio: float | None = knob(None, f"--dllm-admission: share of a request's positions whose K/V each "
-                                            f"head keeps, in (0, 1] (default: {DEFAULT_KV_RETENTION_RATIO:g}; LLaDA: "
+                                            f"head keeps, in (0, 1] (default: {DEFAULT_RETENTION:g}; LLaDA: "
                                             f"1, Fast-dLLM's dense prefix cache)", parse=unit_fraction, metavar="R")
     kv_pool_kernel: int | None = knob(None, f"--dllm-admission: max-pool kernel over the position scores, odd "
-                                      f"(default: {DEFAULT_KV_POOL_KERNEL})", parse=positive_int, metavar="K")
+                                      f"(default: {DEFAULT_POOL_KERNEL})", parse=positive_int, metavar="K")
     kv_selection: str | None = knob(None, f"--dllm-admission: per-KV-head selection (dLLM-Serve) or one shared set "
-                                    f"(Sparse-dLLM) (default: {KV_SELECTIONS[0]})", choices=KV_SELECTIONS)
+                                    f"(Sparse-dLLM) (default: {SELECTIONS[0]})", choices=SELECTIONS)
     preemption_mode: str | None = shared(SchedulerConfig, "preemption_mode")
     swap_space: float = shared(SchedulerConfig, "swap_space")
 
@@ -243,14 +241,13 @@ class EngineConfig:
             d = DEFAULT_DELAY_STEP if delay_default is None else delay_default
         return (d, 0 if k is None else k)
 
-    def sparse_kv(self, retention_default: float | None = None):  # noqa: ANN201 - SparseKVConfig (lazy: torch-side)
+    def sparse_kv(self, retention_default: float | None = None) -> SparseKVConfig:
         """The sparse-KV options of the dLLM-Serve mode, defaults filled in (dLLM-Serve's: ρ 0.5, kernel 3, head; a
         LLaDA engine passes retention_default 1.0, Fast-dLLM's dense cache)."""
-        from tandem.engine.diffusion.sparse_kv import SparseKVConfig
         r, k, sel = self.kv_retention_ratio, self.kv_pool_kernel, self.kv_selection
         if r is None:
-            r = DEFAULT_KV_RETENTION_RATIO if retention_default is None else retention_default
-        return SparseKVConfig(r, DEFAULT_KV_POOL_KERNEL if k is None else k, KV_SELECTIONS[0] if sel is None else sel)
+            r = DEFAULT_RETENTION if retention_default is None else retention_default
+        return SparseKVConfig(r, DEFAULT_POOL_KERNEL if k is None else k, SELECTIONS[0] if sel is None else sel)
 
     def torch_device(self) -> torch.device:
         """The device to run on: `device`, or CUDA when present for auto."""

@@ -49,12 +49,6 @@ class ServerOptions:
     limit_concurrency: int | None = knob(None, "most open connections + requests before uvicorn answers 503 "
                                          "(default: no limit)", parse=positive_int, metavar="N")
 
-    def app_kwargs(self) -> dict[str, Any]:
-        """build_app's limits (tandem.server.app.build_app)."""
-        from tandem.server.state import Limits
-        return {"limits": Limits(max_messages=self.max_messages, max_prompt_chars=self.max_prompt_chars),
-                "max_body_bytes": self.max_body_bytes, "body_timeout_s": self.body_timeout_s}
-
     def uvicorn_kwargs(self) -> dict[str, Any]:
         """uvicorn.Config's connection settings: keep-alive, graceful shutdown, concurrency and header size limits."""
         return {"timeout_keep_alive": self.timeout_keep_alive, "timeout_graceful_shutdown": self.timeout_graceful_shutdown,
