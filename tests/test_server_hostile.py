@@ -17,8 +17,9 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from tandem.cli.common import CLIError  # noqa: E402
 from tandem.cli.main import build_parser  # noqa: E402
-from tandem.cli.serve_cmd import (API_KEY_ENV, GRACEFUL_SHUTDOWN_S, H11_MAX_INCOMPLETE_EVENT_BYTES, TIMEOUT_KEEP_ALIVE_S,  # noqa: E402
-                                  api_key_of, server_options)
+from tandem.cli.serve_cmd import api_key_of, server_options  # noqa: E402
+from tandem.server.options import (API_KEY_ENV, GRACEFUL_SHUTDOWN_S, H11_MAX_INCOMPLETE_EVENT_BYTES,  # noqa: E402
+                                   TIMEOUT_KEEP_ALIVE_S)
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from tandem.engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams  # noqa: E402
 from tandem.engine.sampling_params import SamplingParamsError  # noqa: E402
@@ -403,9 +404,10 @@ def test_serve_flags_set_the_limits_and_uvicorn_slow_client_settings():
     assert cfg.timeout_keep_alive == 2 and cfg.h11_max_incomplete_event_size == H11_MAX_INCOMPLETE_EVENT_BYTES
     assert cfg.timeout_graceful_shutdown == 4
     default = server_options(_serve_args())
-    assert default["uvicorn"]["timeout_keep_alive"] == TIMEOUT_KEEP_ALIVE_S and "max_body_bytes" not in default["app"]
+    assert default["uvicorn"]["timeout_keep_alive"] == TIMEOUT_KEEP_ALIVE_S
+    assert default["app"]["max_body_bytes"] == DEFAULT_MAX_BODY_BYTES
     assert default["uvicorn"]["timeout_graceful_shutdown"] == GRACEFUL_SHUTDOWN_S
-    with pytest.raises(CLIError, match="--timeout-graceful-shutdown must be > 0"):
+    with pytest.raises(CLIError, match="--timeout-graceful-shutdown.*must be > 0"):
         server_options(_serve_args("--timeout-graceful-shutdown", "0"))
 
 

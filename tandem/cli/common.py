@@ -118,12 +118,6 @@ def csv_list(item_type: Callable[[str], Any]) -> Callable[[str], list]:
     return argparse_type(knob.csv_list(item_type))
 
 
-PREEMPTION_MODE_HELP = ("how a running sequence gives up its KV when the pool runs short: recompute (drop it, prefill "
-                        "again) or swap (copy it to host memory and back; recompute when --swap-space is full); "
-                        "default: swap for streaming diffusion windows, whose K/V a recompute would change, else "
-                        "recompute")
-
-
 def check_preemption(mode: str | None, swap_space: float | None) -> None:
     """--preemption-mode swap with no swap space is refused before anything starts."""
     if mode == "swap" and swap_space == 0:

@@ -11,196 +11,55 @@ import signal
 import sys
 from pathlib import Path
 
-from tandem.cli.bench_table import print_table
-from tandem.bench.demo import DEFAULT_BASELINE as DEMO_BASELINE
-from tandem.bench.demo_calibration import DEFAULT_LOAD as DEMO_LOAD, DEFAULT_SLO_FACTOR as DEMO_SLO_FACTOR
-from tandem.cli.common import (PREEMPTION_MODE_HELP, CLIError, SessionBar, byte_size, check_preemption, csv_list,
-                               nonneg_float, nonneg_int, positive_float, positive_int, ray_address_arg, require_ray,
-                               unit_fraction)
-from tandem.core.config import DEFAULT_SWAP_SPACE_GIB
+from tandem.bench.demo_options import DEMO_MODEL, DemoOptions
 from tandem.bench.ports import free_port
+from tandem.cli.args import add_knobs, knob_values
+from tandem.cli.bench_table import print_table
+from tandem.cli.common import CLIError, SessionBar, check_preemption, require_ray
+from tandem.cli.options import OutputOptions
+from tandem.engine.config import DLLM_SERVE_KNOBS, EngineConfig
+from tandem.knob import field_default
 from tandem.policy.presets import POLICIES, PrefillSchedKind
+from tandem.runtime.cluster_config import ClusterConfig
+from tandem.server.options import API_KEY_ENV, ServerOptions
 
 LAPS_POLICIES = tuple(name for name, spec in POLICIES.items() if spec.prefill_sched is PrefillSchedKind.LAPS)
 
-API_KEY_ENV = "TANDEM_API_KEY"
-# Slow clients (slowloris): uvicorn closes an idle keep-alive connection after TIMEOUT_KEEP_ALIVE_S and refuses
-# header blocks over H11_MAX_INCOMPLETE_EVENT_BYTES; the app answers 408 to a body not received within
-# --body-timeout seconds. uvicorn has no timeout on reading headers: put a reverse proxy in front for that.
-TIMEOUT_KEEP_ALIVE_S = 5
-H11_MAX_INCOMPLETE_EVENT_BYTES = 64 << 10
-GRACEFUL_SHUTDOWN_S = 10        # on SIGTERM, requests still open this long after it end with an error (a drain:
-                                # tandem/server/drain.py; uvicorn would otherwise wait for every connection to close)
+# the EngineConfig fields `tandem serve` sets, in the order of its help (its --max-model-len comes first)
+ENGINE_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_num_logits", "gpu_memory_utilization",
+                "cpu_memory_budget_bytes", "dllm_block_length", "dllm_chunk", "dllm_unmasking_strategy",
+                "dllm_denoising_steps", "dllm_confidence_threshold", "dllm_latency_profile", "dllm_admission",
+                *DLLM_SERVE_KNOBS, "preemption_mode", "swap_space", "enforce_eager", "tensor_parallel_size",
+                "cuda_graph_sizes")
+CLUSTER_TIMEOUTS = ("kv_timeout_s", "worker_timeout_s", "max_restarts", "session_ttl_s", "slo_ttft_s", "slo_itl_s")
+CLUSTER_LAUNCHER = ("launcher", "ray_address", "ray_place", "ray_namespace")
 
 
-def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
-    p.add_argument("--model", required=model_required, metavar="PATH", help="Hugging Face checkpoint directory")
-    p.add_argument("--prefill-workers", type=int, default=1, metavar="P", help="prefill worker processes (default: 1)")
-    p.add_argument("--decode-workers", type=int, default=1, metavar="D", help="decode worker processes (default: 1)")
-    p.add_argument("--colocated", type=int, default=0, metavar="N",
-                   help="co-located worker processes instead of P/D (policies vllm, continuum)")
-    p.add_argument("--policy", default=None, help="ampd | ampd-no-pr | ampd-no-ar-pr | dynamo | vllm | continuum | "
-                                                  "laps | laps-no-graph | laps-no-split | ampd+laps | "
-                                                  "ampd+laps-chunked | sglang-pd | sglang-pd-router (default: ampd; "
-                                                  "with --colocated: vllm)")
-    p.add_argument("--laps-length-threshold", type=positive_int, default=None, metavar="N",
-                   help="LAPS policies: a prefill of fewer new tokens is short (default: 256)")
-    p.add_argument("--laps-min-pool", type=int, default=None, metavar="N",
-                   help="LAPS policies: the fewest prefill workers each pool keeps (default: 1; 0 lets one class "
-                        "lose its pool, as 2 prefill workers need for the controller to move one)")
-    p.add_argument("--state", default="embedded", help="state store: embedded or redis://HOST:PORT[/DB]")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-model-len", type=positive_int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks per worker")
-    p.add_argument("--max-num-logits", type=positive_int, default=None, metavar="N",
-                   help="logit decomposition: the LM head and the sampler run on at most N rows at a time "
-                        "(default: every row of a step at once)")
-    p.add_argument("--gpu-memory-utilization", type=unit_fraction, default=None, metavar="F",
-                   help="CUDA: fraction of the GPU's memory for weights, activations and KV; the KV pool gets "
-                        "what the profiled worst-case step leaves (default: 0.9)")
-    p.add_argument("--cpu-memory-budget", type=byte_size, default=None, metavar="BYTES",
-                   help="CPU: bytes per worker for weights, activations and KV (e.g. 4G, 512M); the KV pool gets "
-                        "what the profiled worst-case step leaves (default: a 1 GiB KV pool)")
-    p.add_argument("--dllm-block-length", type=positive_int, default=None, metavar="B",
-                   help="diffusion models: positions per block; SDAR: must be the model's (default: config.json); "
-                        "LLaDA: any >= 2 (default: 32)")
-    p.add_argument("--dllm-chunk", default=None, metavar="auto|elastic|block|N",
-                   help="block-diffusion models: each step's window: auto (block for a greedy or seeded request, "
-                        "whose tokens then do not depend on the load; elastic for the others), elastic (Optimus, for "
-                        "every request), block (the whole block recomputed), or a fixed streaming chunk N (N masked "
-                        "positions a step, besides the K/V writes of the last commits; default: auto)")
-    p.add_argument("--dllm-unmasking-strategy", default=None,
-                   choices=("low_confidence_dynamic", "low_confidence_static", "sequential"),
-                   help="block-diffusion models: which positions a step commits (default: low_confidence_dynamic)")
-    p.add_argument("--dllm-denoising-steps", type=positive_int, default=None, metavar="N",
-                   help="block-diffusion models: steps per block, a divisor of the block length (default: the "
-                        "block length: at least one token a step)")
-    p.add_argument("--dllm-confidence-threshold", type=unit_fraction, default=None, metavar="T",
-                   help="block-diffusion models: the dynamic strategy commits every position above T, in (0, 1] "
-                        "(default: 0.9)")
-    p.add_argument("--dllm-latency-profile", default=None, metavar="FILE",
-                   help="block-diffusion models: Optimus's T(c, b) from this `tandem profile` output of the model "
-                        "(its dllm_latency section) instead of measuring it at each worker's start")
-    p.add_argument("--dllm-admission", default=None, choices=("phase", "static", "reserve"),
-                   help="block-diffusion models: dLLM-Serve's Refresh/Reuse phases over sparse KV, admitted by "
-                        "phase (dLLM-Serve), static (Fast-dLLM-like batches reserving each request's Refresh "
-                        "peak) or reserve (request-level continuous); default: Optimus windows (--dllm-chunk); a LLaDA "
-                        "model always runs in phases (default: phase)")
-    p.add_argument("--dllm-delay-step", type=nonneg_int, default=None, metavar="N",
-                   help="--dllm-admission: full-length steps of a block before its KV is packed (default: 1; LLaDA: 0)")
-    p.add_argument("--dllm-refresh-interval", type=nonneg_int, default=None, metavar="N",
-                   help="--dllm-admission: also refresh every N steps after the pack (default: 0, never)")
-    p.add_argument("--kv-retention-ratio", type=unit_fraction, default=None, metavar="R",
-                   help="--dllm-admission: share of a request's positions whose K/V each head keeps, in (0, 1] "
-                        "(default: 0.5; LLaDA: 1, Fast-dLLM's dense prefix cache)")
-    p.add_argument("--kv-pool-kernel", type=positive_int, default=None, metavar="K",
-                   help="--dllm-admission: max-pool kernel over the position scores, odd (default: 3)")
-    p.add_argument("--kv-selection", default=None, choices=("head", "uniform"),
-                   help="--dllm-admission: per-KV-head selection (dLLM-Serve) or one shared set (Sparse-dLLM) "
-                        "(default: head)")
-    p.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"),
-                   help=PREEMPTION_MODE_HELP)
-    p.add_argument("--swap-space", type=nonneg_float, default=None, metavar="GIB",
-                   help=f"GiB of host memory per worker for KV preempted by swap (default: {DEFAULT_SWAP_SPACE_GIB:g})")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
-    p.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None, metavar="N",
-                   help="ranks per worker (one process each; co-located workers only; default: 1)")
-    p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
-                   help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
-                        "max-num-seqs, at most 512)")
-    p.add_argument("--perf", default=None, metavar="FILE", help="a `tandem profile` output for routing costs")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default: 1)")
-    p.add_argument("--kv-timeout", type=float, default=10.0, metavar="S",
-                   help="a KV transfer slower than this falls back to local recompute (default: 10)")
-    p.add_argument("--worker-timeout", type=float, default=10.0, metavar="S",
-                   help="a worker silent S seconds (no heartbeat) is declared dead, fenced and replaced (default: 10)")
-    p.add_argument("--max-worker-restarts", type=int, default=3, metavar="N",
-                   help="replace a dead worker at most N times per 5 minutes (0: never; default: 3)")
-    p.add_argument("--session-ttl", type=float, default=600.0, metavar="S",
-                   help="a session idle this long (no round) is ended and its KV freed (default: 600)")
-    p.add_argument("--slo-ttft", type=float, default=None, metavar="S",
-                   help="TTFT target of every round: AMPD routes a prefill locally when no prefill worker meets it")
-    p.add_argument("--slo-itl", type=float, default=None, metavar="S",
-                   help="ITL target: local prefill only while the decode worker has ITL slack")
-    p.add_argument("--launcher", choices=("embedded", "ray"), default="embedded",
-                   help="where workers run: local processes (embedded, default) or Ray actors on the nodes of a "
-                        "Ray cluster (ray; pip install 'tandem[ray]'; docs/ray.md)")
-    p.add_argument("--ray-address", type=ray_address_arg, default=None, metavar="auto|HOST:PORT",
-                   help="--launcher ray: the Ray cluster to join (auto: the one `ray start` started here; default: "
-                        "$RAY_ADDRESS, else a private single-node Ray)")
-    p.add_argument("--ray-place", type=_ray_place, action="append", default=None, metavar="ROLE=RESOURCE",
-                   help="--launcher ray: put ROLE's workers (prefill, decode, colocated) on nodes offering custom "
-                        "resource RESOURCE (`ray start --resources '{\"RESOURCE\": 1}'`); repeatable")
-    p.add_argument("--ray-namespace", default=None, metavar="NS",
-                   help="--launcher ray: Ray namespace of the worker actors (named worker-ID.N; default: "
-                        "tandem-<random>)")
-
-
-def _ray_place(text: str) -> tuple[str, str]:
-    """ROLE=RESOURCE of --ray-place."""
-    import argparse
-    import re
-    role, sep, resource = text.partition("=")
-    if not sep or role not in ("prefill", "decode", "colocated"):
-        raise argparse.ArgumentTypeError(f"expected ROLE=RESOURCE with ROLE prefill, decode or colocated, got {text!r}")
-    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,100}", resource) or resource in ("CPU", "GPU", "memory"):
-        raise argparse.ArgumentTypeError(f"{resource!r} is not a custom Ray resource name (letters, digits, _.:-)")
-    return role, resource
+def _add_server_args(p: argparse.ArgumentParser, demo: bool) -> None:
+    """The flags `serve` and `demo` share: the workers and policy (ClusterConfig), the engines (EngineConfig); the
+    demo's model, context and threads have the demo's defaults (DemoOptions)."""
+    own = DemoOptions if demo else ClusterConfig
+    add_knobs(p, own, ("model",))
+    add_knobs(p, ClusterConfig, ("prefill_workers", "decode_workers", "colocated", "policy", "laps_length_threshold",
+                                 "laps_min_pool", "state", "served_model_name"))
+    add_knobs(p, DemoOptions if demo else EngineConfig, ("max_model_len",))
+    add_knobs(p, EngineConfig, ENGINE_FLAGS)
+    add_knobs(p, ClusterConfig, ("perf",))
+    add_knobs(p, own, ("threads",))
+    add_knobs(p, ClusterConfig, CLUSTER_TIMEOUTS + CLUSTER_LAUNCHER)
 
 
 def add_parser(sub) -> None:
     """Register `serve` and `demo`."""
     p = sub.add_parser("serve", help="serve a model over the OpenAI API with prefill/decode worker processes")
-    _add_server_args(p, True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (visible in ps: prefer ${API_KEY_ENV} or "
-                        "--api-key-file)")
-    p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API key from this file (its first line)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=None, metavar="N",
-                   help="largest request body accepted (413 beyond; default: 8 MiB)")
-    p.add_argument("--max-messages", type=positive_int, default=None, metavar="N",
-                   help="most chat messages per request (default: max_model_len)")
-    p.add_argument("--max-prompt-chars", type=positive_int, default=None, metavar="N",
-                   help="most characters of prompt text / message content (default: 64 x max_model_len)")
-    p.add_argument("--body-timeout", type=float, default=None, metavar="S",
-                   help="a request body not received within S seconds gets a 408 (default: 60)")
-    p.add_argument("--timeout-keep-alive", type=float, default=TIMEOUT_KEEP_ALIVE_S, metavar="S",
-                   help=f"close idle keep-alive connections after S seconds (default: {TIMEOUT_KEEP_ALIVE_S})")
-    p.add_argument("--timeout-graceful-shutdown", "--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
-                   metavar="S", dest="timeout_graceful_shutdown",
-                   help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight finish for up to S "
-                        "seconds, then end each one left with an error (JSON, or an SSE error event and [DONE]); a "
-                        f"second signal ends them at once (default: {GRACEFUL_SHUTDOWN_S})")
-    p.add_argument("--limit-concurrency", type=positive_int, default=None, metavar="N",
-                   help="most open connections + requests before uvicorn answers 503 (default: no limit)")
+    _add_server_args(p, demo=False)
+    add_knobs(p, ServerOptions)
     p.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="serve a tiny model 1P+1D with AMPD and a baseline, replay multi-round sessions "
                                      "through HTTP at a load calibrated to this machine, compare with the simulator")
-    _add_server_args(d, False)
-    d.set_defaults(threads=None)
-    d.add_argument("--workload", default="toolbench")
-    d.add_argument("--sessions", type=positive_int, default=30)
-    d.add_argument("--rate", type=positive_float, default=None,
-                   help="sessions/s (default: --load x the capacity the machine's profile gives 1P+1D)")
-    d.add_argument("--load", type=unit_fraction, default=DEMO_LOAD, metavar="F",
-                   help=f"the calibrated rate as a share of the profiled capacity (default: {DEMO_LOAD:g})")
-    d.add_argument("--slo-factor", type=positive_float, default=DEMO_SLO_FACTOR, metavar="K",
-                   help=f"the calibrated SLO as K x the profiled unloaded TTFT and ITL (default: {DEMO_SLO_FACTOR:g})")
-    d.add_argument("--baseline", default=DEMO_BASELINE,
-                   help=f"the policy compared with AMPD on the same two worker processes (a co-located one runs "
-                        f"--colocated 2; ampd: no comparison; default: {DEMO_BASELINE})")
-    d.add_argument("--scale", type=positive_float, default=0.5, help="token counts and tool gaps x this (default: 0.5)")
-    d.add_argument("--max-tokens-cap", type=positive_int, default=16)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--out", default="reports/demo", metavar="DIR",
-                   help="where the comparison table, its PNG and results.json go (default: reports/demo)")
-    d.add_argument("--verbose", action="store_true", help="also print each run's full `tandem bench` table")
-    d.add_argument("--json", action="store_true")
+    _add_server_args(d, demo=True)
+    add_knobs(d, DemoOptions, exclude=("model", "max_model_len", "threads"))
+    add_knobs(d, OutputOptions, ("json",))
     d.set_defaults(func=cmd_demo)
 
 
@@ -243,28 +102,20 @@ def _latency_profile(path: str, phased: bool) -> str:
     return str(Path(path).resolve())
 
 
-def _cluster_config(args):
-    from tandem.runtime.cluster import ClusterConfig
-    if not Path(args.model, "config.json").is_file():
-        raise CLIError(f"--model {args.model}: not a checkpoint directory (no config.json)")
-    if args.policy is None:                          # co-located workers run the co-located default
-        args.policy = "vllm" if args.colocated else "ampd"
-    eng = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
-    if args.max_model_len is not None:
-        eng["max_model_len"] = args.max_model_len
-    if args.num_kv_blocks is not None:
-        eng["num_kv_blocks"] = args.num_kv_blocks
-    for name, key in (("max_num_logits", "max_num_logits"), ("gpu_memory_utilization", "gpu_memory_utilization"),
-                      ("cpu_memory_budget", "cpu_memory_budget_bytes")):
-        if getattr(args, name, None) is not None:
-            eng[key] = getattr(args, name)
-    for name in ("dllm_block_length", "dllm_chunk", "dllm_unmasking_strategy", "dllm_denoising_steps",
-                 "dllm_confidence_threshold", "dllm_admission", "dllm_delay_step", "dllm_refresh_interval",
-                 "kv_retention_ratio", "kv_pool_kernel", "kv_selection"):
-        if getattr(args, name, None) is not None:
-            eng[name] = getattr(args, name)
-    phase_knobs = [k for k in ("dllm_delay_step", "dllm_refresh_interval", "kv_retention_ratio", "kv_pool_kernel",
-                               "kv_selection") if k in eng]
+def _engine_args(args) -> dict:
+    """The EngineConfig fields the flags set away from their defaults (every worker's engine keeps the others)."""
+    import dataclasses
+    defaults = {f.name: field_default(f) for f in dataclasses.fields(EngineConfig)}
+    eng = {k: v for k, v in knob_values(args, EngineConfig).items() if v != defaults[k]}
+    if "cuda_graph_sizes" in eng:
+        eng["cuda_graph_sizes"] = tuple(eng["cuda_graph_sizes"])
+    return eng
+
+
+def _check_diffusion(args, eng: dict) -> None:
+    """The diffusion flags against each other and the model's architecture (one line, before any worker starts);
+    --dllm-latency-profile is checked and made absolute for the workers."""
+    phase_knobs = [k for k in DLLM_SERVE_KNOBS if k in eng]
     if phase_knobs and "dllm_admission" not in eng:
         raise CLIError(f"--{phase_knobs[0].replace('_', '-')} needs --dllm-admission (phase, static or reserve)")
     if eng.get("kv_pool_kernel", 1) % 2 == 0:
@@ -272,77 +123,57 @@ def _cluster_config(args):
                        f"{eng['kv_pool_kernel']}")
     if "dllm_admission" in eng and "dllm_chunk" in eng:
         raise CLIError("--dllm-chunk sizes Optimus windows; with --dllm-admission every step is a dLLM-Serve phase")
+    profile = eng.pop("dllm_latency_profile", None)
     arch = _architecture(args.model)
     diffusion = arch in BLOCK_DIFFUSION_ARCHS + CANVAS_DIFFUSION_ARCHS
     if arch in CANVAS_DIFFUSION_ARCHS:
-        _canvas_refusals(eng, getattr(args, "dllm_latency_profile", None))
-    if getattr(args, "dllm_latency_profile", None) is not None:
-        eng["dllm_latency_profile"] = _latency_profile(args.dllm_latency_profile, "dllm_admission" in eng)
+        _canvas_refusals(eng, profile)
+    if profile is not None:
+        eng["dllm_latency_profile"] = _latency_profile(profile, "dllm_admission" in eng)
     if any(k.startswith(("dllm_", "kv_")) for k in eng) and not diffusion:
         raise CLIError(f"--{next(k for k in eng if k.startswith(('dllm_', 'kv_'))).replace('_', '-')}: the model is "
                        "autoregressive (diffusion options need a diffusion checkpoint such as SDAR or LLaDA)")
     if diffusion and not args.colocated:
         raise CLIError("a block-diffusion model is served by co-located workers: add --colocated N")
-    for name in ("preemption_mode", "swap_space"):
-        if getattr(args, name, None) is not None:
-            eng[name] = getattr(args, name)
+
+
+def _cluster_config(args) -> ClusterConfig:
+    """The ClusterConfig of `serve`'s (or one demo run's) flags, every flag checked against the others and the
+    model (CLIError: one line) before any worker starts."""
+    if not Path(args.model, "config.json").is_file():
+        raise CLIError(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    eng = _engine_args(args)
+    _check_diffusion(args, eng)
     check_preemption(eng.get("preemption_mode"), eng.get("swap_space"))
-    if args.enforce_eager:
-        eng["enforce_eager"] = True
-    tp = getattr(args, "tensor_parallel_size", None)
-    if tp is not None and tp > 1:
+    tp = eng.get("tensor_parallel_size")
+    if tp is not None:
         if not args.colocated:
             raise CLIError(f"--tensor-parallel-size {tp} runs co-located workers (--colocated N): prefill/decode "
                            f"workers at TP > 1 (KV regrouped between TP degrees) are not supported yet")
         _check_tp(args.model, tp)
-        eng["tensor_parallel_size"] = tp
-    if args.cuda_graph_sizes is not None:
-        eng["cuda_graph_sizes"] = tuple(args.cuda_graph_sizes)
-    p, d = args.prefill_workers, args.decode_workers
-    if args.colocated:
-        p = d = 0
-    for name in ("kv_timeout", "slo_ttft", "slo_itl", "session_ttl", "worker_timeout"):
-        v = getattr(args, name)
-        if v is not None and not v > 0:
-            raise CLIError(f"--{name.replace('_', '-')} must be > 0, got {v}")
     if args.perf is not None and not Path(args.perf).is_file():
         raise CLIError(f"--perf {args.perf}: no such file")
-    opts = {}
-    if args.laps_length_threshold is not None:
-        opts["laps_length_threshold"] = args.laps_length_threshold
-    if args.laps_min_pool is not None:
-        if args.laps_min_pool < 0:
-            raise CLIError(f"--laps-min-pool must be >= 0, got {args.laps_min_pool}")
-        opts["laps_min_pool"] = args.laps_min_pool
-    if opts and args.policy not in LAPS_POLICIES:
-        raise CLIError(f"--laps-* options apply to the LAPS policies ({', '.join(LAPS_POLICIES)}), not {args.policy!r}")
-    return ClusterConfig(args.model, p, d, args.colocated, args.policy, args.state, args.served_model_name, eng,
-                         args.perf, args.threads, args.kv_timeout, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
-                         session_ttl_s=args.session_ttl, worker_timeout_s=args.worker_timeout,
-                         max_restarts=_restarts(args.max_worker_restarts), policy_options=opts, **_launcher(args))
+    _check_launcher(args)
+    knobs = knob_values(args, ClusterConfig)
+    if knobs["colocated"]:
+        knobs["prefill_workers"] = knobs["decode_workers"] = 0
+    cfg = ClusterConfig(**knobs, engine_args=eng)
+    if (cfg.laps_length_threshold is not None or cfg.laps_min_pool is not None) and cfg.policy not in LAPS_POLICIES:
+        raise CLIError(f"--laps-* options apply to the LAPS policies ({', '.join(LAPS_POLICIES)}), not {cfg.policy!r}")
+    return cfg
 
 
-def _launcher(args) -> dict:
-    """The ClusterConfig launcher fields of --launcher and --ray-*, checked (Ray installed, no stray --ray-*)."""
-    place = dict(args.ray_place or ())
+def _check_launcher(args) -> None:
+    """--launcher and --ray-*: Ray installed for --launcher ray, no --ray-* without it."""
     if args.launcher != "ray":
-        for flag, v in (("--ray-address", args.ray_address), ("--ray-place", place),
+        for flag, v in (("--ray-address", args.ray_address), ("--ray-place", args.ray_place),
                         ("--ray-namespace", args.ray_namespace)):
             if v:
                 raise CLIError(f"{flag} applies to --launcher ray")
-        return {}
+        return
     require_ray("--launcher ray")
     if args.ray_namespace is not None and not args.ray_namespace.strip():
         raise CLIError("--ray-namespace must not be empty")
-    return {"launcher": "ray", "ray_address": args.ray_address, "ray_place": place,
-            "ray_namespace": args.ray_namespace}
-
-
-def _restarts(n: int) -> int:
-    """--max-worker-restarts, checked (≥ 0)."""
-    if n < 0:
-        raise CLIError(f"--max-worker-restarts must be >= 0, got {n}")
-    return n
 
 
 def api_key_of(args, environ=None) -> str | None:
@@ -364,26 +195,12 @@ def api_key_of(args, environ=None) -> str | None:
 
 
 def server_options(args) -> dict:
-    """build_app and uvicorn settings from `tandem serve` flags (absent flags keep the defaults)."""
+    """build_app and uvicorn settings from `tandem serve`'s ServerOptions flags."""
     from tandem.server.state import Limits
-    app: dict = {"limits": Limits(max_messages=getattr(args, "max_messages", None),
-                                  max_prompt_chars=getattr(args, "max_prompt_chars", None))}
-    if getattr(args, "max_body_bytes", None) is not None:
-        app["max_body_bytes"] = args.max_body_bytes
-    body_timeout = getattr(args, "body_timeout", None)
-    if body_timeout is not None:
-        if not body_timeout > 0:
-            raise CLIError(f"--body-timeout must be > 0, got {body_timeout}")
-        app["body_timeout_s"] = body_timeout
-    keep_alive = getattr(args, "timeout_keep_alive", TIMEOUT_KEEP_ALIVE_S)
-    if not keep_alive > 0:
-        raise CLIError(f"--timeout-keep-alive must be > 0, got {keep_alive}")
-    graceful = getattr(args, "timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
-    if not graceful > 0:
-        raise CLIError(f"--timeout-graceful-shutdown must be > 0, got {graceful}")
-    return {"app": app, "uvicorn": {"timeout_keep_alive": keep_alive, "timeout_graceful_shutdown": graceful,
-                                    "limit_concurrency": getattr(args, "limit_concurrency", None),
-                                    "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES}}
+    opts = ServerOptions(**knob_values(args, ServerOptions))
+    app = {"limits": Limits(**knob_values(args, Limits)), "max_body_bytes": opts.max_body_bytes,
+           "body_timeout_s": opts.body_timeout_s}
+    return {"app": app, "uvicorn": opts.uvicorn_kwargs()}
 
 
 @contextlib.asynccontextmanager
@@ -412,8 +229,7 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
     drain = drain if drain is not None else Drain()
     from tandem.server.http_protocol import HeadTimeoutH11Protocol
     protocol = HeadTimeoutH11Protocol.answering_health(cluster.is_healthy)
-    uv = {"timeout_keep_alive": TIMEOUT_KEEP_ALIVE_S, "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES,
-          "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S, "http": protocol, **options.get("uvicorn", {})}
+    uv = {**ServerOptions().uvicorn_kwargs(), "http": protocol, **options.get("uvicorn", {})}
     grace_s = uv["timeout_graceful_shutdown"]
     server = Server(uvicorn.Config(build_app(cluster, api_key=api_key, drain=drain, **options.get("app", {})),
                                    host=host, port=port, log_level="warning", lifespan="off", **uv))
@@ -483,11 +299,10 @@ def cmd_demo(args) -> int:
     from tandem.perf.profile_io import PerfFileError, load_perf
     from tandem.perf.step_model import Profile
     if args.model is None:
-        args.model = "models/tiny-qwen3-1m"
+        args.model = DEMO_MODEL
         if not Path(args.model, "config.json").is_file():
             from tandem.engine.tiny_model import make_tiny_model
             make_tiny_model(args.model, arch="qwen3", size="1m", seed=0)
-    args.max_model_len = args.max_model_len or 4096
     args.threads = demo.demo_threads(args.threads)
     if args.perf is None:                                   # step costs measured on this machine, once
         args.perf = str(demo.profile_path(args.model, args.threads))
@@ -505,10 +320,10 @@ def cmd_demo(args) -> int:
         raise CLIError(f"--perf {args.perf}: the demo calibrates from a `tandem profile` output")
     try:
         plan = demo.plan_demo(prof, args.workload, args.sessions, args.scale, args.max_tokens_cap, args.seed,
-                              args.rate, args.slo_ttft, args.slo_itl, args.load, args.slo_factor, args.baseline)
+                              args.rate, args.slo_ttft_s, args.slo_itl_s, args.load, args.slo_factor, args.baseline)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    args.slo_ttft, args.slo_itl = plan.slo.ttft_s, plan.slo.itl_s
+    args.slo_ttft_s, args.slo_itl_s = plan.slo.ttft_s, plan.slo.itl_s
     for policy in plan.policies:
         _cluster_config(_demo_args(args, policy))            # every run's configuration checked before any starts
 

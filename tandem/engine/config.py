@@ -1,20 +1,37 @@
-"""Engine configuration (vLLM's names) and the sizing of the paged KV pool from a memory budget."""
+"""Engine configuration (vLLM's names) and the sizing of the paged KV pool from a memory budget.
+
+The fields `tandem serve` sets are knobs (tandem.knob): its flags are generated from them, and the ones the scheduler
+owns are SchedulerConfig's, shared. torch is imported where it is used, so building the command line does not load it.
+"""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from tandem.core.config import (
-    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_SWAP_SPACE_GIB, SchedulerConfig,
-)
+from tandem.core.config import SchedulerConfig
 from tandem.core.factory import resolve_policy
-from tandem.policy.optimus.chunk import DEFAULT_CHUNK
+from tandem.engine.sampling_params import UNMASKING_STRATEGIES
+from tandem.engine.sparse_kv_config import DEFAULT_POOL_KERNEL, DEFAULT_RETENTION, SELECTIONS, SparseKVConfig
+from tandem.knob import byte_size, csv_list, knob, nonneg_int, positive_int, shared, unit_fraction
+from tandem.policy.dllm_serve.phases import DEFAULT_DELAY_STEP
 from tandem.policy.presets import PolicySpec
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
 CPU_KV_CACHE_BYTES = 1 << 30        # vLLM's CPU backend takes its KV space from an env var; 1 GiB by default here
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_CONFIDENCE_THRESHOLD = 0.9
+LLADA_BLOCK_LENGTH = 32             # LLaDA's and Fast-dLLM's examples (LLaDA's config.json has no block length)
+
+
+def _dtypes() -> dict[str, torch.dtype]:
+    """The dtype names an engine takes, as torch dtypes."""
+    import torch
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class EngineError(ValueError):
@@ -28,10 +45,11 @@ class EngineConfig:
     model: str
     dtype: str = "auto"                       # auto (the checkpoint's; float32 on CPU), float32, float16, bfloat16
     device: str = "auto"                      # auto (cuda when available), cpu, cuda, cuda:N
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_model_len: int | None = None          # default: the model's max_position_embeddings
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    block_size: int = shared(SchedulerConfig, "block_size")
+    max_model_len: int | None = knob(None, "the longest sequence (prompt + output) a request may have (default: the "
+                                     "model's max_position_embeddings)", parse=positive_int, metavar="N")
+    max_num_batched_tokens: int = shared(SchedulerConfig, "max_num_batched_tokens")
+    max_num_seqs: int = shared(SchedulerConfig, "max_num_seqs")
     policy: str = "vllm"                      # the scheduling policy of the worker core (tandem.policy.presets):
                                               # its prefill picker and idle-KV retention
     policy_options: dict = field(default_factory=dict)   # knobs of the policy (PolicySpec fields), e.g.
@@ -39,53 +57,68 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # KV pool budget; default: 1 GiB on CPU (or what cpu_memory_budget_bytes
                                               # leaves), on CUDA what gpu_memory_utilization leaves (memory_profile.py)
-    gpu_memory_utilization: float = 0.9       # CUDA: fraction of the device's memory for weights, activations and KV
-    num_kv_blocks: int | None = None          # overrides the budget (vLLM: num_gpu_blocks_override)
-    max_num_logits: int | None = None         # logit decomposition (dLLM-Serve): the LM head and the sampler run on
-                                              # at most this many rows at a time; None: all rows at once
-    cpu_memory_budget_bytes: int | None = None   # CPU: bytes for weights, activations and KV together; the KV pool
-                                              # gets budget - weights - profiled activation peak (memory_profile.py)
+    gpu_memory_utilization: float = knob(DEFAULT_GPU_MEMORY_UTILIZATION, "CUDA: fraction of the GPU's memory for "
+                                         "weights, activations and KV; the KV pool gets what the profiled "
+                                         "worst-case step leaves", parse=unit_fraction, metavar="F")
+    num_kv_blocks: int | None = knob(None, "KV blocks per worker, overriding the memory budget (vLLM's "
+                                     "num_gpu_blocks_override)", parse=positive_int, metavar="N")
+    max_num_logits: int | None = knob(None, "logit decomposition: the LM head and the sampler run on at most N rows "
+                                      "at a time (default: every row of a step at once)", parse=positive_int,
+                                      metavar="N")
+    cpu_memory_budget_bytes: int | None = knob(
+        None, f"CPU: bytes per worker for weights, activations and KV (e.g. 4G, 512M); the KV pool gets what the "
+        f"profiled worst-case step leaves (default: a {CPU_KV_CACHE_BYTES >> 30} GiB KV pool)", parse=byte_size,
+        metavar="BYTES", flags=("--cpu-memory-budget",))
     memory_profile: bool | None = None        # the worst-case dummy step at start (memory_profile.py); None: when the
                                               # pool is sized from a budget (CUDA without explicit sizes, CPU with
                                               # cpu_memory_budget_bytes); True: always (reported even with explicit
                                               # sizes); False: never (CUDA then sizes the pool as free x utilization)
     attention_backend: str | None = None      # None/auto: flash on CUDA when installed, else sdpa
     seed: int = 0
-    tensor_parallel_size: int = 1             # ranks of this worker (vLLM's): one process each, rank 0 the driver that
-                                              # schedules and samples; heads, MLP and vocabulary split (docs/engine.md)
-    enforce_eager: bool = False               # CUDA: never capture decode steps as CUDA graphs (always eager)
-    cuda_graph_sizes: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, 8, 16, ... 512
+    tensor_parallel_size: int = knob(1, "ranks per worker (one process each, rank 0 the driver that schedules and "
+                                     "samples; heads, MLP and vocabulary split; co-located workers only)",
+                                     parse=positive_int, metavar="N", flags=("-tp", "--tensor-parallel-size"))
+    enforce_eager: bool = knob(False, "CUDA: run decode steps eagerly (no CUDA graphs)")
+    cuda_graph_sizes: tuple[int, ...] | None = knob(None, "CUDA: decode batch sizes captured as CUDA graphs "
+                                                    "(default: 1,2,4,8,16,... up to max-num-seqs, at most 512)",
+                                                    parse=csv_list(positive_int), metavar="1,2,4,8")
     laps_graph_buckets: tuple[tuple[int, int], ...] | None = None   # CUDA, LAPS prefill workers: the (length,
                                               # batch) buckets captured as prefill graphs; None: every bucket of LAPS's
                                               # grid within max_num_batched_tokens and max_num_seqs; (): none
     laps_graph_max_len: int | None = None     # longest sequence (history + new tokens) a prefill graph attends over;
                                               # longer steps run eagerly. None: min(max_model_len, 4096)
     # block-diffusion models (SDAR; LMDeploy's names): the engine's defaults, a request may override the last three
-    dllm_block_length: int | None = None      # None: the model's block_size (config.json; LLaDA: 32)
-    dllm_chunk: str = DEFAULT_CHUNK           # each step's window: auto (per request: block for a greedy or seeded
-                                              # one, reproducible; elastic for the others), elastic (Optimus), block
-                                              # (BD-B: the whole block recomputed), or N (a fixed streaming chunk of N
-                                              # positions); SDAR only. Under auto and elastic a request may name its own
-    dllm_unmasking_strategy: str = "low_confidence_dynamic"
-    dllm_denoising_steps: int | None = None   # None: the block length (at least one token a step)
-    dllm_confidence_threshold: float = 0.9
-    dllm_latency_profile: str | None = None   # a `tandem profile` JSON of this model: Optimus's T(c, b) from its
-                                              # dllm_latency section instead of measuring it at start
-    # dLLM-Serve: Refresh/Reuse phases over head-centric sparse KV, admitted by the worker core
-    dllm_admission: str | None = None         # phase (dLLM-Serve), static (Fast-dLLM-like batches reserving each
-                                              # request's Refresh peak), reserve (request-level continuous); None:
-                                              # Optimus's windows (dllm_chunk; a LLaDA model: phase). The options
-                                              # below need it
-    dllm_delay_step: int | None = None        # full-length steps of a block before its cache is packed (None: 1;
-                                              # LLaDA: 0)
-    dllm_refresh_interval: int | None = None  # also refresh every this many steps after the pack (None: 0, never)
-    kv_retention_ratio: float | None = None   # share ρ of a request's positions whose K/V it keeps (None: 0.5;
-                                              # LLaDA: 1.0, Fast-dLLM's dense prefix cache)
-    kv_pool_kernel: int | None = None         # max-pool kernel of the position scores (None: 3)
-    kv_selection: str | None = None           # head (dLLM-Serve, per KV head) or uniform (Sparse-dLLM) (None: head)
-    preemption_mode: str | None = None        # recompute or swap (vLLM's); None: swap for streaming diffusion windows
-                                              # (a recompute writes their K/V differently), recompute elsewhere
-    swap_space: float = DEFAULT_SWAP_SPACE_GIB   # GiB of host memory for KV preempted by swap (vLLM's swap_space)
+    dllm_block_length: int | None = knob(None, f"diffusion models: positions per block; SDAR: must be the model's "
+                                         f"(default: config.json); LLaDA: any >= 2 (default: {LLADA_BLOCK_LENGTH})",
+                                         parse=positive_int, metavar="B")
+    dllm_chunk: str = shared(SchedulerConfig, "dllm_chunk")   # SDAR only; under auto and elastic a request may
+                                              # name its own
+    dllm_unmasking_strategy: str = knob(UNMASKING_STRATEGIES[0], "block-diffusion models: which positions a step "
+                                        "commits", choices=UNMASKING_STRATEGIES)
+    dllm_denoising_steps: int | None = knob(None, "block-diffusion models: steps per block, a divisor of the block "
+                                            "length (default: the block length: at least one token a step)",
+                                            parse=positive_int, metavar="N")
+    dllm_confidence_threshold: float = knob(DEFAULT_CONFIDENCE_THRESHOLD, "block-diffusion models: the dynamic "
+                                            "strategy commits every position above T, in (0, 1]",
+                                            parse=unit_fraction, metavar="T")
+    dllm_latency_profile: str | None = knob(None, "block-diffusion models: Optimus's T(c, b) from this `tandem "
+                                            "profile` output of the model (its dllm_latency section) instead of "
+                                            "measuring it at each worker's start", metavar="FILE")
+    # dLLM-Serve: Refresh/Reuse phases over head-centric sparse KV, admitted by the worker core (a LLaDA model always
+    # runs in phases: None is phase there); the options below need it
+    dllm_admission: str | None = shared(SchedulerConfig, "dllm_admission")
+    dllm_delay_step: int | None = knob(None, "--dllm-admission: full-length steps of a block before its KV is packed "
+                                       f"(default: {DEFAULT_DELAY_STEP}; LLaDA: 0)", parse=nonneg_int, metavar="N")
+    dllm_refresh_interval: int = shared(SchedulerConfig, "dllm_refresh_interval")
+    kv_retention_ratio: float | None = knob(None, f"--dllm-admission: share of a request's positions whose K/V each "
+                                            f"head keeps, in (0, 1] (default: {DEFAULT_RETENTION:g}; LLaDA: "
+                                            f"1, Fast-dLLM's dense prefix cache)", parse=unit_fraction, metavar="R")
+    kv_pool_kernel: int | None = knob(None, f"--dllm-admission: max-pool kernel over the position scores, odd "
+                                      f"(default: {DEFAULT_POOL_KERNEL})", parse=positive_int, metavar="K")
+    kv_selection: str | None = knob(None, f"--dllm-admission: per-KV-head selection (dLLM-Serve) or one shared set "
+                                    f"(Sparse-dLLM) (default: {SELECTIONS[0]})", choices=SELECTIONS)
+    preemption_mode: str | None = shared(SchedulerConfig, "preemption_mode")
+    swap_space: float = shared(SchedulerConfig, "swap_space")
 
     def policy_spec(self) -> PolicySpec:
         """The worker core's policy with this config's knobs (ValueError/TypeError name a bad one)."""
@@ -101,8 +134,8 @@ class EngineConfig:
             self.policy_spec()
         except (ValueError, TypeError) as e:
             raise EngineError(f"policy {self.policy!r}: {e}") from None
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise EngineError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise EngineError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -150,6 +183,7 @@ class EngineConfig:
             return
         dev = self.torch_device()
         if dev.type == "cuda":
+            import torch
             have = torch.cuda.device_count() - (dev.index or 0)
             if tp > have:
                 raise EngineError(f"tensor_parallel_size {tp} exceeds the {have} CUDA devices from {dev} on")
@@ -187,9 +221,8 @@ class EngineConfig:
     def _check_dllm_serve(self) -> None:
         """dLLM-Serve's options: an admission mode, and the phase and sparse-KV knobs only with one."""
         from tandem.policy.dllm_serve import PhaseSpec, parse_admission
-        knobs = ("dllm_delay_step", "dllm_refresh_interval", "kv_retention_ratio", "kv_pool_kernel", "kv_selection")
         if self.dllm_admission is None:
-            given = [k for k in knobs if getattr(self, k) is not None]
+            given = [k for k in DLLM_SERVE_KNOBS if getattr(self, k) not in (None, _DEFAULTS[k])]
             if given:
                 raise EngineError(f"{', '.join(given)} need dllm_admission (phase, static or reserve)")
             return
@@ -203,23 +236,22 @@ class EngineConfig:
     def phase_knobs(self, delay_default: int | None = None) -> tuple[int, int]:
         """(delay_step, refresh_interval) of the dLLM-Serve mode, defaults filled in (dLLM-Serve's: 1, 0; a LLaDA
         engine passes delay_default 0, Fast-dLLM's refresh at each block's first step)."""
-        from tandem.policy.dllm_serve.phases import DEFAULT_DELAY_STEP
         d, k = self.dllm_delay_step, self.dllm_refresh_interval
         if d is None:
             d = DEFAULT_DELAY_STEP if delay_default is None else delay_default
         return (d, 0 if k is None else k)
 
-    def sparse_kv(self, retention_default: float | None = None):  # noqa: ANN201 - SparseKVConfig (lazy: torch-side)
+    def sparse_kv(self, retention_default: float | None = None) -> SparseKVConfig:
         """The sparse-KV options of the dLLM-Serve mode, defaults filled in (dLLM-Serve's: ρ 0.5, kernel 3, head; a
         LLaDA engine passes retention_default 1.0, Fast-dLLM's dense cache)."""
-        from tandem.engine.diffusion.sparse_kv import DEFAULT_POOL_KERNEL, DEFAULT_RETENTION, SparseKVConfig
         r, k, sel = self.kv_retention_ratio, self.kv_pool_kernel, self.kv_selection
         if r is None:
             r = DEFAULT_RETENTION if retention_default is None else retention_default
-        return SparseKVConfig(r, DEFAULT_POOL_KERNEL if k is None else k, "head" if sel is None else sel)
+        return SparseKVConfig(r, DEFAULT_POOL_KERNEL if k is None else k, SELECTIONS[0] if sel is None else sel)
 
     def torch_device(self) -> torch.device:
         """The device to run on: `device`, or CUDA when present for auto."""
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dev = torch.device(self.device)
@@ -229,11 +261,17 @@ class EngineConfig:
 
     def torch_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
         """The compute dtype: explicit, else the checkpoint's on CUDA and float32 on CPU."""
+        dtypes = _dtypes()
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return dtypes[self.dtype]
         if device.type == "cpu":
-            return torch.float32
-        return DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+            return dtypes["float32"]
+        return dtypes.get(checkpoint_dtype or "", dtypes["bfloat16"])
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# dLLM-Serve's phase and sparse-KV options: each needs dllm_admission (and, at the CLI, --dllm-admission)
+DLLM_SERVE_KNOBS = ("dllm_delay_step", "dllm_refresh_interval", "kv_retention_ratio", "kv_pool_kernel", "kv_selection")
 
 
 def _graph_sizes(sizes: object) -> tuple[int, ...]:
@@ -282,6 +320,7 @@ def kv_pool_blocks(cfg: EngineConfig, bytes_per_block: int, device: torch.device
         budget = profiled_kv_bytes
     if budget is None:
         if device.type == "cuda":
+            import torch
             free, _total = torch.cuda.mem_get_info(device)
             budget = int(free * cfg.gpu_memory_utilization)
         else:

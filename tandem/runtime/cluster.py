@@ -11,11 +11,10 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.core.admission import check_worker_counts
-from tandem.core.config import DEFAULT_KV_TIMEOUT_S, DEFAULT_SESSION_TTL_S, SchedulerConfig
+from tandem.core.config import SchedulerConfig
 from tandem.core.factory import build_coordinator, resolve_policy
 from tandem.core.types import COLOCATED, DECODE, PREFILL
 from tandem.engine.sampling_params import SamplingParams
@@ -25,7 +24,8 @@ from tandem.policy.laps.cost import boundary_from_profile
 from tandem.policy.presets import PolicySpec, PrefillSchedKind, get_policy
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError, add_memory_reports
-from tandem.runtime.coordinator_shell import AUDIT_S, CoordinatorShell
+from tandem.runtime.cluster_config import ClusterConfig, RESTART_WINDOW_S
+from tandem.runtime.coordinator_shell import CoordinatorShell
 from tandem.runtime.costs import serving_cost_model
 from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError
 from tandem.runtime.state_store import open_store
@@ -34,9 +34,6 @@ from tandem.runtime.transport import HEARTBEAT_S, Hub, WorkerDead, WorkerUnreach
 from tandem.runtime.worker_main import CODEC
 
 log = logging.getLogger("tandem.cluster")
-DEFAULT_WORKER_TIMEOUT_S = 10.0
-DEFAULT_MAX_RESTARTS = 3
-RESTART_WINDOW_S = 300.0
 # wait before a replacement: none for a worker that had served a while (a crash, a kill: replace it at once), then
 # longer for each death in a row that came within QUICK_DEATH_S of the worker's (re)start (a crash loop)
 RESTART_BACKOFF_S = (0.0, 2.0, 5.0)
@@ -44,47 +41,6 @@ QUICK_DEATH_S = 10.0
 # a replacement's startup phases, in order: (name, the mark that ends it); each runs from the previous mark
 STARTUP_PHASES = (("backoff", "begun"), ("fork", "started"), ("imports", "imported"), ("model load", "model_loaded"),
                   ("setup", "ready"), ("handshake", "ready_received"), ("registration", "routable"))
-
-
-@dataclass
-class ClusterConfig:
-    """What `tandem serve` starts (names follow its flags)."""
-
-    model: str
-    prefill_workers: int = 1
-    decode_workers: int = 1
-    colocated: int = 0
-    policy: str = "ampd"
-    state: str = "embedded"
-    served_model_name: str | None = None
-    engine_args: dict = field(default_factory=dict)
-    perf: str | None = None
-    threads: int | None = 1                  # torch threads per worker
-    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
-    session_ttl_s: float = DEFAULT_SESSION_TTL_S  # a session idle this long is ended and its KV freed
-    slo_ttft_s: float | None = None          # the SLO AMPD routing aims at (None: no target, prefill workers first)
-    slo_itl_s: float | None = None
-    startup_timeout_s: float = 120.0
-    seed: int = 0
-    # worker id -> extra keyword arguments of its worker_main.main: fault injection for tests, e.g.
-    # {0: {"drop_kv_sends": 1}} makes worker 0 drop its next KV send (see docs/runtime.md)
-    worker_kwargs: dict[int, dict] = field(default_factory=dict)
-    # a request whose client reads none of this many queued outputs is aborted (coordinator_shell MAX_UNREAD)
-    max_unread_outputs: int = 4096
-    # every worker is asked this often which requests it holds; one it should hold and does not fails (a message
-    # between them was lost) instead of waiting forever (coordinator_shell.CoordinatorShell.audit)
-    audit_interval_s: float = AUDIT_S
-    # a ready worker silent this long (no heartbeat: stopped, hung, or its host gone) is declared dead and fenced
-    worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S
-    # a dead worker is replaced (same id and role) at most this many times per RESTART_WINDOW_S; 0: never
-    max_restarts: int = DEFAULT_MAX_RESTARTS
-    policy_options: dict = field(default_factory=dict)   # PolicySpec knobs for every core (e.g. laps_min_pool)
-    # where the workers run: "embedded" (local processes) or "ray" (Ray actors, tandem.runtime.ray_launcher:
-    # joining ray_address, each role on nodes offering its ray_place resource, actors in ray_namespace)
-    launcher: str = "embedded"
-    ray_address: str | None = None
-    ray_place: dict[str, str] = field(default_factory=dict)
-    ray_namespace: str | None = None
 
 
 async def _refused(err: RequestError):
@@ -131,7 +87,7 @@ class ServingCluster:
         takes the boundary L_m fitted to the workers' profile (--perf), as the simulator on that profile does."""
         if self._policy is not None:
             return self._policy
-        opts = dict(self.cfg.policy_options)
+        opts = self.cfg.policy_knobs()
         if get_policy(self.cfg.policy).prefill_sched is PrefillSchedKind.LAPS \
                 and "laps_length_threshold" not in opts and self.cfg.perf:
             from tandem.perf.profile_io import load_perf
@@ -155,7 +111,7 @@ class ServingCluster:
         model, perf = cfg.model, cfg.perf
         if cfg.launcher == "ray":              # actors run in Ray's folders: paths absolute (the same on every node)
             model, perf = str(Path(model).resolve()), perf and str(Path(perf).resolve())
-        args = dict(cfg.engine_args, model=model, policy=spec.name, policy_options={**cfg.policy_options, **opts})
+        args = dict(cfg.engine_args, model=model, policy=spec.name, policy_options={**cfg.policy_knobs(), **opts})
         self.roles = dict(enumerate(roles))
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
                            dict(role=r, engine_args=args, state=cfg.state, perf=perf, threads=cfg.threads,

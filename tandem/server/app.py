@@ -26,6 +26,7 @@ from tandem.server.drain import DRAIN_ENTRY, HEALTH_DRAINING, OPEN_PATHS, REFUSE
 from tandem.server.errors import APIError, ClientGone, error_bytes, error_response, install_handlers
 from tandem.server.http_protocol import UNHEALTHY
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
+from tandem.server.options import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from tandem.server.state import Limits, ServerState
 from tandem.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -33,8 +34,6 @@ from tandem.server.protocol import (ChatCompletionRequest, ChatCompletionRespons
 from tandem.server.tokenize import create_detokenize, create_tokenize
 
 log = logging.getLogger("tandem.server")
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-DEFAULT_BODY_TIMEOUT_S = 60.0       # a client that takes longer to send its body gets a 408 (slow clients)
 _RECEIVED = "tandem_received"
 
 

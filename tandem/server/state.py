@@ -11,15 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tandem.engine.tokenizer import Tokenizer
+from tandem.knob import shared
 from tandem.runtime.client import EngineClient
 from tandem.server.metrics import ServerMetrics
+from tandem.server.options import CHARS_PER_TOKEN, ServerOptions
 
 T = TypeVar("T")
 INLINE_ENCODE_CHARS = 4096      # texts up to this are tokenized on the event loop
 INLINE_PREP_CHARS = 4096        # requests with up to this many characters are templated/tokenized on the loop
 ADMISSION_SLOTS = 8             # requests preparing (checks, template, tokens) at once: a burst of arrivals is
                                 # prepared a few per loop iteration, so /health and streams are not queued behind it
-CHARS_PER_TOKEN = 64            # default text cap: max_model_len x this many characters (no token is longer)
 
 
 @dataclass
@@ -31,8 +32,8 @@ class Limits:
     prompt token ids are capped by max_model_len itself (a longer prompt leaves no room to generate).
     """
 
-    max_messages: int | None = None
-    max_prompt_chars: int | None = None
+    max_messages: int | None = shared(ServerOptions, "max_messages")
+    max_prompt_chars: int | None = shared(ServerOptions, "max_prompt_chars")
     prep_threads: int = 1           # threads that parse large bodies, render chat templates and tokenize (more
                                     # only take GIL time from the event loop: this work is pure Python)
 

@@ -30,7 +30,7 @@ from tandem.engine.diffusion.unmasking import DllmConfig
 from tandem.engine.models.bidirectional import BidirectionalMetadata
 from tandem.engine.sampling_params import SamplingParams
 
-DEFAULT_BLOCK_LENGTH = 32     # LLaDA's and Fast-dLLM's examples (LLaDA's config.json has no block length)
+from tandem.engine.config import LLADA_BLOCK_LENGTH as DEFAULT_BLOCK_LENGTH
 
 
 @dataclass

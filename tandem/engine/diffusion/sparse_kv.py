@@ -19,40 +19,11 @@ so attention over the packed keys needs none.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SELECTIONS = ("head", "uniform")
-DEFAULT_RETENTION = 0.5          # dLLM-Serve's and Sparse-dLLM's retention ratio
-DEFAULT_POOL_KERNEL = 3          # dLLM-Serve's max-pool kernel
-
-
-@dataclass(frozen=True)
-class SparseKVConfig:
-    """Which cached positions a Reuse step reads: the retention ratio, the pooling kernel, the selection rule."""
-
-    kv_retention_ratio: float = DEFAULT_RETENTION
-    kv_pool_kernel: int = DEFAULT_POOL_KERNEL
-    kv_selection: str = "head"
-
-    def __post_init__(self) -> None:
-        """Validate every option, naming it."""
-        r, k = self.kv_retention_ratio, self.kv_pool_kernel
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < float(r) <= 1.0:
-            raise ValueError(f"kv_retention_ratio must be a number in (0, 1], got {r!r}")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
-            raise ValueError(f"kv_pool_kernel must be an odd integer >= 1, got {k!r}")
-        if self.kv_selection not in SELECTIONS:
-            raise ValueError(f"kv_selection must be one of {', '.join(SELECTIONS)}, got {self.kv_selection!r}")
-
-    def num_keep(self, num_cached: int) -> int:
-        """Positions kept per head out of `num_cached`: ⌊ρ·L⌋, at least 1 (0 when nothing is cached)."""
-        if num_cached <= 0:
-            return 0
-        return min(num_cached, max(1, int(self.kv_retention_ratio * num_cached + 1e-9)))
+from tandem.engine.sparse_kv_config import DEFAULT_POOL_KERNEL, DEFAULT_RETENTION, SELECTIONS, SparseKVConfig
 
 
 def position_scores(q_block: Tensor, k_cached: Tensor, scale: float) -> Tensor:
