@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from tandem.bench.demo import DEFAULT_BASELINE, DEFAULT_THREADS
 from tandem.bench.demo_calibration import DEFAULT_LOAD, DEFAULT_SLO_FACTOR
-from tandem.engine.config import EngineConfig
 from tandem.knob import knob, positive_float, positive_int, shared, unit_fraction
 from tandem.workload.options import WorkloadOptions
 
@@ -27,8 +26,9 @@ class DemoOptions:
                              f"once)", metavar="PATH")
     threads: int | None = knob(None, f"torch threads per worker (default: $OMP_NUM_THREADS, else {DEFAULT_THREADS})",
                                parse=positive_int, metavar="N")
-    max_model_len: int | None = shared(EngineConfig, "max_model_len", default=DEMO_MAX_MODEL_LEN,
-                                       why="the demo profiles and serves a tiny model at a context its sessions fit")
+    max_model_len: int = knob(DEMO_MAX_MODEL_LEN, "the longest sequence (prompt + output) a request may have: the "
+                              "demo profiles and serves its model at a context its sessions fit (EngineConfig's "
+                              "max_model_len)", parse=positive_int, metavar="N")
     workload: str = knob(DEFAULT_DEMO_WORKLOAD, "the generator whose sessions are replayed (toolbench, gaia, "
                          "hotpotqa, dureader, agentic-long, chat-multiturn)", metavar="NAME")
     sessions: int = knob(DEFAULT_DEMO_SESSIONS, "sessions replayed per policy", parse=positive_int)
