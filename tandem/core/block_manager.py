@@ -7,8 +7,14 @@ instead of recomputing it. Free blocks are reused least recently freed first.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from functools import partial
+from itertools import islice, repeat
+from operator import is_not
+
+_not_none = partial(is_not, None)
+_drain = deque(maxlen=0).extend                    # runs an iterator (a C-level map) to its end, keeping nothing
 
 
 class OutOfBlocks(Exception):
@@ -19,7 +25,7 @@ class BlockManager:
     """Free pool plus per-owner block tables; the executor maps block ids to KV tensor slots."""
 
     __slots__ = ("block_size", "num_blocks", "_free", "_ref", "_hash_of", "_by_hash", "tables",
-                 "prefix_hits", "prefix_queries")
+                 "prefix_hits", "prefix_queries", "_shared")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -33,6 +39,7 @@ class BlockManager:
         self.tables: dict[object, list[int]] = {}
         self.prefix_hits = 0                        # blocks served from the prefix cache
         self.prefix_queries = 0                     # blocks looked up in it
+        self._shared = 0                            # blocks with more than one reference (0: frees take a fast path)
 
     @property
     def num_free(self) -> int:
@@ -50,14 +57,23 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - have
         return need if need > 0 else 0
 
-    def _take(self) -> int:
-        """Hand out the least recently freed block, forgetting any content it cached."""
-        b, _ = self._free.popitem(last=False)
-        h = self._hash_of.pop(b, None)
-        if h is not None:
-            del self._by_hash[h]
-        self._ref[b] = 1
-        return b
+    def _take(self, n: int) -> list[int]:
+        """Hand out the `n` least recently freed blocks, in that order, forgetting any content they cached (one
+        C-level pass per structure: the simulator allocates whole prompts at once)."""
+        free = self._free
+        if n == 1:
+            taken = [free.popitem(last=False)[0]]
+        else:
+            taken = list(islice(free, n))
+            if n == len(free):
+                free.clear()
+            else:
+                _drain(map(free.pop, taken))
+        hash_of = self._hash_of
+        if hash_of:
+            _drain(map(self._by_hash.__delitem__, filter(_not_none, map(hash_of.pop, taken, repeat(None)))))
+        _drain(map(self._ref.__setitem__, taken, repeat(1)))
+        return taken
 
     def grow(self, owner: object, num_tokens: int) -> None:
         """Make `owner`'s table hold `num_tokens` tokens; raises OutOfBlocks without side effects."""
@@ -71,9 +87,7 @@ class BlockManager:
             if not table:
                 del self.tables[owner]
             raise OutOfBlocks(need)
-        take = self._take
-        for _ in range(need):
-            table.append(take())
+        table += self._take(need)
 
     def free(self, owner: object) -> int:
         """Drop all of `owner`'s references; blocks nobody references return to the pool. Returns how many."""
@@ -81,9 +95,17 @@ class BlockManager:
         if not table:
             return 0
         ref, free = self._ref, self._free
+        if not self._shared:                        # every held block has one reference: all of them go back
+            tail_first = table[::-1]                # tail blocks are evicted first
+            _drain(map(ref.__setitem__, tail_first, repeat(0)))
+            free.update(zip(tail_first, repeat(None)))
+            return len(table)
         for b in reversed(table):                   # tail blocks are evicted first
-            ref[b] -= 1
-            if ref[b] == 0:
+            r = ref[b]
+            if r == 2:
+                self._shared -= 1
+            ref[b] = r - 1
+            if r == 1:
                 free[b] = None
         return len(table)
 
@@ -109,9 +131,12 @@ class BlockManager:
         table = self.tables.setdefault(owner, [])
         ref, free = self._ref, self._free
         for b in blocks:
-            if ref[b] == 0:
+            r = ref[b]
+            if r == 0:
                 del free[b]
-            ref[b] += 1
+            elif r == 1:
+                self._shared += 1
+            ref[b] = r + 1
             table.append(b)
 
     def register(self, owner: object, index: int, h: int) -> None:
