@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 import pytest
 
+from tandem.core import block_manager
 from tandem.core.block_manager import BlockManager, OutOfBlocks
 
 
@@ -57,10 +58,12 @@ class OneAtATime:
             self.by_hash[h], self.hash_of[b] = b, h
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_bulk_pool_matches_block_at_a_time(seed: int) -> None:
+@pytest.mark.parametrize("seed,compact", [(s, c) for s in range(4) for c in (8, 4096)])
+def test_bulk_pool_matches_block_at_a_time(seed: int, compact: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Random grows, frees, shared prefixes and registrations: every table, the free order and the cache agree with
-    the reference after every operation (protects prefix-cache hits and block identities in the simulator)."""
+    the reference after every operation, with the free list compacted often or never (protects prefix-cache hits
+    and block identities in the simulator)."""
+    monkeypatch.setattr(block_manager, "COMPACT_ENTRIES", compact)
     rng = random.Random(seed)
     bm, ref = BlockManager(64, block_size=4), OneAtATime(64, 4)
     owners = [f"o{i}" for i in range(8)]
@@ -87,6 +90,7 @@ def test_bulk_pool_matches_block_at_a_time(seed: int) -> None:
             ref.register(o, i, h)
             bm.register(o, i, h)
         assert bm.tables == {k: v for k, v in ref.tables.items()}
-        assert list(bm._free) == list(ref.free)
-        assert bm._by_hash == ref.by_hash and bm._hash_of == ref.hash_of and bm._ref == ref.ref
+        assert bm.free_blocks() == list(ref.free)
+        assert bm._by_hash == ref.by_hash and bm._hash_of == ref.hash_of
+        assert {b: bm._ref[b] for b in ref.hash_of} == {b: ref.ref[b] for b in ref.hash_of}   # the shareable ones
         assert bm.num_free == len(ref.free)
