@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
-from itertools import islice, repeat
+from itertools import repeat
 from operator import is_not
 
 _not_none = partial(is_not, None)
