@@ -1,17 +1,28 @@
 """Windowed latency statistics a worker publishes (AMPD: mean TTFT/ITL over the last 10 s)."""
 from __future__ import annotations
 
-from collections import deque
+from array import array
+
+COMPACT_ENTRIES = 4096
+"""Expired entries at the front of a window after which (once they are half of it) they are dropped."""
 
 
 class WindowedMean:
-    """Mean of samples observed within the last `window_s` seconds; 0.0 when the window is empty."""
+    """Mean of samples observed within the last `window_s` seconds; 0.0 when the window is empty.
 
-    __slots__ = ("window_s", "_q", "_sum", "_count")
+    Entries are kept in three flat arrays (time, total, count: 24 bytes each) read from `_head`, and expire only
+    when the window is read, in order: a window nobody reads (a worker's busy time under a policy that never asks
+    for utilisation) costs 24 bytes a step, not a tuple of boxed floats, and the running sum sees the very same
+    additions and subtractions in the same order."""
+
+    __slots__ = ("window_s", "_t", "_v", "_n", "_head", "_sum", "_count")
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
-        self._q: deque[tuple[float, float, int]] = deque()
+        self._t = array("d")                      # when each entry was recorded
+        self._v = array("d")                      # its total
+        self._n = array("q")                      # its sample count
+        self._head = 0                            # the first entry not expired yet
         self._sum = 0.0
         self._count = 0
 
@@ -19,18 +30,32 @@ class WindowedMean:
         """Record `count` samples summing to `total` at time `now` (one entry per step keeps it O(1))."""
         if count <= 0:
             return
-        self._q.append((now, total, count))
+        self._t.append(now)
+        self._v.append(total)
+        self._n.append(count)
         self._sum += total
         self._count += count
 
     def _expire(self, now: float) -> None:
-        q, horizon = self._q, now - self.window_s
-        while q and q[0][0] < horizon:
-            _, total, count = q.popleft()
-            self._sum -= total
-            self._count -= count
-        if not q:
+        t, head, horizon = self._t, self._head, now - self.window_s
+        end = len(t)
+        if head < end and t[head] < horizon:
+            v, n = self._v, self._n
+            s, c = self._sum, self._count
+            while head < end and t[head] < horizon:
+                s -= v[head]
+                c -= n[head]
+                head += 1
+            self._sum, self._count = s, c
+        if head == end:
             self._sum, self._count = 0.0, 0
+            if head:
+                del t[:], self._v[:], self._n[:]
+                head = 0
+        elif head >= COMPACT_ENTRIES and head * 2 >= end:
+            del t[:head], self._v[:head], self._n[:head]
+            head = 0
+        self._head = head
 
     def mean(self, now: float) -> float:
         """The windowed mean at `now`."""

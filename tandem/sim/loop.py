@@ -67,6 +67,8 @@ class EventLoop:
         self._recorded: dict[str, SessionRecord] = {}   # closed loop: client sessions' records, until they end
         self._records_read = 0                          # closed loop: coordinator records read into _recorded
         self._arrivals: list[Session] = []              # open loop: sessions by arrival, fed to the heap in turn
+        self.record_sink: Callable[[SessionRecord], None] | None = None   # takes each ended record (stream_records)
+        self.streamed = 0                               # records handed to record_sink so far
         self._arrivals_n0 = self._arrivals_next = 0     # the number before the first arrival's; the next to feed
         self.handlers: dict[int, Callable] = {ARRIVAL: self._on_arrival, TOOL: self._on_tool, STEP: self._on_step,
                                               XFER: self._on_xfer, WAKE: self._on_wake, TICK: self._on_tick,
@@ -314,7 +316,23 @@ class EventLoop:
         if self._waiting is not None:
             self._free_clients()
         if self.progress is not None:
-            self.progress(done)
+            self.progress(done + self.streamed)
+        if self.record_sink is not None:
+            self.stream_records()
+
+    def stream_records(self) -> None:
+        """Hand the ended records at the head of the coordinator's list to `record_sink`, in that order, and drop
+        them: a long run keeps only the records of sessions under way (and of those that ended after them)."""
+        records, live, sink = self.coord.records, self.coord.live, self.record_sink
+        i, n = 0, len(records)
+        while i < n and records[i].session_id not in live:
+            sink(records[i])
+            i += 1
+        if i:
+            del records[:i]
+            self.streamed += i
+            self._done_sessions -= i
+            self._records_read = max(0, self._records_read - i)
 
     def _free_clients(self) -> None:
         """Closed loop: each client whose session ended starts the next waiting session when it sees the end."""
