@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from math import log2 as _log2
 
 import numpy as np
 
@@ -171,13 +172,13 @@ def _lookup(tab: "AttentionTable", b: float, ctx: float) -> float:
     row = tab.rows[bi]
     if row is None:
         row = tab.fill(bi)
-    x = math.log2(ctx) * BINS_PER_OCTAVE
+    x = _log2(ctx) * BINS_PER_OCTAVE
     j = int(x)
     last = len(row) - 1
     if j >= last:
-        return float(row[last]) * scale * ctx / 2.0 ** (last / BINS_PER_OCTAVE)
+        return row[last] * scale * ctx / 2.0 ** (last / BINS_PER_OCTAVE)
     f = x - j
-    return float(row[j] + (row[j + 1] - row[j]) * f) * scale
+    return (row[j] + (row[j + 1] - row[j]) * f) * scale          # rows are lists of Python floats
 
 
 class AttentionTable:
