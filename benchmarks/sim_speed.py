@@ -74,11 +74,12 @@ def child(rounds: int, gpus: int, stream: bool) -> None:
         from tandem.workload.metrics import RecordStream
         kw["stream"] = RecordStream()
     tree = os.environ.get("PYTHONPATH", "?")
+    every = max(1, n // 200)                      # the bar moves every 0.5% of the sessions
     with Progress(TextColumn(f"{total_rounds:,} rounds on {gpus} GPUs ({tree})"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=True) as bar:
+                  TimeElapsedColumn(), transient=True, refresh_per_second=2) as bar:
         task = bar.add_task("sessions", total=n)
         c0, w0 = time.process_time(), time.perf_counter()
-        res = simulate(sessions, cfg, progress=lambda done: bar.update(task, completed=done), **kw)
+        res = simulate(sessions, cfg, progress=lambda done: done % every or bar.update(task, completed=done), **kw)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     metrics = res.metrics if stream else summarize(res.records, res.sim_time_s)
     print(json.dumps({

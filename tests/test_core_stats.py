@@ -36,7 +36,7 @@ class DequeMean:
 @pytest.mark.parametrize("seed,compact", [(0, 4), (1, 4), (2, 4096)])
 def test_windowed_mean_matches_deque_bit_for_bit(seed: int, compact: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Random samples at increasing times, reads now and then (some after long silences): every read agrees exactly."""
-    monkeypatch.setattr(stats, "COMPACT_ENTRIES", compact)
+    monkeypatch.setattr(stats, "CHUNK_ENTRIES", compact)
     rng = random.Random(seed)
     w, ref = WindowedMean(2.5), DequeMean(2.5)
     now = 0.0
