@@ -9,13 +9,15 @@ results.
     python benchmarks/sim_speed.py [--sessions 10000] [--rate 1.0] [--policy ampd] [--cost-models roofline,measured]
 
 --scale runs each ROUNDS@GPUS size (ToolBench, AMPD, measured costs; 8 GPUs: P:tp4x1,D:tp4x1 at 1 session/s,
-64 GPUs: P:tp4x4,D:tp4x12 at 8 sessions/s, which they sustain) in a child process pinned to one core, streaming its
+64 GPUs: P:tp4x4,D:tp4x12 at 8 sessions/s, which they sustain; --workload agentic-long: 32 GPUs, P:tp4x2,D:tp4x6 at
+0.1 sessions/s) in a child process pinned to one core, streaming its
 records (simulate(stream=...)), and, up to --baseline-max-rounds, the same size on the --baseline tree (an older
 commit checked out elsewhere, e.g. `git worktree add /tmp/sim-base <commit>`) keeping them in memory as it did,
 alternating old and new; both must give the same events and metrics. CPU seconds are the process's own (the host is
 shared); wall seconds are printed too.
 
-    python benchmarks/sim_speed.py --scale [--sizes 10000@8,100000@64,1000000@64] [--baseline /tmp/sim-base]
+    python benchmarks/sim_speed.py --scale [--sizes 10000@8,100000@64,1000000@64] [--workload toolbench]
+        [--baseline /tmp/sim-base]
         [--baseline-max-rounds 100000] [--repeats 1] [--out sim_speed.json] [--plot sim_speed.png]
 """
 from __future__ import annotations
@@ -51,21 +53,23 @@ def bare_heap_loop(n: int) -> float:
     return time.perf_counter() - t0
 
 
-SCALE_DEPLOY = {8: ("P:tp4x1,D:tp4x1", 1.0), 64: ("P:tp4x4,D:tp4x12", 8.0)}   # GPUs -> deployment, sessions/s
-ROUNDS_PER_SESSION = 3.96                                                        # ToolBench's mean rounds
+# workload -> GPUs -> (deployment, sessions/s); the workload's mean rounds per session
+SCALE_DEPLOY = {"toolbench": {8: ("P:tp4x1,D:tp4x1", 1.0), 64: ("P:tp4x4,D:tp4x12", 8.0)},
+                "agentic-long": {32: ("P:tp4x2,D:tp4x6", 0.1)}}
+ROUNDS_PER_SESSION = {"toolbench": 3.96, "agentic-long": 250.0}
 
 
-def child(rounds: int, gpus: int, stream: bool) -> None:
+def child(workload: str, rounds: int, gpus: int, stream: bool) -> None:
     """One timed run in this process (whatever tree PYTHONPATH points at): print its figures as one JSON line."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     model = "llama-3.1-70b"
-    deploy, rate = SCALE_DEPLOY[gpus]
-    n = max(1, math.ceil(rounds / ROUNDS_PER_SESSION))
+    deploy, rate = SCALE_DEPLOY[workload][gpus]
+    n = max(1, math.ceil(rounds / ROUNDS_PER_SESSION[workload]))
     t0 = time.process_time()
-    sessions = generate("toolbench", n, rate, 0, slo=PAPER_SLOS[(model, "toolbench")])
+    sessions = generate(workload, n, rate, 0, slo=PAPER_SLOS.get((model, workload)))
     gen_cpu = time.process_time() - t0
     total_rounds = sum(len(s.rounds) for s in sessions)
     cfg = SimConfig(model, "h20", gpus, deploy, "ampd", seed=0)
@@ -83,7 +87,7 @@ def child(rounds: int, gpus: int, stream: bool) -> None:
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     metrics = res.metrics if stream else summarize(res.records, res.sim_time_s)
     print(json.dumps({
-        "rounds": total_rounds, "sessions": n, "gpus": gpus, "deploy": deploy, "rate": rate, "events": res.events,
+        "workload": workload, "rounds": total_rounds, "sessions": n, "gpus": gpus, "deploy": deploy, "rate": rate, "events": res.events,
         "cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "generate_cpu_s": round(gen_cpu, 2),
         "rounds_per_cpu_s": round(total_rounds / cpu), "events_per_cpu_s": round(res.events / cpu),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
@@ -99,14 +103,15 @@ def scale(args: argparse.Namespace) -> None:
     rows = []
     for spec in args.sizes.split(","):
         rounds, gpus = (int(x) for x in spec.split("@"))
-        if gpus not in SCALE_DEPLOY:
-            sys.exit(f"--sizes: GPUs must be one of {sorted(SCALE_DEPLOY)}, got {spec!r}")
+        if args.workload not in SCALE_DEPLOY or gpus not in SCALE_DEPLOY[args.workload]:
+            sys.exit(f"--sizes: {args.workload} runs on {sorted(SCALE_DEPLOY.get(args.workload, {}))} GPUs, "
+                     f"got {spec!r}")
         trees = [("new", new_tree)]
         if args.baseline and rounds <= args.baseline_max_rounds:
             trees = [("baseline", args.baseline), *trees]
         for rep in range(args.repeats):
             for label, tree in (trees if rep % 2 == 0 else trees[::-1]):
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", str(rounds), str(gpus)]
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", args.workload, str(rounds), str(gpus)]
                 if label == "new":
                     cmd.append("--stream")
                 out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"},
@@ -140,14 +145,15 @@ def plot_scale(rows: list[dict], path: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for tree, marker in (("baseline", "s"), ("new", "o")):
-        pts = sorted((r["rounds"], r["gpus"], r["rounds_per_cpu_s"], r["peak_rss_mb"]) for r in rows if r["tree"] == tree)
+        pts = sorted((r["rounds"], r["gpus"], r["rounds_per_cpu_s"], r["peak_rss_mb"]) for r in rows
+                     if r["tree"] == tree)
         for gpus in sorted({p[1] for p in pts}):
             sel = [p for p in pts if p[1] == gpus]
             a.plot([p[0] for p in sel], [p[2] for p in sel], marker=marker, label=f"{tree}, {gpus} GPUs")
             b.plot([p[0] for p in sel], [p[3] for p in sel], marker=marker, label=f"{tree}, {gpus} GPUs")
     for ax, ylab in ((a, "rounds per CPU second"), (b, "peak RSS (MB)")):
         ax.set_xscale("log")
-        ax.set_xlabel("simulated rounds (ToolBench)")
+        ax.set_xlabel(f"simulated rounds ({rows[0].get('workload', 'toolbench')})")
         ax.set_ylabel(ylab)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -160,11 +166,13 @@ def plot_scale(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(int(sys.argv[2]), int(sys.argv[3]), "--stream" in sys.argv[4:])
+        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), "--stream" in sys.argv[5:])
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", action="store_true", help="rounds/s, events/s and peak RSS by run size")
-    ap.add_argument("--sizes", default="10000@8,100000@64,1000000@64", help="ROUNDS@GPUS,... (GPUs: 8 or 64)")
+    ap.add_argument("--sizes", default="10000@8,100000@64,1000000@64",
+                    help="ROUNDS@GPUS,... (toolbench: 8 or 64 GPUs; agentic-long: 32)")
+    ap.add_argument("--workload", default="toolbench", choices=sorted(SCALE_DEPLOY))
     ap.add_argument("--baseline", help="a tree of an older commit to time beside this one")
     ap.add_argument("--baseline-max-rounds", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=1)
