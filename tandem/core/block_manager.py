@@ -7,8 +7,17 @@ instead of recomputing it. Free blocks are reused least recently freed first.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
+from functools import partial
+from itertools import repeat
+from operator import is_not
+
+_not_none = partial(is_not, None)
+COMPACT_ENTRIES = 4096
+"""Consumed entries at the front of the free list after which (once they are half of it) they are dropped."""
+
+_drain = deque(maxlen=0).extend                    # runs an iterator (a C-level map) to its end, keeping nothing
 
 
 class OutOfBlocks(Exception):
@@ -16,33 +25,56 @@ class OutOfBlocks(Exception):
 
 
 class BlockManager:
-    """Free pool plus per-owner block tables; the executor maps block ids to KV tensor slots."""
+    """Free pool plus per-owner block tables; the executor maps block ids to KV tensor slots.
 
-    __slots__ = ("block_size", "num_blocks", "_free", "_ref", "_hash_of", "_by_hash", "tables",
-                 "prefix_hits", "prefix_queries")
+    The free pool is a FIFO list read from `_head` (least recently freed first): a whole prompt's blocks are handed
+    out as one slice and a table's blocks go back as one extend. Only blocks with cached content can be shared, so
+    reference counts are kept for them alone (any other held block has exactly one owner). A free block taken back
+    by the prefix cache (`share`) leaves a dead entry behind, counted per block in `_dead` (a block's dead entries
+    come before its live one); `_stale` counts them all, and while it is 0 a take is a plain slice."""
+
+    __slots__ = ("block_size", "num_blocks", "_fifo", "_head", "_nfree", "_dead", "_stale", "_ref", "_hash_of",
+                 "_by_hash", "tables", "prefix_hits", "prefix_queries", "_shared")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("a block manager needs a positive number of blocks and block size")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._ref = [0] * num_blocks
+        self._fifo: list[int] = list(range(num_blocks))   # free entries in freeing order, live and dead
+        self._head = 0                              # index in _fifo of the oldest entry not yet consumed
+        self._nfree = num_blocks
+        self._dead: dict[int, int] = {}             # block -> its dead entries at or past the head
+        self._stale = 0                             # all dead entries at or past the head
+        self._ref = [0] * num_blocks                # references of blocks with cached content (0 for the others)
         self._hash_of: dict[int, int] = {}          # block -> chained hash of its (complete) content
         self._by_hash: dict[int, int] = {}          # chained hash -> block
         self.tables: dict[object, list[int]] = {}
         self.prefix_hits = 0                        # blocks served from the prefix cache
         self.prefix_queries = 0                     # blocks looked up in it
+        self._shared = 0                            # blocks with more than one reference
 
     @property
     def num_free(self) -> int:
         """Blocks not referenced by any owner (cached-but-unused ones included: they are evictable)."""
-        return len(self._free)
+        return self._nfree
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (vLLM's kv_cache_usage_perc / 100)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self._nfree / self.num_blocks
+
+    def free_blocks(self) -> list[int]:
+        """The free blocks in the order they will be handed out (least recently freed first)."""
+        dead = dict(self._dead)
+        out = []
+        for b in self._fifo[self._head:]:
+            d = dead.get(b)
+            if d:
+                dead[b] = d - 1
+            else:
+                out.append(b)
+        return out
 
     def extra_blocks(self, owner: object, num_tokens: int) -> int:
         """Blocks `owner` still needs so that it can hold `num_tokens` tokens in total."""
@@ -50,14 +82,36 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - have
         return need if need > 0 else 0
 
-    def _take(self) -> int:
-        """Hand out the least recently freed block, forgetting any content it cached."""
-        b, _ = self._free.popitem(last=False)
-        h = self._hash_of.pop(b, None)
-        if h is not None:
-            del self._by_hash[h]
-        self._ref[b] = 1
-        return b
+    def _take(self, n: int) -> list[int]:
+        """Hand out the `n` (<= num_free) least recently freed blocks, in that order, forgetting any content they
+        cached: a slice of the free list (the simulator allocates whole prompts at once)."""
+        fifo, head = self._fifo, self._head
+        if not self._stale:
+            taken = fifo[head:head + n]
+            head += n
+        else:                                       # skip the dead entries, one at a time
+            dead, taken = self._dead, []
+            while len(taken) < n:
+                b = fifo[head]
+                head += 1
+                d = dead.get(b)
+                if d:
+                    self._stale -= 1
+                    if d == 1:
+                        del dead[b]
+                    else:
+                        dead[b] = d - 1
+                else:
+                    taken.append(b)
+        if head >= COMPACT_ENTRIES and head * 2 >= len(fifo):   # drop the consumed front now and then
+            del fifo[:head]
+            head = 0
+        self._head = head
+        self._nfree -= n
+        hash_of = self._hash_of
+        if hash_of:                                 # their references are 0 already: they were free
+            _drain(map(self._by_hash.__delitem__, filter(_not_none, map(hash_of.pop, taken, repeat(None)))))
+        return taken
 
     def grow(self, owner: object, num_tokens: int) -> None:
         """Make `owner`'s table hold `num_tokens` tokens; raises OutOfBlocks without side effects."""
@@ -67,24 +121,36 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - len(table)
         if need <= 0:
             return
-        if need > len(self._free):
+        if need > self._nfree:
             if not table:
                 del self.tables[owner]
             raise OutOfBlocks(need)
-        take = self._take
-        for _ in range(need):
-            table.append(take())
+        table += self._take(need)
 
     def free(self, owner: object) -> int:
-        """Drop all of `owner`'s references; blocks nobody references return to the pool. Returns how many."""
+        """Drop all of `owner`'s references; blocks nobody references return to the pool (tail blocks first: they
+        are evicted first). Returns how many references were dropped."""
         table = self.tables.pop(owner, None)
         if not table:
             return 0
-        ref, free = self._ref, self._free
-        for b in reversed(table):                   # tail blocks are evicted first
-            ref[b] -= 1
-            if ref[b] == 0:
-                free[b] = None
+        hash_of = self._hash_of
+        if not self._shared:                        # every block has one owner: all of them go back
+            back = table[::-1]
+            if hash_of:
+                _drain(map(self._ref.__setitem__, filter(hash_of.__contains__, back), repeat(0)))
+        else:
+            ref, back = self._ref, []
+            for b in reversed(table):
+                if b in hash_of:
+                    r = ref[b]
+                    if r == 2:
+                        self._shared -= 1
+                    ref[b] = r - 1
+                    if r > 1:
+                        continue
+                back.append(b)
+        self._fifo += back
+        self._nfree += len(back)
         return len(table)
 
     def held(self, owner: object) -> int:
@@ -107,11 +173,16 @@ class BlockManager:
     def share(self, owner: object, blocks: Sequence[int]) -> None:
         """Append cached `blocks` (from `match_prefix`) to `owner`'s table, taking a reference on each."""
         table = self.tables.setdefault(owner, [])
-        ref, free = self._ref, self._free
+        ref = self._ref
         for b in blocks:
-            if ref[b] == 0:
-                del free[b]
-            ref[b] += 1
+            r = ref[b]
+            if r == 0:                              # a free block: its pool entry dies
+                self._dead[b] = self._dead.get(b, 0) + 1
+                self._stale += 1
+                self._nfree -= 1
+            elif r == 1:
+                self._shared += 1
+            ref[b] = r + 1
             table.append(b)
 
     def register(self, owner: object, index: int, h: int) -> None:
@@ -121,3 +192,4 @@ class BlockManager:
             return                                  # the same content is cached already (or this block is)
         self._by_hash[h] = b
         self._hash_of[b] = h
+        self._ref[b] = 1                            # a block without content has exactly one owner

@@ -70,7 +70,8 @@ class ChunkedPlanner(StepPlanner):
         mix = cfg.mix_decode_with_prefill
         chunk_beta = cfg.itl_chunk_beta
         if core.role != PREFILL and core.running:
-            ready = any(t.kv_ready for t in core.active)
+            active = core.active
+            ready = any(t.kv_ready for t in active) if active else False
             if chunk_beta is not None and ready:
                 mix = True                           # Sarathi-style: the decodes go on beside the local prefill
             if mix or not ready:

@@ -120,6 +120,8 @@ class KVResidency:
         """Admit queued prefills, in the picker's order, while the step's budget, max_num_seqs and the pool (less
         the watermark the running sequences grow into) allow."""
         host, cfg = self.host, self.cfg
+        if not host.queue:
+            return                                   # nothing queued (most steps): skip the sums below
         budget = cfg.max_num_batched_tokens
         pending = sum(t.work - t.done for t in host.active)
         cap = cfg.max_num_seqs - len(host.running)

@@ -4,6 +4,7 @@ by tandem.core.factory, forms the steps."""
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from typing import Callable, Sequence
 
 from tandem.core.chunked_planner import ChunkedPlanner, StepPlanner
@@ -239,6 +240,9 @@ class WorkerCore:
         itl_sum, n_tok = 0.0, 0
         finished = False
         first = 0                                    # first tokens of diffusion rounds (TTFT, not ITL)
+        if committed is None and hook is None and not stopped:
+            commit_caps(self, plan.decode, now)      # the common step: every running sequence commits its cap
+            return
         for seq in plan.decode:
             if seq.state is not RUNNING:
                 continue
@@ -387,11 +391,12 @@ class WorkerCore:
         """Busy share of the last window (LAPS Alg. 2's u): step time ended within it over its length."""
         return min(1.0, self.busy_window.total(now) / self.cfg.window_s)
 
-    capacity_tokens = property(lambda self: self.kv.capacity_tokens, doc="The longest sequence the KV pool holds.")
-    swapped = property(lambda self: self.kv.swapped, doc="Sequences preempted by swap, their KV in host memory.")
-    swaps = property(lambda self: self.kv.swaps, doc="The KV copies planned and not yet taken (take_swaps).")
-    kv_usage = property(lambda self: self.blocks.usage, doc="Share of the KV pool's blocks in use.")
-    swap_usage = property(lambda self: self.kv.swap_usage, doc="Share of the swap space holding preempted KV.")
+    # read through C-level getters: the shells ask for these at every step
+    capacity_tokens = property(attrgetter("kv.capacity_tokens"), doc="The longest sequence the KV pool holds.")
+    swapped = property(attrgetter("kv.swapped"), doc="Sequences preempted by swap, their KV in host memory.")
+    swaps = property(attrgetter("kv.swaps"), doc="The KV copies planned and not yet taken (take_swaps).")
+    kv_usage = property(attrgetter("blocks.usage"), doc="Share of the KV pool's blocks in use.")
+    swap_usage = property(attrgetter("kv.swap_usage"), doc="Share of the swap space holding preempted KV.")
 
     def take_swaps(self) -> list[Swap]:
         """The KV copies planned since the last call, in order, for the shell to carry out before its next forward."""
@@ -401,4 +406,46 @@ class WorkerCore:
         return bool(self.queue or self.active or self.running or self.pending_kv or self.kv.swapped)
 
 
-__all__ = ["WorkerConfig", "WorkerCore"]
+def commit_caps(core: WorkerCore, decode: list[Seq], now: float) -> None:
+    """WorkerCore.commit when every decoding sequence commits its cap and no stop rule ended a round (the
+    simulator's hot path): the same updates in the same order, without the per-sequence checks it does not need."""
+    itl_sum, n_tok, first = 0.0, 0, 0
+    finished = False
+    for seq in decode:
+        if seq.state is not RUNNING:
+            continue
+        c = seq.commit_cap
+        left = seq.to_decode
+        if c > left:
+            c = left
+        if c > 0:
+            if seq.first_due is not None:            # a diffusion round's first commit: its TTFT, no gap
+                start, enqueued = seq.first_due
+                seq.first_due = None
+                core.events.append(FirstToken(seq.session_id, core.id, now, start))
+                if enqueued is not None:
+                    core.ttft.add(now, now - enqueued)
+                seq.num_tokens += c
+                seq.itl_count += c - 1
+                n_tok += c - 1
+                first += 1
+            else:
+                seq.num_tokens += c
+                gap = now - seq.last_token_s
+                seq.itl_sum += gap
+                seq.itl_count += c
+                if gap > seq.itl_max:
+                    seq.itl_max = gap
+                itl_sum += gap
+                n_tok += c
+            seq.last_token_s = now
+            seq.to_decode = left = left - c
+        if left <= 0:
+            finished = True
+    core.ctx_tokens += n_tok + first
+    core.itl.add(now, itl_sum, n_tok)
+    if finished:
+        core._retire(now)
+
+
+__all__ = ["WorkerConfig", "WorkerCore", "commit_caps"]

@@ -31,6 +31,7 @@ from tandem.sim.faults import FaultError
 from tandem.sim.host_loop import HostLoop
 from tandem.sim.loop import EventLoop
 from tandem.sim.network import Network
+from tandem.workload.metrics import RecordStream
 from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
@@ -48,6 +49,7 @@ class SimResult:
     policy: str
     workers: list[dict] = field(default_factory=list)   # per worker: id, role, tp, steps, busy_s, KV (+ "laps" counters)
     pool_moves: list[dict] = field(default_factory=list)  # LAPS pools: prefill workers moved (instance, from, to, at_s)
+    metrics: dict | None = None     # with a record stream: summarize() of the streamed records (records is then [])
 
 
 def dllm_summary(workers: list[dict]) -> dict:
@@ -282,12 +284,19 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     return coord, workers, loop
 
 
-def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResult:
+def simulate(sessions: list[Session], cfg: SimConfig, progress=None, stream: RecordStream | None = None) -> SimResult:
     """Run `sessions` through the deployment and policy of `cfg`; every session ends completed or failed. With
-    `cfg.concurrency` N, N closed-loop clients run them one at a time each, in arrival order (EventLoop.run)."""
+    `cfg.concurrency` N, N closed-loop clients run them one at a time each, in arrival order (EventLoop.run). With
+    `stream`, each session's record goes to it as the session ends (in the records' order; a profiled run's shell
+    finishes its records last, so there they go at the end) and the result carries its metrics, not the records."""
     coord, workers, loop = build(cfg)
     loop.progress = progress
+    if stream is not None and not isinstance(loop, HostLoop):
+        loop.record_sink = stream.add
     wall = loop.run(sessions, concurrency=cfg.concurrency)
+    if stream is not None:
+        loop.record_sink = stream.add
+        loop.stream_records()
     stats = []
     for w in workers:
         st = {"id": w.id, "role": w.role, "tp": w.cfg.tp, "steps": w.steps, "busy_s": w.busy_s,
@@ -309,4 +318,5 @@ def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResul
         stats.append(st)
     moves = [{"instance": m.instance, "from": str(m.from_pool), "to": str(m.to_pool), "at_s": m.at_s}
              for m in getattr(coord.router, "moves", ())]
-    return SimResult(coord.records, loop.now, wall, loop.events, cfg.deploy, cfg.policy, stats, moves)
+    return SimResult(coord.records, loop.now, wall, loop.events, cfg.deploy, cfg.policy, stats, moves,
+                     stream.summary(loop.now) if stream is not None else None)

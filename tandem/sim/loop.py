@@ -66,6 +66,10 @@ class EventLoop:
         self._clients: list[str] = []                   # closed loop: the session each busy client runs
         self._recorded: dict[str, SessionRecord] = {}   # closed loop: client sessions' records, until they end
         self._records_read = 0                          # closed loop: coordinator records read into _recorded
+        self._arrivals: list[Session] = []              # open loop: sessions by arrival, fed to the heap in turn
+        self.record_sink: Callable[[SessionRecord], None] | None = None   # takes each ended record (stream_records)
+        self.streamed = 0                               # records handed to record_sink so far
+        self._arrivals_n0 = self._arrivals_next = 0     # the number before the first arrival's; the next to feed
         self.handlers: dict[int, Callable] = {ARRIVAL: self._on_arrival, TOOL: self._on_tool, STEP: self._on_step,
                                               XFER: self._on_xfer, WAKE: self._on_wake, TICK: self._on_tick,
                                               KILL: self._on_kill}
@@ -175,7 +179,11 @@ class EventLoop:
         return swap_s
 
     def _start_step(self, wid: int, plan: StepPlan) -> None:
-        self._push(self.now + self._take_swap_s(wid) + self.step_time[wid](plan.shape), STEP, wid)
+        swap_s = self._swap_s                           # _take_swap_s and _push, inlined: once per step
+        t = self.now + swap_s[wid] + self.step_time[wid](plan.shape)
+        swap_s[wid] = 0.0
+        self._n += 1
+        heapq.heappush(self.heap, (t, self._n, STEP, wid, None))
 
     def _end_step(self, wid: int) -> StepPlan:
         """The worker's step is over: apply its result to the core."""
@@ -210,6 +218,19 @@ class EventLoop:
             self._apply(self.coord.on_transfer_failed(tr, self.now, "KV transfer failed (injected)"))
         else:
             self._apply(self.coord.on_transfer_done(tr, self.now, self.now - started))
+
+    def _feed_arrival(self) -> None:
+        """Put the next session arrival (open loop) in the heap."""
+        i = self._arrivals_next
+        if i < len(self._arrivals):
+            s = self._arrivals[i]
+            self._arrivals_next = i + 1
+            heapq.heappush(self.heap, (s.arrival_s, self._arrivals_n0 + i + 1, ARRIVAL, s, None))
+
+    def _arrive(self, s: Session, b) -> None:
+        """An open-loop arrival: the next one enters the heap, then this one is handled."""
+        self._feed_arrival()
+        self._on_arrival(s, b)
 
     def _on_arrival(self, s: Session, b) -> None:
         self._apply(self.coord.on_session_arrival(s, self.now))
@@ -246,8 +267,12 @@ class EventLoop:
         t0 = time.perf_counter()
         order = sorted(sessions, key=lambda s: s.arrival_s)
         if concurrency is None:
-            for s in order:
-                self._push(s.arrival_s, ARRIVAL, s)
+            # arrivals enter the heap one at a time, each numbered as if all had been pushed now: the same order
+            # of events, with a heap of the events in flight rather than of every session
+            self._arrivals, self._arrivals_n0, self._arrivals_next = order, self._n, 0
+            self._n += len(order)
+            self.handlers[ARRIVAL] = self._arrive
+            self._feed_arrival()
             self._waiting = None
         else:
             if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -291,7 +316,23 @@ class EventLoop:
         if self._waiting is not None:
             self._free_clients()
         if self.progress is not None:
-            self.progress(done)
+            self.progress(done + self.streamed)
+        if self.record_sink is not None:
+            self.stream_records()
+
+    def stream_records(self) -> None:
+        """Hand the ended records at the head of the coordinator's list to `record_sink`, in that order, and drop
+        them: a long run keeps only the records of sessions under way (and of those that ended after them)."""
+        records, live, sink = self.coord.records, self.coord.live, self.record_sink
+        i, n = 0, len(records)
+        while i < n and records[i].session_id not in live:
+            sink(records[i])
+            i += 1
+        if i:
+            del records[:i]
+            self.streamed += i
+            self._done_sessions -= i
+            self._records_read = max(0, self._records_read - i)
 
     def _free_clients(self) -> None:
         """Closed loop: each client whose session ended starts the next waiting session when it sees the end."""

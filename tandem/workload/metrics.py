@@ -42,12 +42,15 @@ Percentiles use numpy's default (linear interpolation).
 """
 from __future__ import annotations
 
+import json
+from array import array
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 
-from tandem.workload.records import RoundRecord, SessionRecord
+from tandem.workload.records import RoundRecord, SessionRecord, record_to_json
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -110,70 +113,144 @@ def fail_kind(reason: str) -> str:
 
 def summarize(records: Iterable[SessionRecord], sim_time_s: float) -> dict:
     """All serving metrics of one run as a flat JSON-ready dict (see the module docstring)."""
-    records = list(records)
-    rounds = [r for s in records for r in s.rounds]
+    acc = MetricsAccumulator()
+    for s in records:
+        acc.add(s)
+    return acc.result(sim_time_s)
 
-    with_slo = [s for s in records if s.slo is not None]
-    attained = sum(1 for s in with_slo if session_attains(s))
-    slo_rounds_total = sum(s.num_rounds for s in with_slo)
-    slo_rounds_ok = sum(1 for s in with_slo for r in s.rounds if round_attains(r, s))
 
-    ttft_init = [r.ttft_s for r in rounds if r.index == 0 and r.ttft_s is not None]
-    ttft_incr = [r.ttft_s for r in rounds if r.index > 0 and r.ttft_s is not None]
-    round_itl = [round_mean_itl(r) for r in rounds if r.itl_count > 0]
-    itl_sum = sum(r.itl_sum_s for r in rounds)
-    itl_count = sum(r.itl_count for r in rounds)
-    tpot = [
-        (r.finish_s - r.first_token_s) / (r.output_tokens - 1)
-        for r in rounds
-        if r.finish_s is not None and r.first_token_s is not None and r.output_tokens >= 2
-    ]
-    e2e = [r.e2e_s for r in rounds if r.e2e_s is not None]
-    session_e2e = [s.finish_s - s.arrival_s for s in records if s.completed]
-    prefilled = [r for r in rounds if _prefilled(r)]
-    queue = [r.queue_s for r in prefilled if r.queue_s is not None]
-    remote = [r for r in prefilled if r.prefill_where == "remote"]
-    failed = [s for s in records if s.failed]
-    completed = sum(1 for s in records if s.completed)
+class MetricsAccumulator:
+    """What `summarize` reads of the records, gathered one session record at a time (in the records' order, so every
+    sum and mean is taken over the same values in the same order): a run can fold its records in as they end and keep
+    flat arrays of floats instead of the records."""
 
-    out: dict = {
-        "sessions_total": len(records),
-        "sessions_completed": completed,
-        "sessions_failed": len(failed),
-        "sessions_unfinished": len(records) - completed - len(failed),
-        "fail_reasons": dict(sorted(Counter(fail_kind(s.fail_reason) for s in failed).items())),
-        "sessions_with_slo": len(with_slo),
-        "sessions_slo_attained": attained,
-        "slo_attainment": _ratio(attained, len(with_slo)),
-        "round_slo_attainment": _ratio(slo_rounds_ok, slo_rounds_total),
-        "goodput_sessions_per_s": _ratio(attained, sim_time_s) if with_slo else None,
-    }
-    out.update(_latency_block("ttft_initial", ttft_init))
-    out.update(_latency_block("ttft_incremental", ttft_incr))
-    out["ttft_p95_s"] = _pct(ttft_init + ttft_incr, 95)
-    out.update({
-        "itl_mean_s": _ratio(itl_sum, itl_count),
-        "itl_p95_s": _pct(round_itl, 95),
-        "itl_p99_s": _pct(round_itl, 99),
-        "itl_max_s": max((r.itl_max_s for r in rounds if r.itl_count > 0), default=None),
-        "tpot_mean_s": _mean(tpot),
-        "tpot_p95_s": _pct(tpot, 95),
-        "e2e_mean_s": _mean(e2e),
-        "e2e_p95_s": _pct(e2e, 95),
-        "session_e2e_mean_s": _mean(session_e2e),
-        "queue_mean_s": _mean(queue),
-        "queue_p95_s": _pct(queue, 95),
-        "kv_transfer_mean_s": _mean([r.kv_transfer_s for r in prefilled]),
-        "kv_transfer_remote_mean_s": _mean([r.kv_transfer_s for r in remote]),
-        "local_prefill_fraction": _ratio(len(prefilled) - len(remote), len(prefilled)),
-        "rounds_total": sum(s.num_rounds for s in records),
-        "rounds_completed": sum(1 for r in rounds if r.finish_s is not None),
-        "preemptions": sum(r.preemptions for r in rounds),
-        "recomputed_tokens": sum(r.recomputed_tokens for r in rounds),
-        "kv_failures": sum(r.kv_failures for r in rounds),
-        "kv_fallback_tokens": sum(r.kv_fallback_tokens for r in rounds),
-        "throughput_output_tokens_per_s": _ratio(sum(r.output_tokens for r in rounds), sim_time_s),
-        "throughput_input_tokens_per_s": _ratio(
-            sum(r.input_tokens for r in rounds if r.first_token_s is not None), sim_time_s),
-    })
-    return out
+    __slots__ = ("sessions", "completed", "failed", "fail_kinds", "with_slo", "attained", "slo_rounds_total",
+                 "slo_rounds_ok", "ttft_init", "ttft_incr", "round_itl", "itl_sums", "itl_count", "itl_max", "tpot",
+                 "e2e", "session_e2e", "queue", "kv_prefilled", "kv_remote", "rounds_total", "rounds_completed",
+                 "preemptions", "recomputed_tokens", "kv_failures", "kv_fallback_tokens", "output_tokens",
+                 "input_tokens")
+
+    def __init__(self) -> None:
+        self.sessions = self.completed = self.failed = self.with_slo = self.attained = 0
+        self.fail_kinds: Counter[str] = Counter()
+        self.slo_rounds_total = self.slo_rounds_ok = self.itl_count = self.rounds_total = self.rounds_completed = 0
+        self.preemptions = self.recomputed_tokens = self.kv_failures = self.kv_fallback_tokens = 0
+        self.output_tokens = self.input_tokens = 0
+        self.itl_max: float | None = None
+        self.ttft_init, self.ttft_incr, self.round_itl, self.itl_sums = array("d"), array("d"), array("d"), array("d")
+        self.tpot, self.e2e, self.session_e2e, self.queue = array("d"), array("d"), array("d"), array("d")
+        self.kv_prefilled, self.kv_remote = array("d"), array("d")
+
+    def add(self, s: SessionRecord) -> None:
+        """Fold in one session's record."""
+        self.sessions += 1
+        if s.completed:
+            self.completed += 1
+            self.session_e2e.append(s.finish_s - s.arrival_s)
+        if s.failed:
+            self.failed += 1
+            self.fail_kinds[fail_kind(s.fail_reason)] += 1
+        if s.slo is not None:
+            self.with_slo += 1
+            self.attained += session_attains(s)
+            self.slo_rounds_total += s.num_rounds
+            self.slo_rounds_ok += sum(1 for r in s.rounds if round_attains(r, s))
+        self.rounds_total += s.num_rounds
+        for r in s.rounds:
+            ttft = r.ttft_s
+            if ttft is not None:
+                (self.ttft_init if r.index == 0 else self.ttft_incr).append(ttft)
+            if r.itl_count > 0:
+                self.round_itl.append(round_mean_itl(r))
+                if self.itl_max is None or r.itl_max_s > self.itl_max:
+                    self.itl_max = r.itl_max_s
+            self.itl_sums.append(r.itl_sum_s)
+            self.itl_count += r.itl_count
+            if r.finish_s is not None:
+                self.rounds_completed += 1
+                self.e2e.append(r.finish_s - r.arrival_s)
+                if r.first_token_s is not None and r.output_tokens >= 2:
+                    self.tpot.append((r.finish_s - r.first_token_s) / (r.output_tokens - 1))
+            if _prefilled(r):
+                if r.queue_s is not None:
+                    self.queue.append(r.queue_s)
+                self.kv_prefilled.append(r.kv_transfer_s)
+                if r.prefill_where == "remote":
+                    self.kv_remote.append(r.kv_transfer_s)
+            self.preemptions += r.preemptions
+            self.recomputed_tokens += r.recomputed_tokens
+            self.kv_failures += r.kv_failures
+            self.kv_fallback_tokens += r.kv_fallback_tokens
+            self.output_tokens += r.output_tokens
+            if r.first_token_s is not None:
+                self.input_tokens += r.input_tokens
+
+    def result(self, sim_time_s: float) -> dict:
+        """The metrics of the records folded in so far (see the module docstring)."""
+        with_slo, attained = self.with_slo, self.attained
+        prefilled, remote = len(self.kv_prefilled), len(self.kv_remote)
+        out: dict = {
+            "sessions_total": self.sessions,
+            "sessions_completed": self.completed,
+            "sessions_failed": self.failed,
+            "sessions_unfinished": self.sessions - self.completed - self.failed,
+            "fail_reasons": dict(sorted(self.fail_kinds.items())),
+            "sessions_with_slo": with_slo,
+            "sessions_slo_attained": attained,
+            "slo_attainment": _ratio(attained, with_slo),
+            "round_slo_attainment": _ratio(self.slo_rounds_ok, self.slo_rounds_total),
+            "goodput_sessions_per_s": _ratio(attained, sim_time_s) if with_slo else None,
+        }
+        out.update(_latency_block("ttft_initial", self.ttft_init))
+        out.update(_latency_block("ttft_incremental", self.ttft_incr))
+        out["ttft_p95_s"] = _pct(self.ttft_init + self.ttft_incr, 95)
+        out.update({
+            "itl_mean_s": _ratio(sum(self.itl_sums), self.itl_count),
+            "itl_p95_s": _pct(self.round_itl, 95),
+            "itl_p99_s": _pct(self.round_itl, 99),
+            "itl_max_s": self.itl_max,
+            "tpot_mean_s": _mean(self.tpot),
+            "tpot_p95_s": _pct(self.tpot, 95),
+            "e2e_mean_s": _mean(self.e2e),
+            "e2e_p95_s": _pct(self.e2e, 95),
+            "session_e2e_mean_s": _mean(self.session_e2e),
+            "queue_mean_s": _mean(self.queue),
+            "queue_p95_s": _pct(self.queue, 95),
+            "kv_transfer_mean_s": _mean(self.kv_prefilled),
+            "kv_transfer_remote_mean_s": _mean(self.kv_remote),
+            "local_prefill_fraction": _ratio(prefilled - remote, prefilled),
+            "rounds_total": self.rounds_total,
+            "rounds_completed": self.rounds_completed,
+            "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
+            "kv_failures": self.kv_failures,
+            "kv_fallback_tokens": self.kv_fallback_tokens,
+            "throughput_output_tokens_per_s": _ratio(self.output_tokens, sim_time_s),
+            "throughput_input_tokens_per_s": _ratio(self.input_tokens, sim_time_s),
+        })
+        return out
+
+
+class RecordStream:
+    """Session records taken as they end: each folded into the metrics and, with `path`, written as one JSON line
+    (as dump_records writes them); none is kept, so a run of a million rounds holds flat arrays, not records."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.metrics = MetricsAccumulator()
+        self._file = Path(path).open("w", encoding="utf-8") if path is not None else None
+
+    def add(self, rec: SessionRecord) -> None:
+        """Take one ended session's record."""
+        self.metrics.add(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(record_to_json(rec), separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        """Finish the JSONL file (if any)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def summary(self, sim_time_s: float) -> dict:
+        """summarize() of every record taken, in the order they were taken."""
+        return self.metrics.result(sim_time_s)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from math import log2 as _log2
 
 import numpy as np
 
@@ -63,14 +64,15 @@ class MeasuredStep(StepTimer):
         self.ovh: Overheads = overheads(ops, self.fw)
         self.roof = Roofline(model, gpu, tp, ep)
         self._L = model.layers
-        self._body_graph, self._body_eager, self._head = token_tables(model, tp, ep, ops, self.ovh)
+        # plain lists: the hot path reads one entry per step, and a list hands back a Python float as it is
+        self._body_graph, self._body_eager, self._head = (a.tolist() for a in token_tables(model, tp, ep, ops, self.ovh))
         kv = "fp8" if model.kv_dtype == "fp8" else "bfloat16"
         self._mla = model.mla is not None
         if self._mla:
             shape = MLAShape.of(model, tp)
             self._dec = AttentionTable(ops.generation_mla(shape, kv), B_MAX)
             self._pre = AttentionTable(ops.context_mla(shape, kv), PREFILL_B_MAX)
-            self._kv_up, self._bmm = _mla_count_tables(model, tp, ops)
+            self._kv_up, self._bmm = (a.tolist() for a in _mla_count_tables(model, tp, ops))
         else:
             hs = HeadShape(model.heads // tp, kv_heads_per_gpu(model, tp), model.head_dim)
             self._dec = AttentionTable(ops.generation_attention(hs, kv), B_MAX)
@@ -82,6 +84,27 @@ class MeasuredStep(StepTimer):
         self._overhead = self.ovh.step_s
 
     # --- hot path ----------------------------------------------------------------------------------------------
+    def step_time(self, shape) -> float:
+        """Seconds of one iteration over a BatchShape; a plain decode step (the simulator's commonest) is read here
+        with the very operations of `step_time_args`, the rest through it."""
+        n = shape.num_decode
+        if n > 0 and not shape.prefill_tokens and not shape.decode_kv_shared and not shape.graph and not self._mla \
+                and not shape.num_prefill:
+            graph = n <= self._graph_tokens
+            table = self._body_graph if graph else self._body_eager
+            i = int(n + 0.5)
+            last = len(table) - 1
+            t = table[i] if i <= last else table[last] * n / last
+            head = self._head
+            t += head[i] if i <= last else head[last] * n / last
+            t += (0.0 + _lookup(self._dec, n, shape.decode_ctx_tokens / n)) * self._L
+            if not graph and t < self._launch:
+                t = self._launch
+            return t if t > self._overhead else self._overhead
+        return self.step_time_args(shape.prefill_tokens, shape.prefill_attn_pairs, shape.prefill_kv_read_tokens,
+                                   shape.num_prefill, shape.num_decode, shape.decode_ctx_tokens, shape.graph,
+                                   shape.decode_kv_shared)
+
     def step_time_args(self, prefill_tokens: float, prefill_attn_pairs: float, prefill_kv_read_tokens: float,
                        num_prefill: float, num_decode: float, decode_ctx_tokens: float, graph: bool = False,
                        decode_kv_shared: float = 0) -> float:
@@ -126,13 +149,13 @@ class MeasuredStep(StepTimer):
         return f"MeasuredStep({self.model.name}, {self.gpu.name}, tp{self.tp}{ep}, {self.label})"
 
 
-def _at(table: np.ndarray, x: float) -> float:
+def _at(table: list[float], x: float) -> float:
     """A per-count table at count x (0 below 1; linear, i.e. constant utilisation, past its end)."""
     i = int(x + 0.5)
     n = len(table) - 1
     if i <= n:
-        return float(table[i])
-    return float(table[n]) * x / n
+        return table[i]
+    return table[n] * x / n
 
 
 def _lookup(tab: "AttentionTable", b: float, ctx: float) -> float:
@@ -149,13 +172,13 @@ def _lookup(tab: "AttentionTable", b: float, ctx: float) -> float:
     row = tab.rows[bi]
     if row is None:
         row = tab.fill(bi)
-    x = math.log2(ctx) * BINS_PER_OCTAVE
+    x = _log2(ctx) * BINS_PER_OCTAVE
     j = int(x)
     last = len(row) - 1
     if j >= last:
-        return float(row[last]) * scale * ctx / 2.0 ** (last / BINS_PER_OCTAVE)
+        return row[last] * scale * ctx / 2.0 ** (last / BINS_PER_OCTAVE)
     f = x - j
-    return float(row[j] + (row[j + 1] - row[j]) * f) * scale
+    return (row[j] + (row[j + 1] - row[j]) * f) * scale          # rows are lists of Python floats
 
 
 class AttentionTable:
