@@ -11,7 +11,7 @@ from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block, nativ
 from tandem.engine.attention.metadata import AttnMetadata
 from tandem.engine.config import EngineConfig, EngineError, explicit_kv_pool, kv_pool_blocks, wants_memory_profile
 from tandem.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
-from tandem.engine.kv_transfer import SwapSpace
+from tandem.engine.kv_transfer import KVPayload, SwapSpace, dtype_name, export_kv, import_kv
 from tandem.engine.loader import load_model, read_config
 from tandem.engine.logits import target_logprobs
 from tandem.engine.memory_profile import (DiffusionDummy, MemoryProfile, diffusion_worst_case, kv_budget, run_profile,
@@ -129,6 +129,31 @@ class ModelRunner:
         if self.group is not None:
             self.group.send("swap", swaps)
         self.swap_space.apply(self.kv_caches, swaps, self.block_size)
+
+    def export_kv(self, block_table: list[int], start: int, end: int) -> KVPayload:
+        """Positions [start, end) of a sequence's KV with every KV head, in head order (the wire layout, whatever
+        this worker's tensor-parallel degree): under TP gathered from the ranks (parallel/kv_group.py)."""
+        if self.group is None:
+            return export_kv(self.kv_caches, block_table, self.block_size, start, end)
+        from tandem.engine.parallel import kv_group
+        return kv_group.export(self.group, self.kv_caches, self.model_config.num_key_value_heads, block_table,
+                               self.block_size, start, end)
+
+    def import_kv(self, block_table: list[int], start: int, payload: KVPayload) -> None:
+        """Write a wire-layout payload into positions [start, start + num_tokens) of a sequence: under TP each rank
+        takes exactly its KV heads."""
+        if self.group is None:
+            import_kv(self.kv_caches, block_table, self.block_size, start, payload)
+            return
+        from tandem.engine.parallel import kv_group
+        kv_group.import_(self.group, self.kv_caches, self.model_config.num_key_value_heads, block_table,
+                         self.block_size, start, payload)
+
+    @property
+    def wire_geometry(self) -> tuple[int, int, int, str]:
+        """(layers, KV heads, head_dim, dtype name) of this worker's KV on the wire: every KV head, at any TP."""
+        mc = self.model_config
+        return mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype_name(self.dtype)
 
     def close(self) -> None:
         """Stop a tensor-parallel group's other ranks (nothing to do without one). Idempotent."""

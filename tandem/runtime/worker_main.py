@@ -50,8 +50,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     import torch
 
     from tandem.engine.config import EngineConfig
-    from tandem.engine.kv_transfer import KV_PART_BYTES, cache_geometry, kv_bytes_per_token, kv_message_max_bytes, \
-        kv_part_tokens
+    from tandem.engine.kv_transfer import KV_PART_BYTES, kv_bytes_per_token, kv_message_max_bytes, kv_part_tokens
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.memory_profile import memory_report
 
@@ -73,7 +72,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     store = open_store(state, cluster=cluster) if state != "embedded" else None
     # the largest KV message of this deployment caps every frame of the KV plane (the inbox drops a larger one unread,
     # before or after the handshake); every worker of a cluster has the same model, cache dtype and block size
-    geometry = cache_geometry(engine.runner.kv_caches)
+    geometry = engine.runner.wire_geometry       # every KV head, whatever the TP degree
     bs, kv_part_bytes = engine.config.block_size, KV_PART_BYTES if kv_part_bytes is None else kv_part_bytes
     part_tokens = kv_part_tokens(bs, kv_bytes_per_token(*geometry), engine.max_model_len, kv_part_bytes)
     kv_cap = kv_message_max_bytes(bs, *geometry, engine.max_model_len, kv_part_bytes)

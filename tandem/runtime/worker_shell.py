@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from tandem.core.types import DECODE, FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
 from tandem.engine.config import EngineError
-from tandem.engine.kv_transfer import KV_PART_BYTES, KVAssembly, KVPayload, KVTransferError, cache_geometry, \
+from tandem.engine.kv_transfer import KV_PART_BYTES, KVAssembly, KVPayload, KVTransferError, \
     kv_bytes_per_token, kv_part_tokens, split_kv
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestMetrics, RequestOutput
@@ -176,7 +176,7 @@ class WorkerShell:
         if self.kv_part_tokens is None:
             eng = self.engine
             self.kv_part_tokens = kv_part_tokens(eng.config.block_size,
-                                                 kv_bytes_per_token(*cache_geometry(eng.runner.kv_caches)),
+                                                 kv_bytes_per_token(*eng.runner.wire_geometry),
                                                  eng.max_model_len, KV_PART_BYTES)
         return self.kv_part_tokens
 
@@ -227,7 +227,7 @@ class WorkerShell:
         if head.offset == 0:
             self._forget_parts()
             eng = self.engine
-            self._assembling[key] = (KVAssembly(head.total_tokens, cache_geometry(eng.runner.kv_caches),
+            self._assembling[key] = (KVAssembly(head.total_tokens, eng.runner.wire_geometry,
                                                 eng.max_model_len), head.sent_s)
         assembly, sent_s = self._assembling[key]
         if assembly.total != head.total_tokens:

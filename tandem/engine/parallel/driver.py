@@ -61,14 +61,20 @@ class RankGroup:
         self.error: str | None = None
         self.threads = max(1, group.usable_cpus() // size) if device.type == "cpu" else torch.get_num_threads()
         self._threads_before = torch.get_num_threads()
-        self._sock = channel.listen_loopback()
-        self._store = channel.driver_store(self._sock, size)
+        sock = channel.listen_loopback()
+        self.port = sock.getsockname()[1]
+        try:
+            self._store = channel.driver_store(sock, size)
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()              # the store owns the listening descriptor now and closes it when it is dropped
         ctx = _context()
         env = dict(os.environ)
         self.procs: list[multiprocessing.process.BaseProcess] = []
         for r in range(1, size):
             dev = str(device) if device.type == "cpu" else f"cuda:{(device.index or 0) + r}"
-            spec = RankSpec(r, size, self._sock.getsockname()[1], os.getpid(), cfg, dev, self.threads, env)
+            spec = RankSpec(r, size, self.port, os.getpid(), cfg, dev, self.threads, env)
             p = ctx.Process(target=rank_main, args=(spec,), name=f"tandem-tp-rank{r}", daemon=True)
             p.start()
             self.procs.append(p)
@@ -159,7 +165,7 @@ class RankGroup:
             torch.set_num_threads(self._threads_before)
         if self.error is None:
             self.error = "the tensor-parallel engine was closed"
-        self._sock.close()
+        self._store = None         # closes the store's listening descriptor (once: never closed here as well)
         _LIVE.discard(self)
 
 
