@@ -106,7 +106,7 @@ def _add_server_args(p: argparse.ArgumentParser, model_required: bool) -> None:
                    help=f"GiB of host memory per worker for KV preempted by swap (default: {DEFAULT_SWAP_SPACE_GIB:g})")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
     p.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None, metavar="N",
-                   help="ranks per worker (one process each; co-located workers only; default: 1)")
+                   help="ranks per worker (one process each; default: 1; --deploy sets one per role)")
     p.add_argument("--cuda-graph-sizes", type=csv_list(positive_int), default=None, metavar="1,2,4,8",
                    help="CUDA: decode batch sizes captured as CUDA graphs (default: 1,2,4,8,16,... up to "
                         "max-num-seqs, at most 512)")
@@ -154,6 +154,10 @@ def add_parser(sub) -> None:
     """Register `serve` and `demo`."""
     p = sub.add_parser("serve", help="serve a model over the OpenAI API with prefill/decode worker processes")
     _add_server_args(p, True)
+    p.add_argument("--deploy", default=None, metavar="SPEC",
+                   help="the workers and their tensor-parallel degrees in the planner's form, e.g. "
+                        "'P:tp2x1,D:tp1x2' or 'C:tp2x1' (instead of --prefill-workers/--decode-workers/--colocated/"
+                        "--tensor-parallel-size)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -247,6 +251,7 @@ def _cluster_config(args):
     from tandem.runtime.cluster import ClusterConfig
     if not Path(args.model, "config.json").is_file():
         raise CLIError(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    role_tp = _deployment(args) if getattr(args, "deploy", None) is not None else {}
     if args.policy is None:                          # co-located workers run the co-located default
         args.policy = "vllm" if args.colocated else "ampd"
     eng = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
@@ -291,11 +296,10 @@ def _cluster_config(args):
         eng["enforce_eager"] = True
     tp = getattr(args, "tensor_parallel_size", None)
     if tp is not None and tp > 1:
-        if not args.colocated:
-            raise CLIError(f"--tensor-parallel-size {tp} runs co-located workers (--colocated N): prefill/decode "
-                           f"workers at TP > 1 (KV regrouped between TP degrees) are not supported yet")
-        _check_tp(args.model, tp)
+        _check_tp(args.model, tp, eng)
         eng["tensor_parallel_size"] = tp
+    for t in sorted(set(role_tp.values()) - {1}):
+        _check_tp(args.model, t, eng, "--deploy")
     if args.cuda_graph_sizes is not None:
         eng["cuda_graph_sizes"] = tuple(args.cuda_graph_sizes)
     p, d = args.prefill_workers, args.decode_workers
@@ -319,7 +323,31 @@ def _cluster_config(args):
     return ClusterConfig(args.model, p, d, args.colocated, args.policy, args.state, args.served_model_name, eng,
                          args.perf, args.threads, args.kv_timeout, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
                          session_ttl_s=args.session_ttl, worker_timeout_s=args.worker_timeout,
-                         max_restarts=_restarts(args.max_worker_restarts), policy_options=opts, **_launcher(args))
+                         max_restarts=_restarts(args.max_worker_restarts), policy_options=opts, role_tp=role_tp,
+                         **_launcher(args))
+
+
+def _deployment(args) -> dict[str, int]:
+    """--deploy read by the planner's parser (tandem.core.deploy): worker counts set on `args`; each role's TP."""
+    from tandem.core.deploy import DeploymentError, parse_deploy
+    if args.colocated or getattr(args, "tensor_parallel_size", None) is not None:
+        raise CLIError("--deploy names the workers and their tensor-parallel degrees: drop --colocated and "
+                       "--tensor-parallel-size")
+    try:
+        dep = parse_deploy(args.deploy)
+    except DeploymentError as e:
+        raise CLIError(f"--deploy: {e}") from None
+    tps, counts = {}, {}
+    for g in dep.groups:
+        if g.ep > 1:
+            raise CLIError(f"--deploy: expert parallelism (ep{g.ep}) is not run by the live server yet")
+        if tps.setdefault(str(g.role), g.tp) != g.tp:
+            raise CLIError(f"--deploy: every {g.role} worker runs at one tensor-parallel degree here, got "
+                           f"tp{tps[str(g.role)]} and tp{g.tp}")
+        counts[str(g.role)] = counts.get(str(g.role), 0) + g.count
+    args.prefill_workers, args.decode_workers, args.colocated = (counts.get(r, 0) for r in ("prefill", "decode",
+                                                                                              "colocated"))
+    return tps
 
 
 def _launcher(args) -> dict:
@@ -556,14 +584,17 @@ def _demo_args(args, policy: str) -> argparse.Namespace:
     return a
 
 
-def _check_tp(model: str, tp: int) -> None:
-    """--tensor-parallel-size against the machine's cores or devices and the model's heads: one line, before any
-    worker starts."""
+def _check_tp(model: str, tp: int, eng: dict, flag: str = "--tensor-parallel-size") -> None:
+    """A tensor-parallel degree against the machine's cores or devices, the model's heads and what TP does not run
+    yet (LLaDA, dLLM-Serve phases): one line naming `flag`, before any worker starts."""
     from tandem.engine.config import EngineConfig, EngineError
     from tandem.engine.loader import ModelLoadError, read_config
     from tandem.engine.parallel import check_shardable
     try:
-        EngineConfig(model=model, tensor_parallel_size=tp)
-        check_shardable(read_config(model), tp)
+        EngineConfig(model=model, tensor_parallel_size=tp, dllm_admission=eng.get("dllm_admission"))
+        mc = read_config(model)
+        check_shardable(mc, tp)
+        if mc.is_canvas_diffusion:
+            raise EngineError("tensor parallelism does not run LLaDA-style models yet")
     except (EngineError, ModelLoadError, ValueError) as e:
-        raise CLIError(f"--tensor-parallel-size: {e}") from None
+        raise CLIError(f"{flag}: {e}") from None

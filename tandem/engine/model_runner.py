@@ -23,6 +23,8 @@ from tandem.engine.sampler import Sampler, SampleOutput
 from tandem.policy.task import COLOCATED, PREFILL
 
 log = logging.getLogger(__name__)
+TP_LAPS_GRAPHS = ("tensor_parallel_size > 1 does not capture LAPS bucket CUDA graphs yet (they would capture the "
+                  "group's collectives): use a LAPS policy without graphs (laps-no-graph) or enforce_eager")
 PROMPT_LOGPROBS_ELEMS = 1 << 22     # without max_num_logits, the logits computed at once for prompt logprobs
                                     # (rows x vocab; 16 MiB of float32)
 
@@ -35,6 +37,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = cfg.torch_device()
         self.tp = TPGroup(0, cfg.tensor_parallel_size)
+        if self.tp.size > 1 and prefill_graphs_apply(cfg, self.device, role):     # checked before any rank starts
+            raise EngineError(TP_LAPS_GRAPHS)
         self.group = None                              # the other ranks of a tensor-parallel worker (parallel/driver.py)
         self.model, self.model_config = self._load()
         mc = self.model_config
@@ -68,9 +72,8 @@ class ModelRunner:
         eager_tp = self.tp.size > 1
         graphs = graphs_apply(cfg, self.device) and role != PREFILL and not mc.is_diffusion and not eager_tp
         prefill_graphs = prefill_graphs_apply(cfg, self.device, role) and not eager_tp   # LAPS buckets: CUDA
-        if eager_tp and (graphs_apply(cfg, self.device) or prefill_graphs_apply(cfg, self.device, role)):
-            log.info("tensor_parallel_size %d: CUDA graphs (decode and LAPS buckets) are not captured; steps run "
-                     "eagerly", self.tp.size)
+        if eager_tp and graphs_apply(cfg, self.device):
+            log.info("tensor_parallel_size %d: decode CUDA graphs are not captured; steps run eagerly", self.tp.size)
         self.kv_caches = self._allocate_kv(self.num_blocks + (1 if graphs or prefill_graphs else 0))
         self.kv_pool_bytes = self.num_blocks * per_block      # the pool the block manager is told about
         if self.memory is not None:
@@ -154,6 +157,16 @@ class ModelRunner:
         """(layers, KV heads, head_dim, dtype name) of this worker's KV on the wire: every KV head, at any TP."""
         mc = self.model_config
         return mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype_name(self.dtype)
+
+    def tp_failure(self) -> str | None:
+        """Why this worker's tensor-parallel group cannot run any more (a rank died), one line; None while it can or
+        without a group."""
+        return None if self.group is None else self.group.failure()
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The process ids of this worker's other tensor-parallel ranks (none without a group)."""
+        return [] if self.group is None else self.group.pids
 
     def close(self) -> None:
         """Stop a tensor-parallel group's other ranks (nothing to do without one). Idempotent."""

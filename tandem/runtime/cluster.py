@@ -78,6 +78,9 @@ class ClusterConfig:
     # a dead worker is replaced (same id and role) at most this many times per RESTART_WINDOW_S; 0: never
     max_restarts: int = DEFAULT_MAX_RESTARTS
     policy_options: dict = field(default_factory=dict)   # PolicySpec knobs for every core (e.g. laps_min_pool)
+    # role (prefill, decode, colocated) -> its workers' tensor-parallel degree (`tandem serve --deploy
+    # "P:tp2x1,D:tp1x2"`); a role not named takes engine_args' tensor_parallel_size (1 without it)
+    role_tp: dict[str, int] = field(default_factory=dict)
     # where the workers run: "embedded" (local processes) or "ray" (Ray actors, tandem.runtime.ray_launcher:
     # joining ray_address, each role on nodes offering its ray_place resource, actors in ray_namespace)
     launcher: str = "embedded"
@@ -163,9 +166,18 @@ class ServingCluster:
         args = dict(cfg.engine_args, model=model, policy=spec.name, policy_options={**cfg.policy_options, **opts})
         self.roles = dict(enumerate(roles))
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
-                           dict(role=r, engine_args=args, state=cfg.state, perf=perf, threads=cfg.threads,
-                                **cfg.worker_kwargs.get(i, {})))
+                           dict(role=r, engine_args=self._role_args(args, r), state=cfg.state, perf=perf,
+                                threads=cfg.threads, **cfg.worker_kwargs.get(i, {})))
                 for i, r in enumerate(roles)]
+
+    def _role_args(self, args: dict, role: str) -> dict:
+        """A role's engine arguments: the cluster's, at the role's tensor-parallel degree (role_tp)."""
+        tp = self.cfg.role_tp.get(role)
+        return args if tp is None else {**args, "tensor_parallel_size": tp}
+
+    def worker_tp(self, wid: int) -> int:
+        """Worker `wid`'s tensor-parallel degree (ranks, one process each)."""
+        return int(self._specs_by_id[wid].kwargs["engine_args"].get("tensor_parallel_size", 1))
 
     def _launcher(self) -> tuple[str, dict]:
         """The hub's address and the Cluster's spawner: local processes, or Ray actors (joins the Ray cluster)."""
@@ -176,7 +188,8 @@ class ServingCluster:
             raise ValueError(f"unknown launcher {cfg.launcher!r} (embedded or ray)")
         from tandem.runtime.ray_launcher import RayLauncher
         ray = RayLauncher(cfg.ray_address, place=dict(cfg.ray_place), threads=cfg.threads or 1,
-                          min_cpus=len(self.roles) * (cfg.threads or 1))      # a private Ray holds every worker
+                          min_cpus=sum(self._role_args(cfg.engine_args, r).get("tensor_parallel_size", 1)
+                                       for r in self.roles.values()) * (cfg.threads or 1))   # a private Ray: every rank
         if cfg.ray_namespace:
             ray.namespace = cfg.ray_namespace
         self._ray = ray.start()

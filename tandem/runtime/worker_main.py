@@ -191,6 +191,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                           "dllm_canvas": bool(engine.dllm is not None and engine.dllm.canvas),
                           "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": engine.cache_config(),
                           "kv_max_msg_bytes": kv_cap, "kv_part_tokens": part_tokens,
+                          "tensor_parallel_size": engine.config.tensor_parallel_size,
+                          "rank_pids": engine.runner.rank_pids,
                           "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
         stepper.start()
@@ -205,6 +207,11 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 kick.clear()
                 if died:
                     raise RuntimeError("this worker's step thread or a message reader died") from died[0]
+                lost_rank = engine.runner.tp_failure()
+                if lost_rank is not None:          # the group goes down as one worker; the supervisor replaces it
+                    log.error("worker %d: %s; exiting (the supervisor replaces this worker and its ranks)",
+                              env.worker_id, lost_rank)
+                    raise RuntimeError(lost_rank)
                 await flush()
                 if await publish(dirty):
                     dirty = False
@@ -213,6 +220,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             for t in tasks:
                 t.cancel()
             await asyncio.to_thread(stepper.join, STOP_WAIT_S)
+            engine.close()                         # a tensor-parallel group's ranks stop with their worker
             if store is not None:
                 store.remove(env.worker_id)
                 store.close()

@@ -135,6 +135,17 @@ class RankGroup:
             self._fail(f"tensor-parallel rank {r} (pid {p.pid}) {_how(p.exitcode)}: this engine cannot run steps "
                        f"any more (its requests fail); start a new one")
 
+    def failure(self) -> str | None:
+        """Why the group cannot run (a rank died, or it failed or was closed), in one line; None while it can. Reads
+        the ranks' state only: safe from another thread than the one running steps."""
+        if self.error is not None:
+            return self.error
+        dead = self._dead()
+        if not dead:
+            return None
+        r, p = dead[0]
+        return f"tensor-parallel rank {r} (pid {p.pid}) {_how(p.exitcode)}"
+
     def _dead(self) -> list[tuple[int, multiprocessing.process.BaseProcess]]:
         return [(r, p) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
 
