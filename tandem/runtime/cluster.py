@@ -288,7 +288,8 @@ class ServingCluster:
                    c.slo_itl_s if c.slo_itl_s is not None else math.inf)
 
     def _cost(self, info: dict):
-        return serving_cost_model(self.cfg.model, int(info["kv_bytes_per_token"]), self.max_model_len, self.cfg.perf)
+        return serving_cost_model(self.cfg.model, int(info["kv_bytes_per_token"]), self.max_model_len, self.cfg.perf,
+                                  tps=sorted({self.worker_tp(w) for w in self._specs_by_id}))
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, worker: int, msg) -> None:
@@ -467,6 +468,13 @@ class ServingCluster:
         """Each running worker's (role, process id), by worker id (a Ray actor's pid is on its node)."""
         return {wid: (self.roles.get(wid, "?"), wp.pid) for wid, wp in sorted(self.procs.workers.items())} \
             if self.procs is not None else {}
+
+    def rank_pids(self) -> dict[int, list[int]]:
+        """Each running worker's other tensor-parallel ranks' process ids (from its Ready; empty at tp=1)."""
+        if self.procs is None:
+            return {}
+        return {wid: [int(p) for p in (wp.info or {}).get("rank_pids") or () if isinstance(p, int)]
+                for wid, wp in sorted(self.procs.workers.items())}
 
     @property
     def ray_namespace(self) -> str | None:

@@ -60,10 +60,12 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     mark_startup("imported")
 
     cost: list = []                                            # filled once the engine knows its KV layout
+    tp = int(engine_args.get("tensor_parallel_size", 1))
     engine = LLMEngine(EngineConfig(**engine_args), role=role, worker_id=env.worker_id,
-                       t_pre=lambda h, n: cost[0].t_pre(h, n, 1), forward_events=True)
+                       t_pre=lambda h, n: cost[0].t_pre(h, n, tp), forward_events=True)
     # the queue estimates (AMPD Eq. 1-2, Alg. 2) use the cost model the coordinator routes with
-    cost.append(serving_cost_model(engine.config.model, _kv_bytes_per_token(engine), engine.max_model_len, perf))
+    cost.append(serving_cost_model(engine.config.model, _kv_bytes_per_token(engine), engine.max_model_len, perf,
+                                   tps=(tp,)))
     mark_startup("model_loaded")          # weights, KV pool, and whatever the engine warms up (CUDA graphs)
     # the model's modules and startup objects out of the cyclic GC (as the serving process and vLLM's engine core
     # do): a full collection otherwise walks them all, in the middle of some step
