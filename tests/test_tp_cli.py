@@ -96,3 +96,40 @@ def test_laps_bucket_graphs_under_tp_are_refused_before_any_rank_starts(tiny, mo
     assert _children() <= before
     for other in others:
         assert prefill_graphs_apply(other, torch.device("cuda", 0), PREFILL) is False
+
+
+def test_the_ray_launcher_reserves_a_whole_group_in_one_placement_group(monkeypatch):
+    """Protects Ray placement of a tensor-parallel worker (Ray's placement calls faked: no cluster started): a tp=2
+    worker's one placement group (STRICT_PACK, one bundle) holds 2 x threads CPUs, or 2 GPUs on a GPU cluster, and
+    its actor runs in it; a tp=1 worker reserves one rank's share."""
+    pytest.importorskip("ray")
+    import importlib
+    pgmod = importlib.import_module("ray.util.placement_group")
+
+    from tandem.runtime.launcher import WorkerEnv, WorkerSpec
+    from tandem.runtime.ray_launcher import RayLauncher
+    groups, actors = [], []
+    monkeypatch.setattr(pgmod, "placement_group", lambda bundles, strategy, name: groups.append((bundles, strategy))
+                        or object())
+
+    class Actor:
+        def __init__(self, **options):
+            actors.append(options)
+            self.run = type("Run", (), {"remote": staticmethod(lambda *a: None)})()
+
+    class ActorClass:
+        @staticmethod
+        def options(**options):
+            return type("Pending", (), {"remote": staticmethod(lambda: Actor(**options))})()
+    for gpus, want in ((False, [{"CPU": 4.0}, {"CPU": 2.0}]), (True, [{"CPU": 4.0, "GPU": 2.0},
+                                                                        {"CPU": 2.0, "GPU": 1.0}])):
+        groups.clear()
+        actors.clear()
+        launcher = RayLauncher(threads=2, gpus=gpus)
+        launcher._ray, launcher._actor_cls = object(), ActorClass
+        for wid, tp in enumerate((2, 1)):
+            spec = WorkerSpec(wid, "tandem.runtime.worker_main:main",
+                              {"role": "decode", "engine_args": {"tensor_parallel_size": tp}})
+            launcher.spawn(spec, WorkerEnv(wid, "tcp://127.0.0.1:1"))
+        assert groups == [([want[0]], "STRICT_PACK"), ([want[1]], "STRICT_PACK")]
+        assert [(a["num_cpus"], a["num_gpus"]) for a in actors] == [(w["CPU"], w.get("GPU", 0)) for w in want]
