@@ -168,9 +168,12 @@ class ModelRunner:
         """The process ids of this worker's other tensor-parallel ranks (none without a group)."""
         return [] if self.group is None else self.group.pids
 
-    def close(self) -> None:
-        """Stop a tensor-parallel group's other ranks (nothing to do without one). Idempotent."""
+    def close(self, force: bool = False) -> None:
+        """Stop a tensor-parallel group's other ranks (nothing to do without one): told to stop, or with `force`
+        (another thread may be inside a collective) killed at once. Idempotent."""
         if self.group is not None:
+            if force and self.group.error is None:
+                self.group.error = "the worker stopped while a step was running"
             self.group.close()
 
     @torch.inference_mode()

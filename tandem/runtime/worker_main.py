@@ -222,7 +222,9 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             for t in tasks:
                 t.cancel()
             await asyncio.to_thread(stepper.join, STOP_WAIT_S)
-            engine.close()                         # a tensor-parallel group's ranks stop with their worker
+            # a tensor-parallel group's ranks stop with their worker: told to, or killed when a step still runs (its
+            # collective holds the group) or a rank is gone
+            engine.runner.close(force=stepper.is_alive())
             if store is not None:
                 store.remove(env.worker_id)
                 store.close()
