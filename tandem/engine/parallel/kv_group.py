@@ -7,15 +7,25 @@ The payload itself still leaves and enters the worker through its driver (the wo
 workers KV goes driver to driver, regrouped here on each side."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 
 from tandem.engine.kv_transfer import KVPayload, KVTransferError, dtype_name, export_kv, import_kv
 from tandem.engine.parallel.head_map import kv_head_spans, wire_sources
 
-if TYPE_CHECKING:
-    from tandem.engine.parallel.driver import RankGroup
+T = TypeVar("T")
+
+
+class RankGroup(Protocol):
+    """What this module needs of the driver's group (parallel/driver.py's RankGroup)."""
+
+    size: int
+    device: torch.device
+
+    def send(self, *command: Any) -> None: ...
+
+    def run(self, fn: Callable[[], T]) -> T: ...
 
 
 def wire_shape(kv_caches: list[torch.Tensor], total_kv_heads: int, tokens: int) -> tuple[int, ...]:
@@ -23,11 +33,11 @@ def wire_shape(kv_caches: list[torch.Tensor], total_kv_heads: int, tokens: int) 
     return (len(kv_caches), 2, tokens, total_kv_heads, int(kv_caches[0].shape[-1]))
 
 
-def _comm_device(group: "RankGroup") -> torch.device:
+def _comm_device(group: RankGroup) -> torch.device:
     return group.device if group.device.type == "cuda" else torch.device("cpu")
 
 
-def export(group: "RankGroup", kv_caches: list[torch.Tensor], total_kv_heads: int, block_table: list[int],
+def export(group: RankGroup, kv_caches: list[torch.Tensor], total_kv_heads: int, block_table: list[int],
            block_size: int, start: int, end: int) -> KVPayload:
     """Driver: positions [start, end) of a sequence with every KV head, gathered from the ranks that hold them."""
     local = export_kv(kv_caches, block_table, block_size, start, end)     # raises before any rank is asked
@@ -55,7 +65,7 @@ def export(group: "RankGroup", kv_caches: list[torch.Tensor], total_kv_heads: in
     return KVPayload(n, local.dtype, shape, out)
 
 
-def import_(group: "RankGroup", kv_caches: list[torch.Tensor], total_kv_heads: int, block_table: list[int],
+def import_(group: RankGroup, kv_caches: list[torch.Tensor], total_kv_heads: int, block_table: list[int],
             block_size: int, start: int, payload: KVPayload) -> None:
     """Driver: scatter a wire payload into positions [start, start + num_tokens) of a sequence, each rank taking
     exactly its KV heads."""
