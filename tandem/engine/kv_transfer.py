@@ -92,12 +92,6 @@ def kv_message_max_bytes(block_size: int, layers: int, kv_heads: int, head_dim: 
     return kv_part_tokens(block_size, bpt, max_model_len, part_bytes) * bpt + KV_FRAMING_BYTES
 
 
-def cache_geometry(kv_caches: list[torch.Tensor]) -> tuple[int, int, int, str]:
-    """(layers, kv_heads, head_dim, dtype name) of a paged cache: the shape every payload of it has."""
-    c0 = kv_caches[0]
-    return len(kv_caches), int(c0.shape[-2]), int(c0.shape[-1]), dtype_name(c0.dtype)
-
-
 def split_kv(payload: KVPayload, part_tokens: int) -> list[tuple[int, KVPayload]]:
     """(token offset, part) pairs of at most `part_tokens` tokens each; the payload itself when it fits in one."""
     if part_tokens < 1:
