@@ -126,9 +126,8 @@ def _gone(pid: int) -> bool:
 def test_a_killed_rank_takes_its_decode_group_down_and_the_group_is_replaced(tiny, offline):
     """Protects supervision of a tensor-parallel worker: SIGKILL of rank 1 of the tp=2 decode group while requests
     decode ends each request with its full output or the error `worker lost: decode worker 1 stopped` (none hangs),
-    the worker exits
-    with its group, the supervisor starts a new group (new driver, new rank), /health is 200 again, no process of the
-    old group remains, and the new group serves a request with the tp=1 engine's tokens."""
+    the worker exits with its group, the supervisor starts a new group (new driver, new rank), /health is 200 again,
+    no process of the old group remains, and the new group serves a request with the tp=1 engine's tokens."""
     srv = _start(tiny, {"decode": 2}, worker_timeout_s=2.0)
     try:
         driver = srv.pid(1)
