@@ -12,9 +12,11 @@ psutil = pytest.importorskip("psutil")
 
 from tandem.core.types import FetchHistory, PrefillDone  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
+from tandem.engine.kv_transfer import export_kv  # noqa: E402
 from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.engine.parallel import group  # noqa: E402
+from tandem.engine.parallel.head_map import kv_head_spans  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 
@@ -87,9 +89,10 @@ def reference(tiny):
         o = ref.generate([conv], GREEDY)[0].token_ids
         want.append(o)
         conv = conv + o
-    got, cached, wire = _session(_engine(tiny, "prefill", 0, 1), _engine(tiny, "decode", 1, 1), news)
+    d1 = _engine(tiny, "decode", 1, 1)
+    got, cached, wire = _session(_engine(tiny, "prefill", 0, 1), d1, news)
     assert got == want
-    return news, want, cached, wire
+    return news, want, cached, wire, d1
 
 
 def _ranks_left() -> list:
@@ -110,12 +113,23 @@ def test_kv_regroups_between_degrees_and_tokens_equal_one_rank(tiny, reference, 
     """Protects the regrouping (parallel/head_map.py, parallel/kv_group.py): over three rounds of one session, the
     history read from the decode engine and the new KV sent back carry every KV head once in head order (the tp=1
     pair's shapes, values within the all-reduce's float order), each rank of the tp>1 engine takes exactly its heads,
-    the decode engine reuses the transferred KV (cached tokens as at tp=1), and greedy tokens equal the tp=1 engine's."""
+    the decode engine reuses the transferred KV (cached tokens as at tp=1), the session's whole KV as the decode
+    engine's ranks hold it equals the tp=1 decode engine's (the driver's own cache holding exactly its heads of it),
+    and greedy tokens equal the tp=1 engine's."""
     monkeypatch.setattr(group, "usable_cpus", lambda: 4)
-    news, want, cached_ref, wire_ref = reference
+    news, want, cached_ref, wire_ref, d1 = reference
     p, d = _engine(tiny, "prefill", 0, p_tp), _engine(tiny, "decode", 1, d_tp)
     try:
         got, cached, wire = _session(p, d, news)
+        n = d1.core.seqs["s"].num_tokens
+        assert d.core.seqs["s"].num_tokens == n
+        # the session's whole KV as the decode engine's ranks hold it (each its heads: received, then decoded)
+        resident = d.export_history("s", n)
+        torch.testing.assert_close(resident.data, d1.export_history("s", n).data, atol=1e-4, rtol=1e-4)
+        first, count = kv_head_spans(2, d_tp)[0]
+        seq = d.core.seqs["s"]
+        own = export_kv(d.runner.kv_caches, d.core.blocks.tables[seq], d.config.block_size, 0, n)   # the driver's heads
+        assert own.shape[3] == count and torch.equal(own.data, resident.data[:, :, :, first:first + count])
     finally:
         p.close()
         d.close()
