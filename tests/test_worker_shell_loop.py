@@ -17,7 +17,8 @@ WAIT_S = 10.0        # a bound on every wait below, so a broken shell fails the 
 class ScriptedEngine:
     """The LLMEngine calls a WorkerShell makes, logged; each model run waits for the test's `release`."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, tp: int = 1) -> None:
+        self.config = SimpleNamespace(tensor_parallel_size=tp)
         self.log: list[str] = []
         self.steps_left = steps
         self.running = threading.Semaphore(0)      # one release per model run entered
@@ -55,6 +56,12 @@ class ScriptedEngine:
 
     def abort_request(self, request_id):
         self.log.append(f"abort {request_id}")
+
+    def on_delivered(self, request_id):
+        self.log.append(f"delivered {request_id}")
+
+    def on_history_ready(self, request_id):
+        self.log.append(f"history {request_id}")
 
 
 def _shell(eng: ScriptedEngine, **faults):
@@ -97,6 +104,23 @@ def test_early_messages_run_beside_the_model_and_the_rest_wait_for_the_step_end_
     thread.join(WAIT_S)
     assert not thread.is_alive() and not errors
     assert eng.log[-1] == "finish"
+
+
+def test_under_tp_the_messages_that_move_kv_through_the_ranks_wait_for_the_step_end():
+    """Protects a tensor-parallel group's one collective stream: at tp=2 a HistoryReady (its KV scattered to the
+    ranks) during a model run waits for the step's end, while a Delivered (no rank involved) is carried out at once,
+    as at tp=1."""
+    eng = ScriptedEngine(steps=1, tp=2)
+    shell, _, thread, errors = _shell(eng)
+    assert eng.running.acquire(timeout=WAIT_S)
+    assert shell.post(m.Delivered("r0")) is True
+    assert shell.post(m.HistoryReady("r1")) is False
+    assert eng.log == ["prepare", "execute", "delivered r0"]
+    eng.release.set()
+    shell.stop()
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and not errors
+    assert eng.log == ["prepare", "execute", "delivered r0", "finish", "history r1"]
 
 
 def test_messages_are_carried_out_at_once_while_no_step_runs():

@@ -53,6 +53,7 @@ def add_parser(sub) -> None:
     """Register `serve` and `demo`."""
     p = sub.add_parser("serve", help="serve a model over the OpenAI API with prefill/decode worker processes")
     _add_server_args(p, demo=False)
+    add_knobs(p, ClusterConfig, ("deploy",))
     add_knobs(p, ServerOptions)
     p.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="serve a tiny model 1P+1D with AMPD and a baseline, replay multi-round sessions "
@@ -142,22 +143,22 @@ def _cluster_config(args) -> ClusterConfig:
     model (CLIError: one line) before any worker starts."""
     if not Path(args.model, "config.json").is_file():
         raise CLIError(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    role_tp = _deployment(args) if getattr(args, "deploy", None) is not None else {}
     eng = _engine_args(args)
     _check_diffusion(args, eng)
     check_preemption(eng.get("preemption_mode"), eng.get("swap_space"))
     tp = eng.get("tensor_parallel_size")
-    if tp is not None:
-        if not args.colocated:
-            raise CLIError(f"--tensor-parallel-size {tp} runs co-located workers (--colocated N): prefill/decode "
-                           f"workers at TP > 1 (KV regrouped between TP degrees) are not supported yet")
-        _check_tp(args.model, tp)
+    if tp is not None and tp > 1:
+        _check_tp(args.model, tp, eng)
+    for t in sorted(set(role_tp.values()) - {1}):
+        _check_tp(args.model, t, eng, "--deploy")
     if args.perf is not None and not Path(args.perf).is_file():
         raise CLIError(f"--perf {args.perf}: no such file")
     _check_launcher(args)
     knobs = knob_values(args, ClusterConfig)
     if knobs["colocated"]:
         knobs["prefill_workers"] = knobs["decode_workers"] = 0
-    cfg = ClusterConfig(**knobs, engine_args=eng)
+    cfg = ClusterConfig(**knobs, engine_args=eng, role_tp=role_tp)
     if (cfg.laps_length_threshold is not None or cfg.laps_min_pool is not None) and cfg.policy not in LAPS_POLICIES:
         raise CLIError(f"--laps-* options apply to the LAPS policies ({', '.join(LAPS_POLICIES)}), not {cfg.policy!r}")
     return cfg
@@ -371,14 +372,40 @@ def _demo_args(args, policy: str) -> argparse.Namespace:
     return a
 
 
-def _check_tp(model: str, tp: int) -> None:
-    """--tensor-parallel-size against the machine's cores or devices and the model's heads: one line, before any
-    worker starts."""
+def _deployment(args) -> dict[str, int]:
+    """--deploy read by the planner's parser (tandem.core.deploy): worker counts set on `args`; each role's TP."""
+    from tandem.core.deploy import DeploymentError, parse_deploy
+    if args.colocated or getattr(args, "tensor_parallel_size", None) not in (None, 1):
+        raise CLIError("--deploy names the workers and their tensor-parallel degrees: drop --colocated and "
+                       "--tensor-parallel-size")
+    try:
+        dep = parse_deploy(args.deploy)
+    except DeploymentError as e:
+        raise CLIError(f"--deploy: {e}") from None
+    tps, counts = {}, {}
+    for g in dep.groups:
+        if g.ep > 1:
+            raise CLIError(f"--deploy: expert parallelism (ep{g.ep}) is not run by the live server yet")
+        if tps.setdefault(str(g.role), g.tp) != g.tp:
+            raise CLIError(f"--deploy: every {g.role} worker runs at one tensor-parallel degree here, got "
+                           f"tp{tps[str(g.role)]} and tp{g.tp}")
+        counts[str(g.role)] = counts.get(str(g.role), 0) + g.count
+    args.prefill_workers, args.decode_workers, args.colocated = (counts.get(r, 0) for r in ("prefill", "decode",
+                                                                                              "colocated"))
+    return tps
+
+
+def _check_tp(model: str, tp: int, eng: dict, flag: str = "--tensor-parallel-size") -> None:
+    """A tensor-parallel degree against the machine's cores or devices, the model's heads and what TP does not run
+    yet (LLaDA, dLLM-Serve phases): one line naming `flag`, before any worker starts."""
     from tandem.engine.config import EngineConfig, EngineError
     from tandem.engine.loader import ModelLoadError, read_config
     from tandem.engine.parallel import check_shardable
     try:
-        EngineConfig(model=model, tensor_parallel_size=tp)
-        check_shardable(read_config(model), tp)
+        EngineConfig(model=model, tensor_parallel_size=tp, dllm_admission=eng.get("dllm_admission"))
+        mc = read_config(model)
+        check_shardable(mc, tp)
+        if mc.is_canvas_diffusion:
+            raise EngineError("tensor parallelism does not run LLaDA-style models yet")
     except (EngineError, ModelLoadError, ValueError) as e:
-        raise CLIError(f"--tensor-parallel-size: {e}") from None
+        raise CLIError(f"{flag}: {e}") from None

@@ -2,7 +2,8 @@
 
 Used by the runtime to move KV between workers (a remote prefill reads the session's history from its
 decode worker, then sends the new KV back, AMPD §3). The payload is one contiguous tensor
-[layers, 2, tokens, kv_heads, head_dim] whose bytes travel as a zero-copy transport frame.
+[layers, 2, tokens, kv_heads, head_dim] whose bytes travel as a zero-copy transport frame; kv_heads is every KV head
+of the model, whatever the workers' tensor-parallel degrees (engine/parallel/kv_group.py regroups it by rank).
 
 A transfer longer than `kv_part_tokens` travels as several messages (`split_kv`), each of whole blocks, so the
 receiving socket can cap every frame at `kv_message_max_bytes` (a few MiB to tens of MiB) instead of a whole
@@ -92,12 +93,6 @@ def kv_message_max_bytes(block_size: int, layers: int, kv_heads: int, head_dim: 
     return kv_part_tokens(block_size, bpt, max_model_len, part_bytes) * bpt + KV_FRAMING_BYTES
 
 
-def cache_geometry(kv_caches: list[torch.Tensor]) -> tuple[int, int, int, str]:
-    """(layers, kv_heads, head_dim, dtype name) of a paged cache: the shape every payload of it has."""
-    c0 = kv_caches[0]
-    return len(kv_caches), int(c0.shape[-2]), int(c0.shape[-1]), dtype_name(c0.dtype)
-
-
 def split_kv(payload: KVPayload, part_tokens: int) -> list[tuple[int, KVPayload]]:
     """(token offset, part) pairs of at most `part_tokens` tokens each; the payload itself when it fits in one."""
     if part_tokens < 1:
@@ -114,8 +109,9 @@ def split_kv(payload: KVPayload, part_tokens: int) -> list[tuple[int, KVPayload]
 class KVAssembly:
     """The parts of one transfer, copied in order into one payload of `total_tokens` tokens.
 
-    The geometry is the receiving cache's (never the sender's word), and `total_tokens` is checked against
-    `max_tokens` before anything is allocated, so a peer cannot make this hold more than one sequence's KV."""
+    The geometry is the receiving worker's wire geometry (every KV head, whatever its TP degree; never the sender's
+    word), and `total_tokens` is checked against `max_tokens` before anything is allocated, so a peer cannot make
+    this hold more than one sequence's KV."""
 
     def __init__(self, total_tokens: int, geometry: tuple[int, int, int, str], max_tokens: int) -> None:
         layers, kv_heads, head_dim, dtype = geometry

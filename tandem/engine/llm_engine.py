@@ -45,9 +45,6 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.role = role
-        if config.tensor_parallel_size > 1 and role != COLOCATED:
-            raise EngineError(f"tensor_parallel_size {config.tensor_parallel_size} runs on co-located workers only: "
-                              f"prefill/decode workers at TP > 1 (KV regrouped between TP degrees) are not supported yet")
         profiled = load_latency_profile(config)     # a bad file fails before the model loads
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config, self.tokenizer.eos_token_ids, role=role)   # role: which capture LAPS graphs

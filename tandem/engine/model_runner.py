@@ -11,7 +11,7 @@ from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block, nativ
 from tandem.engine.attention.metadata import AttnMetadata
 from tandem.engine.config import EngineConfig, EngineError, explicit_kv_pool, kv_pool_blocks, wants_memory_profile
 from tandem.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
-from tandem.engine.kv_transfer import SwapSpace
+from tandem.engine.kv_transfer import KVPayload, SwapSpace, dtype_name, export_kv, import_kv
 from tandem.engine.loader import load_model, read_config
 from tandem.engine.logits import target_logprobs
 from tandem.engine.memory_profile import (DiffusionDummy, MemoryProfile, diffusion_worst_case, kv_budget, run_profile,
@@ -23,6 +23,8 @@ from tandem.engine.sampler import Sampler, SampleOutput
 from tandem.policy.task import COLOCATED, PREFILL
 
 log = logging.getLogger(__name__)
+TP_LAPS_GRAPHS = ("tensor_parallel_size > 1 does not capture LAPS bucket CUDA graphs yet (they would capture the "
+                  "group's collectives): use a LAPS policy without graphs (laps-no-graph) or enforce_eager")
 PROMPT_LOGPROBS_ELEMS = 1 << 22     # without max_num_logits, the logits computed at once for prompt logprobs
                                     # (rows x vocab; 16 MiB of float32)
 
@@ -35,6 +37,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = cfg.torch_device()
         self.tp = TPGroup(0, cfg.tensor_parallel_size)
+        if self.tp.size > 1 and prefill_graphs_apply(cfg, self.device, role):     # checked before any rank starts
+            raise EngineError(TP_LAPS_GRAPHS)
         self.group = None                              # the other ranks of a tensor-parallel worker (parallel/driver.py)
         self.model, self.model_config = self._load()
         mc = self.model_config
@@ -68,9 +72,8 @@ class ModelRunner:
         eager_tp = self.tp.size > 1
         graphs = graphs_apply(cfg, self.device) and role != PREFILL and not mc.is_diffusion and not eager_tp
         prefill_graphs = prefill_graphs_apply(cfg, self.device, role) and not eager_tp   # LAPS buckets: CUDA
-        if eager_tp and (graphs_apply(cfg, self.device) or prefill_graphs_apply(cfg, self.device, role)):
-            log.info("tensor_parallel_size %d: CUDA graphs (decode and LAPS buckets) are not captured; steps run "
-                     "eagerly", self.tp.size)
+        if eager_tp and graphs_apply(cfg, self.device):
+            log.info("tensor_parallel_size %d: decode CUDA graphs are not captured; steps run eagerly", self.tp.size)
         self.kv_caches = self._allocate_kv(self.num_blocks + (1 if graphs or prefill_graphs else 0))
         self.kv_pool_bytes = self.num_blocks * per_block      # the pool the block manager is told about
         if self.memory is not None:
@@ -130,9 +133,47 @@ class ModelRunner:
             self.group.send("swap", swaps)
         self.swap_space.apply(self.kv_caches, swaps, self.block_size)
 
-    def close(self) -> None:
-        """Stop a tensor-parallel group's other ranks (nothing to do without one). Idempotent."""
+    def export_kv(self, block_table: list[int], start: int, end: int) -> KVPayload:
+        """Positions [start, end) of a sequence's KV with every KV head, in head order (the wire layout, whatever
+        this worker's tensor-parallel degree): under TP gathered from the ranks (parallel/kv_group.py)."""
+        if self.group is None:
+            return export_kv(self.kv_caches, block_table, self.block_size, start, end)
+        from tandem.engine.parallel import kv_group
+        return kv_group.export(self.group, self.kv_caches, self.model_config.num_key_value_heads, block_table,
+                               self.block_size, start, end)
+
+    def import_kv(self, block_table: list[int], start: int, payload: KVPayload) -> None:
+        """Write a wire-layout payload into positions [start, start + num_tokens) of a sequence: under TP each rank
+        takes exactly its KV heads."""
+        if self.group is None:
+            import_kv(self.kv_caches, block_table, self.block_size, start, payload)
+            return
+        from tandem.engine.parallel import kv_group
+        kv_group.import_(self.group, self.kv_caches, self.model_config.num_key_value_heads, block_table,
+                         self.block_size, start, payload)
+
+    @property
+    def wire_geometry(self) -> tuple[int, int, int, str]:
+        """(layers, KV heads, head_dim, dtype name) of this worker's KV on the wire: every KV head, at any TP."""
+        mc = self.model_config
+        return mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype_name(self.dtype)
+
+    def tp_failure(self) -> str | None:
+        """Why this worker's tensor-parallel group cannot run any more (a rank died), one line; None while it can or
+        without a group."""
+        return None if self.group is None else self.group.failure()
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The process ids of this worker's other tensor-parallel ranks (none without a group)."""
+        return [] if self.group is None else self.group.pids
+
+    def close(self, force: bool = False) -> None:
+        """Stop a tensor-parallel group's other ranks (nothing to do without one): told to stop, or with `force`
+        (another thread may be inside a collective) killed at once. Idempotent."""
         if self.group is not None:
+            if force and self.group.error is None:
+                self.group.error = "the worker stopped while a step was running"
             self.group.close()
 
     @torch.inference_mode()

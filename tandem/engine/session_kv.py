@@ -8,7 +8,7 @@ from tandem.core.admission import SessionBusyError, check_one_round, continues
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FirstToken, PrefillTask, Swap
 from tandem.engine.config import EngineConfig, EngineError
-from tandem.engine.kv_transfer import KVPayload, export_kv, import_kv
+from tandem.engine.kv_transfer import KVPayload
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request_state import Request, RequestTable, Session
@@ -84,7 +84,7 @@ class SessionKV:
         if seq is None or seq.num_tokens < tokens:
             have = 0 if seq is None else seq.num_tokens
             raise EngineError(f"session {session_id!r} has {have} tokens of KV here, {tokens} were asked for")
-        return export_kv(self.runner.kv_caches, self.core.blocks.tables[seq], self.config.block_size, 0, tokens)
+        return self.runner.export_kv(self.core.blocks.tables[seq], 0, tokens)
 
     def receive_kv(self, request_id: str, payload: KVPayload) -> None:
         """Keep KV that arrived for a request until the coordinator says where it goes."""
@@ -96,7 +96,7 @@ class SessionKV:
         """Prefill role: place the history KV in the task's blocks and let the task run."""
         req = self.table.requests[request_id]
         payload = self.inbox.pop(request_id)
-        import_kv(self.runner.kv_caches, self.core.blocks.tables[req.task], self.config.block_size, 0, payload)
+        self.runner.import_kv(self.core.blocks.tables[req.task], 0, payload)
         self.core.on_history_fetched(req.task, self.clock())
 
     def export_new_kv(self, request_id: str) -> tuple[KVPayload, int, dict[int, float] | None]:
@@ -105,8 +105,7 @@ class SessionKV:
         t = req.task
         if req.first_token is None:
             raise EngineError(f"request {request_id!r} has not finished its prefill")
-        payload = export_kv(self.runner.kv_caches, self.core.blocks.tables[t], self.config.block_size,
-                            t.l_hist, t.l_hist + t.l_incr)
+        payload = self.runner.export_kv(self.core.blocks.tables[t], t.l_hist, t.l_hist + t.l_incr)
         tok, lps = req.first_token
         return payload, tok, lps
 
@@ -164,8 +163,7 @@ class SessionKV:
                 req = self.landing.pop(ev.session_id)
                 payload = self.inbox.pop(req.request_id)
                 seq = self.core.seqs[req.session_id]
-                import_kv(self.runner.kv_caches, self.core.blocks.tables[seq], self.config.block_size,
-                          seq.num_tokens - payload.num_tokens, payload)
+                self.runner.import_kv(self.core.blocks.tables[seq], seq.num_tokens - payload.num_tokens, payload)
 
     def cache_config(self) -> dict[str, str]:
         """The labels of vllm:cache_config_info for this engine's KV cache and swap space."""

@@ -114,9 +114,18 @@ class ServingCluster:
         args = dict(cfg.engine_args, model=model, policy=spec.name, policy_options={**cfg.policy_knobs(), **opts})
         self.roles = dict(enumerate(roles))
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
-                           dict(role=r, engine_args=args, state=cfg.state, perf=perf, threads=cfg.threads,
-                                **cfg.worker_kwargs.get(i, {})))
+                           dict(role=r, engine_args=self._role_args(args, r), state=cfg.state, perf=perf,
+                                threads=cfg.threads, **cfg.worker_kwargs.get(i, {})))
                 for i, r in enumerate(roles)]
+
+    def _role_args(self, args: dict, role: str) -> dict:
+        """A role's engine arguments: the cluster's, at the role's tensor-parallel degree (role_tp)."""
+        tp = self.cfg.role_tp.get(role)
+        return args if tp is None else {**args, "tensor_parallel_size": tp}
+
+    def worker_tp(self, wid: int) -> int:
+        """Worker `wid`'s tensor-parallel degree (ranks, one process each)."""
+        return int(self._specs_by_id[wid].kwargs["engine_args"].get("tensor_parallel_size", 1))
 
     def _launcher(self) -> tuple[str, dict]:
         """The hub's address and the Cluster's spawner: local processes, or Ray actors (joins the Ray cluster)."""
@@ -127,7 +136,8 @@ class ServingCluster:
             raise ValueError(f"unknown launcher {cfg.launcher!r} (embedded or ray)")
         from tandem.runtime.ray_launcher import RayLauncher
         ray = RayLauncher(cfg.ray_address, place=dict(cfg.ray_place), threads=cfg.threads or 1,
-                          min_cpus=len(self.roles) * (cfg.threads or 1))      # a private Ray holds every worker
+                          min_cpus=sum(self._role_args(cfg.engine_args, r).get("tensor_parallel_size", 1)
+                                       for r in self.roles.values()) * (cfg.threads or 1))   # a private Ray: every rank
         if cfg.ray_namespace:
             ray.namespace = cfg.ray_namespace
         self._ray = ray.start()
@@ -226,7 +236,8 @@ class ServingCluster:
                    c.slo_itl_s if c.slo_itl_s is not None else math.inf)
 
     def _cost(self, info: dict):
-        return serving_cost_model(self.cfg.model, int(info["kv_bytes_per_token"]), self.max_model_len, self.cfg.perf)
+        return serving_cost_model(self.cfg.model, int(info["kv_bytes_per_token"]), self.max_model_len, self.cfg.perf,
+                                  tps=sorted({self.worker_tp(w) for w in self._specs_by_id}))
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, worker: int, msg) -> None:
@@ -405,6 +416,13 @@ class ServingCluster:
         """Each running worker's (role, process id), by worker id (a Ray actor's pid is on its node)."""
         return {wid: (self.roles.get(wid, "?"), wp.pid) for wid, wp in sorted(self.procs.workers.items())} \
             if self.procs is not None else {}
+
+    def rank_pids(self) -> dict[int, list[int]]:
+        """Each running worker's other tensor-parallel ranks' process ids (from its Ready; empty at tp=1)."""
+        if self.procs is None:
+            return {}
+        return {wid: [int(p) for p in (wp.info or {}).get("rank_pids") or () if isinstance(p, int)]
+                for wid, wp in sorted(self.procs.workers.items())}
 
     @property
     def ray_namespace(self) -> str | None:

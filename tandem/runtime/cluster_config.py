@@ -85,6 +85,12 @@ class ClusterConfig:
                              f"{RESTART_WINDOW_S / 60:g} minutes (0: never)", parse=nonneg_int, metavar="N",
                              flags=("--max-worker-restarts",))
     policy_options: dict = field(default_factory=dict)   # PolicySpec knobs for every core (e.g. laps_min_pool)
+    deploy: str | None = knob(None, "the workers and their tensor-parallel degrees in the planner's form, e.g. "
+                              "'P:tp2x1,D:tp1x2' or 'C:tp2x1' (instead of --prefill-workers/--decode-workers/"
+                              "--colocated/--tensor-parallel-size)", metavar="SPEC")
+    # role (prefill, decode, colocated) -> its workers' tensor-parallel degree (`tandem serve --deploy
+    # "P:tp2x1,D:tp1x2"`); a role not named takes engine_args' tensor_parallel_size (1 without it)
+    role_tp: dict[str, int] = field(default_factory=dict)
     # where the workers run: "embedded" (local processes) or "ray" (Ray actors, tandem.runtime.ray_launcher:
     # joining ray_address, each role on nodes offering its ray_place resource, actors in ray_namespace)
     launcher: str = knob(LAUNCHERS[0], "where workers run: local processes (embedded) or Ray actors on the nodes of a "

@@ -5,6 +5,8 @@ only their ratios and rough scale; `tandem serve --perf PROFILE` replaces them w
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from tandem.perf.ampd_cost import AMPDCostModel, dec_features, kv_features, pre_features
@@ -16,38 +18,49 @@ STEP_OVERHEAD_S = 1e-3
 
 
 def nominal_cost_model(params: int, layers: int, hidden: int, kv_bytes_per_token: int, max_len: int,
-                       max_num_batched_tokens: int = 2048) -> AMPDCostModel:
-    """AMPDCostModel (tp1) from a roofline of the checkpoint at NOMINAL_FLOPS / NOMINAL_MEM_BPS."""
-    def prefill(h: int, n: int) -> float:
+                       max_num_batched_tokens: int = 2048, tps: Sequence[int] = (1,)) -> AMPDCostModel:
+    """AMPDCostModel from a roofline of the checkpoint at NOMINAL_FLOPS / NOMINAL_MEM_BPS, for each tensor-parallel
+    degree in `tps` (a tp worker: tp ranks' compute and memory, split ideally; KV between any two of them over one
+    link: a transfer goes driver to driver)."""
+    def prefill(h: int, n: int, tp: int) -> float:
         steps = -(-n // max_num_batched_tokens)
         flops = 2 * params * n + 4 * layers * hidden * n * (h + n / 2)
-        return steps * STEP_OVERHEAD_S + flops / NOMINAL_FLOPS + h * kv_bytes_per_token / NOMINAL_MEM_BPS
+        return steps * STEP_OVERHEAD_S + (flops / NOMINAL_FLOPS + h * kv_bytes_per_token / NOMINAL_MEM_BPS) / tp
 
-    def decode(b: int, ctx: int) -> float:
-        return STEP_OVERHEAD_S + 2 * params * b / NOMINAL_FLOPS + ctx * kv_bytes_per_token / NOMINAL_MEM_BPS
+    def decode(b: int, ctx: int, tp: int) -> float:
+        return STEP_OVERHEAD_S + (2 * params * b / NOMINAL_FLOPS + ctx * kv_bytes_per_token / NOMINAL_MEM_BPS) / tp
 
     incr = sorted({int(v) for v in np.geomspace(1, max(2, max_len), 24)})
     hist = [0] + [h for h in (16 << i for i in range(30)) if h < max_len]
-    pre = ([pre_features(h, n) for h in hist for n in incr if h + n <= max_len],
-           [prefill(h, n) for h in hist for n in incr if h + n <= max_len])
+    pairs = [(h, n) for h in hist for n in incr if h + n <= max_len]
+    pre = {tp: ([pre_features(h, n) for h, n in pairs], [prefill(h, n, tp) for h, n in pairs]) for tp in tps}
     ctxs = [c for c in (16 << i for i in range(30)) if c <= max_len] or [max_len]
     batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    dec = ([dec_features(b, b * c) for c in ctxs for b in batches], [decode(b, b * c) for c in ctxs for b in batches])
+    dec = {tp: ([dec_features(b, b * c) for c in ctxs for b in batches],
+                [decode(b, b * c, tp) for c in ctxs for b in batches]) for tp in tps}
     toks = [1, 16, 256, 4096, 65536]
     kv = ([kv_features(t) for t in toks], [5e-5 + t * kv_bytes_per_token / NOMINAL_LINK_BPS for t in toks])
-    return AMPDCostModel.from_samples({1: pre}, {1: dec}, {(1, 1, True): kv, (1, 1, False): kv},
+    return AMPDCostModel.from_samples(pre, dec, {(a, b, same): kv for a in tps for b in tps for same in (True, False)},
                                       meta={"source": "nominal CPU roofline (tandem.runtime.costs)"})
 
 
-def serving_cost_model(model: str, kv_bytes_per_token: int, max_len: int, perf: str | None = None):
+def serving_cost_model(model: str, kv_bytes_per_token: int, max_len: int, perf: str | None = None,
+                       tps: Sequence[int] = (1,)):
     """The cost model the coordinator routes with and every worker estimates its queue with (AMPD Eq. 1-2):
-    the `tandem profile` fit when given (`--perf`), else the nominal roofline of the checkpoint."""
+    the `tandem profile` fit when given (`--perf`; ValueError, one line, when it has no fit for a degree in `tps`),
+    else the nominal roofline of the checkpoint at the deployment's tensor-parallel degrees `tps`."""
     if perf:
         from tandem.perf.profile_io import load_perf
         prof = load_perf(perf)
-        return getattr(prof, "ampd", prof)
+        cost = getattr(prof, "ampd", prof)
+        missing = sorted(set(tps) - set(getattr(cost, "tps", (1,))))
+        if missing:
+            raise ValueError(f"--perf {perf} has no fit for tp{missing[0]} (profile the model at that "
+                             f"tensor-parallel degree)")
+        return cost
     from tandem.engine.models import ModelConfig
     mc = ModelConfig.from_pretrained(model)
     params = mc.vocab_size * mc.hidden_size + mc.num_hidden_layers * (
         4 * mc.hidden_size * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
-    return nominal_cost_model(params, mc.num_hidden_layers, mc.hidden_size, int(kv_bytes_per_token), max_len)
+    return nominal_cost_model(params, mc.num_hidden_layers, mc.hidden_size, int(kv_bytes_per_token), max_len,
+                              tps=tuple(sorted(set(tps))))

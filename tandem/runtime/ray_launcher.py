@@ -273,13 +273,19 @@ class RayWorker:
         return self.exitcode
 
 
+def worker_tp(spec: WorkerSpec) -> int:
+    """A worker spec's tensor-parallel degree (its engine's tensor_parallel_size; 1 without one)."""
+    return int((spec.kwargs.get("engine_args") or {}).get("tensor_parallel_size", 1) or 1)
+
+
 @dataclass
 class RayLauncher:
     """Places workers as Ray actors: `spawn` is a launcher.Spawner (give it to Cluster).
 
     `place` maps a role (prefill, decode, colocated) to a custom resource that nodes for it offer (`ray start
-    --resources '{"NAME": 1}'`); each worker of that role takes PLACE_SHARE of it. `tp` is a worker's tensor-parallel
-    degree: its GPUs on a GPU cluster, all in one bundle of one placement group (one node)."""
+    --resources '{"NAME": 1}'`); each worker of that role takes PLACE_SHARE of it. A worker's tensor-parallel degree
+    (its spec's engine tensor_parallel_size, else `tp`) is its GPUs on a GPU cluster, or `threads` CPUs per rank,
+    all in one bundle of one placement group (one node)."""
 
     address: str | None = None
     namespace: str = field(default_factory=lambda: f"tandem-{uuid.uuid4().hex[:8]}")
@@ -313,22 +319,26 @@ class RayLauncher:
         """Where the coordinator's hub listens: this node's address, any port."""
         return f"tcp://{self.node_ip}:0"
 
-    def bundle(self, role: str | None) -> dict[str, float]:
-        """What one worker of `role` reserves: tp GPUs (GPU cluster) or `threads` CPUs, and its role's label."""
-        b: dict[str, float] = {"CPU": float(self.threads)}
+    def bundle(self, role: str | None, tp: int | None = None) -> dict[str, float]:
+        """What one worker of `role` reserves, its tensor-parallel group whole: tp GPUs (GPU cluster) or `threads`
+        CPUs per rank, and its role's label; `tp` the worker's degree (None: this launcher's)."""
+        tp = self.tp if tp is None else tp
+        b: dict[str, float] = {"CPU": float(self.threads * tp)}
         if self.gpus:
-            b["GPU"] = float(self.tp)
+            b["GPU"] = float(tp)
         if role in self.place:
             b[self.place[role]] = PLACE_SHARE
         return b
 
     def spawn(self, spec: WorkerSpec, env: WorkerEnv) -> RayWorker:
-        """Start `spec` as an actor in its own placement group (STRICT_PACK: one node); returns at once."""
+        """Start `spec` as an actor in its own placement group (STRICT_PACK: one node), which holds the worker's
+        whole tensor-parallel group (the actor's process drives it; its ranks are that process's children, on the
+        same node, within the bundle's resources); returns at once."""
         assert self._ray is not None, "RayLauncher.start() first"
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         role = spec.kwargs.get("role")
-        bundle = self.bundle(role)
+        bundle = self.bundle(role, worker_tp(spec))
         gen = self._spawned.get(spec.worker_id, 0)
         self._spawned[spec.worker_id] = gen + 1
         name = f"worker-{spec.worker_id}.{gen}"
@@ -351,4 +361,4 @@ class RayLauncher:
 
 
 __all__ = ["PLACE_SHARE", "RAY_EXTRA", "RayLaunchError", "RayLauncher", "RayUnavailable", "RayWorker",
-           "WorkerActor", "check_ray_address", "connect", "import_ray", "resolve_address"]
+           "WorkerActor", "check_ray_address", "connect", "import_ray", "resolve_address", "worker_tp"]

@@ -50,8 +50,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     import torch
 
     from tandem.engine.config import EngineConfig
-    from tandem.engine.kv_transfer import KV_PART_BYTES, cache_geometry, kv_bytes_per_token, kv_message_max_bytes, \
-        kv_part_tokens
+    from tandem.engine.kv_transfer import KV_PART_BYTES, kv_bytes_per_token, kv_message_max_bytes, kv_part_tokens
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.memory_profile import memory_report
 
@@ -61,10 +60,12 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     mark_startup("imported")
 
     cost: list = []                                            # filled once the engine knows its KV layout
+    tp = int(engine_args.get("tensor_parallel_size", 1))
     engine = LLMEngine(EngineConfig(**engine_args), role=role, worker_id=env.worker_id,
-                       t_pre=lambda h, n: cost[0].t_pre(h, n, 1), forward_events=True)
+                       t_pre=lambda h, n: cost[0].t_pre(h, n, tp), forward_events=True)
     # the queue estimates (AMPD Eq. 1-2, Alg. 2) use the cost model the coordinator routes with
-    cost.append(serving_cost_model(engine.config.model, _kv_bytes_per_token(engine), engine.max_model_len, perf))
+    cost.append(serving_cost_model(engine.config.model, _kv_bytes_per_token(engine), engine.max_model_len, perf,
+                                   tps=(tp,)))
     mark_startup("model_loaded")          # weights, KV pool, and whatever the engine warms up (CUDA graphs)
     # the model's modules and startup objects out of the cyclic GC (as the serving process and vLLM's engine core
     # do): a full collection otherwise walks them all, in the middle of some step
@@ -73,7 +74,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     store = open_store(state, cluster=cluster) if state != "embedded" else None
     # the largest KV message of this deployment caps every frame of the KV plane (the inbox drops a larger one unread,
     # before or after the handshake); every worker of a cluster has the same model, cache dtype and block size
-    geometry = cache_geometry(engine.runner.kv_caches)
+    geometry = engine.runner.wire_geometry       # every KV head, whatever the TP degree
     bs, kv_part_bytes = engine.config.block_size, KV_PART_BYTES if kv_part_bytes is None else kv_part_bytes
     part_tokens = kv_part_tokens(bs, kv_bytes_per_token(*geometry), engine.max_model_len, kv_part_bytes)
     kv_cap = kv_message_max_bytes(bs, *geometry, engine.max_model_len, kv_part_bytes)
@@ -192,6 +193,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                           "dllm_canvas": bool(engine.dllm is not None and engine.dllm.canvas),
                           "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": engine.cache_config(),
                           "kv_max_msg_bytes": kv_cap, "kv_part_tokens": part_tokens,
+                          "tensor_parallel_size": engine.config.tensor_parallel_size,
+                          "rank_pids": engine.runner.rank_pids,
                           "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
         stepper.start()
@@ -206,6 +209,11 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 kick.clear()
                 if died:
                     raise RuntimeError("this worker's step thread or a message reader died") from died[0]
+                lost_rank = engine.runner.tp_failure()
+                if lost_rank is not None:          # the group goes down as one worker; the supervisor replaces it
+                    log.error("worker %d: %s; exiting (the supervisor replaces this worker and its ranks)",
+                              env.worker_id, lost_rank)
+                    raise RuntimeError(lost_rank)
                 await flush()
                 if await publish(dirty):
                     dirty = False
@@ -214,6 +222,9 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             for t in tasks:
                 t.cancel()
             await asyncio.to_thread(stepper.join, STOP_WAIT_S)
+            # a tensor-parallel group's ranks stop with their worker: told to, or killed when a step still runs (its
+            # collective holds the group) or a rank is gone
+            engine.runner.close(force=stepper.is_alive())
             if store is not None:
                 store.remove(env.worker_id)
                 store.close()

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from tandem.core.types import DECODE, FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
 from tandem.engine.config import EngineError
-from tandem.engine.kv_transfer import KV_PART_BYTES, KVAssembly, KVPayload, KVTransferError, cache_geometry, \
+from tandem.engine.kv_transfer import KV_PART_BYTES, KVAssembly, KVPayload, KVTransferError, \
     kv_bytes_per_token, kv_part_tokens, split_kv
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestMetrics, RequestOutput
@@ -21,6 +21,9 @@ from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
 from tandem.runtime import messages as m
 
 log = logging.getLogger("tandem.worker")
+# the early messages whose engine call runs a collective of a tensor-parallel group (a session's KV gathered from or
+# scattered to the ranks): under TP they wait for the running step's end, as the step's own collectives run meanwhile
+RANK_COLLECTIVES = (m.SendKV, m.HistoryReady, m.KVArrived)
 
 
 class WorkerShell:
@@ -60,6 +63,7 @@ class WorkerShell:
         self._pending: collections.deque = collections.deque()   # (message, frames) waiting for the step's end
         self._in_step = False                                # the model runs a step (between prepare and finish)
         self._stopping = False
+        self._tp = engine.config.tensor_parallel_size > 1     # the engine's ranks run one collective at a time
 
     # ------------------------------------------------------------------ messages from the I/O thread
     def post(self, msg, frames: list | None = None) -> bool:
@@ -73,7 +77,8 @@ class WorkerShell:
                         getattr(msg, "request_id", "?"))
             return False
         with self.lock:
-            now = not self._pending and (not self._in_step or isinstance(msg, m.EARLY))
+            early = isinstance(msg, m.EARLY) and not (self._tp and isinstance(msg, RANK_COLLECTIVES))
+            now = not self._pending and (not self._in_step or early)
             if now:
                 self._apply(msg, frames)
             else:
@@ -176,7 +181,7 @@ class WorkerShell:
         if self.kv_part_tokens is None:
             eng = self.engine
             self.kv_part_tokens = kv_part_tokens(eng.config.block_size,
-                                                 kv_bytes_per_token(*cache_geometry(eng.runner.kv_caches)),
+                                                 kv_bytes_per_token(*eng.runner.wire_geometry),
                                                  eng.max_model_len, KV_PART_BYTES)
         return self.kv_part_tokens
 
@@ -227,7 +232,7 @@ class WorkerShell:
         if head.offset == 0:
             self._forget_parts()
             eng = self.engine
-            self._assembling[key] = (KVAssembly(head.total_tokens, cache_geometry(eng.runner.kv_caches),
+            self._assembling[key] = (KVAssembly(head.total_tokens, eng.runner.wire_geometry,
                                                 eng.max_model_len), head.sent_s)
         assembly, sent_s = self._assembling[key]
         if assembly.total != head.total_tokens:

@@ -61,14 +61,20 @@ class RankGroup:
         self.error: str | None = None
         self.threads = max(1, group.usable_cpus() // size) if device.type == "cpu" else torch.get_num_threads()
         self._threads_before = torch.get_num_threads()
-        self._sock = channel.listen_loopback()
-        self._store = channel.driver_store(self._sock, size)
+        sock = channel.listen_loopback()
+        self.port = sock.getsockname()[1]
+        try:
+            self._store = channel.driver_store(sock, size)
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()              # the store owns the listening descriptor now and closes it when it is dropped
         ctx = _context()
         env = dict(os.environ)
         self.procs: list[multiprocessing.process.BaseProcess] = []
         for r in range(1, size):
             dev = str(device) if device.type == "cpu" else f"cuda:{(device.index or 0) + r}"
-            spec = RankSpec(r, size, self._sock.getsockname()[1], os.getpid(), cfg, dev, self.threads, env)
+            spec = RankSpec(r, size, self.port, os.getpid(), cfg, dev, self.threads, env)
             p = ctx.Process(target=rank_main, args=(spec,), name=f"tandem-tp-rank{r}", daemon=True)
             p.start()
             self.procs.append(p)
@@ -129,6 +135,17 @@ class RankGroup:
             self._fail(f"tensor-parallel rank {r} (pid {p.pid}) {_how(p.exitcode)}: this engine cannot run steps "
                        f"any more (its requests fail); start a new one")
 
+    def failure(self) -> str | None:
+        """Why the group cannot run (a rank died, or it failed or was closed), in one line; None while it can. Reads
+        the ranks' state only: safe from another thread than the one running steps."""
+        if self.error is not None:
+            return self.error
+        dead = self._dead()
+        if not dead:
+            return None
+        r, p = dead[0]
+        return f"tensor-parallel rank {r} (pid {p.pid}) {_how(p.exitcode)}"
+
     def _dead(self) -> list[tuple[int, multiprocessing.process.BaseProcess]]:
         return [(r, p) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
 
@@ -159,7 +176,7 @@ class RankGroup:
             torch.set_num_threads(self._threads_before)
         if self.error is None:
             self.error = "the tensor-parallel engine was closed"
-        self._sock.close()
+        self._store = None         # closes the store's listening descriptor (once: never closed here as well)
         _LIVE.discard(self)
 
 

@@ -1,5 +1,6 @@
 """A tensor-parallel rank other than the driver: it loads its shard of the weights, holds its heads' paged KV, and
-runs every model call the driver broadcasts (forward, logits, KV allocation, swaps) until told to stop. It samples
+runs every model call the driver broadcasts (forward, logits, KV allocation, swaps, a session's KV out to the driver or
+in from it) until told to stop. It samples
 nothing and does no I/O; it exits by itself when the driver dies."""
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ class _Shard:
         from tandem.engine.parallel.group import TPGroup
         cfg = spec.config
         self.device = torch.device(spec.device)
+        self.rank = spec.rank
         self.model, self.mc = load_model(cfg.model, dtype_for=lambda ckpt: cfg.torch_dtype(ckpt, self.device),
                                          device=self.device, backend=cfg.attention_backend,
                                          tp=TPGroup(spec.rank, spec.size))
@@ -105,6 +107,7 @@ class _Shard:
         """Run the driver's commands in order until "stop". A command that raises here raises on the driver too
         (same code, same inputs), so the rank goes on with the next one."""
         from tandem.engine.attention import allocate_kv_cache
+        from tandem.engine.parallel import kv_group
         from tandem.engine.parallel.channel import receive_command
         import torch.distributed as dist
         while True:
@@ -122,6 +125,10 @@ class _Shard:
                                                        self.kv_heads, self.mc.head_dim, self.dtype, self.device)
                 elif op == "swap":
                     self.swap_space.apply(self.kv_caches, cmd[1], self.block_size)
+                elif op == "kv_export":
+                    kv_group.rank_export(self.rank, self.kv_caches, *cmd[1:], self.device)
+                elif op == "kv_import":
+                    kv_group.rank_import(self.kv_caches, *cmd[1:], self.device)
                 elif op == "stop":
                     break
             except Exception as e:  # noqa: BLE001 - the driver raises the same error to its caller
