@@ -76,7 +76,7 @@ class EngineConfig:
     attention_backend: str | None = None      # None/auto: flash on CUDA when installed, else sdpa
     seed: int = 0
     tensor_parallel_size: int = knob(1, "ranks per worker (one process each, rank 0 the driver that schedules and "
-                                     "samples; heads, MLP and vocabulary split; co-located workers only)",
+                                     "samples; heads, MLP and vocabulary split; --deploy sets one per role)",
                                      parse=positive_int, metavar="N", flags=("-tp", "--tensor-parallel-size"))
     enforce_eager: bool = knob(False, "CUDA: run decode steps eagerly (no CUDA graphs)")
     cuda_graph_sizes: tuple[int, ...] | None = knob(None, "CUDA: decode batch sizes captured as CUDA graphs "
