@@ -16,7 +16,7 @@ from tandem.cli.common import CLIError, csv_list, nonneg_int, positive_int, seed
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `tiny-model` on the subparsers `sub` of the tandem parser."""
-    from tandem.engine.tiny_model import ARCHS, SIZES
+    from tandem.engine.tiny_names import ARCHS, SIZES
 
     p = sub.add_parser("tiny-model", help="write a tiny Qwen3/Llama/SDAR/LLaDA checkpoint (HF layout) for tests",
                        description="Write a random model with its config, safetensors weights, byte-level BPE "

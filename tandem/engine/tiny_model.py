@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3", "llama", "sdar", "llada")
-REAL_SIZES = ("0.6b", "8b")          # qwen3 only: the real models' shapes
-SIZES = ("1m", "30m", *REAL_SIZES)
+from tandem.engine.tiny_names import ARCHS, REAL_SIZES, SIZES
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TRANSFORMERS_VERSION = "4.51.0"
 

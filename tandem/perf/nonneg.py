@@ -9,7 +9,6 @@ limit, falls back to `lsq_linear`'s bounded-variable solver, and computes the re
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import lsq_linear, nnls
 
 # NNLS's own limit is 3 x columns; an active-set method that needs more than this is cycling.
 NNLS_ITER_PER_COLUMN = 50
@@ -25,6 +24,8 @@ def nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
         raise ValueError("nonneg_lstsq needs finite values")
     if a.shape[0] == 0:
         return np.zeros(a.shape[1]), 0.0
+    from scipy.optimize import lsq_linear, nnls     # here: importing scipy.optimize costs ~0.4 s at CLI start-up
+
     try:
         x, _ = nnls(a, b, maxiter=NNLS_ITER_PER_COLUMN * max(1, a.shape[1]))
     except RuntimeError:
