@@ -18,7 +18,7 @@ class OutOfBlocks(Exception):
 class BlockManager:
     """Free pool plus per-owner block tables; the executor maps block ids to KV tensor slots."""
 
-    __slots__ = ("block_size", "num_blocks", "_free", "_ref", "_hash_of", "_by_hash", "tables",
+    __slots__ = ("block_size", "num_blocks", "_fresh", "_free", "_ref", "_hash_of", "_by_hash", "tables",
                  "prefix_hits", "prefix_queries")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
@@ -26,7 +26,11 @@ class BlockManager:
             raise ValueError("a block manager needs a positive number of blocks and block size")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # The free pool in hand-out order is blocks _fresh..num_blocks-1 (never handed out, in index order)
+        # followed by _free (returned blocks, least recently freed first): the same order as one ordered
+        # dict of every block, without building one per worker (a 256-GPU simulation has dozens).
+        self._fresh = 0
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._ref = [0] * num_blocks
         self._hash_of: dict[int, int] = {}          # block -> chained hash of its (complete) content
         self._by_hash: dict[int, int] = {}          # chained hash -> block
@@ -37,12 +41,12 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks not referenced by any owner (cached-but-unused ones included: they are evictable)."""
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (vLLM's kv_cache_usage_perc / 100)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
 
     def extra_blocks(self, owner: object, num_tokens: int) -> int:
         """Blocks `owner` still needs so that it can hold `num_tokens` tokens in total."""
@@ -52,6 +56,11 @@ class BlockManager:
 
     def _take(self) -> int:
         """Hand out the least recently freed block, forgetting any content it cached."""
+        b = self._fresh
+        if b < self.num_blocks:                     # a block never handed out caches nothing
+            self._fresh = b + 1
+            self._ref[b] = 1
+            return b
         b, _ = self._free.popitem(last=False)
         h = self._hash_of.pop(b, None)
         if h is not None:
@@ -67,7 +76,7 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - len(table)
         if need <= 0:
             return
-        if need > len(self._free):
+        if need > len(self._free) + self.num_blocks - self._fresh:
             if not table:
                 del self.tables[owner]
             raise OutOfBlocks(need)
