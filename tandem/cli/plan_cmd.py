@@ -21,7 +21,8 @@ from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, CLIError, add_cos
                                cost_note, flush_notes, load_workload, positive_float, positive_int, ray_executor,
                                seed_arg)
 
-DEFAULT_JOBS = max(1, min(os.cpu_count() or 1, 8))
+DEFAULT_JOBS = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
+"""Simulator processes: the CPUs this process may run on (taskset, cgroups), at most 8."""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

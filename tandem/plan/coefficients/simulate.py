@@ -103,3 +103,20 @@ def simulate_one(sessions: Sequence[Session], workload_key: str, spec: SimSpec, 
                        slo_attainment=m["slo_attainment"], round_slo_attainment=m["round_slo_attainment"],
                        local_prefill_fraction=m["local_prefill_fraction"], sessions_failed=m["sessions_failed"],
                        events=loop.events, wall_s=wall)
+
+
+def warm(spec: SimSpec, deploys: Sequence[str], gpus: int) -> None:
+    """Build, in this process, the step timers and routing costs that `deploys` need (the cost layer caches them per
+    process): a process pool forked afterwards inherits them instead of each process reading the tables again."""
+    from tandem.core.deploy import parse_deploy
+    from tandem.sim.cluster import SimConfig, build
+
+    seen: set[frozenset] = set()
+    for d in deploys:
+        groups = frozenset((g.tp, g.ep) for g in parse_deploy(d, gpus).groups)
+        if groups in seen:
+            continue
+        seen.add(groups)
+        with _no_gc():
+            build(SimConfig(model=spec.model, gpu=spec.gpu, gpus=gpus, deploy=d, policy=spec.policy, seed=spec.seed,
+                            **dict(spec.sim)))
