@@ -80,8 +80,14 @@ class BlockManager:
             if not table:
                 del self.tables[owner]
             raise OutOfBlocks(need)
+        fresh = self._fresh
+        n = min(need, self.num_blocks - fresh)
+        if n > 0:                                   # never-used blocks come first, in index order
+            self._fresh = fresh + n
+            self._ref[fresh:fresh + n] = [1] * n
+            table.extend(range(fresh, fresh + n))
         take = self._take
-        for _ in range(need):
+        for _ in range(need - n):
             table.append(take())
 
     def free(self, owner: object) -> int:
