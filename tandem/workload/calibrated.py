@@ -3,8 +3,8 @@
 Solving a spec (generators.solve_calibration: root finding with scipy) is cheap, but importing scipy
 costs about a second, which every `tandem plan` or `tandem simulate` on a built-in generator paid
 at start-up. The values below are what the solver returns, written with `repr` (exact round trip);
-tests/test_workload_calibration.py re-solves every entry and requires equality, so a changed spec or
-solver fails there. Regenerate with `python -m tandem.workload.calibrated`.
+tests/test_workload_calibration.py re-solves every built-in spec and requires equality, so a changed
+spec or solver fails there (the failure prints the entries to paste here).
 
 Key: generators.calibration_key(spec) (every spec field but name and rationale);
 value: (rounds_param, mu_input_first, mu_input_later, mu_output).
@@ -34,25 +34,3 @@ CALIBRATED: dict[tuple, tuple[float, float, float, float]] = {
         (0.0, 7.209996112791521, 7.209996112791521, 4.886301766402957),
 }
 
-
-def solved() -> dict[tuple, tuple[float, float, float, float]]:
-    """Every built-in spec under each prefill basis it admits, solved now (what CALIBRATED must equal)."""
-    import dataclasses
-
-    from tandem.workload.generators import PREFILL_BASES, WORKLOADS, calibration_key, solve_calibration
-    from tandem.workload.session import WorkloadError
-
-    out = {}
-    for spec in WORKLOADS.values():
-        for basis in PREFILL_BASES:
-            s = dataclasses.replace(spec, prefill_basis=basis)
-            try:
-                out[calibration_key(s)] = dataclasses.astuple(solve_calibration(s))
-            except WorkloadError:
-                continue
-    return out
-
-
-if __name__ == "__main__":
-    for key, value in solved().items():
-        print(f"    {key!r}:\n        {value!r},")
