@@ -142,11 +142,12 @@ def _row(r, result, source: str) -> dict:
 
 def cmd_plan(args) -> int:
     """`tandem plan`: validate, plan (and optionally search exhaustively), print."""
-    from tandem.bench.experiment import canonical_gpu, canonical_model
+    from tandem.perf.hardware import get_gpu       # not tandem.bench.experiment: its package imports the sweeps
+    from tandem.perf.models import get_model
     from tandem.plan import PlanError, PlanInputs, default_cache_dir, exhaustive, plan
 
     fmt = "json" if args.json else args.format
-    model, gpu = canonical_model(args.model), canonical_gpu(args.gpu)
+    model, gpu = get_model(args.model).name, get_gpu(args.gpu).name   # catalogue names (aliases resolved)
     sessions, rate, kind = _sessions(args, model)
     if args.sessions is None and kind == "generator":
         args.sessions = DEFAULT_SESSIONS

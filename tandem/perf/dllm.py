@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scipy.optimize import brentq
-
 from tandem.perf.errors import unknown_name
 
 TABLE2_BLOCK = 32
@@ -90,6 +88,8 @@ class StretchModel:
         lo, hi = 1e-6, 1.0 - 1e-9
         if not ratio(lo) > 0 > ratio(hi):
             raise ValueError(f"no stretch distribution at block {block} has mean {mean} and std {std}")
+        from scipy.optimize import brentq      # here: importing scipy.optimize costs ~0.4 s at CLI start-up
+
         p = brentq(ratio, lo, hi, xtol=1e-12)
         m1, _ = _clipped_moments(p, block)
         pi = (mean - 1.0) / (m1 - 1.0)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from tandem.knob import knob, positive_int
 
 DEFAULT_TOP_K = 3                                     # deployments a plan lists
-DEFAULT_JOBS = max(1, min(os.cpu_count() or 1, 8))   # simulator processes of a local plan
+DEFAULT_JOBS = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
+"""Simulator processes of a local plan: the CPUs this process may run on (taskset, cgroups), at most 8."""
 EXACT_MAX_GPUS = 16                                   # budgets up to this are searched exactly, larger ones by a slice
 SLICE_GPUS = 16                                       # the slice's GPUs
 

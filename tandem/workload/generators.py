@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from scipy import optimize, special, stats
 
 from tandem.workload.arrivals import check_rate, check_seed, poisson_arrivals
 from tandem.workload.session import SLO, Round, Session, WorkloadError
@@ -270,6 +269,8 @@ def workload_spec(name: str) -> WorkloadSpec:
 
 def _clipped_lognormal_mean(mu: float, sigma: float, hi: int) -> float:
     """E[clip(rint(exp(mu + sigma Z)), 1, hi)] = 1 + sum_{k=2..hi} P(exp(mu + sigma Z) >= k - 0.5)."""
+    from scipy import special
+
     k = np.arange(2, hi + 1, dtype=np.float64)
     return 1.0 + float(special.ndtr((mu - np.log(k - 0.5)) / sigma).sum())
 
@@ -277,6 +278,8 @@ def _clipped_lognormal_mean(mu: float, sigma: float, hi: int) -> float:
 @lru_cache(maxsize=256)
 def lognormal_mu_for_mean(mean: float, sigma: float, hi: int) -> float:
     """The mu whose clipped, rounded lognormal (sigma, [1, hi]) has exactly `mean`: lengths hit Table 1."""
+    from scipy import optimize
+
     guess = math.log(mean) - sigma * sigma / 2
     f = lambda mu: _clipped_lognormal_mean(mu, sigma, hi) - mean  # noqa: E731
     return float(optimize.brentq(f, guess - 10.0, guess + 10.0 + sigma * sigma, xtol=1e-10))
@@ -284,6 +287,8 @@ def lognormal_mu_for_mean(mean: float, sigma: float, hi: int) -> float:
 
 def _rounds_pmf(dist: str, param: float, shape: float | None, cap: int) -> np.ndarray:
     """P(R = r) for r = 0..cap, R = min(1 + N, cap), N Poisson(param) or NB(shape, mean param)."""
+    from scipy import stats
+
     n = np.arange(0, cap - 1)
     law = stats.poisson(param) if dist == "poisson" else stats.nbinom(shape, shape / (shape + param))
     pmf = np.zeros(cap + 1)
@@ -294,6 +299,8 @@ def _rounds_pmf(dist: str, param: float, shape: float | None, cap: int) -> np.nd
 
 def rounds_mean(dist: str, param: float, shape: float | None, cap: int) -> float:
     """E[min(1 + N, cap)] = 1 + sum_{j=1..cap-1} P(N >= j), N Poisson(param) or NB(shape, mean param)."""
+    from scipy import stats
+
     j = np.arange(0, cap - 1)
     if dist == "poisson":
         sf = stats.poisson.sf(j, param)
@@ -305,6 +312,8 @@ def rounds_mean(dist: str, param: float, shape: float | None, cap: int) -> float
 @lru_cache(maxsize=64)
 def rounds_param_for_mean(dist: str, mean_rounds: float, shape: float | None, cap: int) -> float:
     """Mean of N such that min(1 + N, cap) averages `mean_rounds` (the cap trims a little of the tail)."""
+    from scipy import optimize
+
     f = lambda m: rounds_mean(dist, m, shape, cap) - mean_rounds  # noqa: E731
     return float(optimize.brentq(f, 1e-9, 50.0 * cap, xtol=1e-12))
 
@@ -344,8 +353,24 @@ def input_means(spec: WorkloadSpec) -> tuple[float, float]:
     return f * later, later
 
 
+def calibration_key(spec: WorkloadSpec) -> tuple:
+    """What a spec's calibration depends on: every field but its name and rationale."""
+    return tuple(getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in ("name", "why"))
+
+
 @lru_cache(maxsize=64)
 def _calibrate(spec: WorkloadSpec) -> _Calibrated:
+    """The spec's solved parameters: stored for the built-in specs (tandem.workload.calibrated), else solved."""
+    from tandem.workload.calibrated import CALIBRATED
+
+    stored = CALIBRATED.get(calibration_key(spec))
+    if stored is not None:
+        return _Calibrated(*stored)
+    return solve_calibration(spec)
+
+
+def solve_calibration(spec: WorkloadSpec) -> _Calibrated:
+    """Solve the spec's rounds parameter and lognormal mus with scipy (root finding on exact means)."""
     rounds_param = 0.0
     if spec.rounds_dist != "fixed":
         rounds_param = rounds_param_for_mean(spec.rounds_dist, spec.mean_rounds, spec.rounds_shape, spec.max_rounds)
@@ -477,11 +502,15 @@ def agentic_long(num_sessions: int, seed: int, rate: float = 0.1, slo: SLO | Non
 
 def short_fraction(mu: float, sigma: float, short_tokens: int) -> float:
     """P(clip(rint(exp(mu + sigma Z)), 1, hi) < short_tokens) = P(exp(mu + sigma Z) < short_tokens - 0.5), hi >= it."""
+    from scipy import special
+
     return float(special.ndtr((math.log(short_tokens - 0.5) - mu) / sigma))
 
 
 def mu_for_short_fraction(fraction: float, sigma: float, short_tokens: int) -> float:
     """The mu whose clipped, rounded lognormal (sigma) is below `short_tokens` with probability `fraction`."""
+    from scipy import special
+
     return math.log(short_tokens - 0.5) - sigma * float(special.ndtri(fraction))
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from tandem.plan.coefficients.cache import RunCache, usable
 from tandem.plan.coefficients.measurement import Measurement
 from tandem.plan.coefficients.objective import INF
-from tandem.plan.coefficients.simulate import simulate_one
+from tandem.plan.coefficients.simulate import simulate_one, warm
 from tandem.plan.coefficients.workload import SimSpec, Workload
 from tandem.workload.session import Session
 
@@ -99,6 +99,8 @@ class Evaluator:
                 finish(d, key, hit if hit is not None else
                        simulate_one(workload.sessions, workload.key, self.spec, d, gpus, c))
             return out
+        if self._pool is None and self.executor is None:
+            warm(self.spec, [d for d, _ in queue], gpus)
         pool = self._get_pool()
         running: dict = {}
         pos = 0

@@ -1,6 +1,8 @@
 """One simulator run of a deployment, stopping early once the rounds known so far prove Z > cutoff."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
 from collections.abc import Sequence
@@ -61,6 +63,20 @@ class _Tracker:
             raise _Stop
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """No cyclic garbage collection during a run: a run allocates many long-lived objects (events, records, block
+    tables), so the collector's passes cost up to a third of its time and free nothing until the run ends;
+    the collector is back on (if it was) when the run ends, whatever its outcome."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def simulate_one(sessions: Sequence[Session], workload_key: str, spec: SimSpec, deploy: str, gpus: int,
                  cutoff: float = INF) -> Measurement:
     """Simulate `deploy` on `gpus` GPUs over `sessions`; stop early once Z > cutoff is proven."""
@@ -71,18 +87,36 @@ def simulate_one(sessions: Sequence[Session], workload_key: str, spec: SimSpec, 
     info = info_for(sessions, workload_key, get_model(spec.model).max_context)
     cfg = SimConfig(model=spec.model, gpu=spec.gpu, gpus=gpus, deploy=deploy, policy=spec.policy, seed=spec.seed,
                     **dict(spec.sim))
-    coord, _workers, loop = build(cfg)
-    t0 = time.perf_counter()
-    if math.isfinite(cutoff):
-        loop.progress = _Tracker(coord, loop, info, cutoff)
-    try:
-        loop.run(list(sessions))
-    except _Stop:
-        return Measurement(deploy, exact=False, z=cutoff, events=loop.events, wall_s=time.perf_counter() - t0)
-    wall = time.perf_counter() - t0
+    with _no_gc():
+        coord, _workers, loop = build(cfg)
+        t0 = time.perf_counter()
+        if math.isfinite(cutoff):
+            loop.progress = _Tracker(coord, loop, info, cutoff)
+        try:
+            loop.run(list(sessions))
+        except _Stop:
+            return Measurement(deploy, exact=False, z=cutoff, events=loop.events, wall_s=time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
     tn, itn, tr, itr = objective(coord.records, info)
     m = summarize(coord.records, loop.now)
     return Measurement(deploy, exact=True, z=max(tn, itn), ttft_norm=tn, itl_norm=itn, ttft_p95_s=tr, itl_p95_s=itr,
                        slo_attainment=m["slo_attainment"], round_slo_attainment=m["round_slo_attainment"],
                        local_prefill_fraction=m["local_prefill_fraction"], sessions_failed=m["sessions_failed"],
                        events=loop.events, wall_s=wall)
+
+
+def warm(spec: SimSpec, deploys: Sequence[str], gpus: int) -> None:
+    """Build, in this process, the step timers and routing costs that `deploys` need (the cost layer caches them per
+    process): a process pool forked afterwards inherits them instead of each process reading the tables again."""
+    from tandem.core.deploy import parse_deploy
+    from tandem.sim.cluster import SimConfig, build
+
+    seen: set[frozenset] = set()
+    for d in deploys:
+        groups = frozenset((g.tp, g.ep) for g in parse_deploy(d, gpus).groups)
+        if groups in seen:
+            continue
+        seen.add(groups)
+        with _no_gc():
+            build(SimConfig(model=spec.model, gpu=spec.gpu, gpus=gpus, deploy=d, policy=spec.policy, seed=spec.seed,
+                            **dict(spec.sim)))
