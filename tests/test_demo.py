@@ -7,8 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.bench.demo import DemoPlan, PolicyRun, demo_threads, plan_demo, profile_path
+from tandem.bench.demo import DemoPlan, PolicyRun, demo_threads, plan_demo
 from tandem.bench.demo_calibration import calibrate, round_costs
+from tandem.bench.demo_profile import (SIDECAR_VERSION, SPEED_POINTS, MachineKey, cache_verdict, profile_path,
+                                       sidecar_path, speed_verdict)
 from tandem.bench.demo_report import comparison, header, markdown_table, row_cells, write_outputs
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.fit import PiecewiseLinear
@@ -48,11 +50,23 @@ def test_calibration_rule_rate_and_slo_from_the_profile_costs():
     assert cal.describe()[1].startswith("SLO TTFT 24 ms, ITL 8.0 ms = 4 x the profiled unloaded p90")
 
 
+def test_calibration_on_cores_that_cannot_step_both_workers_at_once_adds_their_work():
+    # one step at a time (taskset -c 0, or two threads a worker on two cores): capacity 1 / (3.75 + 3) ms
+    cal = calibrate(SESSIONS, _cost(), load=0.65, slo_factor=4.0, parallel=1)
+    assert cal.parallel == 1 and cal.capacity == pytest.approx(1 / 0.00675)
+    assert cal.rate == pytest.approx(0.65 / 0.00675)
+    assert (cal.slo.ttft_s, cal.slo.itl_s) == pytest.approx((0.0244, 0.008))    # unloaded latencies unchanged
+    assert "the two workers share the cores one step at a time" in cal.describe()[0]
+    assert calibrate(SESSIONS, _cost(), parallel=8).capacity == pytest.approx(1 / 0.00375)
+
+
 def test_calibration_rejects_a_load_outside_0_1_and_no_sessions():
     with pytest.raises(ValueError, match="load"):
         calibrate(SESSIONS, _cost(), load=1.5)
     with pytest.raises(ValueError, match="at least one session"):
         calibrate([], _cost())
+    with pytest.raises(ValueError, match="parallel"):
+        calibrate(SESSIONS, _cost(), parallel=0)
 
 
 def test_plan_takes_the_calibrated_rate_and_slo_unless_given():
@@ -70,12 +84,49 @@ def test_plan_takes_the_calibrated_rate_and_slo_unless_given():
         [[r.input_tokens for r in s.rounds] for s in plan.sessions]
 
 
-def test_threads_follow_the_flag_then_omp_num_threads_and_each_count_has_its_profile():
+KEY = MachineKey("Xeon", 2, 1, "2.13.0")
+
+
+def test_threads_follow_the_flag_then_omp_num_threads_and_each_machine_key_has_its_profile():
     assert demo_threads(3, {"OMP_NUM_THREADS": "2"}) == 3
     assert demo_threads(None, {"OMP_NUM_THREADS": "2"}) == 2
     assert demo_threads(None, {"OMP_NUM_THREADS": "x"}) == 1 and demo_threads(None, {}) == 1
-    assert profile_path("m", 1).as_posix() == "m/profile-quick.json"
-    assert profile_path("m", 2).as_posix() == "m/profile-quick-2threads.json"
+    assert profile_path("m", KEY).as_posix() == "m/profile-quick-1t-2c.json"
+    assert profile_path("m", MachineKey("Xeon", 1, 2, "2.13.0")).as_posix() == "m/profile-quick-2t-1c.json"
+    assert sidecar_path(profile_path("m", KEY)).as_posix() == "m/profile-quick-1t-2c.speed.json"
+    # worker steps the cores run at once: cores over threads per worker, at least one
+    assert (KEY.parallel, MachineKey("x", 1, 1, "t").parallel, MachineKey("x", 2, 2, "t").parallel) == (2, 1, 1)
+
+
+def _sidecar(**over) -> dict:
+    return {"version": SIDECAR_VERSION, "key": {"cpu": "Xeon", "cores": 2, "threads": 1, "torch": "2.13.0"},
+            "profile_sha256": "abc", "seconds": [0.01] * len(SPEED_POINTS), **over}
+
+
+def test_a_cached_profile_is_used_only_with_its_machine_key_and_speed_baseline():
+    assert cache_verdict(_sidecar(), KEY, "abc") is None
+    assert cache_verdict(None, KEY, "abc") == "no speed baseline kept beside it"
+    assert cache_verdict(_sidecar(), KEY, "def") == "the profile changed since its speed baseline was timed"
+    assert cache_verdict(_sidecar(), MachineKey("Xeon", 1, 1, "2.13.0"), "abc") == \
+        "the machine changed: cores 2 -> 1"
+    assert cache_verdict(_sidecar(), MachineKey("EPYC", 2, 1, "2.14.0"), "abc") == \
+        "the machine changed: cpu 'Xeon' -> 'EPYC', torch '2.13.0' -> '2.14.0'"
+    assert cache_verdict(_sidecar(seconds=[0.01]), KEY, "abc") == \
+        "its speed baseline is not one positive time per checked step"
+
+
+def test_speed_check_keeps_the_profile_within_the_tolerance_and_calls_a_changed_machine_stale():
+    kinds = ["prefill", "prefill", "decode", "decode"]
+    same = speed_verdict([1.0, 2.0, 1.0, 1.0], [1.1, 2.0, 0.9, 1.0], kinds, tolerance=1.25)
+    # medians of now/baseline per kind: prefill (1.1, 1.0) -> 1.05, decode (0.9, 1.0) -> 0.95
+    assert (same.prefill, same.decode) == pytest.approx((1.05, 0.95)) and not same.stale
+    assert same.describe() == ("speed check: prefill steps x1.05, decode steps x0.95 of their time after profiling "
+                               "(within x1.25 either way: profile kept)")
+    slower = speed_verdict([1.0, 2.0, 1.0, 1.0], [1.0, 2.0, 1.5, 1.4], kinds, tolerance=1.25)
+    assert slower.decode == pytest.approx(1.45) and slower.stale
+    assert speed_verdict([1.0, 1.0], [0.7, 0.7], ["prefill", "decode"], 1.25).stale     # faster counts too
+    with pytest.raises(ValueError, match="> 0"):
+        speed_verdict([0.0], [1.0], ["decode"])
 
 
 SLO_ = SLO(0.1, 0.01)

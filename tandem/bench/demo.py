@@ -41,12 +41,6 @@ def demo_threads(requested: int | None, environ: Mapping[str, str] | None = None
     return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_THREADS
 
 
-def profile_path(model: str | Path, threads: int) -> Path:
-    """Where the demo keeps its quick profile of `model` at `threads` torch threads (one file per thread count)."""
-    name = "profile-quick.json" if threads == 1 else f"profile-quick-{threads}threads.json"
-    return Path(model) / name
-
-
 @dataclass
 class DemoPlan:
     """What the demo replays: the workload at its token scale, the rate and SLO, the policies."""
@@ -67,10 +61,12 @@ class DemoPlan:
 def plan_demo(profile: Profile, workload: str = "toolbench", num_sessions: int = 30, scale: float = 0.5,
               max_tokens_cap: int | None = 16, seed: int = 0, rate: float | None = None,
               slo_ttft_s: float | None = None, slo_itl_s: float | None = None, load: float = DEFAULT_LOAD,
-              slo_factor: float = DEFAULT_SLO_FACTOR, baseline: str = DEFAULT_BASELINE) -> DemoPlan:
-    """The demo's sessions, rate and SLO: calibrated from `profile` (demo_calibration), each overridden when given."""
+              slo_factor: float = DEFAULT_SLO_FACTOR, baseline: str = DEFAULT_BASELINE,
+              parallel: int = 2) -> DemoPlan:
+    """The demo's sessions, rate and SLO: calibrated from `profile` (demo_calibration; `parallel`: worker steps the
+    cores run at once), each overridden when given."""
     shapes = [scale_session(s, scale, max_tokens_cap) for s in generate(workload, num_sessions, 1.0, seed)]
-    cal = calibrate(shapes, profile.ampd, load, slo_factor)
+    cal = calibrate(shapes, profile.ampd, load, slo_factor, parallel)
     r = cal.rate if rate is None else rate
     slo = SLO(cal.slo.ttft_s if slo_ttft_s is None else slo_ttft_s, cal.slo.itl_s if slo_itl_s is None else slo_itl_s)
     # the same token counts (they do not depend on the rate), arrivals at the demo's rate

@@ -176,8 +176,9 @@ def plot_ttft(runs: Sequence[PolicyRun], slo: SLO, path: str | Path) -> Path:
 
 
 def header(plan: DemoPlan, model: str, perf: str, profile: Profile, threads: int,
-           load_avg: tuple[float, ...] | None = None) -> str:
-    """What the demo is about to do and how its rate and SLO were derived."""
+           load_avg: tuple[float, ...] | None = None, notes: Sequence[str] = ()) -> str:
+    """What the demo is about to do, what the profile cache check found (`notes`), and how its rate and SLO were
+    derived."""
     cal = plan.calibration
     lines = [f"tandem demo: {plan.workload} x{len(plan.sessions)} sessions (tokens x{plan.scale:g}"
              + (f", outputs capped at {plan.max_tokens_cap}" if plan.max_tokens_cap else "") + f") on {model}, "
@@ -185,6 +186,7 @@ def header(plan: DemoPlan, model: str, perf: str, profile: Profile, threads: int
              + ", then ".join(plan.policies) + ", each on fresh workers, then the simulator",
              f"  profile {perf}: {profile.device_name}, {profile.device.get('threads', '?')} torch thread(s), "
              f"held-out step error {100 * (profile.heldout_error.get('median') or 0):.1f}%"]
+    lines += [f"  {n}" for n in notes]
     err = profile.heldout_error.get("median") or 0.0
     if err > NOISY_PROFILE_ERROR:
         load = profile.options.get("load_avg_before")

@@ -476,9 +476,11 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """A tiny checkpoint (made once under models/) and its quick profile (once per thread count); the sessions at the
-    calibrated rate and SLO served by AMPD, then by the baseline, each on fresh workers, and simulated (bench/demo)."""
+    """A tiny checkpoint (made once under models/) and its quick profile (cached per machine, speed-checked); the
+    sessions at the calibrated rate and SLO served by AMPD, then by the baseline, each on fresh workers, and
+    simulated (bench/demo)."""
     from tandem.bench import demo, demo_report
+    from tandem.bench.demo_profile import ensure_profile, machine_key
     from tandem.engine.tokenizer import Tokenizer
     from tandem.perf.profile_io import PerfFileError, load_perf
     from tandem.perf.step_model import Profile
@@ -489,14 +491,11 @@ def cmd_demo(args) -> int:
             make_tiny_model(args.model, arch="qwen3", size="1m", seed=0)
     args.max_model_len = args.max_model_len or 4096
     args.threads = demo.demo_threads(args.threads)
-    if args.perf is None:                                   # step costs measured on this machine, once
-        args.perf = str(demo.profile_path(args.model, args.threads))
-        if not Path(args.perf).is_file():
-            from tandem.engine.profiling import ProfileOptions, profile
-            print(f"tandem demo: profiling {args.model} once at {args.threads} torch thread(s) (tandem profile "
-                  f"--quick) ...", flush=True)
-            profile(args.model, ProfileOptions(quick=True, threads=args.threads, max_len=args.max_model_len)
-                    ).to_json(args.perf)
+    key, notes = machine_key(args.threads), []
+    if args.perf is None:                    # this machine's quick profile: cached, checked against its speed
+        cached = ensure_profile(args.model, args.threads, args.max_model_len,
+                                lambda m: print(m, file=sys.stderr if args.json else sys.stdout, flush=True))
+        args.perf, key, notes = str(cached.path), cached.key, cached.notes
     try:
         prof = load_perf(args.perf)
     except (OSError, PerfFileError) as e:
@@ -505,7 +504,8 @@ def cmd_demo(args) -> int:
         raise CLIError(f"--perf {args.perf}: the demo calibrates from a `tandem profile` output")
     try:
         plan = demo.plan_demo(prof, args.workload, args.sessions, args.scale, args.max_tokens_cap, args.seed,
-                              args.rate, args.slo_ttft, args.slo_itl, args.load, args.slo_factor, args.baseline)
+                              args.rate, args.slo_ttft, args.slo_itl, args.load, args.slo_factor, args.baseline,
+                              key.parallel)
     except ValueError as e:
         raise CLIError(str(e)) from None
     args.slo_ttft, args.slo_itl = plan.slo.ttft_s, plan.slo.itl_s
@@ -519,7 +519,7 @@ def cmd_demo(args) -> int:
             yield f"http://127.0.0.1:{port}"
 
     if not args.json:
-        print(demo_report.header(plan, args.model, args.perf, prof, args.threads, _load_avg()), flush=True)
+        print(demo_report.header(plan, args.model, args.perf, prof, args.threads, _load_avg(), notes), flush=True)
     bar = SessionBar(not args.json and sys.stderr.isatty())
     try:
         runs = asyncio.run(demo.run_demo(plan, serve, Tokenizer.from_pretrained(args.model), prof, args.perf,
