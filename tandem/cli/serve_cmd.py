@@ -491,11 +491,11 @@ def cmd_demo(args) -> int:
             make_tiny_model(args.model, arch="qwen3", size="1m", seed=0)
     args.max_model_len = args.max_model_len or 4096
     args.threads = demo.demo_threads(args.threads)
-    key, notes = machine_key(args.threads), []
+    key, notes, speed = machine_key(args.threads), [], None
     if args.perf is None:                    # this machine's quick profile: cached, checked against its speed
         cached = ensure_profile(args.model, args.threads, args.max_model_len,
                                 lambda m: print(m, file=sys.stderr if args.json else sys.stdout, flush=True))
-        args.perf, key, notes = str(cached.path), cached.key, cached.notes
+        args.perf, key, notes, speed = str(cached.path), cached.key, cached.notes, cached.speed
     try:
         prof = load_perf(args.perf)
     except (OSError, PerfFileError) as e:
@@ -522,11 +522,13 @@ def cmd_demo(args) -> int:
         print(demo_report.header(plan, args.model, args.perf, prof, args.threads, _load_avg(), notes), flush=True)
     bar = SessionBar(not args.json and sys.stderr.isatty())
     try:
-        runs = asyncio.run(demo.run_demo(plan, serve, Tokenizer.from_pretrained(args.model), prof, args.perf,
-                                         on_policy=lambda p: bar.track(f"{p} sessions", len(plan.sessions))))
+        factor = {"prefill": speed.prefill, "decode": speed.decode} if speed is not None else {}
+        rt = demo.RuntimeSetup(Path(args.out, "profile-runtime.json"), factor, key.cores)
+        runs, block = asyncio.run(demo.run_demo(plan, serve, Tokenizer.from_pretrained(args.model), prof, args.perf,
+                                                lambda p: bar.track(f"{p} sessions", len(plan.sessions)), rt))
     finally:
         bar.close()
-    results = demo_report.write_outputs(args.out, plan, runs)
+    results = demo_report.write_outputs(args.out, plan, runs, block)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0 if all(r.measured.get("sessions_completed") for r in runs) else 1
@@ -534,7 +536,7 @@ def cmd_demo(args) -> int:
         for run in runs:
             print_table({**run.measured, "workload": args.workload, "rate": plan.rate, "seed": args.seed})
     demo_report.print_comparison(demo_report.comparison(runs), demo_report.title(plan))
-    print("\n".join(demo_report.footer(args.out, runs, prof)))
+    print("\n".join(demo_report.footer(args.out, runs, prof, block)))
     return 0 if all(r.measured.get("sessions_completed") for r in runs) else 1
 
 
