@@ -197,3 +197,49 @@ def test_header_prints_the_derived_rate_and_slo_and_calls_out_a_noisy_profile():
     noisy = header(plan, "m", "m/p.json", prof, 1).splitlines()
     assert noisy[2] == ("  the profile predicts its held-out steps 50% off (made at load average 6.2): the rate and "
                         "SLO below are as rough; delete m/p.json to profile again on a quieter machine")
+
+
+class _Timer:
+    """A stand-in for the speed check's step timer: the times it returns, in turn."""
+
+    calls: list[list[float]] = []
+
+    def __init__(self, model, threads) -> None:
+        pass
+
+    def times(self) -> list[float]:
+        return _Timer.calls.pop(0)
+
+
+class _Profile:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def to_json(self, path) -> None:
+        path.write_text(json.dumps({"profile": self.n}))
+
+
+def test_ensure_profile_profiles_once_keeps_it_while_as_fast_and_again_when_slower(tmp_path, monkeypatch):
+    import tandem.engine.profiling as profiling
+    from tandem.bench import demo_profile
+
+    made = []
+    monkeypatch.setattr(profiling, "profile", lambda model, opt: made.append(opt) or _Profile(len(made)))
+    monkeypatch.setattr(demo_profile, "StepTimer", _Timer)
+    logs: list[str] = []
+    n = len(SPEED_POINTS)
+    _Timer.calls = [[0.01] * n]                                  # the baseline just after the first profile
+    first = demo_profile.ensure_profile(tmp_path, 1, 4096, logs.append)
+    assert len(made) == 1 and made[0].quick and made[0].threads == 1 and first.speed is None
+    assert first.notes == ["profiled now (none cached for this machine)"]
+    assert json.loads(sidecar_path(first.path).read_text())["seconds"] == [0.01] * n
+    _Timer.calls = [[0.011] * n]                                 # 10% slower: kept
+    kept = demo_profile.ensure_profile(tmp_path, 1, 4096, logs.append)
+    assert len(made) == 1 and kept.speed is not None and not kept.speed.stale
+    assert kept.notes[0].startswith("speed check: prefill steps x1.10, decode steps x1.10")
+    _Timer.calls = [[0.02] * n, [0.02] * n]                      # twice as slow: profiled again, a new baseline
+    again = demo_profile.ensure_profile(tmp_path, 1, 4096, logs.append)
+    assert len(made) == 2 and again.speed is None
+    assert again.notes[-1] == "profiled now (the speed check found the machine's speed changed)"
+    assert json.loads(sidecar_path(again.path).read_text())["seconds"] == [0.02] * n
+    assert len(logs) == 2 and "the speed check found the machine's speed changed" in logs[1]

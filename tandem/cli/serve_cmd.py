@@ -493,8 +493,11 @@ def cmd_demo(args) -> int:
     args.threads = demo.demo_threads(args.threads)
     key, notes, speed = machine_key(args.threads), [], None
     if args.perf is None:                    # this machine's quick profile: cached, checked against its speed
-        cached = ensure_profile(args.model, args.threads, args.max_model_len,
-                                lambda m: print(m, file=sys.stderr if args.json else sys.stdout, flush=True))
+        try:
+            cached = ensure_profile(args.model, args.threads, args.max_model_len,
+                                    lambda m: print(m, file=sys.stderr if args.json else sys.stdout, flush=True))
+        except OSError as e:
+            raise CLIError(f"--model {args.model}: cannot keep its profile there ({e})") from None
         args.perf, key, notes, speed = str(cached.path), cached.key, cached.notes, cached.speed
     try:
         prof = load_perf(args.perf)
