@@ -11,12 +11,13 @@ about 10 s on two cores) and the run's rate and SLO follow it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -157,18 +158,15 @@ class StepTimer:
             for p in self.points:                 # warm-up
                 self.bench.run(p)
 
-    def _at_threads(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def scope():
-            before = self._torch.get_num_threads()
-            self._torch.set_num_threads(self.threads)
-            try:
-                yield
-            finally:
-                self._torch.set_num_threads(before)
-        return scope()
+    @contextlib.contextmanager
+    def _at_threads(self) -> Iterator[None]:
+        """torch at the workers' thread count inside, its own count restored after."""
+        before = self._torch.get_num_threads()
+        self._torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            self._torch.set_num_threads(before)
 
     def times(self, repeats: int = SPEED_REPEATS) -> list[float]:
         """Median seconds of each checked step over `repeats` interleaved passes."""
