@@ -193,6 +193,11 @@ def test_header_prints_the_derived_rate_and_slo_and_calls_out_a_noisy_profile():
     text = header(plan, "m", "m/p.json", prof, 1, (1.0, 2.0, 3.0)).splitlines()
     assert text[2].startswith("  rate 173.33 sessions/s = 0.65 x") and text[3].startswith("  SLO TTFT 24 ms")
     assert text[4] == "  load average 1.00 2.00 3.00 over 2 cores (other jobs slow the live runs, not the simulation)"
+    slow = DemoPlan("toolbench", [Session("a", 0.0, [Round(10, 1)]), Session("b", 95.0, [Round(10, 1)])], 0.02,
+                    SLO(0.0244, 0.008), calibrate(SESSIONS, _cost(), 0.65, 4.0), ("ampd", "dynamo"), 0.5, 16, 0)
+    assert header(slow, "m", "m/p.json", prof, 1).splitlines()[3] == (
+        "  at this rate the sessions arrive over 95 s for each policy: the machine profiled slow (see the load "
+        "average below); Ctrl-C and --rate, or a quieter machine, shorten it")
     prof.heldout_error = {"median": 0.5}
     noisy = header(plan, "m", "m/p.json", prof, 1).splitlines()
     assert noisy[2] == ("  the profile predicts its held-out steps 50% off (made at load average 6.2): the rate and "

@@ -15,6 +15,7 @@ from tandem.workload.session import SLO
 
 TABLE_WIDTH = 118               # a piped table's width
 NOISY_PROFILE_ERROR = 0.15      # a profile whose median held-out step error exceeds this is called out
+LONG_ARRIVALS_S = 60.0          # sessions arriving over longer than this (per policy) are called out
 PNG_NAME = "ttft.png"
 TABLE_NAME = "table.md"
 RESULTS_NAME = "results.json"
@@ -210,6 +211,10 @@ def header(plan: DemoPlan, model: str, perf: str, profile: Profile, threads: int
         lines.append(f"  rate {plan.rate:g} sessions/s (--rate; calibrated: {derived[0]})")
     else:
         lines.append(f"  {derived[0]}")
+    span = max((s.arrival_s for s in plan.sessions), default=0.0)
+    if span > LONG_ARRIVALS_S:
+        lines.append(f"  at this rate the sessions arrive over {span:.0f} s for each policy: the machine profiled "
+                     f"slow (see the load average below); Ctrl-C and --rate, or a quieter machine, shorten it")
     if plan.slo_given:
         lines.append(f"  SLO TTFT {1e3 * plan.slo.ttft_s:g} ms, ITL {1e3 * plan.slo.itl_s:g} ms (given; calibrated: "
                      f"{derived[1]})")
