@@ -172,13 +172,14 @@ async def run_demo(plan: DemoPlan, serve: Serve, tokenizer, profile: Profile, pe
                    runtime: RuntimeSetup | None = None) -> tuple[list[PolicyRun], dict | None]:
     """Each policy of the plan in turn: a server started by `serve`, the sessions replayed, the server stopped; then
     the same sessions simulated. `on_policy(policy)` may return a per-session callback (a progress bar). With
-    `runtime`, the first server runs the runtime probe before its sessions, and each policy is simulated again
-    with the measured runtime block (returned beside the runs)."""
+    `runtime`, each server runs the runtime probe before its sessions, and each policy is simulated again with
+    the block measured on the first one (returned beside the runs)."""
     runs, probe = [], None
     for policy in plan.policies:
         done = on_policy(policy) if on_policy is not None else None
         async with serve(policy) as url:
-            res, p = await run_policy(plan, url, tokenizer, done, probe=runtime is not None and probe is None)
+            # every server runs the probe (the same work before the measured sessions); the first one's is kept
+            res, p = await run_policy(plan, url, tokenizer, done, probe=runtime is not None)
         probe = probe or p
         load = None
         with contextlib.suppress(OSError):
