@@ -13,7 +13,7 @@ from tandem.perf.step_model import Profile
 from tandem.workload.records import SessionRecord, dump_records
 from tandem.workload.session import SLO
 
-TABLE_WIDTH = 118               # a piped table's width
+TABLE_WIDTH = 130               # a piped table's width (three rows a policy, differences in every cell)
 NOISY_PROFILE_ERROR = 0.15      # a profile whose median held-out step error exceeds this is called out
 LONG_ARRIVALS_S = 60.0          # sessions arriving over longer than this (per policy) are called out
 PNG_NAME = "ttft.png"
