@@ -7,8 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.bench.demo import DemoPlan, PolicyRun, demo_threads, plan_demo, profile_path
+from tandem.bench.demo import DemoPlan, PolicyRun, demo_threads, plan_demo
 from tandem.bench.demo_calibration import calibrate, round_costs
+from tandem.bench.demo_profile import (SIDECAR_VERSION, SPEED_POINTS, MachineKey, cache_verdict, profile_path,
+                                       sidecar_path, speed_verdict)
 from tandem.bench.demo_report import comparison, header, markdown_table, row_cells, write_outputs
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.perf.fit import PiecewiseLinear
@@ -48,11 +50,23 @@ def test_calibration_rule_rate_and_slo_from_the_profile_costs():
     assert cal.describe()[1].startswith("SLO TTFT 24 ms, ITL 8.0 ms = 4 x the profiled unloaded p90")
 
 
+def test_calibration_on_cores_that_cannot_step_both_workers_at_once_adds_their_work():
+    # one step at a time (taskset -c 0, or two threads a worker on two cores): capacity 1 / (3.75 + 3) ms
+    cal = calibrate(SESSIONS, _cost(), load=0.65, slo_factor=4.0, parallel=1)
+    assert cal.parallel == 1 and cal.capacity == pytest.approx(1 / 0.00675)
+    assert cal.rate == pytest.approx(0.65 / 0.00675)
+    assert (cal.slo.ttft_s, cal.slo.itl_s) == pytest.approx((0.0244, 0.008))    # unloaded latencies unchanged
+    assert "the two workers share the cores one step at a time" in cal.describe()[0]
+    assert calibrate(SESSIONS, _cost(), parallel=8).capacity == pytest.approx(1 / 0.00375)
+
+
 def test_calibration_rejects_a_load_outside_0_1_and_no_sessions():
     with pytest.raises(ValueError, match="load"):
         calibrate(SESSIONS, _cost(), load=1.5)
     with pytest.raises(ValueError, match="at least one session"):
         calibrate([], _cost())
+    with pytest.raises(ValueError, match="parallel"):
+        calibrate(SESSIONS, _cost(), parallel=0)
 
 
 def test_plan_takes_the_calibrated_rate_and_slo_unless_given():
@@ -70,12 +84,49 @@ def test_plan_takes_the_calibrated_rate_and_slo_unless_given():
         [[r.input_tokens for r in s.rounds] for s in plan.sessions]
 
 
-def test_threads_follow_the_flag_then_omp_num_threads_and_each_count_has_its_profile():
+KEY = MachineKey("Xeon", 2, 1, "2.13.0")
+
+
+def test_threads_follow_the_flag_then_omp_num_threads_and_each_machine_key_has_its_profile():
     assert demo_threads(3, {"OMP_NUM_THREADS": "2"}) == 3
     assert demo_threads(None, {"OMP_NUM_THREADS": "2"}) == 2
     assert demo_threads(None, {"OMP_NUM_THREADS": "x"}) == 1 and demo_threads(None, {}) == 1
-    assert profile_path("m", 1).as_posix() == "m/profile-quick.json"
-    assert profile_path("m", 2).as_posix() == "m/profile-quick-2threads.json"
+    assert profile_path("m", KEY).as_posix() == "m/profile-quick-1t-2c.json"
+    assert profile_path("m", MachineKey("Xeon", 1, 2, "2.13.0")).as_posix() == "m/profile-quick-2t-1c.json"
+    assert sidecar_path(profile_path("m", KEY)).as_posix() == "m/profile-quick-1t-2c.speed.json"
+    # worker steps the cores run at once: cores over threads per worker, at least one
+    assert (KEY.parallel, MachineKey("x", 1, 1, "t").parallel, MachineKey("x", 2, 2, "t").parallel) == (2, 1, 1)
+
+
+def _sidecar(**over) -> dict:
+    return {"version": SIDECAR_VERSION, "key": {"cpu": "Xeon", "cores": 2, "threads": 1, "torch": "2.13.0"},
+            "profile_sha256": "abc", "seconds": [0.01] * len(SPEED_POINTS), **over}
+
+
+def test_a_cached_profile_is_used_only_with_its_machine_key_and_speed_baseline():
+    assert cache_verdict(_sidecar(), KEY, "abc") is None
+    assert cache_verdict(None, KEY, "abc") == "no speed baseline kept beside it"
+    assert cache_verdict(_sidecar(), KEY, "def") == "the profile changed since its speed baseline was timed"
+    assert cache_verdict(_sidecar(), MachineKey("Xeon", 1, 1, "2.13.0"), "abc") == \
+        "the machine changed: cores 2 -> 1"
+    assert cache_verdict(_sidecar(), MachineKey("EPYC", 2, 1, "2.14.0"), "abc") == \
+        "the machine changed: cpu 'Xeon' -> 'EPYC', torch '2.13.0' -> '2.14.0'"
+    assert cache_verdict(_sidecar(seconds=[0.01]), KEY, "abc") == \
+        "its speed baseline is not one positive time per checked step"
+
+
+def test_speed_check_keeps_the_profile_within_the_tolerance_and_calls_a_changed_machine_stale():
+    kinds = ["prefill", "prefill", "decode", "decode"]
+    same = speed_verdict([1.0, 2.0, 1.0, 1.0], [1.1, 2.0, 0.9, 1.0], kinds, tolerance=1.25)
+    # medians of now/baseline per kind: prefill (1.1, 1.0) -> 1.05, decode (0.9, 1.0) -> 0.95
+    assert (same.prefill, same.decode) == pytest.approx((1.05, 0.95)) and not same.stale
+    assert same.describe() == ("speed check: prefill steps x1.05, decode steps x0.95 of their time after profiling "
+                               "(within x1.25 either way: profile kept)")
+    slower = speed_verdict([1.0, 2.0, 1.0, 1.0], [1.0, 2.0, 1.5, 1.4], kinds, tolerance=1.25)
+    assert slower.decode == pytest.approx(1.45) and slower.stale
+    assert speed_verdict([1.0, 1.0], [0.7, 0.7], ["prefill", "decode"], 1.25).stale     # faster counts too
+    with pytest.raises(ValueError, match="> 0"):
+        speed_verdict([0.0], [1.0], ["decode"])
 
 
 SLO_ = SLO(0.1, 0.01)
@@ -142,7 +193,58 @@ def test_header_prints_the_derived_rate_and_slo_and_calls_out_a_noisy_profile():
     text = header(plan, "m", "m/p.json", prof, 1, (1.0, 2.0, 3.0)).splitlines()
     assert text[2].startswith("  rate 173.33 sessions/s = 0.65 x") and text[3].startswith("  SLO TTFT 24 ms")
     assert text[4] == "  load average 1.00 2.00 3.00 over 2 cores (other jobs slow the live runs, not the simulation)"
+    slow = DemoPlan("toolbench", [Session("a", 0.0, [Round(10, 1)]), Session("b", 95.0, [Round(10, 1)])], 0.02,
+                    SLO(0.0244, 0.008), calibrate(SESSIONS, _cost(), 0.65, 4.0), ("ampd", "dynamo"), 0.5, 16, 0)
+    assert header(slow, "m", "m/p.json", prof, 1).splitlines()[3] == (
+        "  at this rate the sessions arrive over 95 s for each policy: the machine profiled slow (see the load "
+        "average below); Ctrl-C and --rate, or a quieter machine, shorten it")
     prof.heldout_error = {"median": 0.5}
     noisy = header(plan, "m", "m/p.json", prof, 1).splitlines()
     assert noisy[2] == ("  the profile predicts its held-out steps 50% off (made at load average 6.2): the rate and "
                         "SLO below are as rough; delete m/p.json to profile again on a quieter machine")
+
+
+class _Timer:
+    """A stand-in for the speed check's step timer: the times it returns, in turn."""
+
+    calls: list[list[float]] = []
+
+    def __init__(self, model, threads) -> None:
+        pass
+
+    def times(self) -> list[float]:
+        return _Timer.calls.pop(0)
+
+
+class _Profile:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def to_json(self, path) -> None:
+        path.write_text(json.dumps({"profile": self.n}))
+
+
+def test_ensure_profile_profiles_once_keeps_it_while_as_fast_and_again_when_slower(tmp_path, monkeypatch):
+    import tandem.engine.profiling as profiling
+    from tandem.bench import demo_profile
+
+    made = []
+    monkeypatch.setattr(profiling, "profile", lambda model, opt: made.append(opt) or _Profile(len(made)))
+    monkeypatch.setattr(demo_profile, "StepTimer", _Timer)
+    logs: list[str] = []
+    n = len(SPEED_POINTS)
+    _Timer.calls = [[0.01] * n]                                  # the baseline just after the first profile
+    first = demo_profile.ensure_profile(tmp_path, 1, 4096, logs.append)
+    assert len(made) == 1 and made[0].quick and made[0].threads == 1 and first.speed is None
+    assert first.notes == ["profiled now (none cached for this machine)"]
+    assert json.loads(sidecar_path(first.path).read_text())["seconds"] == [0.01] * n
+    _Timer.calls = [[0.011] * n]                                 # 10% slower: kept
+    kept = demo_profile.ensure_profile(tmp_path, 1, 4096, logs.append)
+    assert len(made) == 1 and kept.speed is not None and not kept.speed.stale
+    assert kept.notes[0].startswith("speed check: prefill steps x1.10, decode steps x1.10")
+    _Timer.calls = [[0.02] * n, [0.02] * n]                      # twice as slow: profiled again, a new baseline
+    again = demo_profile.ensure_profile(tmp_path, 1, 4096, logs.append)
+    assert len(made) == 2 and again.speed is None
+    assert again.notes[-1] == "profiled now (the speed check found the machine's speed changed)"
+    assert json.loads(sidecar_path(again.path).read_text())["seconds"] == [0.02] * n
+    assert len(logs) == 2 and "the speed check found the machine's speed changed" in logs[1]

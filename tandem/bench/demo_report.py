@@ -8,12 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.bench.demo import DemoPlan, PolicyRun, deployment
+from tandem.bench.demo_runtime import describe as describe_runtime
 from tandem.perf.step_model import Profile
 from tandem.workload.records import SessionRecord, dump_records
 from tandem.workload.session import SLO
 
-TABLE_WIDTH = 118               # a piped table's width
+TABLE_WIDTH = 130               # a piped table's width (three rows a policy, differences in every cell)
 NOISY_PROFILE_ERROR = 0.15      # a profile whose median held-out step error exceeds this is called out
+LONG_ARRIVALS_S = 60.0          # sessions arriving over longer than this (per policy) are called out
 PNG_NAME = "ttft.png"
 TABLE_NAME = "table.md"
 RESULTS_NAME = "results.json"
@@ -47,11 +49,11 @@ def measured_figures(run: PolicyRun) -> dict:
     return figures(run.measured, run.records, run.measured.get("local_prefills"), run.measured.get("remote_prefills"))
 
 
-def simulated_figures(run: PolicyRun) -> dict:
-    """The simulation's row (local/remote from where each simulated round was prefilled)."""
-    where = [r.prefill_where for s in run.sim_records for r in s.rounds if r.prefill_where]
+def simulated_figures(summary: dict, records: Sequence[SessionRecord]) -> dict:
+    """A simulation's row (local/remote from where each simulated round was prefilled)."""
+    where = [r.prefill_where for s in records for r in s.rounds if r.prefill_where]
     remote = sum(1 for w in where if w == "remote")
-    return figures(run.simulated, run.sim_records, len(where) - remote, remote)
+    return figures(summary, records, len(where) - remote, remote)
 
 
 def _share(split: tuple[int, int] | None) -> float | None:
@@ -75,13 +77,21 @@ def difference(sim: dict, real: dict) -> dict:
     return out
 
 
+SIM_SOURCES = ("simulated", "sim+runtime")      # the profile's steps alone; with the measured runtime block
+
+
 def comparison(runs: Sequence[PolicyRun]) -> list[dict]:
-    """Two rows per policy: measured, then simulated with its difference to the measured row."""
+    """Per policy: the measured row, then the simulated one (the profile's steps alone) and, when the runtime was
+    measured, the simulation with it, each with its difference to the measured row."""
     rows = []
     for run in runs:
-        real, sim = measured_figures(run), simulated_figures(run)
+        real = measured_figures(run)
         rows.append({"policy": run.policy, "source": "measured", "figures": real, "diff": None})
-        rows.append({"policy": run.policy, "source": "simulated", "figures": sim, "diff": difference(sim, real)})
+        for source, summary, records in ((SIM_SOURCES[0], run.simulated, run.sim_records),
+                                         (SIM_SOURCES[1], run.simulated_rt, run.sim_rt_records)):
+            if records:
+                sim = simulated_figures(summary, records)
+                rows.append({"policy": run.policy, "source": source, "figures": sim, "diff": difference(sim, real)})
     return rows
 
 
@@ -131,7 +141,8 @@ def print_comparison(rows: Sequence[dict], title: str) -> None:
     for _, header, _ in COLUMNS:
         table.add_column(header, justify="right")
     for i, row in enumerate(rows):
-        table.add_row(*row_cells(row), end_section=row["source"] == "simulated" and i < len(rows) - 1)
+        last = i == len(rows) - 1 or rows[i + 1]["source"] == "measured"
+        table.add_row(*row_cells(row), end_section=last and i < len(rows) - 1)
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, TABLE_WIDTH)     # piped: wide enough for one line a row
@@ -157,10 +168,12 @@ def plot_ttft(runs: Sequence[PolicyRun], slo: SLO, path: str | Path) -> Path:
         if pts:
             ax.plot([t for t, _ in pts], [1e3 * y for _, y in pts], "o-", color=c, ms=3.5, lw=0.8, alpha=0.85,
                     label=label)
-        sim = sorted((r.arrival_s, r.ttft_s) for s in run.sim_records for r in s.rounds if r.ttft_s is not None)
+        sim_records, what = ((run.sim_rt_records, "simulated + measured runtime") if run.sim_rt_records
+                             else (run.sim_records, "simulated"))
+        sim = sorted((r.arrival_s, r.ttft_s) for s in sim_records for r in s.rounds if r.ttft_s is not None)
         if sim:
-            ax.plot([t for t, _ in sim], [1e3 * y for _, y in sim], "x", color=c, ms=4, alpha=0.35,
-                    label=f"{run.policy} simulated")
+            ax.plot([t for t, _ in sim], [1e3 * y for _, y in sim], "x", color=c, ms=4, alpha=0.45,
+                    label=f"{run.policy} {what}")
     ax.axhline(1e3 * slo.ttft_s, color="black", ls="--", lw=1, label=f"TTFT SLO {1e3 * slo.ttft_s:.0f} ms")
     ax.set_yscale("log")
     ax.set_xlabel("round sent (s from the start of the run)")
@@ -176,8 +189,9 @@ def plot_ttft(runs: Sequence[PolicyRun], slo: SLO, path: str | Path) -> Path:
 
 
 def header(plan: DemoPlan, model: str, perf: str, profile: Profile, threads: int,
-           load_avg: tuple[float, ...] | None = None) -> str:
-    """What the demo is about to do and how its rate and SLO were derived."""
+           load_avg: tuple[float, ...] | None = None, notes: Sequence[str] = ()) -> str:
+    """What the demo is about to do, what the profile cache check found (`notes`), and how its rate and SLO were
+    derived."""
     cal = plan.calibration
     lines = [f"tandem demo: {plan.workload} x{len(plan.sessions)} sessions (tokens x{plan.scale:g}"
              + (f", outputs capped at {plan.max_tokens_cap}" if plan.max_tokens_cap else "") + f") on {model}, "
@@ -185,6 +199,7 @@ def header(plan: DemoPlan, model: str, perf: str, profile: Profile, threads: int
              + ", then ".join(plan.policies) + ", each on fresh workers, then the simulator",
              f"  profile {perf}: {profile.device_name}, {profile.device.get('threads', '?')} torch thread(s), "
              f"held-out step error {100 * (profile.heldout_error.get('median') or 0):.1f}%"]
+    lines += [f"  {n}" for n in notes]
     err = profile.heldout_error.get("median") or 0.0
     if err > NOISY_PROFILE_ERROR:
         load = profile.options.get("load_avg_before")
@@ -196,6 +211,10 @@ def header(plan: DemoPlan, model: str, perf: str, profile: Profile, threads: int
         lines.append(f"  rate {plan.rate:g} sessions/s (--rate; calibrated: {derived[0]})")
     else:
         lines.append(f"  {derived[0]}")
+    span = max((s.arrival_s for s in plan.sessions), default=0.0)
+    if span > LONG_ARRIVALS_S:
+        lines.append(f"  at this rate the sessions arrive over {span:.0f} s for each policy: the machine profiled "
+                     f"slow (see the load average below); Ctrl-C and --rate, or a quieter machine, shorten it")
     if plan.slo_given:
         lines.append(f"  SLO TTFT {1e3 * plan.slo.ttft_s:g} ms, ITL {1e3 * plan.slo.itl_s:g} ms (given; calibrated: "
                      f"{derived[1]})")
@@ -214,42 +233,76 @@ def title(plan: DemoPlan) -> str:
             f"profile (difference to measured)")
 
 
-def footer(out: str | Path, runs: Sequence[PolicyRun], profile: Profile) -> list[str]:
-    """Where the files went, the load during each run, and what the simulation leaves out."""
+def _attainment(summary: dict) -> float | None:
+    return summary.get("round_slo_attainment")
+
+
+def verdict(runs: Sequence[PolicyRun]) -> str | None:
+    """What the SLO leaves AMPD to win, from the runs themselves: the measured attainment of AMPD and the baseline
+    beside the simulator's (the same sessions without other jobs or run-to-run variation; with the measured
+    runtime when there is one); None without two runs."""
+    if len(runs) < 2:
+        return None
+    a, b = runs[0], runs[1]
+    ma, mb = _attainment(a.measured), _attainment(b.measured)
+    sa, sb = _attainment(a.simulated_rt or a.simulated), _attainment(b.simulated_rt or b.simulated)
+    if ma is None or mb is None:
+        return None
+    line = f"round SLO attainment measured: {a.policy} {100 * ma:.1f}%, {b.policy} {100 * mb:.1f}%"
+    if sa is None or sb is None:
+        return line
+    if round(1000 * sa) == round(1000 * sb):
+        return (line + f"; simulated, both {100 * sa:.1f}%: at this SLO the simulator leaves {a.policy} nothing to "
+                f"win over {b.policy}, so the measured gap is run-to-run variation (fresh workers, one run after "
+                f"the other, other jobs on the machine), not the policy")
+    return line + f"; simulated {a.policy} {100 * sa:.1f}%, {b.policy} {100 * sb:.1f}%"
+
+
+def footer(out: str | Path, runs: Sequence[PolicyRun], profile: Profile, runtime: dict | None = None) -> list[str]:
+    """Where the files went, the load during each run, and what each simulation leaves out or measured."""
     folder = Path(out)
     loads = ", ".join(f"{r.policy} {r.load_avg[0]:.2f}" for r in runs if r.load_avg is not None)
     lines = [f"per-round TTFT over time: {folder / PNG_NAME}  (table: {folder / TABLE_NAME}, everything: "
              f"{folder / RESULTS_NAME})"]
     if loads:
         lines.append(f"1-minute load average after each live run: {loads}")
+    v = verdict(runs)
+    if v is not None:
+        lines.append(v)
     if profile.runtime is None:
-        lines.append("the simulator prices engine steps and KV transfers from the profile; a quick profile has no "
-                     "measured runtime costs (HTTP, messages between steps, other processes on the cores), which "
-                     "the live runs pay")
+        lines.append("simulated: engine steps and KV transfers priced from the profile alone; a quick profile has "
+                     "no runtime costs (HTTP, messages between steps, the serving process's CPU on the same cores), "
+                     "which the live runs pay")
+    if runtime is not None:
+        lines.append(f"sim+runtime: the same with the {describe_runtime(runtime)} (a probe before the measured "
+                     f"sessions; other jobs on the machine are in neither simulation)")
     return lines
 
 
-def results(plan: DemoPlan, runs: Sequence[PolicyRun]) -> dict:
+def results(plan: DemoPlan, runs: Sequence[PolicyRun], runtime: dict | None = None) -> dict:
     """Everything the demo measured and simulated, JSON-ready."""
     return {"workload": plan.workload, "sessions": len(plan.sessions), "scale": plan.scale,
             "max_tokens_cap": plan.max_tokens_cap, "seed": plan.seed, "rate": plan.rate,
             "slo": {"ttft_s": plan.slo.ttft_s, "itl_s": plan.slo.itl_s},
             "rate_given": plan.rate_given, "slo_given": plan.slo_given,
             "calibration": {**dataclasses.asdict(plan.calibration), "describe": plan.calibration.describe()},
-            "comparison": comparison(runs),
+            "comparison": comparison(runs), "runtime": runtime,
             "runs": [{"policy": r.policy, "deployment": deployment(r.policy), "load_avg": r.load_avg,
-                      "measured": r.measured, "simulated": r.simulated} for r in runs]}
+                      "measured": r.measured, "simulated": r.simulated, "simulated_runtime": r.simulated_rt or None}
+                     for r in runs]}
 
 
-def write_outputs(out: str | Path, plan: DemoPlan, runs: Sequence[PolicyRun]) -> dict:
+def write_outputs(out: str | Path, plan: DemoPlan, runs: Sequence[PolicyRun], runtime: dict | None = None) -> dict:
     """results.json, table.md and the TTFT PNG into `out` (made if absent); returns the results with the paths."""
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    res = results(plan, runs)
+    res = results(plan, runs, runtime)
     res["png"] = str(plot_ttft(runs, plan.slo, folder / PNG_NAME))
     (folder / TABLE_NAME).write_text(f"{title(plan)}\n\n{markdown_table(res['comparison'])}\n")
     (folder / RESULTS_NAME).write_text(json.dumps(res, indent=1, default=str) + "\n")
     for run in runs:                                 # every round, measured and simulated (`tandem bench --records`)
         dump_records(run.records, folder / f"records-{run.policy}.jsonl")
         dump_records(run.sim_records, folder / f"records-{run.policy}-simulated.jsonl")
+        if run.sim_rt_records:
+            dump_records(run.sim_rt_records, folder / f"records-{run.policy}-simulated-runtime.jsonl")
     return res

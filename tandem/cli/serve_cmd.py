@@ -293,9 +293,11 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """A tiny checkpoint (made once under models/) and its quick profile (once per thread count); the sessions at the
-    calibrated rate and SLO served by AMPD, then by the baseline, each on fresh workers, and simulated (bench/demo)."""
+    """A tiny checkpoint (made once under models/) and its quick profile (cached per machine, speed-checked); the
+    sessions at the calibrated rate and SLO served by AMPD, then by the baseline, each on fresh workers, and
+    simulated (bench/demo)."""
     from tandem.bench import demo, demo_report
+    from tandem.bench.demo_profile import ensure_profile, machine_key
     from tandem.engine.tokenizer import Tokenizer
     from tandem.perf.profile_io import PerfFileError, load_perf
     from tandem.perf.step_model import Profile
@@ -305,14 +307,14 @@ def cmd_demo(args) -> int:
             from tandem.engine.tiny_model import make_tiny_model
             make_tiny_model(args.model, arch="qwen3", size="1m", seed=0)
     args.threads = demo.demo_threads(args.threads)
-    if args.perf is None:                                   # step costs measured on this machine, once
-        args.perf = str(demo.profile_path(args.model, args.threads))
-        if not Path(args.perf).is_file():
-            from tandem.engine.profiling import ProfileOptions, profile
-            print(f"tandem demo: profiling {args.model} once at {args.threads} torch thread(s) (tandem profile "
-                  f"--quick) ...", flush=True)
-            profile(args.model, ProfileOptions(quick=True, threads=args.threads, max_len=args.max_model_len)
-                    ).to_json(args.perf)
+    key, notes, speed = machine_key(args.threads), [], None
+    if args.perf is None:                    # this machine's quick profile: cached, checked against its speed
+        try:
+            cached = ensure_profile(args.model, args.threads, args.max_model_len,
+                                    lambda m: print(m, file=sys.stderr if args.json else sys.stdout, flush=True))
+        except OSError as e:
+            raise CLIError(f"--model {args.model}: cannot keep its profile there ({e})") from None
+        args.perf, key, notes, speed = str(cached.path), cached.key, cached.notes, cached.speed
     try:
         prof = load_perf(args.perf)
     except (OSError, PerfFileError) as e:
@@ -321,7 +323,8 @@ def cmd_demo(args) -> int:
         raise CLIError(f"--perf {args.perf}: the demo calibrates from a `tandem profile` output")
     try:
         plan = demo.plan_demo(prof, args.workload, args.sessions, args.scale, args.max_tokens_cap, args.seed,
-                              args.rate, args.slo_ttft_s, args.slo_itl_s, args.load, args.slo_factor, args.baseline)
+                              args.rate, args.slo_ttft_s, args.slo_itl_s, args.load, args.slo_factor, args.baseline,
+                              key.parallel)
     except ValueError as e:
         raise CLIError(str(e)) from None
     args.slo_ttft_s, args.slo_itl_s = plan.slo.ttft_s, plan.slo.itl_s
@@ -335,14 +338,16 @@ def cmd_demo(args) -> int:
             yield f"http://127.0.0.1:{port}"
 
     if not args.json:
-        print(demo_report.header(plan, args.model, args.perf, prof, args.threads, _load_avg()), flush=True)
+        print(demo_report.header(plan, args.model, args.perf, prof, args.threads, _load_avg(), notes), flush=True)
     bar = SessionBar(not args.json and sys.stderr.isatty())
     try:
-        runs = asyncio.run(demo.run_demo(plan, serve, Tokenizer.from_pretrained(args.model), prof, args.perf,
-                                         on_policy=lambda p: bar.track(f"{p} sessions", len(plan.sessions))))
+        factor = {"prefill": speed.prefill, "decode": speed.decode} if speed is not None else {}
+        rt = demo.RuntimeSetup(Path(args.out, "profile-runtime.json"), factor, key.cores)
+        runs, block = asyncio.run(demo.run_demo(plan, serve, Tokenizer.from_pretrained(args.model), prof, args.perf,
+                                                lambda p: bar.track(f"{p} sessions", len(plan.sessions)), rt))
     finally:
         bar.close()
-    results = demo_report.write_outputs(args.out, plan, runs)
+    results = demo_report.write_outputs(args.out, plan, runs, block)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0 if all(r.measured.get("sessions_completed") for r in runs) else 1
@@ -350,7 +355,7 @@ def cmd_demo(args) -> int:
         for run in runs:
             print_table({**run.measured, "workload": args.workload, "rate": plan.rate, "seed": args.seed})
     demo_report.print_comparison(demo_report.comparison(runs), demo_report.title(plan))
-    print("\n".join(demo_report.footer(args.out, runs, prof)))
+    print("\n".join(demo_report.footer(args.out, runs, prof, block)))
     return 0 if all(r.measured.get("sessions_completed") for r in runs) else 1
 
 
