@@ -17,7 +17,7 @@ from tandem.cli.common import (DEFAULT_RATE, DEFAULT_SESSIONS, PROG, CLIError, P
                                PREEMPTION_MODE_HELP, check_preemption, clear_notes, csv_list, flush_notes, gpus_arg, load_workload,
                                nonneg_float, nonneg_int, note, positive_float, positive_int, ray_executor, seed_arg,
                                unit_fraction)
-from tandem.core.config import DEFAULT_SWAP_SPACE_GIB
+from tandem.core.config import DEFAULT_KV_OFFLOADING_SIZE_GIB, DEFAULT_SWAP_SPACE_GIB
 from tandem.core.deploy import DeploymentError, parse_deploy
 from tandem.perf.dllm import OPTIMUS_LENGTHS
 from tandem.workload.session import WorkloadError
@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=PREEMPTION_MODE_HELP)
     s.add_argument("--swap-space", type=nonneg_float, default=DEFAULT_SWAP_SPACE_GIB, metavar="GIB",
                    help="GiB of host memory per worker for KV preempted by swap (default: %(default)s)")
+    s.add_argument("--kv-offloading-size", type=nonneg_float, default=DEFAULT_KV_OFFLOADING_SIZE_GIB, metavar="GIB",
+                   help="GiB of host-memory KV tier per worker, summed over its TP ranks (vLLM's meaning); needed by "
+                        "the tiered policies (docs/kv-tiers.md) (default: %(default)s)")
     s.add_argument("--dllm-dataset", default="sharegpt", choices=DLLM_DATASETS,
                    help="the Optimus Table 2 row the simulated commits per step follow (default: %(default)s)")
     s.add_argument("--dllm-admission", default=None, choices=("phase", "static", "reserve"),
@@ -231,7 +234,8 @@ def _sim_config(cluster, args, model: str, gpu: str, gpus: int, deploy: str, pol
         cfg = dataclasses.replace(cfg, perf=args.perf)
     if hasattr(args, "swap_space"):
         check_preemption(args.preemption_mode, args.swap_space)
-        cfg = dataclasses.replace(cfg, preemption_mode=args.preemption_mode, swap_space=args.swap_space)
+        cfg = dataclasses.replace(cfg, preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+                                  kv_offloading_size=args.kv_offloading_size)
     if getattr(args, "dllm_block_length", None):
         from tandem.policy.optimus.chunk import parse_chunk
         try:

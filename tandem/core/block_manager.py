@@ -19,7 +19,7 @@ class BlockManager:
     """Free pool plus per-owner block tables; the executor maps block ids to KV tensor slots."""
 
     __slots__ = ("block_size", "num_blocks", "_free", "_ref", "_hash_of", "_by_hash", "tables",
-                 "prefix_hits", "prefix_queries")
+                 "prefix_hits", "prefix_queries", "removed")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -33,6 +33,7 @@ class BlockManager:
         self.tables: dict[object, list[int]] = {}
         self.prefix_hits = 0                        # blocks served from the prefix cache
         self.prefix_queries = 0                     # blocks looked up in it
+        self.removed: list[int] | None = None       # when a list: hashes forgotten by reuse (KV events)
 
     @property
     def num_free(self) -> int:
@@ -56,6 +57,8 @@ class BlockManager:
         h = self._hash_of.pop(b, None)
         if h is not None:
             del self._by_hash[h]
+            if self.removed is not None:
+                self.removed.append(h)
         self._ref[b] = 1
         return b
 

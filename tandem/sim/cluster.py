@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from tandem.core.config import (
-    DEFAULT_BLOCK_SIZE, DEFAULT_KV_TIMEOUT_S, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_BLOCK_SIZE, DEFAULT_KV_OFFLOADING_SIZE_GIB, DEFAULT_KV_TIMEOUT_S, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
     DEFAULT_SESSION_TTL_S, DEFAULT_SWAP_SPACE_GIB, DEFAULT_WINDOW_S, SchedulerConfig,
 )
 from tandem.core.coordinator import Coordinator
@@ -96,6 +96,7 @@ class SimConfig:
                                                 # (sessions' own arrival times ignored); None: open loop
     preemption_mode: str | None = None          # recompute or swap (None: swap for streaming diffusion windows)
     swap_space: float = DEFAULT_SWAP_SPACE_GIB  # GiB of host memory per worker for KV preempted by swap
+    kv_offloading_size: float = DEFAULT_KV_OFFLOADING_SIZE_GIB   # GiB of host KV tier per worker (tiered policies)
 
     def policy_spec(self) -> PolicySpec:
         """The run's policy with this config's knobs (validated; ConfigError names the bad one)."""
@@ -131,7 +132,8 @@ class SimConfig:
                   dllm_prefill_share=self.dllm_prefill_share, dllm_admission=self.dllm_admission,
                   dllm_delay_step=self.dllm_delay_step, dllm_refresh_interval=self.dllm_refresh_interval,
                   dllm_refresh_span=self.dllm_refresh_span, dllm_kv_retention=self.dllm_kv_retention,
-                  preemption_mode=self.preemption_mode, swap_space=self.swap_space)
+                  preemption_mode=self.preemption_mode, swap_space=self.swap_space,
+                  kv_offloading_size=self.kv_offloading_size)
         kw.update(over)
         try:
             return SchedulerConfig(**kw)
@@ -233,7 +235,8 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
         try:
             workers.append(build_worker(wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
                                         max_num_batched_tokens=budget, boundary=boundary, t_step=timer,
-                                        kv_block_bytes=kv_bytes_per_token_per_gpu(model, tp) * cfg.block_size))
+                                        kv_block_bytes=kv_bytes_per_token_per_gpu(model, tp) * cfg.block_size,
+                                        host_link_s=step_timers[(tp, ep)].swap_time))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         timers.append(timer)
@@ -402,6 +405,8 @@ def simulate(sessions: list[Session], cfg: SimConfig, progress=None) -> SimResul
             n = sum(d["commits"].values())
             st["dllm"] = {"chunk_steps": {}, "commits": d["commits"],
                           "tokens_per_step": sum(k * v for k, v in d["commits"].items()) / n if n else 0.0}
+        if w.kv.tier is not None:
+            st["kv_tier"] = w.kv.tier.summary()
         if w.chunker is not None:
             st["dllm"] = {"chunk_steps": dict(sorted(w.chunker.steps_by_chunk.items())),
                           "commits": dict(sorted(w.chunker.commit_counts.items())),
