@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from tandem.core.host_tier import BlockRemoved, BlockStored, CopyKind, HostRun, HostTier, KVCopy, Medium, RunState
 from tandem.core.types import PrefillTask, Seq, SeqState
@@ -14,8 +14,18 @@ from tandem.policy.kv_tiers import (
     EvictionKind, IdleAction, IdleContext, IdleDecision, IdleRule, IdleRuleKind, ToolTimeEstimator,
 )
 
-if TYPE_CHECKING:
-    from tandem.core.residency import KVResidency
+
+class Residency(Protocol):
+    """What the tier reads and calls of its worker's KV residency (tandem.core.residency.KVResidency)."""
+
+    cfg: object
+    blocks: object
+    host: object
+    idle: dict[str, Seq]
+    watermark_blocks: int
+
+    def drop(self, seq: Seq) -> None: ...
+    def reserve(self, owner, tokens: int, now: float, preempt: bool, headroom: int = 0) -> bool: ...
 
 PREFETCH_LEAD_S = 1.0            # a prefetch is due this long (plus its copy time) before the expected return
 PREFETCH_RETRY_S = 1.0           # a prefetch short of free blocks is tried again this much later
@@ -44,7 +54,7 @@ class TierStats:
 class TierManager:
     """One worker's host tier and the rules that use it (built by tandem.core.factory.build_worker)."""
 
-    def __init__(self, res: KVResidency, host: HostTier, rule: IdleRule, link_s: Callable[[int], float],
+    def __init__(self, res: Residency, host: HostTier, rule: IdleRule, link_s: Callable[[int], float],
                  t_pre: Callable[[int, int], float], estimator: ToolTimeEstimator | None = None) -> None:
         self.res = res
         self.host = host
