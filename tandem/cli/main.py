@@ -363,6 +363,7 @@ def cmd_simulate(args) -> int:
     out = summarize(res.records, res.sim_time_s)
     out.update(cluster.dllm_summary(res.workers))
     out.update(cluster.dllm_serve_summary(res.workers))
+    out.update(cluster.kv_tier_summary(res.workers))
     out.update({"wall_s": res.wall_s, "sim_time_s": res.sim_time_s, "events": res.events,
                 "deploy": res.deployment, "policy": res.policy, "model": model, "gpu": gpu, "gpus": gpus,
                 "workload": args.workload, "rate": rate, "concurrency": args.concurrency, "seed": args.seed,

@@ -37,7 +37,7 @@ from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
 __all__ = ["SimConfig", "SimResult", "simulate", "build", "load_perf", "ConfigError", "POLICIES", "FaultError",
-           "dllm_pool", "dllm_serve_summary"]
+           "dllm_pool", "dllm_serve_summary", "kv_tier_summary"]
 
 
 class ConfigError(ValueError):
@@ -272,6 +272,12 @@ def dllm_pool(cfg: SimConfig, tp: int) -> tuple[int, int]:
         return mem.kv_pool_tokens(budget, logits), budget
     except DoesNotFitError as e:
         raise ConfigError(str(e)) from None
+
+
+def kv_tier_summary(workers: list[dict]) -> dict:
+    """Host KV tier counters of a run summed over its workers ({"kv_tier": {...}}; {} for an untiered run)."""
+    tiers = [w["kv_tier"] for w in workers if w.get("kv_tier")]
+    return {"kv_tier": {k: sum(t[k] for t in tiers) for k in tiers[0]}} if tiers else {}
 
 
 def dllm_serve_summary(workers: list[dict]) -> dict:
