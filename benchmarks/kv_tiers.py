@@ -67,8 +67,8 @@ class Cell:
     tiered: bool = False
 
 
-def policies(setup: str, host_gib: float, untiered: bool = True) -> list[Cell]:
-    """The compared policies of one setup."""
+def policies(setup: str, host_gib: float, untiered: bool = True, small: bool = False) -> list[Cell]:
+    """The compared policies of one setup (`small`: the co-located tiered ones only, for a second host size)."""
     out = []
     if untiered:
         out += [Cell(setup, "continuum", "continuum", COLO), Cell(setup, "vllm", "vllm", COLO),
@@ -79,9 +79,10 @@ def policies(setup: str, host_gib: float, untiered: bool = True) -> list[Cell]:
             Cell(setup, f"continuum-tool ({g:g} GiB)", "continuum-tool", COLO, g, tiered=True),
             Cell(setup, f"continuum-tool, LRU ({g:g} GiB)", "continuum-tool", COLO, g, EvictionKind.LRU.value,
                  tiered=True),
-            Cell(setup, f"hicache ({g:g} GiB)", "hicache", COLO, g, tiered=True),
-            Cell(setup, f"infercept ({g:g} GiB)", "infercept", COLO, g, tiered=True),
-            Cell(setup, f"ampd-tiered ({g:g} GiB)", "ampd-tiered", DISAGG, g, tiered=True)]
+            Cell(setup, f"hicache ({g:g} GiB)", "hicache", COLO, g, tiered=True)]
+    if not small:
+        out += [Cell(setup, f"infercept ({g:g} GiB)", "infercept", COLO, g, tiered=True),
+                Cell(setup, f"ampd-tiered ({g:g} GiB)", "ampd-tiered", DISAGG, g, tiered=True)]
     return out
 
 
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs: list[tuple[Cell, int]] = [(c, a.sessions) for c in policies("agentic-long", HOST_GIB)]
     if not a.quick:
         jobs += [(c, a.pressure_sessions) for c in policies("agentic-long, pressure", HOST_GIB)]
-        jobs += [(c, a.pressure_sessions) for c in policies("agentic-long, pressure", 256.0, untiered=False)]
+        jobs += [(c, a.pressure_sessions) for c in policies("agentic-long, pressure", 256.0, untiered=False,
+                                                                           small=True)]
     jobs += [(c, a.mooncake) for c in policies("mooncake", HOST_GIB)]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
