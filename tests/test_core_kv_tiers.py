@@ -292,3 +292,25 @@ def test_tiered_policies_simulate_every_session_to_its_end(policy, deploy):
                                        kv_offloading_size=64.0))
     assert len(res.records) == 12 and not [r.fail_reason for r in res.records if r.failed]
     assert all("kv_tier" in w for w in res.workers if w["role"] != "prefill")
+
+
+def test_the_simulator_charges_a_load_over_the_host_link():
+    """One session, two rounds 100 s apart, on one H20 (llama-3.1-8b, tp1), hicache with 64 GiB: with a 1 s idle
+    expiry the GPU copy goes and round 1 first loads its 1001-token context back, so its TTFT is longer than with
+    the KV kept by exactly one copy of 1001 positions over the host link (the roofline's swap_time: PCIe Gen5 x16
+    at the catalogue's link efficiency)."""
+    from tandem.perf.hardware import get_gpu
+    from tandem.perf.models import get_model
+    from tandem.perf.roofline import kv_bytes_per_token_per_gpu
+    from tandem.sim.cluster import SimConfig, simulate
+    from tandem.workload.session import Round, Session
+
+    def ttft1(ttl: float) -> float:
+        s = Session("s", 0.0, [Round(1000, 2, 100.0), Round(50, 2)])
+        res = simulate([s], SimConfig(model="llama-3.1-8b", gpu="h20", gpus=1, deploy="C:tp1x1", policy="hicache",
+                                      kv_offloading_size=64.0, session_ttl_s=ttl))
+        (rec,) = res.records
+        return rec.rounds[1].ttft_s
+    g = get_gpu("h20")
+    copy_s = 1001 * kv_bytes_per_token_per_gpu(get_model("llama-3.1-8b"), 1) / (g.host_gbs * 1e9 * g.link_eff)
+    assert ttft1(1.0) - ttft1(1000.0) == pytest.approx(copy_s, rel=1e-9)
