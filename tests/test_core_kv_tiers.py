@@ -314,3 +314,17 @@ def test_the_simulator_charges_a_load_over_the_host_link():
     g = get_gpu("h20")
     copy_s = 1001 * kv_bytes_per_token_per_gpu(get_model("llama-3.1-8b"), 1) / (g.host_gbs * 1e9 * g.link_eff)
     assert ttft1(1.0) - ttft1(1000.0) == pytest.approx(copy_s, rel=1e-9)
+
+
+def test_injected_copy_failures_recompute_and_lose_no_session():
+    """With --faults kv-fail=0.5 half the host-tier copies fail too: the rounds they would have served recompute
+    (the tier's counters say how many), and every session still completes."""
+    from tandem.sim.cluster import SimConfig, simulate
+    from tandem.sim.faults import FaultSpec
+    from tandem.workload.generators import generate
+    sessions = generate("toolbench", 12, 2.0, 0)
+    res = simulate(sessions, SimConfig(model="llama-3.1-8b", gpu="h20", gpus=2, deploy="C:tp1x2", policy="infercept",
+                                       kv_offloading_size=64.0, faults=FaultSpec(kv_fail=0.5)))
+    failed = sum(w["kv_tier"]["failed"] for w in res.workers)
+    assert failed > 0 and not [r.fail_reason for r in res.records if r.failed]
+    assert sum(w["kv_tier"]["recomputes"] for w in res.workers) > 0

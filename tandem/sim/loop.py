@@ -186,19 +186,25 @@ class EventLoop:
 
     def _start_copies(self, wid: int, copies: list[KVCopy]) -> None:
         """Host-tier copies run beside the steps, one after the other in each direction of the worker's host link
-        (its GPUs' PCIe links in parallel: swap_time prices one rank's share of the bytes)."""
+        (its GPUs' PCIe links in parallel: swap_time prices one rank's share of the bytes). With injected faults a
+        copy fails (reported at its end) as often as a KV transfer fails or is lost."""
         link = self._host_link[wid]
         cost = self.swap_time[wid]
         for c in copies:
             d = 0 if c.kind.to_host else 1
             link[d] = max(self.now, link[d]) + cost(c.tokens)
-            self._push(link[d], COPY, wid, c)
+            fate = self.faults.fate() if self.faults is not None else _OK
+            self._push(link[d], COPY, wid, (c, fate))
 
-    def _on_copy(self, wid: int, c: KVCopy) -> None:
+    def _on_copy(self, wid: int, item: tuple[KVCopy, Fate]) -> None:
         if self.dead[wid]:
             return
         w = self.workers[wid]
-        w.kv.tier.on_copy_done(c.id, self.now)
+        c, fate = item
+        if fate is _OK:
+            w.kv.tier.on_copy_done(c.id, self.now)
+        else:
+            w.kv.tier.on_copy_failed(c.id, self.now)
         if w.events:
             self._forward(w)
         self._kick(wid)
