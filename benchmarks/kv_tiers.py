@@ -1,7 +1,7 @@
 """Host-memory KV tiers against co-located Continuum and the untiered policies, in the simulator.
 
-    python benchmarks/kv_tiers.py [--out docs/results/kv_tiers] [--sessions 20] [--pressure-sessions 60]
-                                  [--mooncake 1000] [--jobs 1] [--quick]
+    python benchmarks/kv_tiers.py [--out docs/results/kv_tiers] [--sessions 20] [--mooncake 2000] [--jobs 1]
+                                  [--quick]
 
 Llama-3.1-70B on 32 H20s (the host link each GPU copies over is the catalogue's PCIe Gen5 x16, 64 GB/s per
 direction at the catalogue's link efficiency; a tp8 worker copies over its 8 links in parallel). Three setups:
@@ -9,21 +9,24 @@ direction at the catalogue's link efficiency; a tp8 worker copies over its 8 lin
 - `agentic-long` (100-400 rounds, contexts to ~200K tokens, tool gaps 1 s to 3 h), SLO TTFT 2.5 s / ITL 50 ms
   (ampd_laps_agentic.py's), `--sessions` sessions at 0.05/s: the GPU pools hold every context, so what tiers change
   is the coordinator's idle-session expiry (session_ttl_s, 600 s), after which an untiered worker drops the KV;
-- the same with `--pressure-sessions` sessions: their contexts outgrow the four GPU pools, so KV is evicted for
-  memory too, and host tiers of 1024 and 256 GiB per worker (the smaller one fills: the eviction rule matters);
+- the same with the GPUs' memory share cut to 0.35 (`mem_util`; the KV pool shrinks from ~1.78M to ~0.39M tokens
+  per worker, as on GPUs shared with other work): contexts outgrow the pools, KV is evicted for memory too; host
+  tiers of 1024 and 64 GiB per worker (the smaller one fills, so the eviction rule matters);
 - the Mooncake trace (its first `--mooncake` requests, one round each, prefixes shared through hash_ids) at half
   its rate (MOONCAKE_STRETCH), SLO TTFT 10 s / ITL 100 ms (chosen before any run): only prefix blocks written
   through to the host tier and cache-aware binding can act here.
 
-Policies: continuum (C:tp8x4, the baseline), the untiered vllm (C:tp8x4), ampd and ampd+laps-chunked
-(P:tp8x2,D:tp8x2), continuum with no idle expiry (untiered, GPU retention unbounded: what the tiers are measured
-against honestly), and the tiered continuum-tiered, continuum-tool (return-time eviction, and an LRU variant),
-hicache, infercept (C:tp8x4) and ampd-tiered (P:tp8x2,D:tp8x2). Report: table, JSON, PNG.
+Policies: continuum (C:tp8x4, the baseline), the untiered ampd+laps-chunked (P:tp8x2,D:tp8x2; the best untiered
+policy of ampd_laps_agentic.py), continuum with no idle expiry (untiered, GPU retention unbounded: what the tiers
+are measured against honestly), and the tiered continuum-tiered, continuum-tool (return-time eviction, and an LRU
+variant), hicache, infercept (C:tp8x4) and ampd-tiered (P:tp8x2,D:tp8x2). Each cell's result is kept under
+OUT/cells/ and reused by the next run of the same cell. Report: table, JSON, PNG.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -49,6 +52,8 @@ SLO_MOONCAKE = SLO(10.0, 0.100)
 RATE = 0.05
 COLO, DISAGG = "C:tp8x4", "P:tp8x2,D:tp8x2"
 HOST_GIB = 1024.0
+SMALL_HOST_GIB = 64.0
+PRESSURE_MEM_UTIL = 0.35
 MOONCAKE_STRETCH = 2.0   # the trace's gaps doubled (half its rate): at its own rate its ~22M unique prompt tokens in
                          # 1022 s exceed what 4 tp8 H20 workers prefill (~20K tokens/s) even with every prefix cached
 
@@ -65,24 +70,29 @@ class Cell:
     eviction: str | None = None       # override of the policy's eviction rule
     no_expiry: bool = False           # idle sessions never expire (session_ttl_s infinite)
     tiered: bool = False
+    mem_util: float = 0.9             # share of GPU memory the engine takes (weights + KV pool)
 
 
-def policies(setup: str, host_gib: float, untiered: bool = True, small: bool = False) -> list[Cell]:
-    """The compared policies of one setup (`small`: the co-located tiered ones only, for a second host size)."""
+def policies(setup: str, host_gib: float, mem_util: float = 0.9, untiered: bool = True,
+             small: bool = False) -> list[Cell]:
+    """The compared policies of one setup (`small`: the co-located tool-aware and HiCache-like ones only, for a
+    second host size)."""
+    m = mem_util
     out = []
     if untiered:
-        out += [Cell(setup, "continuum", "continuum", COLO), Cell(setup, "vllm", "vllm", COLO),
-                Cell(setup, "ampd", "ampd", DISAGG), Cell(setup, "ampd+laps-chunked", "ampd+laps-chunked", DISAGG),
-                Cell(setup, "continuum, no idle expiry", "continuum", COLO, no_expiry=True)]
+        out += [Cell(setup, "continuum", "continuum", COLO, mem_util=m),
+                Cell(setup, "ampd+laps-chunked", "ampd+laps-chunked", DISAGG, mem_util=m),
+                Cell(setup, "continuum, no idle expiry", "continuum", COLO, no_expiry=True, mem_util=m)]
     g = host_gib
-    out += [Cell(setup, f"continuum-tiered ({g:g} GiB)", "continuum-tiered", COLO, g, tiered=True),
-            Cell(setup, f"continuum-tool ({g:g} GiB)", "continuum-tool", COLO, g, tiered=True),
-            Cell(setup, f"continuum-tool, LRU ({g:g} GiB)", "continuum-tool", COLO, g, EvictionKind.LRU.value,
-                 tiered=True),
-            Cell(setup, f"hicache ({g:g} GiB)", "hicache", COLO, g, tiered=True)]
     if not small:
-        out += [Cell(setup, f"infercept ({g:g} GiB)", "infercept", COLO, g, tiered=True),
-                Cell(setup, f"ampd-tiered ({g:g} GiB)", "ampd-tiered", DISAGG, g, tiered=True)]
+        out += [Cell(setup, f"continuum-tiered ({g:g} GiB)", "continuum-tiered", COLO, g, tiered=True, mem_util=m)]
+    out += [Cell(setup, f"continuum-tool ({g:g} GiB)", "continuum-tool", COLO, g, tiered=True, mem_util=m),
+            Cell(setup, f"continuum-tool, LRU ({g:g} GiB)", "continuum-tool", COLO, g, EvictionKind.LRU.value,
+                 tiered=True, mem_util=m),
+            Cell(setup, f"hicache ({g:g} GiB)", "hicache", COLO, g, tiered=True, mem_util=m)]
+    if not small:
+        out += [Cell(setup, f"infercept ({g:g} GiB)", "infercept", COLO, g, tiered=True, mem_util=m),
+                Cell(setup, f"ampd-tiered ({g:g} GiB)", "ampd-tiered", DISAGG, g, tiered=True, mem_util=m)]
     return out
 
 
@@ -100,7 +110,7 @@ def run_cell(cell: Cell, n: int) -> dict:
     if cell.eviction is not None:
         spec = spec.with_options(kv_eviction=cell.eviction)
     cfg = SimConfig(model=MODEL, gpu=GPU, gpus=GPUS, deploy=cell.deploy, policy=spec, kv_offloading_size=cell.host_gib,
-                    session_ttl_s=math.inf if cell.no_expiry else DEFAULT_SESSION_TTL_S)
+                    session_ttl_s=math.inf if cell.no_expiry else DEFAULT_SESSION_TTL_S, mem_util=cell.mem_util)
     t0 = time.perf_counter()
     res = simulate(sessions_of(cell.setup, n), cfg)
     m = summarize(res.records, res.sim_time_s)
@@ -110,7 +120,18 @@ def run_cell(cell: Cell, n: int) -> dict:
             "round_slo_attainment": m["round_slo_attainment"], "slo_attainment": m["slo_attainment"],
             "ttft_incremental_p95_s": m["ttft_incremental_p95_s"], "ttft_p95_s": m["ttft_p95_s"],
             "itl_mean_s": m["itl_mean_s"], "recomputed_tokens": m["recomputed_tokens"],
-            "sessions_failed": m["sessions_failed"], "fail_reasons": m["fail_reasons"], "tier": tier}
+            "sessions_failed": m["sessions_failed"], "fail_reasons": m["fail_reasons"], "tier": tier,
+            "kv_capacity_tokens": res.workers[0]["kv_capacity_tokens"]}
+
+
+def cached_cell(cell: Cell, n: int, cache: Path) -> dict:
+    """run_cell, or its result kept from an earlier run of the same cell."""
+    key = cache / (hashlib.sha256(repr((cell, n)).encode()).hexdigest()[:16] + ".json")
+    if key.exists():
+        return json.loads(key.read_text())
+    row = run_cell(cell, n)
+    key.write_text(json.dumps(row))
+    return row
 
 
 def _pct(x) -> str:
@@ -164,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="docs/results/kv_tiers", help="report directory")
     p.add_argument("--sessions", type=positive_int, default=20, help="agentic-long sessions (default: 20)")
-    p.add_argument("--pressure-sessions", type=positive_int, default=60,
-                   help="agentic-long sessions of the memory-pressure setup (default: 60)")
-    p.add_argument("--mooncake", type=positive_int, default=3993, help="Mooncake requests (default: all 3993)")
+    p.add_argument("--mooncake", type=positive_int, default=2000, help="Mooncake requests (default: 2000)")
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default: 1)")
     p.add_argument("--quick", action="store_true", help="6 agentic sessions, no pressure setup, 100 Mooncake requests")
     a = p.parse_args(argv)
@@ -174,10 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         a.sessions, a.mooncake = 6, 100
     jobs: list[tuple[Cell, int]] = [(c, a.sessions) for c in policies("agentic-long", HOST_GIB)]
     if not a.quick:
-        jobs += [(c, a.pressure_sessions) for c in policies("agentic-long, pressure", HOST_GIB)]
-        jobs += [(c, a.pressure_sessions) for c in policies("agentic-long, pressure", 256.0, untiered=False,
-                                                                           small=True)]
-    jobs += [(c, a.mooncake) for c in policies("mooncake", HOST_GIB)]
+        pressure = f"agentic-long, mem_util {PRESSURE_MEM_UTIL:g}"
+        jobs += [(c, a.sessions) for c in policies(pressure, HOST_GIB, PRESSURE_MEM_UTIL)]
+        jobs += [(c, a.sessions) for c in policies(pressure, SMALL_HOST_GIB, PRESSURE_MEM_UTIL, untiered=False,
+                                                   small=True)]
+    mooncake = [c for c in policies("mooncake", HOST_GIB)
+                if c.label.split(" (")[0] in ("continuum", "ampd+laps-chunked", "continuum-tool", "hicache")]
+    jobs = [(c, a.mooncake) for c in mooncake] + jobs        # the longest cells first
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from rich.progress import Progress
@@ -185,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with Progress(disable=not sys.stderr.isatty()) as bar, ProcessPoolExecutor(a.jobs) as pool:
         task = bar.add_task("simulating", total=len(jobs))
-        futs = {pool.submit(run_cell, c, n): i for i, (c, n) in enumerate(jobs)}
+        cache = out / "cells"
+        cache.mkdir(exist_ok=True)
+        futs = {pool.submit(cached_cell, c, n, cache): i for i, (c, n) in enumerate(jobs)}
         from concurrent.futures import as_completed
         for f in as_completed(futs):
             rows[futs[f]] = f.result()
