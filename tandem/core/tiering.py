@@ -51,8 +51,9 @@ class TierStats:
     host_evictions: int = 0
 
 
-class TierManager:
-    """One worker's host tier and the rules that use it (built by tandem.core.factory.build_worker)."""
+class TierCopies:
+    """The host tier's state on one worker, its copies (planned, in flight, ended) and eviction of idle GPU copies;
+    TierManager adds the decisions."""
 
     def __init__(self, res: Residency, host: HostTier, rule: IdleRule, link_s: Callable[[int], float],
                  t_pre: Callable[[int, int], float], estimator: ToolTimeEstimator | None = None) -> None:
@@ -79,7 +80,6 @@ class TierManager:
         self.writes_prefixes = True
         self.res.blocks.removed = []             # the GPU prefix cache reports evicted hashes (BlockRemoved)
 
-    # ---------------------------------------------------------------- link model
     def _eta(self, to_host: bool, tokens: int, now: float) -> float:
         """When a copy of `tokens` started now would end behind the copies already planned that way."""
         return max(now, self._link_free[0 if to_host else 1]) + self.link_s(tokens)
@@ -100,138 +100,6 @@ class TierManager:
         out, self.copies = self.copies, []
         return out
 
-    # ---------------------------------------------------------------- sessions going idle
-    def on_idle(self, seq: Seq, now: float) -> None:
-        """A round ended: the session's KV waits for the rule, decided at the next tick."""
-        self.now = now
-        seq.idle_since = now
-        seq.expect_s = now + self.est.expected(seq.session_id)
-        seq.prefetched = False
-        self.undecided[seq.session_id] = seq
-
-    def expect_return(self, sid: str, tool_s: float, now: float) -> None:
-        """The coordinator knows the tool's time (the trace's tool_s): the next round comes tool_s after the
-        round's end."""
-        seq = self.res.host.seqs.get(sid)
-        if seq is None or seq.idle_since < 0:
-            return
-        old = seq.expect_s
-        seq.expect_s = seq.idle_since + tool_s
-        if sid in self.prefetch_at:
-            self.prefetch_at[sid] = self._prefetch_time(seq)
-        elif seq.state is IDLE and seq.retain_until == old and sid not in self.expiring:
-            seq.retain_until = seq.expect_s          # pinned until the (estimated) return: now the known one
-        self._rewake(now)
-
-    def _context(self, seq: Seq, now: float, expired: bool) -> IdleContext:
-        bs = self.res.cfg.block_size
-        n = seq.num_tokens
-        run = self.host.session(seq.session_id)
-        have = run.nblocks if run is not None and seq.host_tokens else 0
-        need = max(0, -(-n // bs) - have)
-        return IdleContext(now, n, max(0.0, seq.expect_s - now), self._eta(False, n, now) - now,
-                           self.t_pre(0, n), self.res.blocks.usage, self.res.host.ctx_tokens,
-                           self.host.room(need, now, keep=run), expired)
-
-    def _decide(self, seq: Seq, now: float, expired: bool) -> None:
-        d = self.rule.decide(self._context(seq, now, expired))
-        sid = seq.session_id
-        if d.action is IdleAction.KEEP:
-            seq.retain_until = d.pin_until
-            if d.pin_until > now and self.rule.name is IdleRuleKind.TTL:
-                self.expiring[sid] = seq
-        elif d.action is IdleAction.OFFLOAD:
-            seq.retain_until = 0.0
-            if self._offload(seq, now, d) and d.prefetch:
-                self.prefetch_at[sid] = self._prefetch_time(seq)
-        else:
-            self.stats.drops += 1
-            self.res.idle.pop(sid, None)
-            self.res.drop(seq)
-            seq.state = SeqState.EVICTED
-
-    def _prefetch_time(self, seq: Seq) -> float:
-        return seq.expect_s - PREFETCH_LEAD_S - self.link_s(max(seq.num_tokens, seq.host_tokens))
-
-    def _offload(self, seq: Seq, now: float, d: IdleDecision) -> bool:
-        """Copy the blocks of the context the host lacks (the last partial block again); False if it cannot fit."""
-        bs = self.res.cfg.block_size
-        sid = seq.session_id
-        table = self.res.blocks.tables.get(seq, [])
-        if not table or seq.copy_out is not None:
-            return False
-        prev = self.host.session(sid)
-        first = min(seq.host_tokens, prev.nblocks * bs) // bs if prev is not None else 0
-        run = self.host.put_session(sid, len(table), now, seq.expect_s)
-        if run is None:
-            return False
-        blocks = table[first:]
-        c = self._issue(CopyKind.OFFLOAD, sid, blocks, seq.num_tokens - first * bs, run, now,
-                        (seq, seq.num_tokens, (), d.free_gpu))
-        self.res.blocks.share(c, blocks)         # the copy reads them: they stay allocated until it lands
-        seq.copy_out = c
-        self.stats.offloads += 1
-        self.stats.offload_tokens += c.tokens
-        return True
-
-    # ---------------------------------------------------------------- time passes
-    def tick(self, now: float) -> None:
-        """Decide for sessions that went idle, ask the rule again where a pin ran out, start due prefetches."""
-        self.now = now
-        if self.undecided:
-            todo, self.undecided = list(self.undecided.values()), {}
-            for seq in todo:
-                if seq.state is IDLE:
-                    self._decide(seq, now, False)
-        if self.expiring:
-            for sid, seq in list(self.expiring.items()):
-                if seq.state is not IDLE:
-                    del self.expiring[sid]
-                elif seq.retain_until <= now:
-                    del self.expiring[sid]
-                    self._decide(seq, now, True)
-        if self.prefetch_at:
-            for sid, at in list(self.prefetch_at.items()):
-                if at <= now:
-                    self._prefetch(sid, now)
-        self._rewake(now)
-
-    def _rewake(self, now: float) -> None:
-        w = math.inf
-        for at in self.prefetch_at.values():
-            if now < at < w:
-                w = at
-        for seq in self.expiring.values():
-            if now < seq.retain_until < w:
-                w = seq.retain_until
-        self.wake_at = w
-
-    def _prefetch(self, sid: str, now: float) -> None:
-        """Bring an offloaded context back ahead of its round, with free blocks only (it evicts nothing)."""
-        seq = self.offloaded.get(sid)
-        if seq is None:                           # still resident (or gone): nothing to bring back
-            if self.res.host.seqs.get(sid) is None or self.res.host.seqs[sid].state is not OFFLOADED:
-                del self.prefetch_at[sid]
-            return
-        run = self._readable(seq)
-        if run is None:
-            del self.prefetch_at[sid]
-            return
-        res = self.res
-        need = -(-seq.host_tokens // res.cfg.block_size)
-        if res.blocks.num_free - res.watermark_blocks < need:
-            retry = now + PREFETCH_RETRY_S
-            if retry < seq.expect_s:
-                self.prefetch_at[sid] = retry
-            else:
-                del self.prefetch_at[sid]
-            return
-        del self.prefetch_at[sid]
-        del self.offloaded[sid]
-        res.blocks.grow(seq, seq.host_tokens)
-        self._load(seq, run, CopyKind.PREFETCH, now)
-        self.stats.prefetches += 1
-
     def _readable(self, seq: Seq) -> HostRun | None:
         """The session's host run if it is written and still holds its context."""
         run = self.host.session(seq.session_id)
@@ -240,50 +108,6 @@ class TierManager:
                 or run.nblocks * bs < seq.host_tokens:
             return None
         return run
-
-    def _load(self, seq: Seq, run: HostRun, kind: CopyKind, now: float) -> None:
-        table = self.res.blocks.tables[seq]
-        self.host.read(run, now)
-        seq.num_tokens = seq.host_tokens
-        seq.cap = len(table) * self.res.cfg.block_size
-        seq.loading = self._issue(kind, seq.session_id, table, seq.host_tokens, run, now, (seq, 0, (run,), False))
-        self.stats.load_tokens += seq.host_tokens
-
-    # ---------------------------------------------------------------- a round arrives
-    def begin_round(self, seq: Seq, now: float) -> None:
-        """The session's next round is here: learn the gap; KV in flight back is waited for or abandoned, KV only
-        in the host tier is loaded or recomputed, whichever the cost model says is cheaper."""
-        self.now = now
-        sid = seq.session_id
-        if seq.idle_since >= 0:
-            self.est.observe(sid, now - seq.idle_since)
-            seq.idle_since = -1.0
-        self.undecided.pop(sid, None)
-        self.expiring.pop(sid, None)
-        self.prefetch_at.pop(sid, None)
-        if seq.prefetched and seq.loading is None and seq.num_tokens:
-            self.stats.prefetch_hits += 1
-        seq.prefetched = False
-        if seq.loading is not None:
-            left = seq.loading.est_s - (now - self._issued_at(seq.loading))
-            if left <= self.t_pre(0, seq.num_tokens):
-                self.stats.load_waits += 1
-                return
-            self._abandon(seq)                    # recomputing is cheaper than waiting for the copy
-            self.stats.recomputes += 1
-            return
-        if seq.state is not OFFLOADED:
-            return
-        self.offloaded.pop(sid, None)
-        run = self._readable(seq)
-        tokens = seq.host_tokens
-        if run is None or self._eta(False, tokens, now) - now > self.t_pre(0, tokens) \
-                or not self.res.reserve(seq, tokens, now, preempt=False):
-            self.stats.recomputes += 1
-            return
-        self._load(seq, run, CopyKind.LOAD, now)
-        self.stats.loads += 1
-        self.stats.load_waits += 1
 
     def _issued_at(self, c: KVCopy) -> float:
         return self._issued.get(c.id, 0.0)
@@ -296,58 +120,11 @@ class TierManager:
         self.res.drop(seq)
         seq.loading = None
 
-    def load_prefix(self, seq: Seq, hashes, cached_blocks: int, now: float) -> None:
-        """After the GPU prefix cache gave `cached_blocks`, load the following blocks the host tier holds when that
-        is cheaper than prefilling them (the round waits for the copy)."""
-        bs = self.res.cfg.block_size
-        m = self.host.match(hashes[cached_blocks:])
-        if m <= 0:
-            return
-        tokens = m * bs
-        if self._eta(False, tokens, now) - now > self.t_pre(cached_blocks * bs, tokens):
-            return
-        total = (cached_blocks + m) * bs
-        if not self.res.reserve(seq, total, now, preempt=False):
-            return
-        runs = self.host.runs_of(hashes[cached_blocks:cached_blocks + m])
-        for r in runs:
-            self.host.read(r, now)
-        table = self.res.blocks.tables[seq]
-        seq.num_tokens = total
-        seq.cap = len(table) * bs
-        seq.loading = self._issue(CopyKind.LOAD, seq.session_id, table[cached_blocks:cached_blocks + m], tokens,
-                                  None, now, (seq, cached_blocks, tuple(runs), tuple(hashes[cached_blocks:
-                                                                                             cached_blocks + m])))
-        self.stats.loads += 1
-        self.stats.load_tokens += tokens
-
     def waiting(self, t: PrefillTask) -> bool:
         """Whether the task's session waits for its KV to come back (its prefill is not admitted yet)."""
         seq = self.res.host.seqs.get(t.session_id)
         return seq is not None and seq.loading is not None
 
-    # ---------------------------------------------------------------- prefix blocks written through
-    def registered(self, owner, first: int, hashes, now: float) -> None:
-        """Blocks first.. of `owner` were registered under `hashes` in the GPU prefix cache: publish them and write
-        the ones the host tier lacks through to it."""
-        host = self.res.host
-        host.events.append(BlockStored(host.id, tuple(hashes), Medium.GPU))
-        if not self.writes_prefixes:
-            return
-        new = [(i, h) for i, h in enumerate(hashes) if h not in self.host.by_hash]
-        if not new:
-            return
-        run = self.host.put_prefix(tuple(h for _, h in new), now)
-        if run is None:
-            return
-        table = self.res.blocks.tables[owner]
-        blocks = [table[first + i] for i, _ in new]
-        c = self._issue(CopyKind.WRITE, getattr(owner, "session_id", ""), blocks, len(blocks) * self.res.cfg.block_size,
-                        run, now, (None, now, (), False))
-        self.res.blocks.share(c, blocks)
-        self.stats.writes += 1
-
-    # ---------------------------------------------------------------- eviction of idle GPU copies
     def evict_idle(self, need: int, now: float) -> bool:
         """Free idle sessions' GPU copies until `need` blocks are free, by the tier's rule (LRU, or latest expected
         return first), skipping pinned ones and ones being copied out; a context with a written host copy becomes
@@ -394,7 +171,6 @@ class TierManager:
         if hgone:
             host.events.append(BlockRemoved(host.id, tuple(hgone), Medium.CPU))
 
-    # ---------------------------------------------------------------- copies end
     def on_copy_done(self, cid: int, now: float) -> None:
         """A copy landed: host runs become readable, loaded KV becomes usable, prefetched KV waits pinned."""
         self.now = now
@@ -468,6 +244,234 @@ class TierManager:
                 t.est_s = host.t_pre(0, t.l_incr)
                 host.queued_est_s += t.est_s
 
+    def summary(self) -> dict:
+        """The tier's counters and occupancy (a simulation report's per-worker entry)."""
+        self.stats.host_evictions = self.host.evictions
+        return {**asdict(self.stats), "host_capacity_blocks": self.host.capacity_blocks,
+                "host_used_blocks": self.host.used}
+
+
+class TierManager(TierCopies):
+    """One worker's host tier and the rules that use it (built by tandem.core.factory.build_worker)."""
+
+    def on_idle(self, seq: Seq, now: float) -> None:
+        """A round ended: the session's KV waits for the rule, decided at the next tick."""
+        self.now = now
+        seq.idle_since = now
+        seq.expect_s = now + self.est.expected(seq.session_id)
+        seq.prefetched = False
+        self.undecided[seq.session_id] = seq
+
+    def expect_return(self, sid: str, tool_s: float, now: float) -> None:
+        """The coordinator knows the tool's time (the trace's tool_s): the next round comes tool_s after the
+        round's end."""
+        seq = self.res.host.seqs.get(sid)
+        if seq is None or seq.idle_since < 0:
+            return
+        old = seq.expect_s
+        seq.expect_s = seq.idle_since + tool_s
+        if sid in self.prefetch_at:
+            self.prefetch_at[sid] = self._prefetch_time(seq)
+        elif seq.state is IDLE and seq.retain_until == old and sid not in self.expiring:
+            seq.retain_until = seq.expect_s          # pinned until the (estimated) return: now the known one
+        self._rewake(now)
+
+    def _context(self, seq: Seq, now: float, expired: bool) -> IdleContext:
+        bs = self.res.cfg.block_size
+        n = seq.num_tokens
+        run = self.host.session(seq.session_id)
+        have = run.nblocks if run is not None and seq.host_tokens else 0
+        need = max(0, -(-n // bs) - have)
+        return IdleContext(now, n, max(0.0, seq.expect_s - now), self._eta(False, n, now) - now,
+                           self.t_pre(0, n), self.res.blocks.usage, self.res.host.ctx_tokens,
+                           self.host.room(need, now, keep=run), expired)
+
+    def _decide(self, seq: Seq, now: float, expired: bool) -> None:
+        d = self.rule.decide(self._context(seq, now, expired))
+        sid = seq.session_id
+        if d.action is IdleAction.KEEP:
+            seq.retain_until = d.pin_until
+            if d.pin_until > now and self.rule.name is IdleRuleKind.TTL:
+                self.expiring[sid] = seq
+        elif d.action is IdleAction.OFFLOAD:
+            seq.retain_until = 0.0
+            if self._offload(seq, now, d) and d.prefetch:
+                self.prefetch_at[sid] = self._prefetch_time(seq)
+        else:
+            self.stats.drops += 1
+            self.res.idle.pop(sid, None)
+            self.res.drop(seq)
+            seq.state = SeqState.EVICTED
+
+    def _prefetch_time(self, seq: Seq) -> float:
+        return seq.expect_s - PREFETCH_LEAD_S - self.link_s(max(seq.num_tokens, seq.host_tokens))
+
+    def _offload(self, seq: Seq, now: float, d: IdleDecision) -> bool:
+        """Copy the blocks of the context the host lacks (the last partial block again); False if it cannot fit."""
+        bs = self.res.cfg.block_size
+        sid = seq.session_id
+        table = self.res.blocks.tables.get(seq, [])
+        if not table or seq.copy_out is not None:
+            return False
+        prev = self.host.session(sid)
+        first = min(seq.host_tokens, prev.nblocks * bs) // bs if prev is not None else 0
+        run = self.host.put_session(sid, len(table), now, seq.expect_s)
+        if run is None:
+            return False
+        blocks = table[first:]
+        c = self._issue(CopyKind.OFFLOAD, sid, blocks, seq.num_tokens - first * bs, run, now,
+                        (seq, seq.num_tokens, (), d.free_gpu))
+        self.res.blocks.share(c, blocks)         # the copy reads them: they stay allocated until it lands
+        seq.copy_out = c
+        self.stats.offloads += 1
+        self.stats.offload_tokens += c.tokens
+        return True
+
+    def tick(self, now: float) -> None:
+        """Decide for sessions that went idle, ask the rule again where a pin ran out, start due prefetches."""
+        self.now = now
+        if self.undecided:
+            todo, self.undecided = list(self.undecided.values()), {}
+            for seq in todo:
+                if seq.state is IDLE:
+                    self._decide(seq, now, False)
+        if self.expiring:
+            for sid, seq in list(self.expiring.items()):
+                if seq.state is not IDLE:
+                    del self.expiring[sid]
+                elif seq.retain_until <= now:
+                    del self.expiring[sid]
+                    self._decide(seq, now, True)
+        if self.prefetch_at:
+            for sid, at in list(self.prefetch_at.items()):
+                if at <= now:
+                    self._prefetch(sid, now)
+        self._rewake(now)
+
+    def _rewake(self, now: float) -> None:
+        w = math.inf
+        for at in self.prefetch_at.values():
+            if now < at < w:
+                w = at
+        for seq in self.expiring.values():
+            if now < seq.retain_until < w:
+                w = seq.retain_until
+        self.wake_at = w
+
+    def _prefetch(self, sid: str, now: float) -> None:
+        """Bring an offloaded context back ahead of its round, with free blocks only (it evicts nothing)."""
+        seq = self.offloaded.get(sid)
+        if seq is None:                           # still resident (or gone): nothing to bring back
+            if self.res.host.seqs.get(sid) is None or self.res.host.seqs[sid].state is not OFFLOADED:
+                del self.prefetch_at[sid]
+            return
+        run = self._readable(seq)
+        if run is None:
+            del self.prefetch_at[sid]
+            return
+        res = self.res
+        need = -(-seq.host_tokens // res.cfg.block_size)
+        if res.blocks.num_free - res.watermark_blocks < need:
+            retry = now + PREFETCH_RETRY_S
+            if retry < seq.expect_s:
+                self.prefetch_at[sid] = retry
+            else:
+                del self.prefetch_at[sid]
+            return
+        del self.prefetch_at[sid]
+        del self.offloaded[sid]
+        res.blocks.grow(seq, seq.host_tokens)
+        self._load(seq, run, CopyKind.PREFETCH, now)
+        self.stats.prefetches += 1
+
+    def _load(self, seq: Seq, run: HostRun, kind: CopyKind, now: float) -> None:
+        table = self.res.blocks.tables[seq]
+        self.host.read(run, now)
+        seq.num_tokens = seq.host_tokens
+        seq.cap = len(table) * self.res.cfg.block_size
+        seq.loading = self._issue(kind, seq.session_id, table, seq.host_tokens, run, now, (seq, 0, (run,), False))
+        self.stats.load_tokens += seq.host_tokens
+
+    def begin_round(self, seq: Seq, now: float) -> None:
+        """The session's next round is here: learn the gap; KV in flight back is waited for or abandoned, KV only
+        in the host tier is loaded or recomputed, whichever the cost model says is cheaper."""
+        self.now = now
+        sid = seq.session_id
+        if seq.idle_since >= 0:
+            self.est.observe(sid, now - seq.idle_since)
+            seq.idle_since = -1.0
+        self.undecided.pop(sid, None)
+        self.expiring.pop(sid, None)
+        self.prefetch_at.pop(sid, None)
+        if seq.prefetched and seq.loading is None and seq.num_tokens:
+            self.stats.prefetch_hits += 1
+        seq.prefetched = False
+        if seq.loading is not None:
+            left = seq.loading.est_s - (now - self._issued_at(seq.loading))
+            if left <= self.t_pre(0, seq.num_tokens):
+                self.stats.load_waits += 1
+                return
+            self._abandon(seq)                    # recomputing is cheaper than waiting for the copy
+            self.stats.recomputes += 1
+            return
+        if seq.state is not OFFLOADED:
+            return
+        self.offloaded.pop(sid, None)
+        run = self._readable(seq)
+        tokens = seq.host_tokens
+        if run is None or self._eta(False, tokens, now) - now > self.t_pre(0, tokens) \
+                or not self.res.reserve(seq, tokens, now, preempt=False):
+            self.stats.recomputes += 1
+            return
+        self._load(seq, run, CopyKind.LOAD, now)
+        self.stats.loads += 1
+        self.stats.load_waits += 1
+
+    def load_prefix(self, seq: Seq, hashes, cached_blocks: int, now: float) -> None:
+        """After the GPU prefix cache gave `cached_blocks`, load the following blocks the host tier holds when that
+        is cheaper than prefilling them (the round waits for the copy)."""
+        bs = self.res.cfg.block_size
+        m = self.host.match(hashes[cached_blocks:])
+        if m <= 0:
+            return
+        tokens = m * bs
+        if self._eta(False, tokens, now) - now > self.t_pre(cached_blocks * bs, tokens):
+            return
+        total = (cached_blocks + m) * bs
+        if not self.res.reserve(seq, total, now, preempt=False):
+            return
+        runs = self.host.runs_of(hashes[cached_blocks:cached_blocks + m])
+        for r in runs:
+            self.host.read(r, now)
+        table = self.res.blocks.tables[seq]
+        seq.num_tokens = total
+        seq.cap = len(table) * bs
+        seq.loading = self._issue(CopyKind.LOAD, seq.session_id, table[cached_blocks:cached_blocks + m], tokens,
+                                  None, now, (seq, cached_blocks, tuple(runs), tuple(hashes[cached_blocks:
+                                                                                             cached_blocks + m])))
+        self.stats.loads += 1
+        self.stats.load_tokens += tokens
+
+    def registered(self, owner, first: int, hashes, now: float) -> None:
+        """Blocks first.. of `owner` were registered under `hashes` in the GPU prefix cache: publish them and write
+        the ones the host tier lacks through to it."""
+        host = self.res.host
+        host.events.append(BlockStored(host.id, tuple(hashes), Medium.GPU))
+        if not self.writes_prefixes:
+            return
+        new = [(i, h) for i, h in enumerate(hashes) if h not in self.host.by_hash]
+        if not new:
+            return
+        run = self.host.put_prefix(tuple(h for _, h in new), now)
+        if run is None:
+            return
+        table = self.res.blocks.tables[owner]
+        blocks = [table[first + i] for i, _ in new]
+        c = self._issue(CopyKind.WRITE, getattr(owner, "session_id", ""), blocks, len(blocks) * self.res.cfg.block_size,
+                        run, now, (None, now, (), False))
+        self.res.blocks.share(c, blocks)
+        self.stats.writes += 1
+
     def expire(self, seq: Seq) -> None:
         """The coordinator's session TTL ran out while the session was idle: the GPU copy goes (once a copy out in
         flight lands), the host copy stays, subject to the tier's eviction; a prefetch may still bring it back."""
@@ -492,8 +496,3 @@ class TierManager:
             self._abandon(seq)
         self._rewake(self.now)
 
-    def summary(self) -> dict:
-        """The tier's counters and occupancy (a simulation report's per-worker entry)."""
-        self.stats.host_evictions = self.host.evictions
-        return {**asdict(self.stats), "host_capacity_blocks": self.host.capacity_blocks,
-                "host_used_blocks": self.host.used}
