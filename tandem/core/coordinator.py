@@ -11,7 +11,7 @@ from tandem.core.actions import (
     Cancel, Delivered, ExpectReturn, HistoryReady, KVArrived, Release, RunLocal, Submit, Timer, ToolCall, Transfer,
     TransferPurpose,
 )
-from tandem.core.host_tier import KV_EVENTS, AllBlocksCleared, BlockStored, Medium
+from tandem.core.host_tier import KV_EVENTS, BlockStored, Medium
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
 from tandem.policy.binding import CacheAwareBinder, LeastKVBinder, PrefixAffinityBinder
 from tandem.policy.routing import ClusterView, Router
@@ -344,13 +344,9 @@ class Coordinator:
         task.hist_compute = task.l_hist if self.recompute_history and not task.local else 0
 
     def _route(self, task: PrefillTask, now: float) -> int:
-        """Where the task's prefill runs: the router's choice, except that a full prefill stays home, and so does one
-        whose history is still coming back from its worker's host tier (a block in flight is never read)."""
-        if task.full_prefill:
-            return task.decode_worker
-        if self.tool_hints and task.l_hist and self.view.kv_loading(task.decode_worker, task.session_id):
-            return task.decode_worker
-        return self.router.route(task, self.view, now)
+        """The router's choice; a full prefill, or one whose history is in flight from a host tier, stays home."""
+        loading = self.tool_hints and task.l_hist and self.view.kv_loading(task.decode_worker, task.session_id)
+        return task.decode_worker if task.full_prefill or loading else self.router.route(task, self.view, now)
 
     # ------------------------------------------------------------------ worker events
     def on_event(self, ev, now: float) -> list:
@@ -375,22 +371,12 @@ class Coordinator:
         if isinstance(ev, SessionFailed):
             st = self.live.get(ev.session_id)
             return self._fail(st, now, ev.reason) if st is not None else []
-        if isinstance(ev, KV_EVENTS):
-            self._kv_event(ev)
+        if isinstance(ev, KV_EVENTS):                  # cache-aware binding learns what each worker's tiers hold
+            if hasattr(self.prefixes, "observe"):
+                self.prefixes.observe(ev.worker, getattr(ev, "hashes", None), isinstance(ev, BlockStored),
+                                      getattr(ev, "medium", None) is Medium.GPU)
             return []
         raise TypeError(f"unknown worker event {ev!r}")
-
-    def _kv_event(self, ev) -> None:
-        """A worker's KV event: what cache-aware binding knows of its tiers (ignored by other binders)."""
-        index = self.prefixes
-        if not hasattr(index, "stored"):
-            return
-        if isinstance(ev, AllBlocksCleared):
-            index.forget(ev.worker)
-        elif isinstance(ev, BlockStored):
-            index.stored(ev.worker, ev.hashes, ev.medium is Medium.GPU)
-        else:
-            index.removed(ev.worker, ev.hashes, ev.medium is Medium.GPU)
 
     def _transfer(self, src: int, dst: int, tokens: int, purpose: TransferPurpose, t: PrefillTask,
                   now: float) -> list:
@@ -437,8 +423,7 @@ class Coordinator:
             st.idle_since = now
             self._arm(now + self.session_ttl_s, _IDLE, (ev.session_id, now), out)
         if st.k < len(st.session.rounds):
-            if self.tool_hints:
-                out.append(ExpectReturn(st.worker, ev.session_id, rnd.tool_s))
+            out += [ExpectReturn(st.worker, ev.session_id, rnd.tool_s)] if self.tool_hints else []
             out.append(ToolCall(ev.session_id, rnd.tool_s))
             return out
         if st.open:

@@ -90,6 +90,15 @@ class TieredPrefixIndex:
         if held:
             held.difference_update(hashes)
 
+    def observe(self, worker: int, hashes: Sequence[int] | None, stored: bool, on_gpu: bool) -> None:
+        """One KV event of `worker`: blocks stored or removed in a tier; no hashes: it holds nothing any more."""
+        if hashes is None:
+            self.forget(worker)
+        elif stored:
+            self.stored(worker, hashes, on_gpu)
+        else:
+            self.removed(worker, hashes, on_gpu)
+
     def forget(self, worker: int) -> None:
         """The worker holds nothing (AllBlocksCleared, lost, restarted)."""
         self._gpu.pop(worker, None)
