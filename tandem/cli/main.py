@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_knobs(s, SimConfig, ("laps_length_threshold", "concurrency"))
     add_knobs(s, WorkloadOptions, ("prefill_basis", "slo_ttft", "slo_itl"))
     add_knobs(s, SimConfig, ("dllm_block_length", "dllm_chunk", "dllm_prefill_share", "preemption_mode", "swap_space",
+                             "kv_offloading_size",
                              "dllm_dataset", "dllm_admission", "dllm_delay_step", "dllm_refresh_interval",
                              "dllm_refresh_span", "dllm_kv_retention", "dllm_commits", "max_num_logits",
                              "colocated_max_num_batched_tokens", "perf", *COST_KNOBS, "faults", "kv_timeout_s"))
@@ -221,6 +222,7 @@ def cmd_simulate(args) -> int:
     out = summarize(res.records, res.sim_time_s)
     out.update(cluster.dllm_summary(res.workers))
     out.update(cluster.dllm_serve_summary(res.workers))
+    out.update(cluster.kv_tier_summary(res.workers))
     out.update({"wall_s": res.wall_s, "sim_time_s": res.sim_time_s, "events": res.events,
                 "deploy": res.deployment, "policy": res.policy, "model": model, "gpu": gpu, "gpus": gpus,
                 "workload": args.workload, "rate": rate, "concurrency": args.concurrency, "seed": args.seed,

@@ -83,11 +83,22 @@ class ToolCall:
 
 
 @dataclass(slots=True)
-class Release:
-    """Free the session's KV on `worker`."""
+class ExpectReturn:
+    """`worker`'s session `session_id` is out on a tool expected to take `tool_s` (its host tier plans with it)."""
 
     worker: int
     session_id: str
+    tool_s: float
+
+
+@dataclass(slots=True)
+class Release:
+    """Free the session's KV on `worker` (`keep_host`: an idle session's expiry on a tiered worker: only its GPU
+    copy goes; its host-tier copy stays for its next round)."""
+
+    worker: int
+    session_id: str
+    keep_host: bool = False
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ class BlockManager:
     come before its live one); `_stale` counts them all, and while it is 0 a take is a plain slice."""
 
     __slots__ = ("block_size", "num_blocks", "_fifo", "_head", "_nfree", "_dead", "_stale", "_ref", "_hash_of",
-                 "_by_hash", "tables", "prefix_hits", "prefix_queries", "_shared")
+                 "_by_hash", "tables", "prefix_hits", "prefix_queries", "_shared", "removed")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -53,6 +53,7 @@ class BlockManager:
         self.prefix_hits = 0                        # blocks served from the prefix cache
         self.prefix_queries = 0                     # blocks looked up in it
         self._shared = 0                            # blocks with more than one reference
+        self.removed: list[int] | None = None       # when a list: hashes forgotten by reuse (KV events)
 
     @property
     def num_free(self) -> int:
@@ -110,7 +111,11 @@ class BlockManager:
         self._nfree -= n
         hash_of = self._hash_of
         if hash_of:                                 # their references are 0 already: they were free
-            _drain(map(self._by_hash.__delitem__, filter(_not_none, map(hash_of.pop, taken, repeat(None)))))
+            gone = list(filter(_not_none, map(hash_of.pop, taken, repeat(None))))
+            if gone:
+                _drain(map(self._by_hash.__delitem__, gone))
+                if self.removed is not None:        # hashes forgotten by reuse (KV events)
+                    self.removed.extend(gone)
         return taken
 
     def grow(self, owner: object, num_tokens: int) -> None:

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from tandem.core.actions import Cancel, Delivered, HistoryReady, KVArrived, Release, RunLocal, Submit, Timer, \
-    ToolCall, Transfer
+from tandem.core.actions import Cancel, Delivered, ExpectReturn, HistoryReady, KVArrived, Release, RunLocal, Submit, \
+    Timer, ToolCall, Transfer
 
-# commands to one worker (KV_IN: a peer's KV landed on it; BEGIN and AUDIT come from the shell, not the core)
-BEGIN, SUBMIT, SEND_KV, HISTORY_READY, KV_ARRIVED, DELIVERED, KV_IN, AUDIT, RUN_LOCAL, RELEASE, CANCEL = range(11)
+# commands to one worker (KV_IN: a peer's KV landed on it; BEGIN and AUDIT come from the shell, not the core;
+# EXPECT: a tool's expected time, for the worker's host tier)
+BEGIN, SUBMIT, SEND_KV, HISTORY_READY, KV_ARRIVED, DELIVERED, KV_IN, AUDIT, RUN_LOCAL, RELEASE, CANCEL, EXPECT = range(12)
 # what the shell does itself: wait out a tool call, call the coordinator back at a time
-TOOL_CALL, TIMER = 11, 12
+TOOL_CALL, TIMER = 12, 13
 
 # the command of each action type (a Transfer is a KV send by its source worker)
 COMMAND: dict[type, int] = {Submit: SUBMIT, Transfer: SEND_KV, HistoryReady: HISTORY_READY, KVArrived: KV_ARRIVED,
                             Delivered: DELIVERED, RunLocal: RUN_LOCAL, Release: RELEASE, Cancel: CANCEL,
-                            ToolCall: TOOL_CALL, Timer: TIMER}
+                            ToolCall: TOOL_CALL, Timer: TIMER, ExpectReturn: EXPECT}
 
 # Commands a worker carries out while its model runs a step, in arrival order, as long as no command before them
 # waits for the step's end. They queue work, pin KV, or move the KV of requests the running step does not include
@@ -27,7 +28,7 @@ COMMAND: dict[type, int] = {Submit: SUBMIT, Transfer: SEND_KV, HistoryReady: HIS
 # the step reads and writes only its own batch's blocks, and new blocks are handed out only when the next step is
 # planned. AUDIT only reads which requests the worker holds. RUN_LOCAL, RELEASE and CANCEL may concern a request
 # of the running batch, so they wait for the step's end.
-EARLY = frozenset({BEGIN, SUBMIT, SEND_KV, HISTORY_READY, KV_ARRIVED, DELIVERED, KV_IN, AUDIT})
+EARLY = frozenset({BEGIN, SUBMIT, SEND_KV, HISTORY_READY, KV_ARRIVED, DELIVERED, KV_IN, AUDIT, EXPECT})
 
 
 def commands(actions: Iterable[object]) -> Iterator[tuple[int, int, object]]:

@@ -19,6 +19,7 @@ DEFAULT_WINDOW_S = 10.0                   # AMPD's window of the published TTFT/
 DEFAULT_KV_TIMEOUT_S = 10.0               # a KV transfer not landed after this is abandoned (local recompute)
 DEFAULT_SESSION_TTL_S = 600.0             # an idle session's KV is released after this
 DEFAULT_SWAP_SPACE_GIB = 4.0              # vLLM's swap_space: host memory per worker for swapped-out KV
+DEFAULT_KV_OFFLOADING_SIZE_GIB = 0.0      # vLLM's kv_offloading_size: host KV tier per worker, all TP ranks (0: none)
 GIB = 1 << 30
 
 
@@ -97,6 +98,9 @@ class SchedulerConfig:
                                        choices=tuple(m.value for m in PreemptionMode))
     swap_space: float = knob(DEFAULT_SWAP_SPACE_GIB, "GiB of host memory per worker for KV preempted by swap",
                              parse=nonneg_float, metavar="GIB")
+    kv_offloading_size: float = knob(DEFAULT_KV_OFFLOADING_SIZE_GIB, "GiB of host-memory KV tier per worker "
+                                     "(summed over its TP ranks, as vLLM's --kv-offloading-size); a tiered policy "
+                                     "needs it", parse=nonneg_float, metavar="GIB")
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "decode_query_tokens"):
@@ -117,9 +121,11 @@ class SchedulerConfig:
             if not self.dllm_block_length:
                 raise ValueError("dllm_admission needs a block-diffusion model (dllm_block_length > 0)")
         self.phase_spec()                         # validates the Refresh/Reuse knobs
+        for name in ("swap_space", "kv_offloading_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number of GiB >= 0, got {v!r}")
         sw = self.swap_space
-        if isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 <= sw < math.inf:
-            raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {sw!r}")
         if self.preemption_mode is not None:
             try:
                 mode = PreemptionMode(self.preemption_mode)
@@ -127,6 +133,10 @@ class SchedulerConfig:
                 raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}") from None
             if mode is PreemptionMode.SWAP and sw == 0:
                 raise ValueError("preemption_mode swap needs swap_space > 0 GiB")
+
+    def host_tier_blocks(self, kv_block_bytes: int, tp: int) -> int:
+        """KV blocks the host tier holds: kv_offloading_size over all `tp` ranks, `kv_block_bytes` per rank."""
+        return int(self.kv_offloading_size * GIB) // (kv_block_bytes * tp) if kv_block_bytes > 0 else 0
 
     def swap_blocks(self, kv_block_bytes: int) -> int:
         """KV blocks of `kv_block_bytes` that swap_space holds (0 when the shell gives no block size)."""

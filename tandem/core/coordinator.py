@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from tandem.core.actions import (
-    Cancel, Delivered, HistoryReady, KVArrived, Release, RunLocal, Submit, Timer, ToolCall, Transfer,
+    Cancel, Delivered, ExpectReturn, HistoryReady, KVArrived, Release, RunLocal, Submit, Timer, ToolCall, Transfer,
     TransferPurpose,
 )
+from tandem.core.host_tier import KV_EVENTS, BlockStored, Medium
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
-from tandem.policy.binding import LeastKVBinder, PrefixAffinityBinder
+from tandem.policy.binding import CacheAwareBinder, LeastKVBinder, PrefixAffinityBinder
 from tandem.policy.routing import ClusterView, Router
 from tandem.workload.records import RoundRecord, SessionRecord
 from tandem.workload.session import SLO, Round, Session
@@ -28,7 +29,8 @@ class CoordinatorView(ClusterView, Protocol):
     def home_workers(self) -> Sequence[int]: ...
     def capacity(self, worker: int) -> int: ...
     def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (),
-                    prompt_tokens: int = 0) -> int: ...
+                    prompt_tokens: int = 0, now: float | None = None) -> int: ...
+    def kv_loading(self, worker: int, session_id: str) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -52,10 +54,11 @@ class Coordinator:
     tandem.core.factory.build_coordinator."""
 
     def __init__(self, view: CoordinatorView, router: Router,
-                 binder: LeastKVBinder | PrefixAffinityBinder | None = None, max_context: int | None = None,
-                 kv_timeout_s: float = math.inf, session_ttl_s: float = math.inf, block_size: int = 16,
-                 recompute_history: bool = False) -> None:
+                 binder: LeastKVBinder | PrefixAffinityBinder | CacheAwareBinder | None = None,
+                 max_context: int | None = None, kv_timeout_s: float = math.inf, session_ttl_s: float = math.inf,
+                 block_size: int = 16, recompute_history: bool = False, tool_hints: bool = False) -> None:
         self.view = view
+        self.tool_hints = tool_hints              # host tiers: tell a session's worker its tool's expected time
         self.recompute_history = recompute_history   # a remote prefill computes its history (vLLM's PD) or reads it
         self.max_context = max_context
         self.router = router
@@ -296,7 +299,7 @@ class Coordinator:
         if st.open:
             st.record.finish_s = now
             return self._end(st)
-        return [Release(st.worker, st.session.session_id)]
+        return [Release(st.worker, st.session.session_id, keep_host=self.tool_hints)]
 
     def _start_round(self, st: _Live, now: float) -> list:
         s, k, w = st.session, st.k, st.worker
@@ -313,7 +316,7 @@ class Coordinator:
             return self._fail(st, now, f"KV exceeds the worker's capacity: round {k} needs {need} tokens, "
                                        f"worker {w} holds at most {self.capacity[w]}")
         # nothing resident (new, evicted, re-bound): the worker's prefix cache may still hold the conversation's start
-        hist = self.view.begin_round(w, s.session_id, st.hashes, st.context + rnd.input_tokens)
+        hist = self.view.begin_round(w, s.session_id, st.hashes, st.context + rnd.input_tokens, now)
         l_incr = st.context - hist + rnd.input_tokens     # includes the previous round's last token
         rec.history_tokens = hist
         rec.recomputed_tokens = max(0, st.context - hist - (1 if k else 0))
@@ -341,8 +344,9 @@ class Coordinator:
         task.hist_compute = task.l_hist if self.recompute_history and not task.local else 0
 
     def _route(self, task: PrefillTask, now: float) -> int:
-        """Where the task's prefill runs: the router's choice, except that a full prefill stays home."""
-        return task.decode_worker if task.full_prefill else self.router.route(task, self.view, now)
+        """The router's choice; a full prefill, or one whose history is in flight from a host tier, stays home."""
+        loading = self.tool_hints and task.l_hist and self.view.kv_loading(task.decode_worker, task.session_id)
+        return task.decode_worker if task.full_prefill or loading else self.router.route(task, self.view, now)
 
     # ------------------------------------------------------------------ worker events
     def on_event(self, ev, now: float) -> list:
@@ -367,6 +371,11 @@ class Coordinator:
         if isinstance(ev, SessionFailed):
             st = self.live.get(ev.session_id)
             return self._fail(st, now, ev.reason) if st is not None else []
+        if isinstance(ev, KV_EVENTS):                  # cache-aware binding learns what each worker's tiers hold
+            if hasattr(self.prefixes, "observe"):
+                self.prefixes.observe(ev.worker, getattr(ev, "hashes", None), isinstance(ev, BlockStored),
+                                      getattr(ev, "medium", None) is Medium.GPU)
+            return []
         raise TypeError(f"unknown worker event {ev!r}")
 
     def _transfer(self, src: int, dst: int, tokens: int, purpose: TransferPurpose, t: PrefillTask,
@@ -414,6 +423,7 @@ class Coordinator:
             st.idle_since = now
             self._arm(now + self.session_ttl_s, _IDLE, (ev.session_id, now), out)
         if st.k < len(st.session.rounds):
+            out += [ExpectReturn(st.worker, ev.session_id, rnd.tool_s)] if self.tool_hints else []
             out.append(ToolCall(ev.session_id, rnd.tool_s))
             return out
         if st.open:

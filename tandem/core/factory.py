@@ -9,13 +9,16 @@ from typing import Callable
 from tandem.core.chunked_planner import ChunkedPlanner, StepPlanner
 from tandem.core.config import PreemptionMode, SchedulerConfig
 from tandem.core.coordinator import Coordinator, CoordinatorView
+from tandem.core.host_tier import HostTier
 from tandem.core.laps_planner import LapsPlanner
 from tandem.core.laps_sched import LapsScheduler, LocalLaps, laps_options
 from tandem.core.phase_planner import PhasePlanner
+from tandem.core.tiering import TierManager
 from tandem.core.types import COLOCATED, Role
 from tandem.core.window_planner import WindowPlanner
 from tandem.core.worker import WorkerConfig, WorkerCore
-from tandem.policy.binding import LeastKVBinder, PrefixAffinityBinder
+from tandem.policy.binding import CacheAwareBinder, LeastKVBinder, PrefixAffinityBinder
+from tandem.policy.kv_tiers import make_idle_rule
 from tandem.policy.laps.classify import DEFAULT_THRESHOLD, LengthClassifier
 from tandem.policy.laps.pools import PooledRouter
 from tandem.perf.batch_shape import BatchShape
@@ -24,8 +27,7 @@ from tandem.policy.dllm_serve import Admission, DllmServe
 from tandem.policy.optimus.chunk import ChunkMode, ChunkSizer, StepLatency, parse_chunk
 from tandem.policy.optimus.latency import ChunkLatency
 from tandem.policy.presets import (
-    LapsRole,
-    BinderKind, HistorySource, PickerKind, PolicySpec, RouterKind, get_policy,
+    POLICIES, BinderKind, LapsRole, HistorySource, PickerKind, PolicySpec, RouterKind, get_policy,
 )
 from tandem.policy.reorder import FCFS, Picker, SessionFirst, TTFTAwareReorder
 from tandem.policy.routing import (
@@ -93,7 +95,8 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
                  sched: SchedulerConfig | None = None, t_pre: Callable[[int, int], float] | None = None,
                  max_num_batched_tokens: int | None = None, boundary: int | None = None,
                  t_step: Callable[[BatchShape], float] | None = None,
-                 latency: ChunkLatency | None = None, kv_block_bytes: int = 0) -> WorkerCore:
+                 latency: ChunkLatency | None = None, kv_block_bytes: int = 0,
+                 host_link_s: Callable[[int], float] | None = None) -> WorkerCore:
     """One worker core of `role` with the policy's picker and idle-KV retention and the scheduler's knobs.
     `max_num_batched_tokens` overrides the scheduler's budget for this worker (the simulator's co-located one);
     `boundary` is the cost model's LAPS boundary L_m, the class threshold unless the policy sets one; `t_step`, the
@@ -101,7 +104,8 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
     shell has `latency`, a fitted T(c, b) of its own (the engine's measured one, a profile's), used as it is. With
     `sched.dllm_admission` the diffusion worker runs dLLM-Serve's Refresh/Reuse phases under that admission policy
     instead of Optimus's windows (co-located workers only: ValueError otherwise). `kv_block_bytes`, the bytes of one
-    KV block on this worker, sizes its swap space (0: no swap space, so preemption recomputes)."""
+    KV block on this worker, sizes its swap space (0: no swap space, so preemption recomputes) and its host KV tier
+    (a tiered policy's, sched.kv_offloading_size GiB; `host_link_s`: seconds to copy n positions over the host link)."""
     spec = get_policy(policy)
     sched = sched or SchedulerConfig()
     role = Role(role)
@@ -141,8 +145,29 @@ def build_worker(wid: int, role: Role | str, tp: int, num_blocks: int, policy: s
     elif sched.dllm_block_length and role != Role.PREFILL:
         chunker = ChunkSizer(parse_chunk(sched.dllm_chunk), sched.dllm_block_length,
                              latency.rows if latency is not None else chunk_latency(t_step, t_pre))
-    return WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker, dllm=dllm,
+    core = WorkerCore(wid, cfg, make_picker(spec), t_pre, laps=laps, local_laps=local, chunker=chunker, dllm=dllm,
                       planner=make_planner(laps, chunker, dllm))
+    if sched.kv_offloading_size and not spec.tiered:
+        raise ValueError(f"policy {spec.name} keeps no KV in host memory: --kv-offloading-size needs a tiered policy "
+                         f"({', '.join(p.name for p in POLICIES.values() if p.tiered)})")
+    if spec.tiered and role != Role.PREFILL:
+        core.kv.tier = make_tier(core, spec, sched, kv_block_bytes, host_link_s, t_pre)
+    return core
+
+
+def make_tier(core: WorkerCore, spec: PolicySpec, sched: SchedulerConfig, kv_block_bytes: int,
+              host_link_s: Callable[[int], float] | None, t_pre: Callable[[int, int], float] | None) -> TierManager:
+    """The host KV tier of a (decode or co-located, autoregressive) worker of a tiered policy."""
+    if core.cfg.dllm_block:
+        raise ValueError(f"policy {spec.name}: host KV tiers serve autoregressive models only")
+    blocks = sched.host_tier_blocks(kv_block_bytes, core.cfg.tp)
+    if blocks < 1:
+        raise ValueError(f"policy {spec.name} keeps idle KV in host memory: give --kv-offloading-size (GiB per "
+                         f"worker) room for at least one block of {kv_block_bytes * core.cfg.tp} bytes")
+    if host_link_s is None:
+        raise ValueError(f"policy {spec.name}: this shell has no host-link cost for the KV tier's copies")
+    return TierManager(core.kv, HostTier(blocks, spec.kv_eviction), make_idle_rule(spec.idle_kv, spec.retain_idle_kv_s),
+                       host_link_s, t_pre or (lambda h, n: 0.0))
 
 
 def make_planner(laps: LapsScheduler | None, chunker: ChunkSizer | None, dllm: DllmServe | None) -> StepPlanner:
@@ -186,7 +211,11 @@ def build_coordinator(view: CoordinatorView, policy: str | PolicySpec, sched: Sc
     spec = get_policy(policy)
     sched = sched or SchedulerConfig()
     rng = seed if isinstance(seed, random.Random) else random.Random(seed)
-    binder = PrefixAffinityBinder() if spec.binder is BinderKind.PREFIX_AFFINITY else LeastKVBinder()
+    if spec.cache_aware:
+        binder = CacheAwareBinder()
+    else:
+        binder = PrefixAffinityBinder() if spec.binder is BinderKind.PREFIX_AFFINITY else LeastKVBinder()
     return Coordinator(view, make_router(spec, rng, boundary), binder, max_context=max_context,
                        kv_timeout_s=sched.kv_timeout_s, session_ttl_s=sched.session_ttl_s,
-                       block_size=sched.block_size, recompute_history=spec.remote_history is HistorySource.RECOMPUTE)
+                       block_size=sched.block_size, recompute_history=spec.remote_history is HistorySource.RECOMPUTE,
+                       tool_hints=spec.tiered)

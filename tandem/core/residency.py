@@ -11,6 +11,7 @@ from typing import Callable, Protocol, Sequence
 from tandem.core.block_manager import BlockManager
 from tandem.core.config import PreemptionMode, WorkerConfig
 from tandem.core.laps_sched import LapsScheduler, LocalLaps
+from tandem.core.tiering import TierManager
 from tandem.core.types import (
     PREFILL, FetchHistory, PrefillTask, Seq, SeqState, SessionFailed, StepPlan, Swap, SwapKind,
 )
@@ -69,11 +70,13 @@ class KVResidency:
         self.swap_free = self.swap_blocks
         self.swaps: list[Swap] = []                 # KV copies for the shell to carry out before its next forward
         self.preempted = {m: 0 for m in PreemptionMode}   # preemptions so far, by how they freed the KV
+        self.tier: TierManager | None = None        # the host tier's rules (tandem/core/tiering.py), if it has one
 
     # ---------------------------------------------------------------- admission and prefix reuse
-    def take_cached_prefix(self, seq: Seq, block_hashes: Sequence[int], prompt_tokens: int) -> None:
+    def take_cached_prefix(self, seq: Seq, block_hashes: Sequence[int], prompt_tokens: int,
+                           now: float | None = None) -> None:
         """A session with nothing resident takes the longest cached prefix of its prompt (whole diffusion blocks of
-        it on a block-causal worker), leaving at least one token to compute."""
+        it on a block-causal worker), leaving at least one token to compute; a host tier may load more of it."""
         bs = self.cfg.block_size
         blocks = self._cached(block_hashes, prompt_tokens)
         B = self.cfg.dllm_block
@@ -84,6 +87,9 @@ class KVResidency:
             self.blocks.share(seq, blocks)
             seq.num_tokens = len(blocks) * bs
             seq.cap = seq.num_tokens
+        if self.tier is not None:
+            self.tier.load_prefix(seq, block_hashes[:(prompt_tokens - 1) // bs], len(blocks),
+                                  self.tier.now if now is None else now)
 
     def _cached(self, block_hashes: Sequence[int], tokens: int) -> Sequence[int]:
         """The cached blocks of the leading full blocks of `tokens` tokens, at least one token left out."""
@@ -104,7 +110,7 @@ class KVResidency:
         t.est_s = host.t_pre(t.l_hist, t.l_incr)
         host.queued_est_s += t.est_s
 
-    def register_blocks(self, t: PrefillTask) -> None:
+    def register_blocks(self, t: PrefillTask, now: float = 0.0) -> None:
         """Publish the task's newly completed full blocks in the prefix cache."""
         full = min((t.first + t.done) // self.cfg.block_size, len(t.block_hashes))
         if full <= t.hashed:
@@ -114,6 +120,8 @@ class KVResidency:
             return
         for i in range(t.hashed, full):
             self.blocks.register(owner, i, t.block_hashes[i])
+        if self.tier is not None:
+            self.tier.registered(owner, t.hashed, t.block_hashes[t.hashed:full], now)
         t.hashed = full
 
     def admit(self, now: float) -> None:
@@ -127,8 +135,14 @@ class KVResidency:
         cap = cfg.max_num_seqs - len(host.running)
         local = host.local_laps
         queue = host.queue
+        tier = self.tier
         while queue and pending < budget and len(host.active) < cap:
-            if local is not None and len(local.short):   # tasks AWD still holds are not candidates
+            if tier is not None and tier.inflight:       # tasks whose KV is still coming back are not candidates
+                cand = [t for t in queue if not tier.waiting(t) and not (local is not None and local.holds(t))]
+                if not cand:
+                    break
+                t = cand[host.picker.pick(cand, now)]
+            elif local is not None and len(local.short):   # tasks AWD still holds are not candidates
                 cand = [t for t in queue if not local.holds(t)]
                 if not cand:
                     break
@@ -208,7 +222,8 @@ class KVResidency:
         freed = False
         for t in reversed(host.queue):
             seq = host.seqs.get(t.session_id)
-            if t.l_hist > 0 and seq is not None and seq.num_tokens == t.l_hist and self.blocks.held(seq):
+            if t.l_hist > 0 and seq is not None and seq.num_tokens == t.l_hist and self.blocks.held(seq) \
+                    and seq.loading is None:
                 if host.local_laps is not None:
                     host.local_laps.discard(t)           # a whole recompute now: no longer a short prefill
                 self.drop(seq)
@@ -220,6 +235,8 @@ class KVResidency:
                 freed = True
         if freed:
             return True
+        if self.tier is not None and self.tier.inflight:
+            return False                             # a copy will land (and free or fill its blocks)
         waiting = {t.session_id for t in host.queue} | {t.session_id for t in host.pending_kv}
         if any(q.state is SeqState.PREFILL and sid not in waiting for sid, q in host.seqs.items()):
             return False                             # a remote prefill's KV is still on its way
@@ -283,9 +300,14 @@ class KVResidency:
         seq.state = SeqState.IDLE
         seq.retain_until = now + self.cfg.retain_s
         self.idle[seq.session_id] = seq
+        if self.tier is not None:
+            self.tier.on_idle(seq, now)
 
     def _evict_idle(self, need: int, now: float) -> bool:
-        """Free idle sessions' KV, least recently used first, skipping pinned ones; True if enough."""
+        """Free idle sessions' KV, least recently used first, skipping pinned ones; True if enough (a host tier
+        evicts by its own rule)."""
+        if self.tier is not None:
+            return self.tier.evict_idle(need, now)
         blocks = self.blocks
         wake = math.inf
         for sid in list(self.idle):
@@ -305,6 +327,8 @@ class KVResidency:
     def release(self, seq: Seq) -> None:
         """The session ended: its idle entry, its host copy if swapped out, its blocks go."""
         self.idle.pop(seq.session_id, None)
+        if self.tier is not None:
+            self.tier.forget(seq)
         if seq.state is SeqState.SWAPPED:            # its host copy is dropped
             self.swapped.remove(seq)
             self.swap_free += seq.swapped_blocks

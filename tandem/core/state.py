@@ -56,5 +56,11 @@ class InProcessState:
     def capacity(self, worker: int) -> int:
         return self.workers[worker].capacity_tokens
 
-    def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (), prompt_tokens: int = 0) -> int:
-        return self.workers[worker].begin_round(session_id, block_hashes, prompt_tokens)
+    def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (), prompt_tokens: int = 0,
+                    now: float | None = None) -> int:
+        return self.workers[worker].begin_round(session_id, block_hashes, prompt_tokens, now)
+
+    def kv_loading(self, worker: int, session_id: str) -> bool:
+        """Whether the session's KV on `worker` is being copied back from its host tier (not readable yet)."""
+        seq = self.workers[worker].seqs.get(session_id)
+        return seq is not None and seq.loading is not None

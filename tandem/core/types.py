@@ -24,6 +24,7 @@ class SeqState(Enum):
     FAILED = "failed"           # the worker cannot hold it
     RELEASED = "released"       # the session ended here (its KV freed)
     SWAPPED = "swapped"         # preempted by swap: its KV waits in host memory to be copied back
+    OFFLOADED = "offloaded"     # between rounds, its KV only in the worker's host tier (core/host_tier.py)
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +55,12 @@ class Seq:
     first_due: tuple[float, float | None] | None = None   # diffusion: the round's first token is its first
                                 # commit; (prefill start, enqueue time of a local prefill) until then
     swapped_blocks: int = 0     # preempted by swap: KV blocks it holds in host memory
+    host_tokens: int = 0        # host tier: leading positions its host run holds (written)
+    expect_s: float = 0.0       # host tier: when its next round is expected (idle only)
+    idle_since: float = -1.0    # host tier: when its last round ended (-1: not idle)
+    loading: object = None      # host tier: the copy bringing its KV back (its blocks are not read until it lands)
+    copy_out: object = None     # host tier: the copy taking its KV out (its blocks are not evicted until it lands)
+    prefetched: bool = False    # host tier: its KV came back ahead of the round
 
 
 class SwapKind(Enum):

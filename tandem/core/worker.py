@@ -80,6 +80,8 @@ class WorkerCore:
         w = self._wake_s
         if self.local_laps is not None and self.local_laps.wake_at_s < w:
             w = self.local_laps.wake_at_s
+        if self.kv.tier is not None and self.kv.tier.wake_at < w:
+            w = self.kv.tier.wake_at
         return w
 
     @wake_s.setter
@@ -94,17 +96,22 @@ class WorkerCore:
             seq = self.seqs[sid] = Seq(sid)
         return seq
 
-    def begin_round(self, sid: str, block_hashes: Sequence[int] = (), prompt_tokens: int = 0) -> int:
+    def begin_round(self, sid: str, block_hashes: Sequence[int] = (), prompt_tokens: int = 0,
+                    now: float | None = None) -> int:
         """A new round of `sid` arrives: pin its KV and return how many history tokens are resident. A session
         with nothing resident first takes the longest cached prefix of its prompt (`block_hashes`: the chained
         hashes of the prompt's full blocks, `prompt_tokens` long) from the prefix cache, leaving at least one
-        token to compute; those tokens then count as its history, wherever its prefill runs."""
+        token to compute; those tokens then count as its history, wherever its prefill runs. With a host tier
+        (`now`: the arrival time, else the tier's last), KV offloaded there is loaded back or recomputed."""
         seq = self.attach(sid)
         self.kv.idle.pop(sid, None)
+        tier = self.kv.tier
+        if tier is not None:
+            tier.begin_round(seq, tier.now if now is None else now)
         seq.state = SeqState.PREFILL
         if block_hashes and seq.num_tokens == 0 and not self.blocks.held(seq) and prompt_tokens > 1 \
                 and self.dllm is None:                # bidirectional: a prompt's KV depends on the whole sequence
-            self.kv.take_cached_prefix(seq, block_hashes, prompt_tokens)
+            self.kv.take_cached_prefix(seq, block_hashes, prompt_tokens, now)
         return seq.num_tokens
 
     def submit(self, task: PrefillTask, now: float) -> None:
@@ -199,7 +206,10 @@ class WorkerCore:
 
     # ---------------------------------------------------------------- steps
     def schedule(self, now: float) -> StepPlan | None:
-        """Form the next step (the mode's step planner decides what it holds); None when nothing can run now."""
+        """Form the next step (the mode's step planner decides what it holds); None when nothing can run now. A host
+        tier first decides for idle sessions and starts due prefetches."""
+        if self.kv.tier is not None:
+            self.kv.tier.tick(now)
         return self.planner.plan(self, now)
 
     def admit_task(self, t: PrefillTask, now: float) -> bool:
@@ -219,7 +229,7 @@ class WorkerCore:
                 continue                             # cancelled or released while its chunk ran: nothing to do
             t.done += n
             if t.block_hashes:
-                self.kv.register_blocks(t)
+                self.kv.register_blocks(t, now)
             if t.done >= t.work:
                 self.active.remove(t)
                 if self.role == PREFILL:
@@ -296,7 +306,7 @@ class WorkerCore:
         seq.num_tokens += task.l_incr
         if task.block_hashes and not task.local:      # KV computed remotely: cache its full blocks here too
             task.done = task.work
-            self.kv.register_blocks(task)
+            self.kv.register_blocks(task, now)
         if not task.recompute:
             start = task.start_s if task.start_s is not None else now
             if self.cfg.dllm_block:                  # a diffusion prefill samples nothing: the first commit is
@@ -401,6 +411,17 @@ class WorkerCore:
     def take_swaps(self) -> list[Swap]:
         """The KV copies planned since the last call, in order, for the shell to carry out before its next forward."""
         return self.kv.take_swaps()
+
+    def expire(self, sid: str) -> None:
+        """An idle session's TTL ran out: its GPU copy goes; a host-tier copy stays (no tier: released)."""
+        seq = self.seqs.get(sid)
+        ok = self.kv.tier is not None and seq is not None and seq.state in (SeqState.IDLE, SeqState.OFFLOADED)
+        self.kv.tier.expire(seq) if ok else self.release(sid)
+
+    def expect_return(self, sid: str, tool_s: float, now: float) -> None:
+        """The coordinator knows how long the session's tool call takes (its next round's expected return)."""
+        if self.kv.tier is not None:
+            self.kv.tier.expect_return(sid, tool_s, now)
 
     def has_work(self) -> bool:
         return bool(self.queue or self.active or self.running or self.pending_kv or self.kv.swapped)

@@ -66,3 +66,83 @@ class PrefixAffinityBinder:
         if best is not None:
             return best
         return self.fallback.bind(workers, committed_tokens, capacity)
+
+
+HOST_BLOCK_WEIGHT = 0.8   # a block in a worker's host tier is worth this much of one on its GPU (it costs a copy)
+LOAD_WEIGHT = 1.0         # a fully committed worker loses this share of the prompt's blocks from its score
+
+
+class TieredPrefixIndex:
+    """Per worker, which block hashes it holds on its GPU and in its host tier, learnt from the KV events workers
+    publish (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, with their medium)."""
+
+    def __init__(self) -> None:
+        self._gpu: dict[int, set[int]] = {}
+        self._cpu: dict[int, set[int]] = {}
+
+    def stored(self, worker: int, hashes: Sequence[int], on_gpu: bool) -> None:
+        """The worker now holds these blocks in that tier."""
+        (self._gpu if on_gpu else self._cpu).setdefault(worker, set()).update(hashes)
+
+    def removed(self, worker: int, hashes: Sequence[int], on_gpu: bool) -> None:
+        """The worker no longer holds these blocks in that tier."""
+        held = (self._gpu if on_gpu else self._cpu).get(worker)
+        if held:
+            held.difference_update(hashes)
+
+    def observe(self, worker: int, hashes: Sequence[int] | None, stored: bool, on_gpu: bool) -> None:
+        """One KV event of `worker`: blocks stored or removed in a tier; no hashes: it holds nothing any more."""
+        if hashes is None:
+            self.forget(worker)
+        elif stored:
+            self.stored(worker, hashes, on_gpu)
+        else:
+            self.removed(worker, hashes, on_gpu)
+
+    def forget(self, worker: int) -> None:
+        """The worker holds nothing (AllBlocksCleared, lost, restarted)."""
+        self._gpu.pop(worker, None)
+        self._cpu.pop(worker, None)
+
+    def remember(self, worker: int, block_hashes: Sequence[int]) -> None:
+        """Events, not served prompts, say what a worker holds: nothing to do."""
+
+    def match(self, worker: int, block_hashes: Sequence[int]) -> tuple[int, int]:
+        """Leading blocks of `block_hashes` the worker holds on its GPU, and in either tier."""
+        gpu, cpu = self._gpu.get(worker, ()), self._cpu.get(worker, ())
+        n_gpu = n = 0
+        for h in block_hashes:
+            if h in gpu:
+                n += 1
+                if n_gpu == n - 1:
+                    n_gpu = n
+            elif h in cpu:
+                n += 1
+            else:
+                break
+        return n_gpu, n
+
+
+class CacheAwareBinder:
+    """Bind a new session to the worker whose tiers hold the longest prefix of its first prompt, GPU blocks counting
+    fully and host blocks HOST_BLOCK_WEIGHT each, less LOAD_WEIGHT x the prompt's blocks x the worker's committed
+    share; nothing held anywhere: least committed KV."""
+
+    def __init__(self, index: TieredPrefixIndex | None = None, fallback: LeastKVBinder | None = None) -> None:
+        self.index = index or TieredPrefixIndex()
+        self.fallback = fallback or LeastKVBinder()
+
+    def bind(self, workers: Sequence[int], committed_tokens: dict[int, int], capacity: dict[int, int],
+             block_hashes: Sequence[int] = ()) -> int:
+        if block_hashes:
+            best, best_score, any_held = None, 0.0, False
+            for w in workers:
+                n_gpu, n = self.index.match(w, block_hashes)
+                any_held |= n > 0
+                score = (n_gpu + HOST_BLOCK_WEIGHT * (n - n_gpu)
+                         - LOAD_WEIGHT * len(block_hashes) * committed_tokens.get(w, 0) / capacity[w])
+                if best is None or score > best_score:
+                    best, best_score = w, score
+            if any_held and best is not None:
+                return best
+        return self.fallback.bind(workers, committed_tokens, capacity)

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from tandem.policy.kv_tiers import EvictionKind, IdleRuleKind
+
 
 class RouterKind(StrEnum):
     """Where a round's prefill runs (tandem/policy/routing.py)."""
@@ -93,6 +95,9 @@ class PolicySpec:
                                   # batch (padded to a bucket with laps_graphs), pausing its decodes once per batch
     mixed_chunk: bool = True     # co-located: decodes ride along prefill chunks (vLLM); False: a waiting prefill runs
                                  # first and the decodes pause for it (SGLang's default, --enable-mixed-chunk off)
+    idle_kv: IdleRuleKind = IdleRuleKind.NONE   # host KV tier: the rule for a session going idle (none: no tier)
+    kv_eviction: EvictionKind = EvictionKind.LRU  # host KV tier: which idle KV goes first from either tier
+    cache_aware: bool = False    # bind new sessions by the KV events' tiers (longest held prefix, weighted by load)
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -101,7 +106,10 @@ class PolicySpec:
         object.__setattr__(self, "binder", _enum(BinderKind, self.binder, "binder"))
         object.__setattr__(self, "prefill_sched", _enum(PrefillSchedKind, self.prefill_sched, "prefill scheduler"))
         object.__setattr__(self, "remote_history", _enum(HistorySource, self.remote_history, "remote history"))
-        for knob in ("laps_pools", "laps_split", "laps_graphs", "local_chunked", "laps_local_awd", "mixed_chunk"):
+        object.__setattr__(self, "idle_kv", _enum(IdleRuleKind, self.idle_kv, "idle KV rule"))
+        object.__setattr__(self, "kv_eviction", _enum(EvictionKind, self.kv_eviction, "KV eviction rule"))
+        for knob in ("laps_pools", "laps_split", "laps_graphs", "local_chunked", "laps_local_awd", "mixed_chunk",
+                     "cache_aware"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         if isinstance(self.laps_min_pool, bool) or not isinstance(self.laps_min_pool, int) or self.laps_min_pool < 0:
@@ -124,6 +132,8 @@ class PolicySpec:
             v = getattr(self, knob)
             if not (isinstance(v, (int, float)) and 0 < v <= 10):
                 raise ValueError(f"{knob} must be in (0, 10], got {v!r}")
+        if self.idle_kv is IdleRuleKind.TTL and not self.retain_idle_kv:
+            raise ValueError("the ttl idle KV rule needs retain_idle_kv_s > 0 (its TTL)")
         if not self.disaggregated and self.router != RouterKind.LOCAL:
             raise ValueError(f"a co-located policy routes every prefill locally, got router {self.router.value!r}")
 
@@ -143,6 +153,10 @@ class PolicySpec:
     def bucket_steps(self, role: str) -> bool:
         """Whether a worker of this role runs LAPS's bucket steps (captured graphs when laps_graphs)."""
         return self.laps_graphs and self.laps_role(role) is not LapsRole.NONE
+    @property
+    def tiered(self) -> bool:
+        """Whether the policy keeps idle KV in a host-memory tier (needs --kv-offloading-size)."""
+        return self.idle_kv is not IdleRuleKind.NONE
 
     def with_options(self, **options) -> PolicySpec:
         """This policy with some knobs changed (validated again)."""
@@ -204,6 +218,26 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
                            "(mixed chunks off, SGLang's default); prefix-cached KV evictable"),
     PolicySpec("continuum", False, RouterKind.LOCAL, PickerKind.SESSION_FIRST, retain_idle_kv_s=30.0,
                description="Continuum-like co-located: same-session priority, KV pinned for a TTL across tool calls"),
+    # host KV tiers (docs/kv-tiers.md): each needs --kv-offloading-size
+    PolicySpec("continuum-tiered", False, RouterKind.LOCAL, PickerKind.SESSION_FIRST, retain_idle_kv_s=30.0,
+               idle_kv=IdleRuleKind.TTL,
+               description="Continuum with a host tier: KV pinned for the TTL, then copied to host memory (GPU copy "
+                           "evictable), loaded back when its round comes; LRU in both tiers"),
+    PolicySpec("continuum-tool", False, RouterKind.LOCAL, PickerKind.SESSION_FIRST,
+               idle_kv=IdleRuleKind.TOOL_AWARE, kv_eviction=EvictionKind.RETURN_TIME, cache_aware=True,
+               description="co-located, tool-aware host tier: short tool gaps pinned, long ones offloaded and "
+                           "prefetched before the expected return; latest expected return evicted first; "
+                           "cache-aware binding"),
+    PolicySpec("ampd-tiered", True, RouterKind.ADAPTIVE, PickerKind.TTFT_AWARE,
+               idle_kv=IdleRuleKind.TOOL_AWARE, kv_eviction=EvictionKind.RETURN_TIME, cache_aware=True,
+               description="AMPD with the tool-aware host tier on its decode workers and cache-aware session "
+                           "binding"),
+    PolicySpec("hicache", False, RouterKind.LOCAL, PickerKind.FCFS, idle_kv=IdleRuleKind.WRITE_THROUGH,
+               description="HiCache-like co-located: every idle KV written through to host memory, LRU in both "
+                           "tiers, loaded back on demand; no tool awareness"),
+    PolicySpec("infercept", False, RouterKind.LOCAL, PickerKind.FCFS, idle_kv=IdleRuleKind.INFERCEPT,
+               description="InferCept-like co-located: per paused session the least wasteful of preserve, swap "
+                           "(to the host tier) and discard"),
 )}
 
 

@@ -158,10 +158,15 @@ class StoreView:
     def capacity(self, worker: int) -> int:
         return self.state(worker).capacity_tokens
 
+    def kv_loading(self, worker: int, session_id: str) -> bool:
+        """The live runtime's workers keep no host tier yet: no KV is ever coming back from one."""
+        return False
+
     def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (),
-                    prompt_tokens: int = 0) -> int:
+                    prompt_tokens: int = 0, now: float | None = None) -> int:
         """Resident history tokens of `session_id` on `worker` as last recorded; records the binding if new. The
-        prompt's block hashes are not used: the decode worker itself finds a cached prefix when the task arrives."""
+        prompt's block hashes are not used: the decode worker itself finds a cached prefix when the task arrives
+        (`now` too: its own clock times it)."""
         try:
             info = self.store.get_session(session_id)
         except StateStoreError as e:                           # an outage: the shell corrects residency anyway

@@ -36,7 +36,7 @@ from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
 __all__ = ["SimConfig", "SimResult", "simulate", "build", "load_perf", "ConfigError", "POLICIES", "FaultError",
-           "dllm_pool", "dllm_serve_summary"]
+           "dllm_pool", "dllm_serve_summary", "kv_tier_summary"]
 
 
 @dataclass(slots=True)
@@ -135,7 +135,8 @@ def build(cfg: SimConfig) -> tuple[Coordinator, list[WorkerCore], EventLoop]:
         try:
             workers.append(build_worker(wid, role, tp, cap // cfg.block_size, spec, sched, t_pre,
                                         max_num_batched_tokens=budget, boundary=boundary, t_step=timer,
-                                        kv_block_bytes=kv_bytes_per_token_per_gpu(model, tp) * cfg.block_size))
+                                        kv_block_bytes=kv_bytes_per_token_per_gpu(model, tp) * cfg.block_size,
+                                        host_link_s=step_timers[(tp, ep)].swap_time))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         timers.append(timer)
@@ -171,6 +172,12 @@ def dllm_pool(cfg: SimConfig, tp: int) -> tuple[int, int]:
         return mem.kv_pool_tokens(budget, logits), budget
     except DoesNotFitError as e:
         raise ConfigError(str(e)) from None
+
+
+def kv_tier_summary(workers: list[dict]) -> dict:
+    """Host KV tier counters of a run summed over its workers ({"kv_tier": {...}}; {} for an untiered run)."""
+    tiers = [w["kv_tier"] for w in workers if w.get("kv_tier")]
+    return {"kv_tier": {k: sum(t[k] for t in tiers) for k in tiers[0]}} if tiers else {}
 
 
 def dllm_serve_summary(workers: list[dict]) -> dict:
@@ -311,6 +318,8 @@ def simulate(sessions: list[Session], cfg: SimConfig, progress=None, stream: Rec
             n = sum(d["commits"].values())
             st["dllm"] = {"chunk_steps": {}, "commits": d["commits"],
                           "tokens_per_step": sum(k * v for k, v in d["commits"].items()) / n if n else 0.0}
+        if w.kv.tier is not None:
+            st["kv_tier"] = w.kv.tier.summary()
         if w.chunker is not None:
             st["dllm"] = {"chunk_steps": dict(sorted(w.chunker.steps_by_chunk.items())),
                           "commits": dict(sorted(w.chunker.commit_counts.items())),

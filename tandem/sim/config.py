@@ -133,6 +133,7 @@ class SimConfig:
                                    metavar="N")
     preemption_mode: str | None = shared(SchedulerConfig, "preemption_mode")
     swap_space: float = shared(SchedulerConfig, "swap_space")
+    kv_offloading_size: float = shared(SchedulerConfig, "kv_offloading_size")
 
     def policy_spec(self) -> PolicySpec:
         """The run's policy with this config's knobs (validated; ConfigError names the bad one)."""

@@ -15,7 +15,7 @@ from tandem.sim.network import Network
 from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
-REQ, TOOLREQ, BEGUN, CTL, CTLDONE, EVT, HOST = range(7, 14)
+REQ, TOOLREQ, BEGUN, CTL, CTLDONE, EVT, HOST = range(8, 15)
 
 
 class HostLoop(EventLoop):

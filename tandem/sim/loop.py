@@ -13,8 +13,9 @@ from collections import deque
 from typing import Callable
 
 from tandem.core.actions import ToolCall, Transfer
-from tandem.core.commands import CANCEL, DELIVERED, HISTORY_READY, KV_ARRIVED, RELEASE, RUN_LOCAL, SEND_KV, SUBMIT, \
-    TOOL_CALL, commands
+from tandem.core.commands import CANCEL, DELIVERED, EXPECT, HISTORY_READY, KV_ARRIVED, RELEASE, RUN_LOCAL, SEND_KV, \
+    SUBMIT, TOOL_CALL, commands
+from tandem.core.host_tier import KVCopy
 from tandem.core.coordinator import Coordinator
 from tandem.core.types import BatchShape, StepPlan, StepResult, Swap
 from tandem.core.worker import WorkerCore
@@ -24,7 +25,7 @@ from tandem.workload.records import SessionRecord
 from tandem.workload.session import Session
 
 # event kinds (the heap holds (time, seq, kind, a, b)); HostLoop adds its own after these
-ARRIVAL, TOOL, STEP, XFER, WAKE, TICK, KILL = range(7)
+ARRIVAL, TOOL, STEP, XFER, WAKE, TICK, KILL, COPY = range(8)
 
 STALL_S = 86_400.0
 """Simulated time with rounds under way but none finishing anywhere, after which the loop calls it a livelock."""
@@ -61,6 +62,8 @@ class EventLoop:
         self.commit: Callable[[StepPlan], dict[str, int] | None] | None = None   # multi-token commits
         self.swap_time: list[Callable[[int], float]] | None = None   # per worker: seconds to swap n KV positions
         self._swap_s: list[float] = [0.0] * len(workers)  # swap copies planned, charged to the worker's next step
+        self._host_link = [[0.0, 0.0] for _ in workers]
+        self.tiered = any(w.kv.tier is not None for w in workers)   # per worker: when its host link is free (to host, to GPU)
         self._done_sessions = 0                         # sessions ended (completed or failed) so far
         self._waiting: deque[Session] | None = None     # closed loop: sessions no client has started yet
         self._clients: list[str] = []                   # closed loop: the session each busy client runs
@@ -72,7 +75,7 @@ class EventLoop:
         self._arrivals_n0 = self._arrivals_next = 0     # the number before the first arrival's; the next to feed
         self.handlers: dict[int, Callable] = {ARRIVAL: self._on_arrival, TOOL: self._on_tool, STEP: self._on_step,
                                               XFER: self._on_xfer, WAKE: self._on_wake, TICK: self._on_tick,
-                                              KILL: self._on_kill}
+                                              KILL: self._on_kill, COPY: self._on_copy}
 
     def set_faults(self, spec: FaultSpec, seed: int, state) -> None:
         """Inject `spec`'s faults: transfer fates drawn from `seed`, workers killed at their times."""
@@ -128,11 +131,16 @@ class EventLoop:
         elif kind == HISTORY_READY:
             w.on_history_fetched(act.task, now)
         elif kind == RELEASE:
-            w.release(act.session_id)
+            if act.keep_host:
+                w.expire(act.session_id)
+            else:
+                w.release(act.session_id)
         elif kind == RUN_LOCAL:
             w.run_local(act.task, now)
         elif kind == CANCEL:
             w.cancel(act.task)
+        elif kind == EXPECT:
+            w.expect_return(act.session_id, act.tool_s, now)
         elif kind == SEND_KV:
             fate = self.faults.fate() if self.faults is not None else _OK
             if fate is not Fate.LOST:                   # a lost transfer never lands: the coordinator times out
@@ -150,11 +158,18 @@ class EventLoop:
 
     def _kick(self, wid: int) -> None:
         w = self.workers[wid]
-        if w.busy or self.dead[wid]:
+        if self.dead[wid]:
+            return
+        tier = w.kv.tier
+        if tier is not None and tier.copies:
+            self._start_copies(wid, tier.take_copies())
+        if w.busy:
             return
         plan = w.schedule(self.now)
         if w.swaps:
             self._charge_swaps(wid, w.take_swaps())
+        if tier is not None and tier.copies:
+            self._start_copies(wid, tier.take_copies())
         if plan is not None:
             w.busy = True
             self._plans[wid] = plan
@@ -172,6 +187,31 @@ class EventLoop:
             return
         bs = self.workers[wid].cfg.block_size
         self._swap_s[wid] += self.swap_time[wid](sum(len(sw.blocks) for sw in swaps) * bs)
+
+    def _start_copies(self, wid: int, copies: list[KVCopy]) -> None:
+        """Host-tier copies run beside the steps, one after the other in each direction of the worker's host link
+        (its GPUs' PCIe links in parallel: swap_time prices one rank's share of the bytes). With injected faults a
+        copy fails (reported at its end) as often as a KV transfer fails or is lost."""
+        link = self._host_link[wid]
+        cost = self.swap_time[wid]
+        for c in copies:
+            d = 0 if c.kind.to_host else 1
+            link[d] = max(self.now, link[d]) + cost(c.tokens)
+            fate = self.faults.fate() if self.faults is not None else _OK
+            self._push(link[d], COPY, wid, (c, fate))
+
+    def _on_copy(self, wid: int, item: tuple[KVCopy, Fate]) -> None:
+        if self.dead[wid]:
+            return
+        w = self.workers[wid]
+        c, fate = item
+        if fate is _OK:
+            w.kv.tier.on_copy_done(c.id, self.now)
+        else:
+            w.kv.tier.on_copy_failed(c.id, self.now)
+        if w.events:
+            self._forward(w)
+        self._kick(wid)
 
     def _take_swap_s(self, wid: int) -> float:
         """The swap copies charged to the step the worker starts now."""
@@ -299,6 +339,8 @@ class EventLoop:
             t, _, kind, a, b = pop(heap)
             if kind == TICK and (t != coord.timer_s or not live):
                 continue                                # superseded timer, or nothing left to time out
+            if kind == WAKE and not live and self.tiered:
+                continue                                # a host tier's prefetch or pin end: nobody left to serve
             self.now = t
             self.events += 1
             if not self.events & 4095:
