@@ -7,7 +7,10 @@ A tiny Qwen3 checkpoint (made here, offline; `--size 1m` or `30m`), `--requests`
 step time (the engine's execute time / steps) and, for tp=2, the driver's time inside all-reduces per step (waiting
 for the other rank included) and its share of the step. Then the float-order tolerance: the max |logit| difference
 between tp=1 and tp=2 over one 128-token prefill, and how many of 16 seeded samples (temperature 1.0) come out
-different. Prints the CPU model, its vector extensions (lscpu: avx2, avx512f), the cores and the load average, so a
+different. Beside each degree's measured mean step: the prediction of the same recorded steps by a quick
+`tandem profile` step model (at 1 thread; tp1 only: the simulator refuses a profile at tp>1) and by the runtime's
+nominal CPU roofline at that degree (tandem.runtime.costs; compute divided by tp, no all-reduce term), with the error
+in percent. Prints the CPU model, its vector extensions (lscpu: avx2, avx512f), the cores and the load average, so a
 reader can judge the figures: several processes share this machine's cores.
 """
 from __future__ import annotations
@@ -25,7 +28,10 @@ from tandem.engine.llm import LLM
 from tandem.engine.model_input import ModelInput
 from tandem.engine.parallel.group import usable_cpus
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.profiling import ProfileOptions, profile
 from tandem.engine.tiny_model import make_tiny_model
+from tandem.runtime.costs import serving_cost_model
+from tandem.bench.tp_predict import error_pct, mean_predicted_s, record_steps
 
 
 def cpu_info() -> dict[str, object]:
@@ -55,6 +61,37 @@ def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
     return runner.model.compute_logits(runner.forward(batch))
 
 
+def kv_bytes_per_token(engine) -> int:
+    """KV bytes one token takes over all ranks (what a worker reports to the runtime's cost model)."""
+    mc = engine.model_config
+    return int(engine.runner.kv_caches[0].element_size() * 2 * mc.num_hidden_layers * mc.num_key_value_heads
+               * mc.head_dim)
+
+
+def predictions(path: str, rows: list[dict[str, object]], profile_threads: int = 1) -> list[dict[str, object]]:
+    """Beside each measured row: the mean predicted step of the same recorded steps by the `tandem profile` step
+    model (tp1 only: the simulator refuses a profile at tp>1) and by the runtime's nominal CPU roofline at the
+    row's tp (tandem.bench.tp_predict)."""
+    prof = profile(path, ProfileOptions(quick=True, threads=profile_threads))
+    first = rows[0]
+    nominal = serving_cost_model(path, int(first["kv_bytes_per_token"]), int(first["max_model_len"]),
+                                 tps=sorted({int(r["tp"]) for r in rows}))
+    out = []
+    for r in rows:
+        recs = r["records"]
+        measured = sum(x.seconds for x in recs) / len(recs)
+        prof_s = mean_predicted_s(recs, timer=prof.step_model) if r["tp"] == 1 else None
+        nom_s = mean_predicted_s(recs, cost=nominal, tp=int(r["tp"]))
+        out.append({"tp": r["tp"], "threads": r["threads"], "steps": len(recs), "measured_ms": 1e3 * measured,
+                    "profile_ms": None if prof_s is None else 1e3 * prof_s,
+                    "profile_err_pct": None if prof_s is None else error_pct(prof_s, measured),
+                    "nominal_ms": 1e3 * nom_s, "nominal_err_pct": error_pct(nom_s, measured),
+                    "prefill_steps": sum(1 for x in recs if x.chunks),
+                    "mean_prefill_tokens": sum(x.shape.prefill_tokens for x in recs) / len(recs),
+                    "mean_decode_rows": sum(x.shape.num_decode for x in recs) / len(recs)})
+    return out
+
+
 def run(path: str, tp: int, prompts: list[list[int]], out_len: int, threads: int | None = None) -> dict[str, object]:
     """Throughput, step time and all-reduce time of one TP degree (tp=1 on `threads` torch threads when given: the
     control for a rank's one thread), and what the tolerance figures need."""
@@ -70,6 +107,7 @@ def run(path: str, tp: int, prompts: list[list[int]], out_len: int, threads: int
         eng = llm.engine
         comm = eng.runner.tp.comm
         ar0, n0, steps0, ex0 = comm.all_reduce_s, comm.all_reduces, eng.stats.steps, eng.stats.execute_s
+        records = record_steps(eng)
         greedy = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, greedy)
@@ -79,7 +117,8 @@ def run(path: str, tp: int, prompts: list[list[int]], out_len: int, threads: int
         ar_s = (comm.all_reduce_s - ar0) / steps
         return {"tp": tp, "threads": threads or torch.get_num_threads(), "wall_s": wall, "tok_s": sum(len(o.token_ids) for o in outs) / wall, "steps": steps,
                 "step_ms": 1e3 * step_s, "all_reduce_ms": 1e3 * ar_s, "all_reduces_per_step": (comm.all_reduces - n0)
-                / steps, "greedy": [o.token_ids for o in outs], "logits": logits, "samples": samples}
+                / steps, "greedy": [o.token_ids for o in outs], "logits": logits, "samples": samples,
+                "records": records, "kv_bytes_per_token": kv_bytes_per_token(eng), "max_model_len": eng.max_model_len}
     finally:
         llm.close()
         torch.set_num_threads(before)
@@ -101,6 +140,9 @@ def main() -> None:
         prompts = _prompts(args.requests, vocab)
         rows = [run(tmp, 1, prompts, args.output_len), run(tmp, 2, prompts, args.output_len),
                 run(tmp, 1, prompts, args.output_len, threads=1)]
+        t0 = time.perf_counter()
+        preds = predictions(tmp, rows)
+        prof_s = time.perf_counter() - t0
     one, two = rows[0], rows[1]
     print(f"\nqwen3 {args.size}, {args.requests} requests x {args.output_len} output tokens (prompts 64..256), greedy")
     print("| tp | threads per rank | output tok/s | steps | step ms | all-reduce ms/step | all-reduces/step | "
@@ -122,11 +164,25 @@ def main() -> None:
           f"|value| {one['logits'].abs().max().item():.1f}) over a 128-token prefill; greedy sequences identical "
           f"{same_greedy}/{len(one['greedy'])}; seeded (temperature 1.0) identical {same_seeded}/16, tokens equal "
           f"{sum(a == b for a, b in flat)}/{len(flat)}; first divergence at {[d for d in first_diff if d is not None]}")
-    print("simulator: no prediction beside it (the profiled cost of `tandem profile` has no collective term for a "
-          "CPU group)")
+    print(f"\npredicted step beside the measured one, over the same steps (quick `tandem profile` at 1 thread, "
+          f"{prof_s:.0f} s, profile + nominal cost model):")
+    print("| tp | threads per rank | steps | measured ms | profile ms (error) | nominal roofline ms (error) |")
+    print("|---|---|---|---|---|---|")
+    for r, p in zip(rows, preds):
+        threads = r["threads"] if r["tp"] == 1 else max(1, usable_cpus() // 2)
+        prof = "refused at tp>1" if p["profile_ms"] is None else f"{p['profile_ms']:.1f} ({p['profile_err_pct']:+.0f}%)"
+        print(f"| {p['tp']} | {threads} | {p['steps']} | {p['measured_ms']:.1f} | {prof} | "
+              f"{p['nominal_ms']:.1f} ({p['nominal_err_pct']:+.0f}%) |")
+    m2, m1 = preds[1], preds[2]
+    print(f"steps (tp2 run): {m2['steps']}, {m2['prefill_steps']} with prefill chunks; per step on average "
+          f"{m2['mean_prefill_tokens']:.0f} prefill tokens and {m2['mean_decode_rows']:.1f} decode rows")
+    print(f"tp2 / tp1 (one thread) step time: measured {m2['measured_ms'] / m1['measured_ms']:.2f}x, nominal roofline "
+          f"{m2['nominal_ms'] / m1['nominal_ms']:.2f}x (compute and KV reads divided by tp, no all-reduce term); the "
+          f"simulator prices no tp2 worker from this tp1 profile (it refuses a profile at tp>1), so its tp2 step is "
+          f"the runtime's nominal roofline")
     if args.json:
-        keep = [{k: v for k, v in r.items() if k not in ("greedy", "logits", "samples")} for r in rows]
-        json.dump({"cpu": info, "rows": keep, "max_logit_diff": dl.max().item(), "seeded_identical": same_seeded},
+        keep = [{k: v for k, v in r.items() if k not in ("greedy", "logits", "samples", "records")} for r in rows]
+        json.dump({"cpu": info, "rows": keep, "predictions": preds, "max_logit_diff": dl.max().item(), "seeded_identical": same_seeded},
                   open(args.json, "w"), indent=2)
 
 
