@@ -78,11 +78,9 @@ class WorkerCore:
         """When the shell should call schedule again although no event came: a pinned idle session becomes
         evictable, or an AWD batcher (LAPS) reaches its next decision."""
         w = self._wake_s
-        if self.local_laps is not None and self.local_laps.wake_at_s < w:
-            w = self.local_laps.wake_at_s
-        if self.kv.tier is not None and self.kv.tier.wake_at < w:
-            w = self.kv.tier.wake_at
-        return w
+        if self.local_laps is not None:
+            w = min(w, self.local_laps.wake_at_s)
+        return w if self.kv.tier is None else min(w, self.kv.tier.wake_at)
 
     @wake_s.setter
     def wake_s(self, value: float) -> None:
