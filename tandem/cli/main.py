@@ -188,7 +188,6 @@ def cmd_simulate(args) -> int:
     """`tandem simulate`: validate, build the workload, simulate, print metrics."""
     from tandem.bench.experiment import canonical_gpu, canonical_model
     from tandem.sim import cluster
-    from tandem.workload.metrics import summarize
 
     perf = _perf(args)
     profiled = perf is not None and hasattr(perf, "step_model")
@@ -212,14 +211,9 @@ def cmd_simulate(args) -> int:
     flush_notes()
     base = None
     if faults is not None:                       # the same run without faults: what the faults cost
-        free = cluster.simulate(sessions, cfg)
-        base = summarize(free.records, free.sim_time_s)
+        base = _simulate(cluster, sessions, cfg, None)[1]
         cfg = dataclasses.replace(cfg, faults=faults)
-    res = cluster.simulate(sessions, cfg)
-    if args.records is not None:
-        from tandem.workload.records import dump_records
-        dump_records(res.records, args.records)
-    out = summarize(res.records, res.sim_time_s)
+    res, out = _simulate(cluster, sessions, cfg, args.records)
     out.update(cluster.dllm_summary(res.workers))
     out.update(cluster.dllm_serve_summary(res.workers))
     out.update(cluster.kv_tier_summary(res.workers))
@@ -237,6 +231,19 @@ def cmd_simulate(args) -> int:
         if base is not None:
             _print_fault_cost(out["faults"])
     return 0
+
+
+def _simulate(cluster, sessions, cfg, records: str | None):
+    """One run with its records streamed (to `records` as JSON lines, if given) rather than kept: memory stays flat
+    at a million rounds; returns the result and its metrics."""
+    from tandem.workload.metrics import RecordStream
+
+    stream = RecordStream(records)
+    try:
+        res = cluster.simulate(sessions, cfg, stream=stream)
+    finally:
+        stream.close()
+    return res, dict(res.metrics)
 
 
 def _check_concurrency(args) -> None:
