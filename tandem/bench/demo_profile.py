@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -67,18 +66,6 @@ class SpeedVerdict:
         return f"speed check: {ratios} (within x{self.tolerance:g} either way: profile kept)"
 
 
-def cpu_name() -> str:
-    """The CPU model (/proc/cpuinfo's first `model name`, else what platform says)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity where the OS has one, else the CPU count."""
     try:
@@ -90,6 +77,8 @@ def usable_cores() -> int:
 def machine_key(threads: int) -> MachineKey:
     """This machine's key at `threads` torch threads per worker."""
     import torch
+
+    from tandem.engine.profiling.device import cpu_name
     return MachineKey(cpu_name(), usable_cores(), threads, torch.__version__)
 
 

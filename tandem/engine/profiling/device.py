@@ -7,7 +7,8 @@ import platform
 import torch
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model (/proc/cpuinfo's first `model name`, else what platform says)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -24,7 +25,7 @@ def device_info(device: torch.device) -> dict:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": props.name, "memory_bytes": int(props.total_memory),
                 "capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda}
-    return {"type": "cpu", "name": _cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"type": "cpu", "name": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "machine": platform.machine()}
 
 
