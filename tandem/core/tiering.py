@@ -171,15 +171,24 @@ class TierCopies:
         if hgone:
             host.events.append(BlockRemoved(host.id, tuple(hgone), Medium.CPU))
 
-    def on_copy_done(self, cid: int, now: float) -> None:
-        """A copy landed: host runs become readable, loaded KV becomes usable, prefetched KV waits pinned."""
+    def _end_copy(self, cid: int, now: float):
+        """Forget copy `cid` (landed or failed) and free the blocks it held: (copy, seq, info, runs, extra), or None
+        for a copy no longer tracked."""
         self.now = now
         c = self.inflight.pop(cid, None)
         if c is None:
-            return
+            return None
         seq, info, runs, extra = self._meta.pop(cid)
         self._issued.pop(cid, None)
         self.res.blocks.free(c)
+        return c, seq, info, runs, extra
+
+    def on_copy_done(self, cid: int, now: float) -> None:
+        """A copy landed: host runs become readable, loaded KV becomes usable, prefetched KV waits pinned."""
+        ended = self._end_copy(cid, now)
+        if ended is None:
+            return
+        c, seq, info, runs, extra = ended
         if c.kind is CopyKind.OFFLOAD:
             self.host.landed(c.run, now)
             seq.copy_out = None
@@ -211,13 +220,10 @@ class TierCopies:
     def on_copy_failed(self, cid: int, now: float) -> None:
         """A copy failed: a copy out leaves the GPU copy as it was (the host run is forgotten); a copy back frees
         its blocks and the session's round recomputes its context. No session is lost."""
-        self.now = now
-        c = self.inflight.pop(cid, None)
-        if c is None:
+        ended = self._end_copy(cid, now)
+        if ended is None:
             return
-        seq, info, runs, extra = self._meta.pop(cid)
-        self._issued.pop(cid, None)
-        self.res.blocks.free(c)
+        c, seq, info, runs, extra = ended
         self.stats.failed += 1
         if c.kind.to_host:
             self.host.abort(c.run)
