@@ -272,6 +272,48 @@ def test_cache_aware_binding_follows_the_kv_events_across_tiers():
     assert b.bind([0, 1], {0: 30, 1: 0}, cap, (9,)) == 1        # held nowhere: least committed KV
 
 
+def test_rebinding_scores_home_by_what_it_holds_of_the_context():
+    """A session needing 10 blocks, worker 0 its home (capacity 100 tokens, block 16 -> scores in blocks): holding its
+    8-block context on the GPU at 50% load without it (8 - 10 x 0.5 = 3) it stays against an idle worker 1 holding
+    nothing (0); with its context only in the host tier (6.4 - 5 = 1.4) it still stays; with nothing held (-5) it
+    moves to worker 1; worker 1 holding 2 of its prefix blocks on the GPU at 10% load (2 - 1 = 1) beats a home that
+    holds nothing and is idle without it (0); ties stay home."""
+    b = CacheAwareBinder()
+    cap, h = {0: 100, 1: 100}, (1, 2, 3)
+    committed = {0: 70, 1: 0}                   # the session's own 20 tokens are part of worker 0's 70
+    assert b.rebind(0, 8, 8, 10, 20, [0, 1], committed, cap, h) == 0
+    assert b.rebind(0, 0, 8, 10, 20, [0, 1], committed, cap, h) == 0
+    assert b.rebind(0, 0, 0, 10, 20, [0, 1], committed, cap, h) == 1
+    b.index.stored(1, h[:2], on_gpu=True)
+    assert b.rebind(0, 0, 0, 10, 20, [0, 1], {0: 20, 1: 10}, cap, h) == 1
+    assert b.rebind(0, 0, 0, 10, 20, [0, 1], {0: 20, 1: 20}, cap, h) == 0     # 0 against 2 - 2 = 0: home
+
+
+def test_a_session_whose_context_is_gone_is_bound_again_by_load():
+    """Two co-located H20 workers, continuum-tool with a 2-block host tier (no room for a context) and a 1 s idle
+    expiry. b (long decode) binds to worker 0, a to worker 1, and c, arriving during a's 100 s tool call, to worker 1
+    too (a's context still counts there) with a longer decode than b's. a's context is dropped at its expiry, so its
+    next round goes to the less loaded worker 0 (one rebind; worker 1 releases it) and every session completes. With
+    a 1000 s expiry a's context stays home (its held blocks outweigh the load) and nothing moves."""
+    from tandem.sim.cluster import SimConfig, build
+    from tandem.workload.session import Round, Session
+
+    def run(ttl: float):
+        sessions = [Session("b", 0.0, [Round(3000, 40000)]), Session("a", 0.5, [Round(2000, 2, 100.0), Round(50, 2)]),
+                    Session("c", 50.0, [Round(3000, 60000)])]
+        coord, _, loop = build(SimConfig(model="llama-3.1-8b", gpu="h20", gpus=2, deploy="C:tp1x2",
+                                         policy="continuum-tool", kv_offloading_size=0.004, session_ttl_s=ttl))
+        loop.run(sessions)
+        recs = {r.session_id: r for r in coord.records}
+        assert not any(r.failed for r in recs.values())
+        assert (recs["b"].decode_worker, recs["a"].decode_worker, recs["c"].decode_worker) == (0, 1, 1)
+        return coord.rebinds, recs["a"].rounds[1]
+    moved, rnd = run(1.0)
+    assert moved == 1 and rnd.prefill_worker == 0 and rnd.history_tokens == 0
+    stayed, rnd = run(1000.0)
+    assert stayed == 0 and rnd.prefill_worker == 1 and rnd.history_tokens == 2001
+
+
 def test_untiered_policy_refuses_a_host_tier_and_tiered_needs_one():
     with pytest.raises(ValueError, match="keeps no KV in host memory"):
         build_worker(0, COLOCATED, 1, 64, get_policy("vllm"), SchedulerConfig(kv_offloading_size=1.0),

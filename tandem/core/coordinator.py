@@ -31,6 +31,7 @@ class CoordinatorView(ClusterView, Protocol):
     def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (),
                     prompt_tokens: int = 0, now: float | None = None) -> int: ...
     def kv_loading(self, worker: int, session_id: str) -> bool: ...
+    def held(self, worker: int, session_id: str) -> tuple[int, int]: ...
 
 
 @dataclass(slots=True)
@@ -78,6 +79,7 @@ class Coordinator:
         self._deadline_n = 0
         self._armed = math.inf                            # the earliest Timer asked of the shell
         self.kv_failures = 0                              # transfers failed or timed out (fell back to local)
+        self.rebinds = 0                                  # bound sessions moved to another worker between rounds
 
     # ------------------------------------------------------------------ arrivals
     def on_session_arrival(self, session: Session, now: float) -> list:
@@ -312,9 +314,11 @@ class Coordinator:
         if self.max_context is not None and need > self.max_context:
             return self._fail(st, now, f"context exceeds the model's maximum: round {k} needs {need} "
                                        f"tokens, the model takes {self.max_context}")
+        moved = self._rebind(st, need) if k and isinstance(self.binder, CacheAwareBinder) else []
+        w = st.worker
         if need > self.capacity[w]:
-            return self._fail(st, now, f"KV exceeds the worker's capacity: round {k} needs {need} tokens, "
-                                       f"worker {w} holds at most {self.capacity[w]}")
+            return moved + self._fail(st, now, f"KV exceeds the worker's capacity: round {k} needs {need} tokens, "
+                                               f"worker {w} holds at most {self.capacity[w]}")
         # nothing resident (new, evicted, re-bound): the worker's prefix cache may still hold the conversation's start
         hist = self.view.begin_round(w, s.session_id, st.hashes, st.context + rnd.input_tokens, now)
         l_incr = st.context - hist + rnd.input_tokens     # includes the previous round's last token
@@ -334,7 +338,27 @@ class Coordinator:
         rec.prefill_worker = target
         rec.recomputed_tokens += task.hist_compute
         st.task = task
-        return [Submit(target, task)]
+        return [*moved, Submit(target, task)]
+
+    def _rebind(self, st: _Live, need: int) -> list:
+        """Cache-aware binding between rounds: the session moves when another worker scores higher than its own
+        with what that one holds of its context (its worker overloaded, or its context gone from both tiers); a
+        context coming back from the host tier stays. Returns the old worker's Release."""
+        sid, w = st.session.session_id, st.worker
+        if self.view.kv_loading(w, sid):
+            return []
+        gpu, host = self.view.held(w, sid)
+        bs = self.block_size
+        homes = self._homes()
+        new = self.binder.rebind(w, gpu // bs, (gpu + host) // bs, -(-need // bs), st.committed, homes,
+                                 self.committed, self.capacity, st.hashes)
+        if new == w:
+            return []
+        self.committed[w] -= st.committed
+        self.committed[new] += st.committed
+        st.worker = new
+        self.rebinds += 1
+        return [Release(w, sid)]
 
     def _place(self, task: PrefillTask, target: int) -> None:
         """The task runs on `target`: local on its decode worker, else remote, where it reads its history or, with

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tandem.core.types import PREFILL
+from tandem.core.types import PREFILL, SeqState
 from tandem.core.worker import WorkerCore
 
 
@@ -59,6 +59,17 @@ class InProcessState:
     def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (), prompt_tokens: int = 0,
                     now: float | None = None) -> int:
         return self.workers[worker].begin_round(session_id, block_hashes, prompt_tokens, now)
+
+    def held(self, worker: int, session_id: str) -> tuple[int, int]:
+        """Tokens of the session's context `worker` holds on its GPU and in its host tier."""
+        w = self.workers[worker]
+        seq = w.seqs.get(session_id)
+        if seq is None:
+            return 0, 0
+        gpu = 0 if seq.state is SeqState.OFFLOADED else seq.num_tokens
+        tier = w.kv.tier
+        host = seq.host_tokens if tier is not None and tier.host.session(session_id) is not None else 0
+        return gpu, host
 
     def kv_loading(self, worker: int, session_id: str) -> bool:
         """Whether the session's KV on `worker` is being copied back from its host tier (not readable yet)."""

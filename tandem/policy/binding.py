@@ -123,10 +123,17 @@ class TieredPrefixIndex:
         return n_gpu, n
 
 
+def tier_score(gpu_blocks: float, held_blocks: float, need_blocks: float, committed_share: float) -> float:
+    """A worker's worth for a prompt: the leading blocks it holds (GPU ones fully, host ones HOST_BLOCK_WEIGHT each),
+    less LOAD_WEIGHT x the blocks asked x its committed share of KV."""
+    return gpu_blocks + HOST_BLOCK_WEIGHT * (held_blocks - gpu_blocks) - LOAD_WEIGHT * need_blocks * committed_share
+
+
 class CacheAwareBinder:
     """Bind a new session to the worker whose tiers hold the longest prefix of its first prompt, GPU blocks counting
     fully and host blocks HOST_BLOCK_WEIGHT each, less LOAD_WEIGHT x the prompt's blocks x the worker's committed
-    share; nothing held anywhere: least committed KV."""
+    share; nothing held anywhere: least committed KV. A bound session's next round moves (`rebind`) only when
+    another worker scores higher than its own does with what it holds of the session's context."""
 
     def __init__(self, index: TieredPrefixIndex | None = None, fallback: LeastKVBinder | None = None) -> None:
         self.index = index or TieredPrefixIndex()
@@ -139,10 +146,28 @@ class CacheAwareBinder:
             for w in workers:
                 n_gpu, n = self.index.match(w, block_hashes)
                 any_held |= n > 0
-                score = (n_gpu + HOST_BLOCK_WEIGHT * (n - n_gpu)
-                         - LOAD_WEIGHT * len(block_hashes) * committed_tokens.get(w, 0) / capacity[w])
+                score = tier_score(n_gpu, n, len(block_hashes), committed_tokens.get(w, 0) / capacity[w])
                 if best is None or score > best_score:
                     best, best_score = w, score
             if any_held and best is not None:
                 return best
         return self.fallback.bind(workers, committed_tokens, capacity)
+
+    def rebind(self, own: int, own_gpu_blocks: int, own_held_blocks: int, need_blocks: int, mine: int,
+               workers: Sequence[int], committed_tokens: dict[int, int], capacity: dict[int, int],
+               block_hashes: Sequence[int] = ()) -> int:
+        """Where a bound session's next round runs: `own` worker scores the blocks of its context it holds
+        (`own_gpu_blocks` on its GPU, `own_held_blocks` in either tier) against its load without the session's own
+        `mine` committed tokens; any other worker scores its held prefix of `block_hashes` against its load, both for
+        the `need_blocks` of the whole round. The highest wins; ties stay home (moving drops what home holds)."""
+        best = own
+        best_score = tier_score(own_gpu_blocks, own_held_blocks, need_blocks,
+                                (committed_tokens.get(own, 0) - mine) / capacity[own])
+        for w in workers:
+            if w == own:
+                continue
+            n_gpu, n = self.index.match(w, block_hashes) if block_hashes else (0, 0)
+            score = tier_score(n_gpu, n, need_blocks, committed_tokens.get(w, 0) / capacity[w])
+            if score > best_score:
+                best, best_score = w, score
+        return best

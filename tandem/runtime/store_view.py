@@ -162,6 +162,16 @@ class StoreView:
         """The live runtime's workers keep no host tier yet: no KV is ever coming back from one."""
         return False
 
+    def held(self, worker: int, session_id: str) -> tuple[int, int]:
+        """Tokens of the session's context on `worker`'s GPU as last recorded, and none in a host tier (the live
+        runtime's workers keep none yet)."""
+        try:
+            info = self.store.get_session(session_id)
+        except StateStoreError as e:
+            log.warning("routing view: %s", e)
+            return 0, 0
+        return (info.resident_tokens, 0) if info is not None and info.decode_worker == worker else (0, 0)
+
     def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (),
                     prompt_tokens: int = 0, now: float | None = None) -> int:
         """Resident history tokens of `session_id` on `worker` as last recorded; records the binding if new. The
