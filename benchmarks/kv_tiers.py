@@ -20,7 +20,7 @@ Policies: continuum (C:tp8x4, the baseline), the untiered ampd+laps-chunked (P:t
 policy of ampd_laps_agentic.py), continuum with no idle expiry (untiered, GPU retention unbounded: what the tiers
 are measured against honestly), and the tiered continuum-tiered, continuum-tool (return-time eviction, and an LRU
 variant), hicache, infercept (C:tp8x4) and ampd-tiered (P:tp8x2,D:tp8x2). Each cell's result is kept under
-OUT/cells/ and reused by the next run of the same cell. Report: table, JSON, PNG.
+OUT/cells/ and reused by the next run of the same cell on the same simulator code. Report: table, JSON, PNG.
 """
 from __future__ import annotations
 
@@ -121,12 +121,23 @@ def run_cell(cell: Cell, n: int) -> dict:
             "ttft_incremental_p95_s": m["ttft_incremental_p95_s"], "ttft_p95_s": m["ttft_p95_s"],
             "itl_mean_s": m["itl_mean_s"], "recomputed_tokens": m["recomputed_tokens"],
             "sessions_failed": m["sessions_failed"], "fail_reasons": m["fail_reasons"], "tier": tier,
+            "rebinds": res.rebinds,
             "kv_capacity_tokens": res.workers[0]["kv_capacity_tokens"]}
 
 
-def cached_cell(cell: Cell, n: int, cache: Path) -> dict:
-    """run_cell, or its result kept from an earlier run of the same cell."""
-    key = cache / (hashlib.sha256(repr((cell, n)).encode()).hexdigest()[:16] + ".json")
+def code_digest() -> str:
+    """What a cell's result depends on besides the cell: the simulator's code (tandem/ minus the live shells)."""
+    root = Path(__file__).resolve().parent.parent / "tandem"
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        if f.relative_to(root).parts[0] not in ("engine", "runtime", "server", "cli", "bench"):
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def cached_cell(cell: Cell, n: int, cache: Path, code: str = "") -> dict:
+    """run_cell, or its result kept from an earlier run of the same cell on the same simulator code."""
+    key = cache / (hashlib.sha256(repr((cell, n, code)).encode()).hexdigest()[:16] + ".json")
     if key.exists():
         return json.loads(key.read_text())
     row = run_cell(cell, n)
@@ -146,8 +157,8 @@ def table(rows: list[dict]) -> str:
         base = next((r for r in rs if r["label"] == "continuum"), None)
         out.append(f"\n{setup} ({rs[0]['sessions']} sessions)\n")
         out.append("| policy | deployment | round SLO | vs continuum | session SLO | incr. TTFT p95 s | "
-                   "recomputed Mtok | loads / prefetches (hits) | host evictions |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+                   "recomputed Mtok | loads / prefetches (hits) | host evictions | rebinds |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in rs:
             gap = "-" if base is None else f"{100 * (r['round_slo_attainment'] - base['round_slo_attainment']):+.1f}"
             t = r["tier"]
@@ -155,7 +166,8 @@ def table(rows: list[dict]) -> str:
             p95 = r["ttft_incremental_p95_s"]
             out.append(f"| {r['label']} | {r['deploy']} | {_pct(r['round_slo_attainment'])} | {gap} | "
                        f"{_pct(r['slo_attainment'])} | {'-' if p95 is None else f'{p95:.2f}'} | "
-                       f"{r['recomputed_tokens'] / 1e6:.1f} | {moves} | {t.get('host_evictions', '-') if t else '-'} |")
+                       f"{r['recomputed_tokens'] / 1e6:.1f} | {moves} | {t.get('host_evictions', '-') if t else '-'} | "
+                       f"{r.get('rebinds', 0)} |")
     return "\n".join(out) + "\n"
 
 
@@ -209,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         task = bar.add_task("simulating", total=len(jobs))
         cache = out / "cells"
         cache.mkdir(exist_ok=True)
-        futs = {pool.submit(cached_cell, c, n, cache): i for i, (c, n) in enumerate(jobs)}
+        code = code_digest()
+        futs = {pool.submit(cached_cell, c, n, cache, code): i for i, (c, n) in enumerate(jobs)}
         from concurrent.futures import as_completed
         for f in as_completed(futs):
             rows[futs[f]] = f.result()

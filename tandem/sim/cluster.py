@@ -50,6 +50,7 @@ class SimResult:
     workers: list[dict] = field(default_factory=list)   # per worker: id, role, tp, steps, busy_s, KV (+ "laps" counters)
     pool_moves: list[dict] = field(default_factory=list)  # LAPS pools: prefill workers moved (instance, from, to, at_s)
     metrics: dict | None = None     # with a record stream: summarize() of the streamed records (records is then [])
+    rebinds: int = 0                # bound sessions moved to another worker between rounds (cache-aware binding)
 
 
 def dllm_summary(workers: list[dict]) -> dict:
@@ -328,4 +329,4 @@ def simulate(sessions: list[Session], cfg: SimConfig, progress=None, stream: Rec
     moves = [{"instance": m.instance, "from": str(m.from_pool), "to": str(m.to_pool), "at_s": m.at_s}
              for m in getattr(coord.router, "moves", ())]
     return SimResult(coord.records, loop.now, wall, loop.events, cfg.deploy, cfg.policy, stats, moves,
-                     stream.summary(loop.now) if stream is not None else None)
+                     stream.summary(loop.now) if stream is not None else None, coord.rebinds)
