@@ -1,0 +1,207 @@
+"""The engine's side of the host KV tier: the core's KVCopy actions carried out beside the steps, on two copy threads
+(one per direction, in order, as the core's link model has it), their ends reported back to the core on the step
+thread (the core is not thread-safe), and the tier's counters for /metrics.
+
+A step never reads a block a copy is still writing: the core does not schedule a sequence whose KV is coming back;
+`check` asserts it on every step planned while such copies are in flight.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+from tandem.core.host_tier import CopyKind, KVCopy
+from tandem.engine.host_pool import GIB, HostKVPool, host_memory_available
+
+log = logging.getLogger("tandem.engine")
+FAULT_ENV = "TANDEM_FAIL_KV_COPIES"     # fault injection: the next N host-tier copies raise on the copy thread
+HOST_TIER_COUNTERS = ("offload_bytes", "write_bytes", "prefetch_bytes", "load_bytes", "failed_copies",
+                      "gpu_hit_tokens", "cpu_hit_tokens", "late_rounds", "late_us")
+
+
+class CopyFault(RuntimeError):
+    """An injected copy failure."""
+
+
+def host_link(one_s: float, per_block_s: float, block_size: int) -> Callable[[int], float]:
+    """The core's host-link cost: seconds to copy n positions one way, from the pool's measured probe."""
+    def link_s(tokens: int) -> float:
+        return one_s + per_block_s * max(0, -(-tokens // block_size) - 1)
+    return link_s
+
+
+class TierRunner:
+    """Runs one worker's host-tier copies on copy threads and hands their ends to the core."""
+
+    def __init__(self, tier, pool: HostKVPool, kv_caches: list[torch.Tensor], clock: Callable[[], float],
+                 fail_copies: int | None = None) -> None:
+        self.tier, self.pool, self.kv_caches, self.clock = tier, pool, kv_caches, clock
+        self.fail_copies = int(os.environ.get(FAULT_ENV, "0") or 0) if fail_copies is None else fail_copies
+        self.counters: dict[str, int] = {k: 0 for k in HOST_TIER_COUNTERS}
+        self.inflight: dict[int, KVCopy] = {}
+        self.to_gpu: dict[int, KVCopy] = {}             # block -> the copy writing it
+        self.ended: collections.deque = collections.deque()   # (copy, ok), appended by the copy threads
+        self.on_end: Callable[[], None] = lambda: None  # the shell's wake-up (thread-safe), set by the runtime
+        self._late: dict[str, float] = {}               # session -> when its round began waiting for its KV
+        self._woken = threading.Event()                 # set at every copy's end (an idle engine waits on it)
+        self._queues = (queue.SimpleQueue(), queue.SimpleQueue())
+        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"tandem-kv-copy-{d}", daemon=True)
+                         for d, q in zip(("out", "in"), self._queues)]
+        for t in self._threads:
+            t.start()
+
+    # ---------------------------------------------------------------- step thread
+    def start(self, copies: list[KVCopy]) -> None:
+        """Hand the core's new copies to the copy threads (slots mapped here, on the step thread)."""
+        for c in copies:
+            try:
+                blocks, slots = self.pool.plan(c, self.tier.host)
+            except Exception as e:  # noqa: BLE001 - a copy that cannot run is a failed copy: the core recomputes
+                log.error("host-tier copy %d (%s) cannot run: %s", c.id, c.kind.value, e)
+                self.inflight[c.id] = c
+                self.ended.append((c, False))
+                continue
+            self.inflight[c.id] = c
+            if not c.kind.to_host:
+                for b in blocks:
+                    self.to_gpu[b] = c
+            self._queues[0 if c.kind.to_host else 1].put((c, blocks, slots))
+
+    def poll(self) -> bool:
+        """Report the copies that ended to the core (on_copy_done / on_copy_failed); True if any did."""
+        if not self.ended:
+            return False
+        now = self.clock()
+        tier, counters, bb = self.tier, self.counters, self.pool.block_bytes
+        while self.ended:
+            c, ok = self.ended.popleft()
+            self.inflight.pop(c.id, None)
+            if not c.kind.to_host:
+                for b in c.blocks:
+                    if self.to_gpu.get(b) is c:
+                        del self.to_gpu[b]
+            if ok:
+                counters[c.kind.value + "_bytes"] += -(-c.tokens // self.pool.block_size) * bb
+                tier.on_copy_done(c.id, now)
+            else:
+                counters["failed_copies"] += 1
+                tier.on_copy_failed(c.id, now)
+            began = self._late.get(c.session_id)
+            if began is not None and not c.kind.to_host:
+                del self._late[c.session_id]
+                counters["late_rounds"] += 1
+                counters["late_us"] += int(max(0.0, now - began) * 1e6)
+        return True
+
+    def round_begins(self, seq, history: int, now: float) -> None:
+        """A round begins on `history` resident (or arriving) tokens: count its prefix hits by tier and, when its KV
+        is still on its way back from the host tier, time how late it is."""
+        loading = seq.loading if seq is not None else None
+        back = loading.tokens if loading is not None else (seq.host_tokens if seq is not None and seq.prefetched
+                                                            else 0)
+        cpu = min(history, back)
+        self.counters["cpu_hit_tokens"] += cpu
+        self.counters["gpu_hit_tokens"] += history - cpu
+        if loading is not None and loading.id in self.inflight:
+            self._late.setdefault(seq.session_id, now)
+        elif cpu:
+            self.counters["late_rounds"] += 1            # prefetched in time: found on time, 0 s late
+
+    def check(self, plan, core) -> None:
+        """Assert that no sequence the step runs reads or writes a block a copy is still bringing back."""
+        if plan is None or not self.to_gpu:
+            return
+        tables = core.blocks.tables
+        sids = [t.session_id for t, _ in plan.prefill] + [s.session_id for s in plan.decode]
+        for sid in sids:
+            seq = core.seqs.get(sid)
+            table = tables.get(seq, ()) if seq is not None else ()
+            bad = [b for b in table if b in self.to_gpu]
+            assert not bad, f"session {sid!r} is scheduled on blocks {bad} still in flight from the host tier"
+
+    def busy(self) -> bool:
+        """Copies in flight or ended and not reported yet."""
+        return bool(self.inflight or self.ended)
+
+    def due(self, now: float) -> bool:
+        """Whether the core's tier wants a schedule call now: ended or planned copies, idle sessions to decide, a
+        wake time."""
+        tier = self.tier
+        return bool(self.ended or tier.copies or tier.undecided or tier.wake_at <= now)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a copy ends (or `timeout_s`): an engine with nothing to run but KV on its way back."""
+        if not self.ended:
+            self._woken.wait(timeout_s)
+        self._woken.clear()
+
+    def gauges(self) -> dict[str, float]:
+        """Host tier occupancy: fraction and bytes in use, capacity bytes."""
+        host = self.tier.host
+        return {"usage": host.usage, "bytes": host.used * self.pool.block_bytes,
+                "capacity_bytes": host.capacity_blocks * self.pool.block_bytes}
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+
+    # ---------------------------------------------------------------- copy threads
+    def _run(self, q: queue.SimpleQueue) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            c, blocks, slots = item
+            ok = True
+            try:
+                if self.fail_copies > 0:
+                    self.fail_copies -= 1
+                    raise CopyFault(f"injected failure of host-tier copy {c.id} ({FAULT_ENV})")
+                with torch.inference_mode():
+                    self.pool.copy(self.kv_caches, c.kind.to_host, blocks, slots)
+            except Exception as e:  # noqa: BLE001 - reported to the core, which recomputes
+                log.warning("host-tier copy %d (%s of %s) failed: %s", c.id, c.kind.value, c.session_id, e)
+                ok = False
+            self.ended.append((c, ok))
+            self._woken.set()
+            self.on_end()
+
+
+def check_host_memory(gib: float, device: torch.device) -> None:
+    """ValueError (one line) when a host tier of `gib` GiB would not fit in the machine's available memory."""
+    want = int(gib * GIB)
+    have = host_memory_available(device)
+    if want > have:
+        raise ValueError(f"--kv-offloading-size {gib:g} GiB exceeds the {have / GIB:.1f} GiB of host memory "
+                         f"available{' (pinned)' if device.type == 'cuda' else ''}")
+
+
+COPY_KINDS = tuple(k.value for k in CopyKind)
+
+
+def host_tier_setup(config, runner, sched, role: str, spec) -> tuple[HostKVPool | None, Callable[[int], float] | None]:
+    """The host pool of a tiered policy's decode or co-located worker (kv_offloading_size GiB over its ranks) and the
+    core's host-link cost measured on it; (None, None) for a worker without a tier. EngineError-worthy problems
+    (no room in host memory, tensor parallelism) raise ValueError with one line."""
+    from tandem.policy.task import PREFILL
+    if not spec.tiered or role == PREFILL or not sched.kv_offloading_size:
+        return None, None
+    if config.tensor_parallel_size > 1:
+        raise ValueError("a host KV tier (--kv-offloading-size) runs on workers with tensor_parallel_size 1 only "
+                         "for now")
+    check_host_memory(sched.kv_offloading_size, runner.device)
+    blocks = sched.host_tier_blocks(runner.kv_block_bytes, 1)
+    if blocks < 1:
+        return None, None                           # the core's factory refuses it with its own message
+    pool = HostKVPool(runner.kv_caches, blocks, config.block_size)
+    one, per_block = pool.probe(runner.kv_caches)
+    log.info("host KV tier: %d blocks (%.1f MiB), copies %.0f us + %.1f us per block (%.2f GB/s)", blocks,
+             blocks * pool.block_bytes / (1 << 20), one * 1e6, per_block * 1e6, pool.block_bytes / per_block / 1e9)
+    pool.link_one_s, pool.link_block_s = one, per_block
+    return pool, host_link(one, per_block, config.block_size)
