@@ -112,16 +112,22 @@ class LLMEngine:
         self.stats = self.steps.stats
         self.kv = SessionKV(config, self.core, self.runner, self.table, self.clock, self.stats, self.tier)
         self._ids = itertools.count()
+        self._tool_hints: dict[str, tuple[str, float]] = {}   # request -> (session, expected tool time after it)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     session_id: str | None = None, arrival_time: float | None = None, remote: bool = False,
-                    slo: tuple[float, float] | None = None, keep_session: bool | None = None) -> str:
+                    slo: tuple[float, float] | None = None, keep_session: bool | None = None,
+                    tool_s: float | None = None) -> str:
         """Queue a request; with `session_id`, its prompt extends that session's conversation and reuses its KV.
 
         Runtime (decode role): `remote` means a prefill worker computes the new tokens; the request waits
         for their KV (`receive_kv`, then `on_kv_arrived`). `slo` = (TTFT, ITL) seconds for the core's stats.
+        `tool_s`: the client's expected tool time after this round; the core's host tier hears it when the round
+        ends, before it decides for the idle session (None: the tier's learnt estimate).
         """
+        if tool_s is not None:
+            self._check_tool_s(tool_s)
         if self.role == PREFILL:
             raise EngineError("a prefill worker takes add_prefill(), not add_request()")
         if remote and self.role != DECODE:
@@ -146,12 +152,15 @@ class LLMEngine:
         sess.request = req
         sess.rounds += 1
         self.requests[request_id] = req
+        if tool_s is not None and self.core.kv.tier is not None:
+            self._tool_hints[request_id] = (sid, float(tool_s))
         if not remote:
             self.core.submit(task, task.enqueue_s)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV (its session's KV too; on a prefill worker, the task's)."""
+        self._tool_hints.pop(request_id, None)
         req = self.requests.get(request_id)
         if req is None:
             return
@@ -226,7 +235,13 @@ class LLMEngine:
 
     def expect_return(self, session_id: str, tool_s: float) -> None:
         """The session's client expects its tool call to take `tool_s` seconds (a host tier plans with it)."""
+        self._check_tool_s(tool_s)
         self.core.expect_return(session_id, tool_s, self.clock())
+
+    @staticmethod
+    def _check_tool_s(tool_s: float) -> None:
+        if isinstance(tool_s, bool) or not isinstance(tool_s, (int, float)) or not 0 <= tool_s < float("inf"):
+            raise EngineError(f"an expected tool time is a finite number of seconds >= 0, got {tool_s!r}")
 
     def kv_loading(self, session_id: str) -> bool:
         """Whether the session's KV is on its way back from the host tier (its round waits for it here)."""
@@ -273,5 +288,13 @@ class LLMEngine:
         return self.steps.execute(prep)
 
     def finish_step(self, prep: PreparedStep, out: SampleOutput | None) -> list[RequestOutput]:
-        """The last part of a step: tokens appended, stops checked, the core told; returns the touched requests."""
-        return self.steps.finish(prep, out)
+        """The last part of a step: tokens appended, stops checked, the core told; returns the touched requests.
+        A finished round's tool hint reaches the host tier before the next schedule decides for its session."""
+        outs = self.steps.finish(prep, out)
+        if self._tool_hints:
+            for o in outs:
+                if o.finished and o.request_id in self._tool_hints:
+                    sid, tool_s = self._tool_hints.pop(o.request_id)
+                    if o.error is None:
+                        self.core.expect_return(sid, tool_s, self.clock())
+        return outs

@@ -65,7 +65,11 @@ class SessionKV:
         hashes: list[int] = []
         if prompt_token_ids and self.config.enable_prefix_caching:
             extend_hashes(hashes, prompt_token_ids, self.config.block_size)
-        return self.core.begin_round(session_id, hashes, len(prompt_token_ids or ()), self.clock())
+        now = self.clock()
+        resident = self.core.begin_round(session_id, hashes, len(prompt_token_ids or ()), now)
+        if self.tier is not None:
+            self.tier.round_waits(self.core.seqs[session_id], now)
+        return resident
 
     def end_session(self, session_id: str) -> None:
         """Forget a session and free its KV (prefix-cached blocks stay reusable)."""

@@ -49,6 +49,9 @@ class TierRunner:
         self.ended: collections.deque = collections.deque()   # (copy, ok), appended by the copy threads
         self.on_end: Callable[[], None] = lambda: None  # the shell's wake-up (thread-safe), set by the runtime
         self._late: dict[str, float] = {}               # session -> when its round began waiting for its KV
+        self._back: dict[str, int] = {}                 # session -> tokens brought back before its round began
+        self._waited: dict[str, bool] = {}              # ... and whether that round waited for them (timed then)
+        self._counted: set[int] = set()                 # copies in flight a round's hits already counted
         self._woken = threading.Event()                 # set at every copy's end (an idle engine waits on it)
         self._queues = (queue.SimpleQueue(), queue.SimpleQueue())
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"tandem-kv-copy-{d}", daemon=True)
@@ -92,26 +95,52 @@ class TierRunner:
             else:
                 counters["failed_copies"] += 1
                 tier.on_copy_failed(c.id, now)
-            began = self._late.get(c.session_id)
-            if began is not None and not c.kind.to_host:
-                del self._late[c.session_id]
-                counters["late_rounds"] += 1
-                counters["late_us"] += int(max(0.0, now - began) * 1e6)
+            if not c.kind.to_host:
+                self._came_back(c, ok, now)
         return True
+
+    def _came_back(self, c: KVCopy, ok: bool, now: float) -> None:
+        """A copy back to the GPU ended: its tokens count for the session's next round (unless the round already
+        counted them), and a round waiting for it learns how late it was."""
+        sid = c.session_id
+        counted = c.id in self._counted
+        self._counted.discard(c.id)
+        began = self._late.pop(sid, None)
+        if not ok:
+            return
+        if not counted:
+            self._back[sid] = self._back.get(sid, 0) + c.tokens
+        if began is not None:
+            self.counters["late_rounds"] += 1
+            self.counters["late_us"] += int(max(0.0, now - began) * 1e6)
+            if not counted:
+                self._waited[sid] = True
 
     def round_begins(self, seq, history: int, now: float) -> None:
         """A round begins on `history` resident (or arriving) tokens: count its prefix hits by tier and, when its KV
         is still on its way back from the host tier, time how late it is."""
-        loading = seq.loading if seq is not None else None
-        back = loading.tokens if loading is not None else (seq.host_tokens if seq is not None and seq.prefetched
-                                                            else 0)
+        if seq is None:
+            self.counters["gpu_hit_tokens"] += history
+            return
+        self.round_waits(seq, now)
+        sid, c = seq.session_id, seq.loading
+        if c is not None:                                # planned or in flight: the round waits for it
+            back = c.tokens
+            self._counted.add(c.id)
+            self._back.pop(sid, None)
+            self._waited.pop(sid, None)
+        else:
+            back = self._back.pop(sid, 0)
+            if back and not self._waited.pop(sid, False):
+                self.counters["late_rounds"] += 1        # back before the round asked: found in time, 0 s late
         cpu = min(history, back)
         self.counters["cpu_hit_tokens"] += cpu
         self.counters["gpu_hit_tokens"] += history - cpu
-        if loading is not None and loading.id in self.inflight:
+
+    def round_waits(self, seq, now: float) -> None:
+        """A round of `seq` begins: if its KV is still on its way back, it waits from now."""
+        if seq.loading is not None:
             self._late.setdefault(seq.session_id, now)
-        elif cpu:
-            self.counters["late_rounds"] += 1            # prefetched in time: found on time, 0 s late
 
     def check(self, plan, core) -> None:
         """Assert that no sequence the step runs reads or writes a block a copy is still bringing back."""

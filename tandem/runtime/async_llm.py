@@ -86,14 +86,15 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ EngineClient
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       session_id: str | None = None, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, prompt: str | None = None,
+                       tool_s: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs, one per engine step that touched the request (so a streamed chunk per
         token), until the finished one; a consumer COALESCE_BACKLOG outputs behind jumps to the latest."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         added: concurrent.futures.Future[None] = concurrent.futures.Future()
         arrival = self.engine.clock()
         ids = list(prompt_token_ids)
-        self._send(lambda: self._add(added, request_id, ids, params, session_id, arrival, stream))
+        self._send(lambda: self._add(added, request_id, ids, params, session_id, arrival, stream, tool_s))
         finished = False
         try:
             await asyncio.wrap_future(added)
@@ -128,6 +129,12 @@ class AsyncLLM:
                            dllm_serve=dict(self.engine.stats.dllm_serve),
                            cache_config=self._cache_config)
         add_memory_reports(out, [self._memory])
+        tier = self.engine.tier
+        if tier is not None:                             # the host KV tier's counters and occupancy
+            out.host_tier = dict(tier.counters)
+            g = tier.gauges()
+            out.host_tier_usage, out.host_tier_bytes, out.host_tier_capacity_bytes = \
+                g["usage"], g["bytes"], g["capacity_bytes"]
         return out
 
     def is_healthy(self) -> bool:
@@ -155,7 +162,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine thread
     def _add(self, fut: concurrent.futures.Future[None], request_id: str, ids: list[int], params: SamplingParams,
-             session_id: str | None, arrival: float, stream: _Stream) -> None:
+             session_id: str | None, arrival: float, stream: _Stream, tool_s: float | None = None) -> None:
         """Add a request to the engine and answer the caller's future (engine thread)."""
         if not fut.set_running_or_notify_cancel():
             return                                   # the caller went away before the request was added
@@ -164,7 +171,8 @@ class AsyncLLM:
                                            status=503, code="engine_unavailable"))
             return
         try:
-            self.engine.add_request(request_id, ids, params, session_id=session_id, arrival_time=arrival)
+            self.engine.add_request(request_id, ids, params, session_id=session_id, arrival_time=arrival,
+                                    tool_s=tool_s)
         except (EngineError, SamplingParamsError, TokenizerError) as e:
             fut.set_exception(RequestError(str(e), status=400))
             return
