@@ -6,14 +6,17 @@ memory: `cached_tokens` equals its history and its greedy output equals the offl
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import httpx
 import pytest
 
 pytest.importorskip("torch")
 
-from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
+from tandem.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.engine.tier_copies import FAULT_ENV  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.cluster import ClusterConfig, ServingCluster  # noqa: E402
@@ -85,16 +88,22 @@ def _run(ckpt: str, policy: str, a1_ids: list[int], **engine) -> dict:
     return asyncio.run(go())
 
 
-def offline(ckpt: str) -> tuple[list[int], list[int], int]:
-    """Session A's two rounds on the offline engine, KV resident throughout."""
+def offline(ckpt: str):
+    """Session A's three rounds on the offline engine, KV resident throughout."""
     eng = LLMEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_model_len=384))
     greedy = SamplingParams(temperature=0.0, max_tokens=OUT, ignore_eos=True)
     eng.add_request("1", A1, greedy, session_id="a")
     a1 = _finish(eng)
     eng.add_request("2", A1 + a1.outputs[0].token_ids + A_NEW, greedy, session_id="a")
     a2 = _finish(eng)
+    eng.add_request("3", a3_prompt(a1.outputs[0].token_ids, a2.outputs[0].token_ids), greedy, session_id="a")
+    a3 = _finish(eng)
     eng.close()
-    return a1, a2
+    return a1, a2, a3
+
+
+def a3_prompt(a1_ids, a2_ids) -> list[int]:
+    return A1 + list(a1_ids) + A_NEW + list(a2_ids) + [7, 8, 9]
 
 
 def _finish(eng):
@@ -106,7 +115,7 @@ def _finish(eng):
 
 
 def test_an_offloaded_session_resumes_from_host_memory(ckpt):
-    a1, a2 = offline(ckpt)
+    a1, a2, _ = offline(ckpt)
     history = len(A1) + OUT - 1
     assert a2.num_cached_tokens == history
     out = _run(ckpt, "ampd-tiered", a1.outputs[0].token_ids, kv_offloading_size=0.01)
@@ -117,3 +126,56 @@ def test_an_offloaded_session_resumes_from_host_memory(ckpt):
     plain = _run(ckpt, "ampd", a1.outputs[0].token_ids)
     assert plain["a2"] == a2.outputs[0].text
     assert plain["a2_cached"] < history               # no host tier: the evicted history is recomputed
+
+
+def test_failed_copies_and_a_killed_decode_worker_lose_no_session(ckpt, monkeypatch):
+    """Every host-tier copy fails (injected on the copy threads): the session's round recomputes with the same greedy
+    output. Then the decode worker is killed between rounds: its host tier is gone, the session is bound again and
+    its next round recomputes on the replacement, with the offline engine's output."""
+    a1, a2, a3 = offline(ckpt)
+    monkeypatch.setenv(FAULT_ENV, "1000")
+    history = len(A1) + OUT - 1
+
+    async def go():
+        cl = await ServingCluster.start(ClusterConfig(ckpt, 1, 1, 0, "ampd-tiered", max_restarts=2,
+                                                      engine_args={**ENGINE, "kv_offloading_size": 0.01}))
+        app = build_app(cl)
+        out: dict = {}
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         timeout=60) as http:
+                async def complete(prompt):
+                    r = await http.post("/v1/completions", json={"model": cl.model_name, "prompt": prompt,
+                                                                 "max_tokens": OUT, "ignore_eos": True,
+                                                                 "temperature": 0, "session_id": "a", "tool_s": 30})
+                    assert r.status_code == 200, r.text
+                    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.json()["choices"][0]["text"]
+                _, out["a1"] = await complete(A1)
+                for _ in range(40):                  # the offload fails on the copy thread
+                    failed = _metric((await http.get("/metrics")).text, "tandem:host_kv_failed_copies_total")
+                    if failed:
+                        break
+                    await asyncio.sleep(0.05)
+                out["failed"] = failed
+                r = await http.post("/v1/completions", json={"model": cl.model_name, "prompt": B, "max_tokens": OUT,
+                                                             "ignore_eos": True, "temperature": 0})
+                assert r.status_code == 200, r.text
+                out["a2_cached"], out["a2"] = await complete(A1 + a1.outputs[0].token_ids + A_NEW)
+                wid, (_, pid) = next((w, rp) for w, rp in cl.worker_pids().items() if rp[0] == "decode")
+                os.kill(pid, signal.SIGKILL)
+                out["replaced"] = False
+                for _ in range(200):                 # the supervisor replaces it
+                    await asyncio.sleep(0.05)
+                    if cl.worker_pids().get(wid, ("", pid))[1] != pid and cl.is_healthy():
+                        out["replaced"] = True
+                        break
+                out["a3_cached"], out["a3"] = await complete(a3_prompt(a1.outputs[0].token_ids,
+                                                                       a2.outputs[0].token_ids))
+        finally:
+            await cl.shutdown()
+        return out
+    out = asyncio.run(go())
+    assert out["failed"] >= 1 and out["replaced"]
+    assert out["a1"] == a1.outputs[0].text and out["a2"] == a2.outputs[0].text and out["a3"] == a3.outputs[0].text
+    assert out["a2_cached"] < history                 # nothing reached host memory: recomputed
+    assert out["a3_cached"] < len(a3_prompt(a1.outputs[0].token_ids, a2.outputs[0].token_ids)) - 3
