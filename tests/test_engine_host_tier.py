@@ -154,3 +154,17 @@ def test_a_failed_copy_falls_back_to_recompute(tiny, one_thread):
 def test_a_host_tier_larger_than_memory_is_refused(tiny, one_thread):
     with pytest.raises(EngineError, match="exceeds the .* GiB of host memory available"):
         tiered(tiny, kv_offloading_size=1 << 20)
+
+
+def test_the_offline_llm_serves_a_tiered_policy(tiny, one_thread):
+    """tandem.LLM takes a tiered policy and kv_offloading_size; with no prefill estimate given it prices recompute
+    with the checkpoint's nominal roofline, so an offloaded session is loaded back, with the same greedy output."""
+    from tandem.engine.llm import LLM
+    ref_a, ref_b, ref_cached = reference(tiny)
+    with LLM(tiny, policy="hicache", kv_offloading_size=0.01, **BASE) as llm:
+        a = llm.generate([PROMPT], GREEDY, session_ids=["s"])[0]
+        settle(llm.engine)
+        llm.engine.core.expire("s")
+        b = llm.generate([PROMPT + a.outputs[0].token_ids + MORE], GREEDY, session_ids=["s"])[0]
+        assert b.outputs[0].token_ids == ref_b and b.num_cached_tokens == ref_cached
+        assert llm.engine.tier.counters["load_bytes"] > 0

@@ -23,7 +23,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.session_kv import SessionKV
 from tandem.engine.step_executor import PreparedStep, StepExecutor
 from tandem.engine.structured_output import StructuredOutputManager
-from tandem.engine.tier_copies import TierRunner, host_tier_setup
+from tandem.engine.tier_copies import TierRunner, host_tier_setup, nominal_t_pre
 from tandem.engine.tokenizer import Tokenizer
 from tandem.perf.profile_io import WindowLatencyProfile
 from tandem.policy.optimus.chunk import parse_chunk
@@ -90,6 +90,8 @@ class LLMEngine:
             t_pre = lambda h, n: latency.rows(n, 1, 0, 0)   # noqa: E731 - n query tokens' forward, none sampled
         try:
             pool, link_s = host_tier_setup(config, self.runner, sched, role, config.policy_spec())
+            if pool is not None and t_pre is None:
+                t_pre = nominal_t_pre(self.runner, self.max_model_len)
             self.core = build_worker(worker_id, role, config.tensor_parallel_size, self.runner.num_blocks,
                                      config.policy_spec(), sched, t_pre, latency=latency,
                                      kv_block_bytes=self.runner.kv_block_bytes, host_link_s=link_s)

@@ -234,3 +234,14 @@ def host_tier_setup(config, runner, sched, role: str, spec) -> tuple[HostKVPool 
              blocks * pool.block_bytes / (1 << 20), one * 1e6, per_block * 1e6, pool.block_bytes / per_block / 1e9)
     pool.link_one_s, pool.link_block_s = one, per_block
     return pool, host_link(one, per_block, config.block_size)
+
+
+def nominal_t_pre(runner, max_len: int) -> Callable[[int, int], float]:
+    """A prefill estimate for a tiered engine given none (the offline engine): the checkpoint's nominal CPU roofline
+    (tandem.perf.nominal), which its host tier weighs against a copy back when a round asks for offloaded KV."""
+    from tandem.perf.nominal import checkpoint_params, nominal_cost_model
+    mc = runner.model_config
+    params = checkpoint_params(mc.vocab_size, mc.hidden_size, mc.num_hidden_layers, mc.intermediate_size)
+    cost = nominal_cost_model(params, mc.num_hidden_layers, mc.hidden_size,
+                              runner.kv_block_bytes // runner.block_size, max_len)
+    return lambda h, n: cost.t_pre(h, n, 1)
