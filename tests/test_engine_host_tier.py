@@ -168,3 +168,21 @@ def test_the_offline_llm_serves_a_tiered_policy(tiny, one_thread):
         b = llm.generate([PROMPT + a.outputs[0].token_ids + MORE], GREEDY, session_ids=["s"])[0]
         assert b.outputs[0].token_ids == ref_b and b.num_cached_tokens == ref_cached
         assert llm.engine.tier.counters["load_bytes"] > 0
+
+
+@pytest.mark.skipif(__import__("tandem.engine.parallel.group", fromlist=["x"]).usable_cpus() < 2,
+                    reason="two ranks need two CPU cores")
+def test_two_ranks_each_keep_their_heads_in_host_memory(tiny):
+    """Under tensor parallelism each rank copies its own heads (between steps): an offloaded session loaded back on
+    two ranks gives one rank's greedy tokens."""
+    ref_a, ref_b, ref_cached = reference(tiny)
+    eng = tiered(tiny, tensor_parallel_size=2)
+    try:
+        a = run_round(eng, "a", PROMPT)
+        settle(eng)
+        eng.core.expire("s")
+        b = run_round(eng, "b", PROMPT + a.outputs[0].token_ids + MORE)
+        assert (a.outputs[0].token_ids, b.outputs[0].token_ids) == (ref_a, ref_b)
+        assert b.num_cached_tokens == ref_cached and eng.tier.counters["load_bytes"] > 0
+    finally:
+        eng.close()

@@ -98,8 +98,9 @@ class LLMEngine:
         except ValueError as e:
             raise EngineError(str(e)) from None
         # the host KV tier's copies, beside the steps (None: no tier)
-        self.tier = TierRunner(self.core.kv.tier, pool, self.runner.kv_caches, self.clock) \
-            if pool is not None and self.core.kv.tier is not None else None
+        self.tier = None
+        if pool is not None and self.core.kv.tier is not None:
+            self.tier = TierRunner(self.core.kv.tier, pool, self.runner.kv_caches, self.clock, group=self.runner.group)
         if phased:                  # dLLM-Serve: each request's packed KV is the buffer the core's admission reserves
             self.dllm.kv_slots = self.core.dllm.phases.kv_tokens
         self.forward_events = role != COLOCATED if forward_events is None else forward_events

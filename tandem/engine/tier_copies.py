@@ -2,6 +2,10 @@
 (one per direction, in order, as the core's link model has it), their ends reported back to the core on the step
 thread (the core is not thread-safe), and the tier's counters for /metrics.
 
+Under tensor parallelism every rank keeps its own heads' host pool (as its swap space); the copies then run between
+steps, on the step thread, each rank copying its share before the next step's forward (a copy thread cannot command
+the ranks while a step's collectives run).
+
 A step never reads a block a copy is still writing: the core does not schedule a sequence whose KV is coming back;
 `check` asserts it on every step planned while such copies are in flight.
 """
@@ -40,8 +44,9 @@ class TierRunner:
     """Runs one worker's host-tier copies on copy threads and hands their ends to the core."""
 
     def __init__(self, tier, pool: HostKVPool, kv_caches: list[torch.Tensor], clock: Callable[[], float],
-                 fail_copies: int | None = None) -> None:
+                 fail_copies: int | None = None, group=None) -> None:
         self.tier, self.pool, self.kv_caches, self.clock = tier, pool, kv_caches, clock
+        self.group = group                              # a tensor-parallel worker's other ranks (copies inline)
         self.fail_copies = int(os.environ.get(FAULT_ENV, "0") or 0) if fail_copies is None else fail_copies
         self.counters: dict[str, int] = {k: 0 for k in HOST_TIER_COUNTERS}
         self.inflight: dict[int, KVCopy] = {}
@@ -71,6 +76,10 @@ class TierRunner:
                 self.ended.append((c, False))
                 continue
             self.inflight[c.id] = c
+            if self.group is not None:                 # tensor parallelism: every rank now, before the next step
+                self.group.send("tier_copy", c.kind.to_host, blocks, slots)
+                self._copy(c, blocks, slots)
+                continue
             if not c.kind.to_host:
                 for b in blocks:
                     self.to_gpu[b] = c
@@ -186,20 +195,23 @@ class TierRunner:
             item = q.get()
             if item is None:
                 return
-            c, blocks, slots = item
-            ok = True
-            try:
-                if self.fail_copies > 0:
-                    self.fail_copies -= 1
-                    raise CopyFault(f"injected failure of host-tier copy {c.id} ({FAULT_ENV})")
-                with torch.inference_mode():
-                    self.pool.copy(self.kv_caches, c.kind.to_host, blocks, slots)
-            except Exception as e:  # noqa: BLE001 - reported to the core, which recomputes
-                log.warning("host-tier copy %d (%s of %s) failed: %s", c.id, c.kind.value, c.session_id, e)
-                ok = False
-            self.ended.append((c, ok))
+            self._copy(*item)
             self._woken.set()
             self.on_end()
+
+    def _copy(self, c: KVCopy, blocks: list[int], slots: list[int]) -> None:
+        """Carry out one copy here and queue its end (failed: an injected fault or any error)."""
+        ok = True
+        try:
+            if self.fail_copies > 0:
+                self.fail_copies -= 1
+                raise CopyFault(f"injected failure of host-tier copy {c.id} ({FAULT_ENV})")
+            with torch.inference_mode():
+                self.pool.copy(self.kv_caches, c.kind.to_host, blocks, slots)
+        except Exception as e:  # noqa: BLE001 - reported to the core, which recomputes
+            log.warning("host-tier copy %d (%s of %s) failed: %s", c.id, c.kind.value, c.session_id, e)
+            ok = False
+        self.ended.append((c, ok))
 
 
 def check_host_memory(gib: float, device: torch.device) -> None:
@@ -221,13 +233,12 @@ def host_tier_setup(config, runner, sched, role: str, spec) -> tuple[HostKVPool 
     from tandem.policy.task import PREFILL
     if not spec.tiered or role == PREFILL or not sched.kv_offloading_size:
         return None, None
-    if config.tensor_parallel_size > 1:
-        raise ValueError("a host KV tier (--kv-offloading-size) runs on workers with tensor_parallel_size 1 only "
-                         "for now")
     check_host_memory(sched.kv_offloading_size, runner.device)
-    blocks = sched.host_tier_blocks(runner.kv_block_bytes, 1)
+    blocks = sched.host_tier_blocks(runner.kv_block_bytes, config.tensor_parallel_size)
     if blocks < 1:
         return None, None                           # the core's factory refuses it with its own message
+    if runner.group is not None:                    # each rank's own heads, as its swap space
+        runner.group.send("tier_alloc", blocks)
     pool = HostKVPool(runner.kv_caches, blocks, config.block_size)
     one, per_block = pool.probe(runner.kv_caches)
     log.info("host KV tier: %d blocks (%.1f MiB), copies %.0f us + %.1f us per block (%.2f GB/s)", blocks,
