@@ -162,6 +162,25 @@ def main() -> None:
                      f"| {late} | {int(m.get('tandem:host_kv_failed_copies_total', 0)) if m else '-'} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(results, out / "host_tier_live.png")
+
+
+def plot(results: dict, path: Path) -> None:
+    """Second rounds' mean client latency, host tier against recompute, per announcement."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    modes = ("load", "prefetch")
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for j, (policy, label) in enumerate((("ampd-tiered", "ampd-tiered, host tier"), ("ampd", "ampd, recompute"))):
+        vals = [sum(results["runs"][f"{m}/{policy}"]["round2_latency_s"]) / SESSIONS for m in modes]
+        ax.bar([i + 0.38 * j for i in range(len(modes))], vals, 0.36, label=label)
+    ax.set_xticks([i + 0.19 for i in range(len(modes))], [f"{m} (tool_s {30 if m == 'load' else 3} s)" for m in modes])
+    ax.set_ylabel("second round, mean latency (s)")
+    ax.set_title("1P+1D, 3 sessions of 300 tokens evicted during their tool call")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
