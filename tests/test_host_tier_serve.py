@@ -114,8 +114,13 @@ def _finish(eng):
     raise AssertionError("no output")
 
 
-def test_an_offloaded_session_resumes_from_host_memory(ckpt):
-    a1, a2, _ = offline(ckpt)
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return offline(ckpt)
+
+
+def test_an_offloaded_session_resumes_from_host_memory(ckpt, reference):
+    a1, a2, _ = reference
     history = len(A1) + OUT - 1
     assert a2.num_cached_tokens == history
     out = _run(ckpt, "ampd-tiered", a1.outputs[0].token_ids, kv_offloading_size=0.01)
@@ -123,16 +128,21 @@ def test_an_offloaded_session_resumes_from_host_memory(ckpt):
     assert out["a1"] == a1.outputs[0].text and out["a2"] == a2.outputs[0].text
     assert out["a2_cached"] == history               # loaded back from host memory, not recomputed
     assert out["offload_bytes"] > 0 and out["load_bytes"] > 0 and out["cpu_hits"] == history
+    assert out["capacity"] > 0
+
+
+def test_without_a_host_tier_the_same_run_recomputes(ckpt, reference):
+    a1, a2, _ = reference
     plain = _run(ckpt, "ampd", a1.outputs[0].token_ids)
     assert plain["a2"] == a2.outputs[0].text
-    assert plain["a2_cached"] < history               # no host tier: the evicted history is recomputed
+    assert plain["a2_cached"] < len(A1) + OUT - 1     # no host tier: the evicted history is recomputed
 
 
-def test_failed_copies_and_a_killed_decode_worker_lose_no_session(ckpt, monkeypatch):
+def test_failed_copies_and_a_killed_decode_worker_lose_no_session(ckpt, reference, monkeypatch):
     """Every host-tier copy fails (injected on the copy threads): the session's round recomputes with the same greedy
     output. Then the decode worker is killed between rounds: its host tier is gone, the session is bound again and
     its next round recomputes on the replacement, with the offline engine's output."""
-    a1, a2, a3 = offline(ckpt)
+    a1, a2, a3 = reference
     monkeypatch.setenv(FAULT_ENV, "1000")
     history = len(A1) + OUT - 1
 
@@ -179,3 +189,30 @@ def test_failed_copies_and_a_killed_decode_worker_lose_no_session(ckpt, monkeypa
     assert out["a1"] == a1.outputs[0].text and out["a2"] == a2.outputs[0].text and out["a3"] == a3.outputs[0].text
     assert out["a2_cached"] < history                 # nothing reached host memory: recomputed
     assert out["a3_cached"] < len(a3_prompt(a1.outputs[0].token_ids, a2.outputs[0].token_ids)) - 3
+
+
+def test_the_in_process_server_offloads_between_requests(ckpt):
+    """AsyncLLM (the in-process backend) runs the host tier's decisions and copies while no request runs: a session's
+    idle KV reaches host memory (HiCache-like write-through) without another request, and /metrics shows it."""
+    from tandem.runtime.async_llm import AsyncLLM
+
+    async def go():
+        client = AsyncLLM.from_model(ckpt, served_model_name="tiny", policy="hicache", kv_offloading_size=0.01,
+                                     **ENGINE)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(client)), base_url="http://t",
+                                         timeout=60) as http:
+                r = await http.post("/v1/completions", json={"model": "tiny", "prompt": A1, "max_tokens": OUT,
+                                                             "ignore_eos": True, "session_id": "a", "tool_s": 5})
+                assert r.status_code == 200, r.text
+                for _ in range(100):
+                    text = (await http.get("/metrics")).text
+                    if _metric(text, "tandem:host_kv_copied_bytes_total", 'kind="offload"') > 0:
+                        break
+                    await asyncio.sleep(0.02)
+                return text
+        finally:
+            await client.shutdown()
+    text = asyncio.run(go())
+    assert _metric(text, "tandem:host_kv_copied_bytes_total", 'kind="offload"') > 0
+    assert _metric(text, "tandem:host_kv_cache_bytes") > 0 and _metric(text, "tandem:host_kv_failed_copies_total") == 0

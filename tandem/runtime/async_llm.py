@@ -29,6 +29,7 @@ from tandem.runtime.client import BackendStats, RequestError, add_memory_reports
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5          # the idle engine thread wakes this often even without commands
+_TIER_WAIT_S = 0.01         # ... and this often while host-tier copies are in flight
 COALESCE_BACKLOG = 64       # outputs a stream may fall behind before it skips to the latest (a stalled reader)
 
 
@@ -197,12 +198,15 @@ class AsyncLLM:
             while True:
                 busy = eng.has_unfinished_requests()
                 try:
-                    cmd = self._inbox.get_nowait() if busy else self._inbox.get(timeout=_IDLE_WAIT_S)
+                    cmd = self._inbox.get_nowait() if busy else self._inbox.get(timeout=self._idle_wait())
                 except queue.Empty:
                     cmd = _NOTHING
                 if not self._run_commands(cmd):
                     break
                 if not eng.has_unfinished_requests():
+                    if eng.tier_due():                  # the host tier's decisions and copies run without requests
+                        prep = eng.prepare_step()
+                        eng.finish_step(prep, eng.execute_step(prep))
                     self._snapshot()
                     continue
                 steps = eng.stats.steps
@@ -215,6 +219,16 @@ class AsyncLLM:
         except Exception as e:  # noqa: BLE001 - the engine is dead; every caller learns why
             log.exception("engine thread failed")
             self._close(f"engine failure: {type(e).__name__}: {e}", error=True)
+
+    def _idle_wait(self) -> float:
+        """How long the idle engine thread waits for a command: _IDLE_WAIT_S, less while host-tier copies are in
+        flight or the core's tier wants a schedule call sooner (a prefetch, a pin's end)."""
+        eng = self.engine
+        if eng.tier is None:
+            return _IDLE_WAIT_S
+        if eng.tier.busy():
+            return _TIER_WAIT_S
+        return min(_IDLE_WAIT_S, max(_TIER_WAIT_S, eng.core.wake_s - eng.clock()))
 
     def _run_commands(self, cmd: Any) -> bool:
         """Run `cmd` and every other queued command; False on the shutdown sentinel (None)."""
