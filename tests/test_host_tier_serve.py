@@ -202,6 +202,10 @@ def test_the_in_process_server_offloads_between_requests(ckpt):
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(client)), base_url="http://t",
                                          timeout=60) as http:
+                for bad in ({"tool_s": 5}, {"session_id": "a", "tool_s": "soon"}):   # no session; not a number
+                    r = await http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, **bad,
+                                                                      "messages": [{"role": "user", "content": "hi"}]})
+                    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_s", r.text
                 r = await http.post("/v1/completions", json={"model": "tiny", "prompt": A1, "max_tokens": OUT,
                                                              "ignore_eos": True, "session_id": "a", "tool_s": 5})
                 assert r.status_code == 200, r.text

@@ -47,7 +47,6 @@ class _Live:
     idle_since: float | None = None  # between rounds since then (KV resident until session_ttl_s)
     kv_home: bool = False      # the round's remote prefill KV has reached its decode worker
     full_prefill: bool = False  # the current round computes its whole prompt at home (prompt logprobs)
-    tool_hint: float | None = None  # live: the client's expected tool time after the current round (host tiers)
 
 
 class Coordinator:
@@ -114,14 +113,13 @@ class Coordinator:
     # ------------------------------------------------------------------ live sessions (rounds not known ahead)
     def on_round(self, session_id: str, input_tokens: int, max_output_tokens: int, now: float,
                  slo: SLO | None = None, worker: int | None = None, block_hashes: Sequence[int] = (),
-                 full_prefill: bool = False, tool_s: float | None = None) -> list:
+                 full_prefill: bool = False) -> list:
         """A live round arrives: `input_tokens` new tokens after the session's history, at most
         `max_output_tokens` to generate; `block_hashes` are the chained hashes of the whole prompt's full blocks.
         A new session is bound first (to `worker` if given, else by the binder: longest cached prefix); the
         session stays bound after the round until end_session or its idle expiry. `full_prefill`: the round
         wants every prompt position computed (prompt logprobs exist only where the prefill runs), so its
-        prefill runs on the session's own worker, whatever the router would say. `tool_s`: the client's expected
-        time of the tool call after this round (a tiered worker plans its KV with it; None: the worker's estimate)."""
+        prefill runs on the session's own worker, whatever the router would say."""
         st = self.live.get(session_id)
         if st is not None and st.task is not None:
             raise ValueError(f"session {session_id!r} already has a round in flight")
@@ -141,7 +139,6 @@ class Coordinator:
             st.record.num_rounds += 1
             st.hashes = hashes
         st.full_prefill = full_prefill
-        st.tool_hint = tool_s
         return self._start_round(st, now)
 
     def pick_worker(self, block_hashes: Sequence[int] = ()) -> int | None:
@@ -429,10 +426,8 @@ class Coordinator:
             out += [ExpectReturn(st.worker, ev.session_id, rnd.tool_s)] if self.tool_hints else []
             out.append(ToolCall(ev.session_id, rnd.tool_s))
             return out
-        if st.open:                                       # live: stays bound, KV resident, until its expiry
-            if st.tool_hint is not None and self.tool_hints:
-                out.append(ExpectReturn(st.worker, ev.session_id, st.tool_hint))
-            return out
+        if st.open:
+            return out                                    # live: stays bound, KV resident, until its expiry
         st.record.finish_s = now
         return self._end(st)
 
