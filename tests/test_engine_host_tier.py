@@ -84,7 +84,7 @@ def test_offload_lands_bit_exact_and_load_resumes_the_session(tiny, one_thread):
     # the host copy equals the GPU blocks, bit for bit
     pool = eng.tier.pool
     run = eng.core.kv.tier.host.session("s")
-    slots = pool._runs[id(run)][1]
+    slots = pool.slots(run)
     table = eng.core.blocks.tables[seq]
     n = -(-seq.num_tokens // pool.block_size)
     for host, kv in zip(pool.data, eng.runner.kv_caches):

@@ -71,6 +71,11 @@ class HostKVPool:
                 if self._by_hash.get(h) in slots:
                     del self._by_hash[h]
 
+    def slots(self, run: HostRun) -> list[int]:
+        """The slots holding `run`'s blocks, in run order (none yet: empty)."""
+        entry = self._runs.get(id(run))
+        return list(entry[1]) if entry is not None else []
+
     def _slots_of(self, run: HostRun, tier: HostTier) -> list[int]:
         """The run's slots, grown to its size (freeing dropped runs' slots first when short)."""
         entry = self._runs.get(id(run))

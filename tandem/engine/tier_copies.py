@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from tandem.core.host_tier import CopyKind, KVCopy
+from tandem.core.host_tier import KVCopy
 from tandem.engine.host_pool import GIB, HostKVPool, host_memory_available
 
 log = logging.getLogger("tandem.engine")
@@ -31,6 +31,16 @@ HOST_TIER_COUNTERS = ("offload_bytes", "write_bytes", "prefetch_bytes", "load_by
 
 class CopyFault(RuntimeError):
     """An injected copy failure."""
+
+
+def _env_faults() -> int:
+    """How many copies FAULT_ENV says to fail (0 unless it holds a count)."""
+    raw = os.environ.get(FAULT_ENV, "")
+    try:
+        return max(0, int(raw or 0))
+    except ValueError:
+        log.warning("%s=%r is not a count of copies: ignored", FAULT_ENV, raw)
+        return 0
 
 
 def host_link(one_s: float, per_block_s: float, block_size: int) -> Callable[[int], float]:
@@ -47,7 +57,7 @@ class TierRunner:
                  fail_copies: int | None = None, group=None) -> None:
         self.tier, self.pool, self.kv_caches, self.clock = tier, pool, kv_caches, clock
         self.group = group                              # a tensor-parallel worker's other ranks (copies inline)
-        self.fail_copies = int(os.environ.get(FAULT_ENV, "0") or 0) if fail_copies is None else fail_copies
+        self.fail_copies = _env_faults() if fail_copies is None else fail_copies
         self.counters: dict[str, int] = {k: 0 for k in HOST_TIER_COUNTERS}
         self.inflight: dict[int, KVCopy] = {}
         self.to_gpu: dict[int, KVCopy] = {}             # block -> the copy writing it
@@ -222,8 +232,6 @@ def check_host_memory(gib: float, device: torch.device) -> None:
         raise ValueError(f"--kv-offloading-size {gib:g} GiB exceeds the {have / GIB:.1f} GiB of host memory "
                          f"available{' (pinned)' if device.type == 'cuda' else ''}")
 
-
-COPY_KINDS = tuple(k.value for k in CopyKind)
 
 
 def host_tier_setup(config, runner, sched, role: str, spec) -> tuple[HostKVPool | None, Callable[[int], float] | None]:
