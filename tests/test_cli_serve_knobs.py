@@ -91,3 +91,26 @@ def test_a_bad_value_is_one_line_naming_the_flag(flag, value, ckpt, capsys):
     assert main(["serve", "--model", ckpt, flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("tandem: error: ") and flag in err[0], err
+
+
+@pytest.mark.parametrize("policy, size, why", [
+    ("ampd-tiered", "1000000", "--kv-offloading-size 1e+06 GiB on each of 1 worker(s) exceeds the"),
+    ("ampd", "1", "--kv-offloading-size: policy ampd keeps no KV in host memory"),
+])
+def test_a_host_tier_that_cannot_be_served_is_one_line_before_any_worker(policy, size, why, ckpt, capsys):
+    """Protects the start-up refusal of --kv-offloading-size: larger than the machine's available memory, or with a
+    policy that keeps no host tier: one `tandem: error:` line, exit 2, and no worker process was started."""
+    import psutil
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert main(["serve", "--model", ckpt, "--policy", policy, "--kv-offloading-size", size]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tandem: error: " + why), err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+
+
+def test_the_host_tier_size_is_the_schedulers_knob():
+    """--kv-offloading-size on serve is SchedulerConfig's knob (vLLM's meaning: GiB per worker), shared, not copied."""
+    knob = EngineConfig.__dataclass_fields__["kv_offloading_size"].metadata[KNOB]
+    assert knob is SchedulerConfig.__dataclass_fields__["kv_offloading_size"].metadata[KNOB]
+    action = next(a for a in _subparser("serve")._actions if "--kv-offloading-size" in a.option_strings)
+    assert action.knob_source == (EngineConfig, "kv_offloading_size")

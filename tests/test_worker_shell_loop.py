@@ -27,6 +27,13 @@ class ScriptedEngine:
         self.core_events: list = []
         self.core = SimpleNamespace(has_work=lambda: self.steps_left > 0)
         self.requests: dict[str, object] = {}
+        self.tier = None                            # no host KV tier
+
+    def tier_due(self) -> bool:
+        return False
+
+    def kv_loading(self, session_id: str) -> bool:
+        return False
 
     def prepare_step(self):
         self.log.append("prepare")

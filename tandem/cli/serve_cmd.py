@@ -29,7 +29,8 @@ LAPS_POLICIES = tuple(name for name, spec in POLICIES.items() if spec.prefill_sc
 ENGINE_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_num_logits", "gpu_memory_utilization",
                 "cpu_memory_budget_bytes", "dllm_block_length", "dllm_chunk", "dllm_unmasking_strategy",
                 "dllm_denoising_steps", "dllm_confidence_threshold", "dllm_latency_profile", "dllm_admission",
-                *DLLM_SERVE_KNOBS, "preemption_mode", "swap_space", "enforce_eager", "tensor_parallel_size",
+                *DLLM_SERVE_KNOBS, "preemption_mode", "swap_space", "kv_offloading_size", "enforce_eager",
+                "tensor_parallel_size",
                 "cuda_graph_sizes")
 CLUSTER_TIMEOUTS = ("kv_timeout_s", "worker_timeout_s", "max_restarts", "session_ttl_s", "slo_ttft_s", "slo_itl_s")
 CLUSTER_LAUNCHER = ("launcher", "ray_address", "ray_place", "ray_namespace")
@@ -131,8 +132,9 @@ def _check_diffusion(args, eng: dict) -> None:
         _canvas_refusals(eng, profile)
     if profile is not None:
         eng["dllm_latency_profile"] = _latency_profile(profile, "dllm_admission" in eng)
-    if any(k.startswith(("dllm_", "kv_")) for k in eng) and not diffusion:
-        raise CLIError(f"--{next(k for k in eng if k.startswith(('dllm_', 'kv_'))).replace('_', '-')}: the model is "
+    dllm_knobs = [k for k in eng if k.startswith(("dllm_", "kv_")) and k != "kv_offloading_size"]
+    if dllm_knobs and not diffusion:
+        raise CLIError(f"--{dllm_knobs[0].replace('_', '-')}: the model is "
                        "autoregressive (diffusion options need a diffusion checkpoint such as SDAR or LLaDA)")
     if diffusion and not args.colocated:
         raise CLIError("a block-diffusion model is served by co-located workers: add --colocated N")
@@ -159,9 +161,30 @@ def _cluster_config(args) -> ClusterConfig:
     if knobs["colocated"]:
         knobs["prefill_workers"] = knobs["decode_workers"] = 0
     cfg = ClusterConfig(**knobs, engine_args=eng, role_tp=role_tp)
+    _check_host_tier(cfg, eng)
     if (cfg.laps_length_threshold is not None or cfg.laps_min_pool is not None) and cfg.policy not in LAPS_POLICIES:
         raise CLIError(f"--laps-* options apply to the LAPS policies ({', '.join(LAPS_POLICIES)}), not {cfg.policy!r}")
     return cfg
+
+
+def _check_host_tier(cfg: ClusterConfig, eng: dict) -> None:
+    """--kv-offloading-size: a tiered policy's, and the host tiers of every worker that keeps one (decode and
+    co-located) within the machine's available memory, before any worker starts."""
+    gib = eng.get("kv_offloading_size", 0.0)
+    if not gib:
+        return
+    from tandem.policy.presets import get_policy
+    spec = get_policy(cfg.policy)
+    if not spec.tiered:
+        tiered = ", ".join(name for name, p in POLICIES.items() if p.tiered)
+        raise CLIError(f"--kv-offloading-size: policy {cfg.policy} keeps no KV in host memory (tiered policies: "
+                       f"{tiered})")
+    homes = cfg.decode_workers + cfg.colocated
+    import psutil
+    have = psutil.virtual_memory().available
+    if gib * homes * (1 << 30) > have:
+        raise CLIError(f"--kv-offloading-size {gib:g} GiB on each of {homes} worker(s) exceeds the "
+                       f"{have / (1 << 30):.1f} GiB of host memory available")
 
 
 def _check_launcher(args) -> None:

@@ -75,6 +75,8 @@ class KVCopy:
     tokens: int
     run: object
     est_s: float = 0.0           # what the core expects it to take (its backlog on the link included)
+    first: int = 0               # the run's block the copy starts at (an offload adds to a run's tail)
+    hashes: tuple[int, ...] = ()  # a prefix load: the block hashes it reads (run is None: they may span runs)
 
 
 class RunState(Enum):

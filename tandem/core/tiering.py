@@ -84,11 +84,12 @@ class TierCopies:
         """When a copy of `tokens` started now would end behind the copies already planned that way."""
         return max(now, self._link_free[0 if to_host else 1]) + self.link_s(tokens)
 
-    def _issue(self, kind: CopyKind, seq_id: str, blocks, tokens: int, run, now: float, meta: tuple) -> KVCopy:
+    def _issue(self, kind: CopyKind, seq_id: str, blocks, tokens: int, run, now: float, meta: tuple, first: int = 0,
+               hashes: tuple[int, ...] = ()) -> KVCopy:
         end = self._eta(kind.to_host, tokens, now)
         self._link_free[0 if kind.to_host else 1] = end
         self._ids += 1
-        c = KVCopy(self._ids, kind, seq_id, tuple(blocks), tokens, run, end - now)
+        c = KVCopy(self._ids, kind, seq_id, tuple(blocks), tokens, run, end - now, first, hashes)
         self.copies.append(c)
         self.inflight[c.id] = c
         self._meta[c.id] = meta
@@ -326,7 +327,7 @@ class TierManager(TierCopies):
             return False
         blocks = table[first:]
         c = self._issue(CopyKind.OFFLOAD, sid, blocks, seq.num_tokens - first * bs, run, now,
-                        (seq, seq.num_tokens, (), d.free_gpu))
+                        (seq, seq.num_tokens, (), d.free_gpu), first)
         self.res.blocks.share(c, blocks)         # the copy reads them: they stay allocated until it lands
         seq.copy_out = c
         self.stats.offloads += 1
@@ -452,9 +453,9 @@ class TierManager(TierCopies):
         table = self.res.blocks.tables[seq]
         seq.num_tokens = total
         seq.cap = len(table) * bs
+        loaded = tuple(hashes[cached_blocks:cached_blocks + m])
         seq.loading = self._issue(CopyKind.LOAD, seq.session_id, table[cached_blocks:cached_blocks + m], tokens,
-                                  None, now, (seq, cached_blocks, tuple(runs), tuple(hashes[cached_blocks:
-                                                                                             cached_blocks + m])))
+                                  None, now, (seq, cached_blocks, tuple(runs), loaded), hashes=loaded)
         self.stats.loads += 1
         self.stats.load_tokens += tokens
 

@@ -119,6 +119,7 @@ class EngineConfig:
                                     f"(Sparse-dLLM) (default: {SELECTIONS[0]})", choices=SELECTIONS)
     preemption_mode: str | None = shared(SchedulerConfig, "preemption_mode")
     swap_space: float = shared(SchedulerConfig, "swap_space")
+    kv_offloading_size: float = shared(SchedulerConfig, "kv_offloading_size")
 
     def policy_spec(self) -> PolicySpec:
         """The worker core's policy with this config's knobs (ValueError/TypeError name a bad one)."""
@@ -168,7 +169,8 @@ class EngineConfig:
             raise EngineError(f"laps_graph_max_len must be an integer >= 1, got {m!r}")
         self._check_tp()
         try:                                      # the scheduler's own check of the preemption knobs
-            SchedulerConfig(preemption_mode=self.preemption_mode, swap_space=self.swap_space)
+            SchedulerConfig(preemption_mode=self.preemption_mode, swap_space=self.swap_space,
+                            kv_offloading_size=self.kv_offloading_size)
         except ValueError as e:
             raise EngineError(str(e)) from None
         self._check_dllm()

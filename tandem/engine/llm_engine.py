@@ -23,6 +23,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.session_kv import SessionKV
 from tandem.engine.step_executor import PreparedStep, StepExecutor
 from tandem.engine.structured_output import StructuredOutputManager
+from tandem.engine.tier_copies import TierRunner, host_tier_setup, nominal_t_pre
 from tandem.engine.tokenizer import Tokenizer
 from tandem.perf.profile_io import WindowLatencyProfile
 from tandem.policy.optimus.chunk import parse_chunk
@@ -81,17 +82,25 @@ class LLMEngine:
                                 dllm_delay_step=delay, dllm_refresh_interval=interval,
                                 dllm_refresh_span="canvas" if canvas else "aligned",
                                 dllm_kv_retention=self.dllm.sparse.kv_retention_ratio if phased else 1.0,
-                                preemption_mode=config.preemption_mode, swap_space=config.swap_space)
+                                preemption_mode=config.preemption_mode, swap_space=config.swap_space,
+                                kv_offloading_size=config.kv_offloading_size)
         latency = None
         if self.dllm is not None and not phased:   # Optimus's T(c, b), also its prefill estimate (the same steps)
             latency = window_latency(config, profiled, self.runner, self.dllm.block)
             t_pre = lambda h, n: latency.rows(n, 1, 0, 0)   # noqa: E731 - n query tokens' forward, none sampled
         try:
+            pool, link_s = host_tier_setup(config, self.runner, sched, role, config.policy_spec())
+            if pool is not None and t_pre is None:
+                t_pre = nominal_t_pre(self.runner, self.max_model_len)
             self.core = build_worker(worker_id, role, config.tensor_parallel_size, self.runner.num_blocks,
                                      config.policy_spec(), sched, t_pre, latency=latency,
-                                     kv_block_bytes=self.runner.kv_block_bytes)
+                                     kv_block_bytes=self.runner.kv_block_bytes, host_link_s=link_s)
         except ValueError as e:
             raise EngineError(str(e)) from None
+        # the host KV tier's copies, beside the steps (None: no tier)
+        self.tier = None
+        if pool is not None and self.core.kv.tier is not None:
+            self.tier = TierRunner(self.core.kv.tier, pool, self.runner.kv_caches, self.clock, group=self.runner.group)
         if phased:                  # dLLM-Serve: each request's packed KV is the buffer the core's admission reserves
             self.dllm.kv_slots = self.core.dllm.phases.kv_tokens
         self.forward_events = role != COLOCATED if forward_events is None else forward_events
@@ -104,18 +113,24 @@ class LLMEngine:
                                      self.runner.device)
         self.steps = StepExecutor(self.core, self.runner, self.dllm, self.table, role, self.clock)
         self.stats = self.steps.stats
-        self.kv = SessionKV(config, self.core, self.runner, self.table, self.clock, self.stats)
+        self.kv = SessionKV(config, self.core, self.runner, self.table, self.clock, self.stats, self.tier)
         self._ids = itertools.count()
+        self._tool_hints: dict[str, tuple[str, float]] = {}   # request -> (session, expected tool time after it)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     session_id: str | None = None, arrival_time: float | None = None, remote: bool = False,
-                    slo: tuple[float, float] | None = None, keep_session: bool | None = None) -> str:
+                    slo: tuple[float, float] | None = None, keep_session: bool | None = None,
+                    tool_s: float | None = None) -> str:
         """Queue a request; with `session_id`, its prompt extends that session's conversation and reuses its KV.
 
         Runtime (decode role): `remote` means a prefill worker computes the new tokens; the request waits
         for their KV (`receive_kv`, then `on_kv_arrived`). `slo` = (TTFT, ITL) seconds for the core's stats.
+        `tool_s`: the client's expected tool time after this round; the core's host tier hears it when the round
+        ends, before it decides for the idle session (None: the tier's learnt estimate).
         """
+        if tool_s is not None:
+            self._check_tool_s(tool_s)
         if self.role == PREFILL:
             raise EngineError("a prefill worker takes add_prefill(), not add_request()")
         if remote and self.role != DECODE:
@@ -140,12 +155,15 @@ class LLMEngine:
         sess.request = req
         sess.rounds += 1
         self.requests[request_id] = req
+        if tool_s is not None and self.core.kv.tier is not None:
+            self._tool_hints[request_id] = (sid, float(tool_s))
         if not remote:
             self.core.submit(task, task.enqueue_s)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV (its session's KV too; on a prefill worker, the task's)."""
+        self._tool_hints.pop(request_id, None)
         req = self.requests.get(request_id)
         if req is None:
             return
@@ -218,21 +236,52 @@ class LLMEngine:
         """The labels of vllm:cache_config_info for this engine's KV cache and swap space."""
         return self.kv.cache_config()
 
+    def expect_return(self, session_id: str, tool_s: float) -> None:
+        """The session's client expects its tool call to take `tool_s` seconds (a host tier plans with it)."""
+        self._check_tool_s(tool_s)
+        self.core.expect_return(session_id, tool_s, self.clock())
+
+    @staticmethod
+    def _check_tool_s(tool_s: float) -> None:
+        if isinstance(tool_s, bool) or not isinstance(tool_s, (int, float)) or not 0 <= tool_s < float("inf"):
+            raise EngineError(f"an expected tool time is a finite number of seconds >= 0, got {tool_s!r}")
+
+    def kv_loading(self, session_id: str) -> bool:
+        """Whether the session's KV is on its way back from the host tier (its round waits for it here)."""
+        seq = self.core.seqs.get(session_id)
+        return seq is not None and seq.loading is not None
+
+    def tier_due(self) -> bool:
+        """Whether the host tier wants a step now although no request does (copies ended or planned, idle
+        sessions to decide, a prefetch or pin end due)."""
+        return self.tier is not None and self.tier.due(self.clock())
+
     def close(self) -> None:
-        """Release what outlives the engine object: a tensor-parallel group's rank processes. Idempotent."""
+        """Release what outlives the engine object: a tensor-parallel group's rank processes, the copy threads.
+        Idempotent."""
+        if self.tier is not None:
+            self.tier.close()
         self.runner.close()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; returns the requests that produced a token or finished in it."""
         prep = self.prepare_step()
+        if prep.plan is None and self.tier is not None and self.tier.busy():
+            self.tier.wait(0.05)                    # KV on its way back from the host tier: wait for a copy's end
         return self.finish_step(prep, self.execute_step(prep))
 
     def prepare_step(self) -> PreparedStep:
         """The first part of a step: the core plans the batch (its swaps and received KV carried out first) and its
         model input is built (engine state read)."""
+        tier = self.tier
+        if tier is not None:
+            tier.poll()                             # copies that ended: the core hears of them first
         t0 = self.clock()
         plan = self.core.schedule(t0)
+        if tier is not None:
+            tier.start(self.core.kv.tier.take_copies())
+            tier.check(plan, self.core)
         self.kv.before_step()
         return self.steps.prepare(plan, t0)
 
@@ -242,5 +291,13 @@ class LLMEngine:
         return self.steps.execute(prep)
 
     def finish_step(self, prep: PreparedStep, out: SampleOutput | None) -> list[RequestOutput]:
-        """The last part of a step: tokens appended, stops checked, the core told; returns the touched requests."""
-        return self.steps.finish(prep, out)
+        """The last part of a step: tokens appended, stops checked, the core told; returns the touched requests.
+        A finished round's tool hint reaches the host tier before the next schedule decides for its session."""
+        outs = self.steps.finish(prep, out)
+        if self._tool_hints:
+            for o in outs:
+                if o.finished and o.request_id in self._tool_hints:
+                    sid, tool_s = self._tool_hints.pop(o.request_id)
+                    if o.error is None:
+                        self.core.expect_return(sid, tool_s, self.clock())
+        return outs

@@ -80,6 +80,8 @@ class RequestTable:
         if self.role == PREFILL:
             return                                   # FetchHistory / PrefillDone are the coordinator's
         for ev in events:
+            if not isinstance(ev, (RoundDone, SessionFailed)):
+                continue                             # first tokens, a host tier's KV events: the coordinator's
             sess = self.sessions.get(ev.session_id)
             req = sess.request if sess is not None else None
             if req is None:

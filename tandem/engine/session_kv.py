@@ -19,9 +19,10 @@ class SessionKV:
     """Where each session's KV is and goes: rounds opened on it, remote prefills' KV in and out, swaps."""
 
     def __init__(self, config: EngineConfig, core, runner: ModelRunner, table: RequestTable,
-                 clock: Callable[[], float], stats: StepStats) -> None:
+                 clock: Callable[[], float], stats: StepStats, tier=None) -> None:
         self.config, self.core, self.runner, self.table, self.clock, self.stats = \
             config, core, runner, table, clock, stats
+        self.tier = tier                                  # the host tier's copy runner (engine/tier_copies.py)
         self.inbox: dict[str, KVPayload] = {}             # request id -> KV received, not yet placed
         self.landing: dict[str, Request] = {}             # session -> remote request whose KV awaits blocks
 
@@ -49,7 +50,9 @@ class SessionKV:
         n = len(ids)
         # a local round takes its prompt's cached prefix as history; a remote one keeps the history the
         # coordinator routed with (RoundBegun told it what begin_round below returns)
-        hist = self.core.begin_round(sid, () if remote or full else sess.hashes, n)
+        hist = self.core.begin_round(sid, () if remote or full else sess.hashes, n, now)
+        if self.tier is not None:
+            self.tier.round_begins(self.core.seqs.get(sid), hist, now)
         wid = self.core.id
         task = PrefillTask(sid, sess.rounds, hist, n - hist, now, output_tokens=max_tokens, decode_worker=wid,
                            worker=wid, local=not remote, block_hashes=tuple(sess.hashes), full_prefill=full)
@@ -62,7 +65,11 @@ class SessionKV:
         hashes: list[int] = []
         if prompt_token_ids and self.config.enable_prefix_caching:
             extend_hashes(hashes, prompt_token_ids, self.config.block_size)
-        return self.core.begin_round(session_id, hashes, len(prompt_token_ids or ()))
+        now = self.clock()
+        resident = self.core.begin_round(session_id, hashes, len(prompt_token_ids or ()), now)
+        if self.tier is not None:
+            self.tier.round_waits(self.core.seqs[session_id], now)
+        return resident
 
     def end_session(self, session_id: str) -> None:
         """Forget a session and free its KV (prefix-cached blocks stay reusable)."""

@@ -29,6 +29,7 @@ from tandem.runtime.client import BackendStats, RequestError, add_memory_reports
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5          # the idle engine thread wakes this often even without commands
+_TIER_WAIT_S = 0.01         # ... and this often while host-tier copies are in flight
 COALESCE_BACKLOG = 64       # outputs a stream may fall behind before it skips to the latest (a stalled reader)
 
 
@@ -86,14 +87,15 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ EngineClient
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       session_id: str | None = None, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, prompt: str | None = None,
+                       tool_s: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs, one per engine step that touched the request (so a streamed chunk per
         token), until the finished one; a consumer COALESCE_BACKLOG outputs behind jumps to the latest."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         added: concurrent.futures.Future[None] = concurrent.futures.Future()
         arrival = self.engine.clock()
         ids = list(prompt_token_ids)
-        self._send(lambda: self._add(added, request_id, ids, params, session_id, arrival, stream))
+        self._send(lambda: self._add(added, request_id, ids, params, session_id, arrival, stream, tool_s))
         finished = False
         try:
             await asyncio.wrap_future(added)
@@ -128,6 +130,12 @@ class AsyncLLM:
                            dllm_serve=dict(self.engine.stats.dllm_serve),
                            cache_config=self._cache_config)
         add_memory_reports(out, [self._memory])
+        tier = self.engine.tier
+        if tier is not None:                             # the host KV tier's counters and occupancy
+            out.host_tier = dict(tier.counters)
+            g = tier.gauges()
+            out.host_tier_usage, out.host_tier_bytes, out.host_tier_capacity_bytes = \
+                g["usage"], g["bytes"], g["capacity_bytes"]
         return out
 
     def is_healthy(self) -> bool:
@@ -155,7 +163,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine thread
     def _add(self, fut: concurrent.futures.Future[None], request_id: str, ids: list[int], params: SamplingParams,
-             session_id: str | None, arrival: float, stream: _Stream) -> None:
+             session_id: str | None, arrival: float, stream: _Stream, tool_s: float | None = None) -> None:
         """Add a request to the engine and answer the caller's future (engine thread)."""
         if not fut.set_running_or_notify_cancel():
             return                                   # the caller went away before the request was added
@@ -164,7 +172,8 @@ class AsyncLLM:
                                            status=503, code="engine_unavailable"))
             return
         try:
-            self.engine.add_request(request_id, ids, params, session_id=session_id, arrival_time=arrival)
+            self.engine.add_request(request_id, ids, params, session_id=session_id, arrival_time=arrival,
+                                    tool_s=tool_s)
         except (EngineError, SamplingParamsError, TokenizerError) as e:
             fut.set_exception(RequestError(str(e), status=400))
             return
@@ -189,12 +198,15 @@ class AsyncLLM:
             while True:
                 busy = eng.has_unfinished_requests()
                 try:
-                    cmd = self._inbox.get_nowait() if busy else self._inbox.get(timeout=_IDLE_WAIT_S)
+                    cmd = self._inbox.get_nowait() if busy else self._inbox.get(timeout=self._idle_wait())
                 except queue.Empty:
                     cmd = _NOTHING
                 if not self._run_commands(cmd):
                     break
                 if not eng.has_unfinished_requests():
+                    if eng.tier_due():                  # the host tier's decisions and copies run without requests
+                        prep = eng.prepare_step()
+                        eng.finish_step(prep, eng.execute_step(prep))
                     self._snapshot()
                     continue
                 steps = eng.stats.steps
@@ -207,6 +219,16 @@ class AsyncLLM:
         except Exception as e:  # noqa: BLE001 - the engine is dead; every caller learns why
             log.exception("engine thread failed")
             self._close(f"engine failure: {type(e).__name__}: {e}", error=True)
+
+    def _idle_wait(self) -> float:
+        """How long the idle engine thread waits for a command: _IDLE_WAIT_S, less while host-tier copies are in
+        flight or the core's tier wants a schedule call sooner (a prefetch, a pin's end)."""
+        eng = self.engine
+        if eng.tier is None:
+            return _IDLE_WAIT_S
+        if eng.tier.busy():
+            return _TIER_WAIT_S
+        return min(_IDLE_WAIT_S, max(_TIER_WAIT_S, eng.core.wake_s - eng.clock()))
 
     def _run_commands(self, cmd: Any) -> bool:
         """Run `cmd` and every other queued command; False on the shutdown sentinel (None)."""

@@ -65,6 +65,11 @@ class BackendStats:
     activation_peak_bytes: dict[str, int] = field(default_factory=dict)   # logit mode (monolithic, decomposed) ->
                                                    # profiled activation peak, the largest over the workers
     activation_budget_bytes: int = 0               # bytes set aside for activations (peak + guard), largest worker
+    host_tier: dict[str, int] = field(default_factory=dict)   # host KV tier copy counters, summed over the workers
+                                                   # (engine.tier_copies HOST_TIER_COUNTERS; cumulative)
+    host_tier_usage: float = 0.0                   # host KV tier in use, 0..1, over the workers that have one
+    host_tier_bytes: int = 0                       # host KV tier bytes in use and capacity, summed over the workers
+    host_tier_capacity_bytes: int = 0
 
 
 def add_memory_reports(out: BackendStats, reports: list[dict[str, int]]) -> None:
@@ -88,7 +93,8 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 session_id: str | None = None, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 session_id: str | None = None, prompt: str | None = None,
+                 tool_s: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative RequestOutputs until one with `finished` True; raises RequestError on bad input.
 
         A failure after acceptance ends the stream with a finished output whose `error` says why

@@ -377,11 +377,11 @@ class ServingCluster:
 
     # ------------------------------------------------------------------ EngineClient
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 session_id: str | None = None, prompt: str | None = None):
+                 session_id: str | None = None, prompt: str | None = None, tool_s: float | None = None):
         if not self.is_healthy():                 # raised by the first __anext__, where the server expects it
             return _refused(RequestError("no live decode worker: the server cannot serve", 503,
                                          code="engine_unavailable"))
-        return self.shell.generate(prompt_token_ids, params, request_id, session_id, prompt)
+        return self.shell.generate(prompt_token_ids, params, request_id, session_id, prompt, tool_s)
 
     async def abort(self, request_id: str) -> None:
         req = self.shell.reqs.get(request_id)
@@ -395,6 +395,7 @@ class ServingCluster:
         out.iteration_tokens = dict(s.iteration_tokens)
         out.dllm_commits, out.dllm_chunks = dict(s.dllm_commits), dict(s.dllm_chunks)
         out.dllm_serve = dict(s.dllm_serve)
+        out.host_tier = dict(s.host_tier)
         out.cache_config = self._cache_config
         if self.hub is not None:                         # the workers' counts arrive in their StepCounts
             out.rejected_frames += self.hub.rejected_frames
@@ -406,6 +407,9 @@ class ServingCluster:
         out.kv_cache_usage_perc = sum(st.kv_usage for st in homes) / len(homes) if homes else 0.0
         out.num_requests_swapped = sum(st.num_swapped for st in homes)
         out.cpu_cache_usage_perc = sum(st.swap_usage for st in homes) / len(homes) if homes else 0.0
+        out.host_tier_bytes = sum(st.host_tier_bytes for st in homes)
+        out.host_tier_capacity_bytes = sum(st.host_tier_capacity_bytes for st in homes)
+        out.host_tier_usage = out.host_tier_bytes / out.host_tier_capacity_bytes if out.host_tier_capacity_bytes else 0.0
         out.workers_total = len(self.roles)
         out.workers_alive = len(self.roles) - len(self._lost)
         _laps_stats(out, states, self.shell.coord.router)

@@ -19,6 +19,7 @@ from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
 from tandem.policy.dllm_serve.admission import COUNTERS as DLLM_COUNTERS
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tandem.engine.tier_copies import HOST_TIER_COUNTERS
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
@@ -65,8 +66,9 @@ class CoordinatorShell:
 
     # ------------------------------------------------------------------ requests in
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
-                       session_id: str | None = None, prompt_text: str | None = None):
-        """Stream cumulative RequestOutputs for one round (EngineClient.generate)."""
+                       session_id: str | None = None, prompt_text: str | None = None, tool_s: float | None = None):
+        """Stream cumulative RequestOutputs for one round (EngineClient.generate); `tool_s`: the client's expected
+        tool time after this round (a tiered worker plans the session's KV with it)."""
         check_prompt(prompt, params, self.max_model_len, self.vocab_size, self.dllm_block, self.dllm_canvas)
         if request_id in self.reqs:
             raise RequestError(f"request id {request_id!r} is already running", 409)
@@ -85,6 +87,7 @@ class CoordinatorShell:
         self.reqs[request_id] = req
         self.session_req[sid] = req
         try:
+            req.tool_s = tool_s
             await self._start(req, max_out, now)
             while True:                                         # outputs queued meanwhile are coalesced: the latest
                 if not req.unread:
@@ -113,7 +116,7 @@ class CoordinatorShell:
         extend_hashes(hashes, req.prompt, self.block_size)
         if worker is not None:                                 # pin the resident KV and learn how much there is
             coord.touch(sid, now)
-            resident = await self._begin_round(req, worker, [])
+            resident, loading = await self._begin_round(req, worker, [])
             new = len(req.prompt) - len(hist_tokens)
         else:
             # a new session: the core's binder picks the worker (longest cached prefix of the prompt, else least
@@ -122,12 +125,13 @@ class CoordinatorShell:
             if worker is None:
                 raise RequestError("no live decode worker: the server cannot serve", 503, code="engine_unavailable")
             try:
-                resident = await self._begin_round(req, worker, [] if full else req.prompt)
+                resident, loading = await self._begin_round(req, worker, [] if full else req.prompt)
             except BaseException:                              # never bound: free what the worker pinned
                 self.send(worker, m.Release(sid))
                 raise
             new = len(req.prompt)
-        self._put_session(sid, SessionInfo(decode_worker=worker, resident_tokens=resident, updated_s=time.time()))
+        self._put_session(sid, SessionInfo(decode_worker=worker, resident_tokens=resident, updated_s=time.time(),
+                                           loading=loading))
         try:
             actions = coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, worker=worker,
                                      block_hashes=hashes, full_prefill=full)
@@ -135,9 +139,9 @@ class CoordinatorShell:
             raise RequestError(str(e), 503, code="engine_unavailable") from None
         self._apply(actions)
 
-    async def _begin_round(self, req: ShellRequest, worker: int, prompt: list[int]) -> int:
+    async def _begin_round(self, req: ShellRequest, worker: int, prompt: list[int]) -> tuple[int, bool]:
         """Ask `worker` to pin the session's resident KV (with `prompt`: first take its cached prefix); returns
-        how many tokens are resident."""
+        how many tokens are resident and whether they are still on their way back from its host tier."""
         fut = asyncio.get_running_loop().create_future()
         self._begun[req.request_id] = (fut, worker)
         self.send(worker, m.BeginRound(req.request_id, req.session_id, list(prompt)))
@@ -203,7 +207,7 @@ class CoordinatorShell:
         if not req.sent_to_decode:
             self.send(t.decode_worker, m.AddRequest(req.request_id, req.session_id, req.prompt, params,
                                                     remote=not local, keep_session=True,
-                                                    ttft_slo_s=slo[0], itl_slo_s=slo[1]))
+                                                    ttft_slo_s=slo[0], itl_slo_s=slo[1], tool_s=req.tool_s))
             req.sent_to_decode = True
         elif local:
             self.send(t.decode_worker, m.RunLocal(req.request_id))  # re-routed home after its prefill worker died
@@ -251,6 +255,9 @@ class CoordinatorShell:
             for k, n in msg.dllm_serve.items():
                 if k in DLLM_COUNTERS and isinstance(n, int) and 0 < n <= MAX_STEP_TOKENS:
                     self.stats.dllm_serve[k] = self.stats.dllm_serve.get(k, 0) + n
+            for k, n in msg.host_tier.items():
+                if k in HOST_TIER_COUNTERS and isinstance(n, int) and n > 0:
+                    self.stats.host_tier[k] = self.stats.host_tier.get(k, 0) + n
             self.stats.rejected_frames += min(max(msg.rejected_frames, 0), MAX_STEP_TOKENS)
             self.stats.rejected_handshakes += min(max(msg.rejected_handshakes, 0), MAX_STEP_TOKENS)
         elif isinstance(msg, m.KVReceived):
@@ -267,7 +274,7 @@ class CoordinatorShell:
         elif isinstance(msg, m.RoundBegun):
             fut, _ = self._begun.pop(msg.request_id, (None, -1))
             if fut is not None and not fut.done():
-                fut.set_result(msg.resident_tokens)
+                fut.set_result((msg.resident_tokens, msg.loading))
         elif isinstance(msg, m.WorkerFailure):
             req = self.reqs.get(msg.request_id)
             if req is None or req.done:

@@ -37,6 +37,7 @@ class AddRequest(msgspec.Struct, tag=True):
     keep_session: bool = True
     ttft_slo_s: float = float("inf")
     itl_slo_s: float = float("inf")
+    tool_s: float | None = None       # the client's expected tool time after this round (a host tier plans with it)
 
 
 class AddPrefill(msgspec.Struct, tag=True):
@@ -85,6 +86,8 @@ class Release(msgspec.Struct, tag=True):
     session_id: str
 
 
+
+
 class Abort(msgspec.Struct, tag=True):
     request_id: str
 
@@ -122,6 +125,7 @@ class RoundBegun(msgspec.Struct, tag=True):
     request_id: str
     session_id: str
     resident_tokens: int
+    loading: bool = False             # that KV is on its way back from the worker's host tier (the round stays home)
 
 
 class Delta(msgspec.Struct):
@@ -226,6 +230,7 @@ class StepCounts(msgspec.Struct, tag=True):
     dllm_chunks: dict[int, int] = {}      # diffusion: steps by the chunk size chosen, likewise
     dllm_serve: dict[str, int] = {}       # dLLM-Serve: the core's counters (policy.dllm_serve COUNTERS), likewise
     rejected_handshakes: int = 0      # connections its KV inbox refused (no or wrong CURVE keys), likewise
+    host_tier: dict[str, int] = {}    # host KV tier: its copy counters (engine.tier_copies HOST_TIER_COUNTERS), likewise
 
 
 UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure, StepCounts, Holding]
@@ -235,6 +240,7 @@ KV = [KVData]
 COMMAND: dict[type, int] = {BeginRound: c.BEGIN, AddRequest: c.SUBMIT, AddPrefill: c.SUBMIT, SendKV: c.SEND_KV,
                             HistoryReady: c.HISTORY_READY, KVArrived: c.KV_ARRIVED, Delivered: c.DELIVERED,
                             RunLocal: c.RUN_LOCAL, Release: c.RELEASE, Abort: c.CANCEL, Audit: c.AUDIT,
+
                             KVData: c.KV_IN}
 CONTROL = [t for t, kind in COMMAND.items() if kind != c.KV_IN]
 # the messages a worker carries out while its model runs a step (tandem.core.commands.EARLY says which and why)

@@ -31,6 +31,7 @@ class ShellRequest:
     transfers: dict = field(default_factory=dict)    # purpose -> Transfer in flight (the core times it)
     done: bool = False
     unread: int = 0                     # outputs (deltas) coalesced into `out` since the consumer last read
+    tool_s: float | None = None         # the client's expected tool time after this round (host tiers)
 
     def snapshot(self) -> RequestOutput:
         """A copy of the cumulative output the shell may go on updating (what one generate() step yields)."""

@@ -60,13 +60,19 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     num_waiting: int = 0           # prefill tasks queued plus remote KV waiting for memory
     num_swapped: int = 0           # sequences preempted by swap, their KV in host memory
     swap_usage: float = 0.0        # fraction of the swap space in use
+    host_tier_usage: float = 0.0   # host KV tier: fraction in use, bytes in use, capacity bytes (0: no tier)
+    host_tier_bytes: int = 0
+    host_tier_capacity_bytes: int = 0
     published_s: float = 0.0       # wall time of this publish: the heartbeat
     alive: bool = True             # False: the worker announced it is going away
 
     @classmethod
     def from_core(cls, core: WorkerCore, now: float, *, node: int = 0, control_addr: str = "",
-                  kv_addr: str = "", published_s: float | None = None, alive: bool = True) -> WorkerState:
-        """Snapshot `core` at core time `now` (its means) and wall time `published_s` (default: time.time())."""
+                  kv_addr: str = "", published_s: float | None = None, alive: bool = True,
+                  host_tier: dict | None = None) -> WorkerState:
+        """Snapshot `core` at core time `now` (its means) and wall time `published_s` (default: time.time());
+        `host_tier`: the engine's host tier gauges (engine.tier_copies.TierRunner.gauges)."""
+        tier = {f"host_tier_{k}": v for k, v in (host_tier or {}).items()}
         short_s, long_s = core.pending_prefill_by_class()
         laps = {"queued_short_s": short_s, "queued_long_s": long_s}
         lp = core.laps if core.laps is not None else core.local_laps
@@ -85,7 +91,7 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
             num_running=len(core.running) + len(core.active),
             num_waiting=len(core.queue) + len(core.pending_kv),
             num_swapped=len(core.swapped), swap_usage=core.swap_usage,
-            published_s=time.time() if published_s is None else published_s, alive=alive, **laps)
+            published_s=time.time() if published_s is None else published_s, alive=alive, **laps, **tier)
 
 
 class SessionInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +100,7 @@ class SessionInfo(msgspec.Struct, frozen=True, kw_only=True):
     decode_worker: int
     resident_tokens: int = 0
     updated_s: float = 0.0
+    loading: bool = False          # its history is on its way back from its worker's host tier
 
 
 class StateStore(Protocol):

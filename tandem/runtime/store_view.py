@@ -159,8 +159,13 @@ class StoreView:
         return self.state(worker).capacity_tokens
 
     def kv_loading(self, worker: int, session_id: str) -> bool:
-        """The live runtime's workers keep no host tier yet: no KV is ever coming back from one."""
-        return False
+        """Whether the session's history is on its way back from `worker`'s host tier (its RoundBegun said so)."""
+        try:
+            info = self.store.get_session(session_id)
+        except StateStoreError as e:
+            log.warning("routing view: %s", e)
+            return False
+        return info is not None and info.decode_worker == worker and info.loading
 
     def held(self, worker: int, session_id: str) -> tuple[int, int]:
         """Tokens of the session's context on `worker`'s GPU as last recorded, and none in a host tier (the live

@@ -141,7 +141,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
         last_pub = 0.0
         # the engine's cumulative step counts, by StepCounts field, as already reported
-        counted: dict[str, dict] = {name: {} for name in STEP_COUNTS}
+        counted: dict[str, dict] = {name: {} for name in (*STEP_COUNTS, "host_tier")}
+        tier = engine.tier                           # the host KV tier's copy runner (None: no tier)
         rejected = [0, 0]                            # dropped frames, refused handshakes already reported
 
         async def publish(changed: bool = True) -> bool:
@@ -154,8 +155,10 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 return False
             last_pub = now
             with shell.lock:
-                st = WorkerState.from_core(engine.core, engine.clock(), kv_addr=inbox.address, published_s=now)
+                st = WorkerState.from_core(engine.core, engine.clock(), kv_addr=inbox.address, published_s=now,
+                                           host_tier=tier.gauges() if tier is not None else None)
                 counts = {name: dict(getattr(engine.stats, name)) for name in STEP_COUNTS}
+                counts["host_tier"] = dict(tier.counters) if tier is not None else {}
             if store is not None:
                 store.publish(st)
             else:

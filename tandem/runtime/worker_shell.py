@@ -64,6 +64,13 @@ class WorkerShell:
         self._in_step = False                                # the model runs a step (between prepare and finish)
         self._stopping = False
         self._tp = engine.config.tensor_parallel_size > 1     # the engine's ranks run one collective at a time
+        if engine.tier is not None:                          # a host-tier copy's end wakes an idle step thread
+            engine.tier.on_end = self._copy_ended
+
+    def _copy_ended(self) -> None:
+        """A host-tier copy ended (on a copy thread): wake the step thread, which reports it to the core."""
+        with self.lock:
+            self._wake.notify()
 
     # ------------------------------------------------------------------ messages from the I/O thread
     def post(self, msg, frames: list | None = None) -> bool:
@@ -113,12 +120,13 @@ class WorkerShell:
         eng = self.engine
         try:
             if isinstance(msg, m.BeginRound):
-                self.send_up(m.RoundBegun(msg.request_id, msg.session_id,
-                                          eng.begin_round(msg.session_id, msg.prompt_token_ids)))
+                resident = eng.begin_round(msg.session_id, msg.prompt_token_ids)
+                self.send_up(m.RoundBegun(msg.request_id, msg.session_id, resident, eng.kv_loading(msg.session_id)))
             elif isinstance(msg, m.AddRequest):
                 eng.add_request(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params),
                                 session_id=msg.session_id, remote=msg.remote,
-                                slo=(msg.ttft_slo_s, msg.itl_slo_s), keep_session=msg.keep_session)
+                                slo=(msg.ttft_slo_s, msg.itl_slo_s), keep_session=msg.keep_session,
+                                tool_s=msg.tool_s)
             elif isinstance(msg, m.AddPrefill):
                 eng.add_prefill(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params), msg.session_id,
                                 msg.l_hist, msg.round_idx, ttft_slo_s=msg.ttft_slo_s, hist_compute=msg.hist_compute)
@@ -137,6 +145,7 @@ class WorkerShell:
                 eng.make_local(msg.request_id)
             elif isinstance(msg, m.Release):
                 eng.end_session(msg.session_id)
+
             elif isinstance(msg, m.Abort):
                 self._first.pop(msg.request_id, None)
                 self._forget_parts(msg.request_id)
@@ -250,7 +259,8 @@ class WorkerShell:
 
     # ------------------------------------------------------------------ stepping
     def has_work(self) -> bool:
-        return self.engine.core.has_work()
+        """Requests to run, or a host tier wanting a step (copies ended or planned, idle sessions to decide)."""
+        return self.engine.core.has_work() or self.engine.tier_due()
 
     def step(self) -> None:
         """Run one engine step and report its outputs and core events; the lock is free while the model runs."""

@@ -122,11 +122,13 @@ async def create_chat_completion(state: ServerState, request: Request, received:
         policy = resolve(req)
         sid = limits.session_of(request, req)
         limits.check_n(req.n, sid)
+        tool_s = limits.tool_time_of(req, sid)
         chars = limits.chat_size(state, req)
         text, ids = await state.prepare(chars, render_prompt, state, req)
         params = chat_params(state, req, len(ids), policy)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received)
+    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received,
+                                  tool_s)
     if req.stream:
         return SSEResponse(_stream(state, req, rid, len(ids), params, started, policy))
     outs = await choices.finish_all(state, request, started)

@@ -92,10 +92,12 @@ async def _first_output(request: Request, gen: AsyncIterator[RequestOutput]) -> 
 
 
 async def _start_one(state: ServerState, request: Request, ids: list[int], params: SamplingParams, rid: str,
-                     sid: str | None, text: str | None, index: int, received: float) -> Choice:
+                     sid: str | None, text: str | None, index: int, received: float,
+                     tool_s: float | None = None) -> Choice:
     """Start one choice on the backend (errors surface on its first output)."""
+    hint = {"tool_s": tool_s} if tool_s is not None else {}       # only backends with a host tier take it
     gen = state.client.generate(ids, child_params(params, index), rid if index == 0 else f"{rid}-{index}",
-                                session_id=sid, prompt=text)
+                                session_id=sid, prompt=text, **hint)
     timer = state.metrics.timer(received)
     first = await _first_output(request, gen)
     if _failed(first):
@@ -106,10 +108,11 @@ async def _start_one(state: ServerState, request: Request, ids: list[int], param
 
 
 async def start(state: ServerState, request: Request, ids: list[int], params: SamplingParams, rid: str,
-                sid: str | None, text: str | None, n: int, received: float) -> list[Choice]:
+                sid: str | None, text: str | None, n: int, received: float,
+                tool_s: float | None = None) -> list[Choice]:
     """Start `n` choices (see the module docstring); any failure closes the started ones and raises. A started
     request's n goes to vllm:request_params_n."""
-    choices = [await _start_one(state, request, ids, params, rid, sid, text, 0, received)]
+    choices = [await _start_one(state, request, ids, params, rid, sid, text, 0, received, tool_s)]
     state.metrics.params_n.labels(state.metrics.model_name).observe(n)
     if n == 1:
         return choices

@@ -109,11 +109,13 @@ async def create_completion(state: ServerState, request: Request, received: floa
         limits.check_completion(req)
         sid = limits.session_of(request, req)
         limits.check_n(req.n, sid)
+        tool_s = limits.tool_time_of(req, sid)
         chars = limits.completion_size(state, req)
         text, ids = await state.prepare(chars, prompt_of, state, req)
         params = completion_params(state, req, len(ids))
     rid = f"cmpl-{uuid.uuid4().hex}"
-    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received)
+    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received,
+                                  tool_s)
     tok = state.client.tokenizer
     try:
         echo = echo_of(tok, req, text, ids, started[0].first)

@@ -3,6 +3,7 @@ that cannot be served, the session id, the number of choices and the prompt's si
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -66,6 +67,21 @@ def check_completion(req: CompletionRequest) -> None:
         raise APIError("suffix is not supported", 400, "unsupported_parameter", "suffix")
     if req.best_of is not None and req.best_of != 1:
         raise APIError(f"best_of must be 1, got {shorten(req.best_of)}", 400, "unsupported_parameter", "best_of")
+
+
+def tool_time_of(req: SamplingFields, session_id: str | None) -> float | None:
+    """The body's `tool_s` (expected tool time after this round): a finite number of seconds >= 0, for a session
+    (400 otherwise); None when not given."""
+    t = req.tool_s
+    if t is None:
+        return None
+    if isinstance(t, bool) or not math.isfinite(t) or t < 0:
+        raise APIError(f"tool_s must be a finite number of seconds >= 0, got {shorten(t)}", 400, "invalid_value",
+                       "tool_s")
+    if session_id is None:
+        raise APIError("tool_s is the expected tool time between a session's rounds: it needs a session_id", 400,
+                       "invalid_value", "tool_s")
+    return float(t)
 
 
 def session_of(request: Request, req: SamplingFields) -> str | None:

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from prometheus_client import (
     GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Histogram, generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric, SummaryMetricFamily,
+)
 
 from tandem.engine.outputs import RequestOutput
 from tandem.runtime.client import BackendStats, EngineClient
@@ -124,11 +126,47 @@ class _BackendCollector:
                              "(the block length for plain block diffusion).", label, s.dllm_chunks, _DLLM_BUCKETS)
         if s.dllm_serve:
             yield from _dllm_serve_metrics(s.dllm_serve, self.model_name)
+        if s.host_tier_capacity_bytes or s.host_tier:
+            yield from _host_tier_metrics(s, self.model_name)
         if s.cache_config:
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                      labels=sorted(s.cache_config))
             info.add_metric([s.cache_config[k] for k in sorted(s.cache_config)], 1.0)
             yield info
+
+
+def _host_tier_metrics(s: BackendStats, model: str) -> Iterator[Metric]:
+    """The host KV tier (--kv-offloading-size): occupancy, prefix hits by the tier they came from (vLLM's KV-event
+    media), bytes copied each way, how late returning rounds found their KV, failed copies."""
+    c = s.host_tier
+    for name, doc, value in (("tandem:host_kv_cache_usage_perc", "Host KV tier usage (1 = full).", s.host_tier_usage),
+                             ("tandem:host_kv_cache_bytes", "Host KV tier bytes in use, summed over the workers.",
+                              s.host_tier_bytes),
+                             ("tandem:host_kv_cache_capacity_bytes", "Host KV tier capacity, summed over the workers.",
+                              s.host_tier_capacity_bytes)):
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([model], float(value))
+        yield g
+    hits = CounterMetricFamily("tandem:prefix_cache_hits_by_medium", "History and prefix tokens a round found "
+                               "cached, by where they were: GPU (resident) or CPU (brought back from the host tier).",
+                               labels=["model_name", "medium"])
+    hits.add_metric([model, "GPU"], float(c.get("gpu_hit_tokens", 0)))
+    hits.add_metric([model, "CPU"], float(c.get("cpu_hit_tokens", 0)))
+    yield hits
+    copied = CounterMetricFamily("tandem:host_kv_copied_bytes", "KV bytes copied between the GPU pool and the host "
+                                 "tier: offload (idle sessions out), write (prefix blocks out), prefetch (back ahead "
+                                 "of a round), load (back when a round asks).", labels=["model_name", "kind"])
+    for kind in ("offload", "write", "prefetch", "load"):
+        copied.add_metric([model, kind], float(c.get(f"{kind}_bytes", 0)))
+    yield copied
+    failed = CounterMetricFamily("tandem:host_kv_failed_copies", "Host-tier copies that failed (their rounds "
+                                 "recomputed).", labels=["model_name"])
+    failed.add_metric([model], float(c.get("failed_copies", 0)))
+    yield failed
+    late = SummaryMetricFamily("tandem:host_kv_prefetch_late_seconds", "Rounds that took their KV from the host "
+                               "tier: how long each waited for it (0: prefetched in time).", labels=["model_name"])
+    late.add_metric([model], float(c.get("late_rounds", 0)), c.get("late_us", 0) / 1e6)
+    yield late
 
 
 def _dllm_serve_metrics(c: dict[str, int], model: str) -> Iterator[Metric]:

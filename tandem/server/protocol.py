@@ -99,6 +99,8 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     session_id: str | None = None
+    tool_s: float | None = None                   # tandem's: expected seconds of the tool call after this round (the
+                                                  # session's host-tier KV is planned with it; default: learnt)
     response_format: dict[str, Any] | None = None   # text, json_object, json_schema (grammar-constrained, xgrammar)
     # block-diffusion models (LMDeploy's names): override the server's --dllm-* defaults for this request
     dllm_block_length: int | None = None

@@ -99,6 +99,7 @@ class _Shard:
         self.kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.kv_caches: list[torch.Tensor] = []
         self.swap_space = SwapSpace()
+        self.tier_pool = None                           # the host KV tier's pool of this rank's heads (tier_alloc)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             native.load()
 
@@ -125,6 +126,11 @@ class _Shard:
                                                        self.kv_heads, self.mc.head_dim, self.dtype, self.device)
                 elif op == "swap":
                     self.swap_space.apply(self.kv_caches, cmd[1], self.block_size)
+                elif op == "tier_alloc":                # the host KV tier: this rank's heads
+                    from tandem.engine.host_pool import HostKVPool
+                    self.tier_pool = HostKVPool(self.kv_caches, cmd[1], self.block_size)
+                elif op == "tier_copy":
+                    self.tier_pool.copy(self.kv_caches, *cmd[1:])
                 elif op == "kv_export":
                     kv_group.rank_export(self.rank, self.kv_caches, *cmd[1:], self.device)
                 elif op == "kv_import":
