@@ -314,6 +314,54 @@ def test_a_session_whose_context_is_gone_is_bound_again_by_load():
     assert stayed == 0 and rnd.prefill_worker == 1 and rnd.history_tokens == 2001
 
 
+def test_a_live_shell_asks_where_the_next_round_goes_before_pinning_it():
+    """The live shell's order: move_before_round first (the core's rule), then BeginRound on that worker, then
+    on_round(worker=...), which does not move the round again. Session a (worker 0) holds nothing there any more
+    while b loads worker 0 (80 of 160 tokens): a's next round moves to idle worker 1 and worker 0 releases it; with
+    its context held at home it stays; a policy without cache-aware binding never moves."""
+    from tandem.core.actions import Release, Submit
+    from tandem.core.coordinator import Coordinator
+    from tandem.core.types import RoundDone
+    from tandem.policy.binding import LeastKVBinder
+    from tandem.policy.routing import LocalRouter
+
+    class View:
+        held_a = (0, 0)
+
+        def home_workers(self):
+            return [0, 1]
+
+        def capacity(self, worker):
+            return 160
+
+        def begin_round(self, worker, sid, hashes=(), prompt_tokens=0, now=None):
+            return 0
+
+        def kv_loading(self, worker, sid):
+            return False
+
+        def held(self, worker, sid):
+            return self.held_a if (worker, sid) == (0, "a") else (0, 0)
+
+    def setup(binder, held):
+        view = View()
+        view.held_a = held
+        coord = Coordinator(view, LocalRouter(), binder, block_size=16)
+        coord.on_round("a", 32, 8, 0.0, worker=0)
+        coord.on_event(RoundDone("a", 0, 1.0, 8, 0.0, 7, 0.0, 0), 1.0)
+        coord.on_round("b", 64, 16, 1.5, worker=0)
+        return coord
+    coord = setup(CacheAwareBinder(), (0, 0))
+    assert coord.move_before_round("a", 40 + 8 + 8, ()) == (1, [Release(0, "a")])
+    (sub,) = coord.on_round("a", 8, 8, 2.0, worker=1)
+    assert isinstance(sub, Submit) and sub.worker == 1 and coord.rebinds == 1
+    assert coord.committed == {0: 80, 1: 56}
+    coord = setup(CacheAwareBinder(), (40, 0))                # 40 tokens held = 2 blocks: 2 - 4 x 0.5 = 0 >= 0
+    assert coord.move_before_round("a", 56, ()) == (0, [])
+    coord = setup(LeastKVBinder(), (0, 0))
+    assert coord.move_before_round("a", 56, ()) == (0, [])
+
+
 def test_untiered_policy_refuses_a_host_tier_and_tiered_needs_one():
     with pytest.raises(ValueError, match="keeps no KV in host memory"):
         build_worker(0, COLOCATED, 1, 64, get_policy("vllm"), SchedulerConfig(kv_offloading_size=1.0),

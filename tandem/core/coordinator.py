@@ -48,6 +48,7 @@ class _Live:
     idle_since: float | None = None  # between rounds since then (KV resident until session_ttl_s)
     kv_home: bool = False      # the round's remote prefill KV has reached its decode worker
     full_prefill: bool = False  # the current round computes its whole prompt at home (prompt logprobs)
+    may_move: bool = False     # the next round may be bound again (cache-aware binding; a live shell decides first)
 
 
 class Coordinator:
@@ -140,8 +141,23 @@ class Coordinator:
             st.session.rounds.append(rnd)
             st.record.num_rounds += 1
             st.hashes = hashes
+            st.may_move = st.may_move and worker is None
         st.full_prefill = full_prefill
         return self._start_round(st, now)
+
+    def move_before_round(self, session_id: str, tokens: int, block_hashes: Sequence[int] = ()) -> tuple[int, list]:
+        """For a shell that pins a round's worker before on_round (the live one): the worker session `session_id`'s
+        next round of `tokens` (its context, new input and output) runs on, bound again by the cache-aware rule when
+        the policy has it, and the old worker's Release if it moved; on_round(worker=...) then keeps that worker."""
+        st = self.live.get(session_id)
+        if st is None:
+            raise ValueError(f"session {session_id!r} is not bound")
+        if not st.may_move or st.task is not None:
+            return st.worker, []
+        st.hashes = tuple(block_hashes) or st.hashes
+        moved = self._rebind(st, tokens)
+        st.may_move = False
+        return st.worker, moved
 
     def pick_worker(self, block_hashes: Sequence[int] = ()) -> int | None:
         """The worker the binder would bind a new session with this prompt to (None: no live worker). A shell
@@ -314,7 +330,8 @@ class Coordinator:
         if self.max_context is not None and need > self.max_context:
             return self._fail(st, now, f"context exceeds the model's maximum: round {k} needs {need} "
                                        f"tokens, the model takes {self.max_context}")
-        moved = self._rebind(st, need) if k and isinstance(self.binder, CacheAwareBinder) else []
+        moved = self._rebind(st, need) if k and st.may_move else []
+        st.may_move = isinstance(self.binder, CacheAwareBinder)
         w = st.worker
         if need > self.capacity[w]:
             return moved + self._fail(st, now, f"KV exceeds the worker's capacity: round {k} needs {need} tokens, "

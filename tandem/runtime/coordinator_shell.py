@@ -116,7 +116,9 @@ class CoordinatorShell:
         extend_hashes(hashes, req.prompt, self.block_size)
         if worker is not None:                                 # pin the resident KV and learn how much there is
             coord.touch(sid, now)
-            resident, loading = await self._begin_round(req, worker, [])
+            worker, moved = coord.move_before_round(sid, len(req.prompt) + max_out, hashes)
+            self._apply(moved)                                 # bound again: the old worker releases it
+            resident, loading = await self._begin_round(req, worker, req.prompt if moved else [])
             new = len(req.prompt) - len(hist_tokens)
         else:
             # a new session: the core's binder picks the worker (longest cached prefix of the prompt, else least

@@ -168,8 +168,8 @@ class StoreView:
         return info is not None and info.decode_worker == worker and info.loading
 
     def held(self, worker: int, session_id: str) -> tuple[int, int]:
-        """Tokens of the session's context on `worker`'s GPU as last recorded, and none in a host tier (the live
-        runtime's workers keep none yet)."""
+        """Tokens of the session's context on `worker` as its last BeginRound reported them (a worker loads a context
+        back from its host tier at BeginRound, so they count as on the GPU), and none known in a host tier."""
         try:
             info = self.store.get_session(session_id)
         except StateStoreError as e:
