@@ -220,3 +220,38 @@ def test_the_in_process_server_offloads_between_requests(ckpt):
     text = asyncio.run(go())
     assert _metric(text, "tandem:host_kv_copied_bytes_total", 'kind="offload"') > 0
     assert _metric(text, "tandem:host_kv_cache_bytes") > 0 and _metric(text, "tandem:host_kv_failed_copies_total") == 0
+
+
+def test_live_kv_events_steer_a_new_session_to_the_worker_holding_its_prefix(ckpt):
+    """Two co-located workers, continuum-tool: session a's prompt (10 blocks) is served and its prefix blocks
+    registered; the worker publishes them as KV events (BlockStored, GPU) to the coordinator. Session b, whose prompt
+    starts with the same 9 blocks, is then bound to that worker (cache-aware binding: 9 held blocks against the
+    other worker's none) although least committed KV would pick the idle one, and reuses the 144 prefix tokens."""
+    async def go():
+        cl = await ServingCluster.start(ClusterConfig(ckpt, 0, 0, 2, "continuum-tool",
+                                                      engine_args={**ENGINE, "kv_offloading_size": 0.01}))
+        app = build_app(cl)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         timeout=60) as http:
+                async def complete(prompt, sid):
+                    r = await http.post("/v1/completions", json={"model": cl.model_name, "prompt": prompt,
+                                                                 "max_tokens": OUT, "ignore_eos": True,
+                                                                 "temperature": 0, "session_id": sid})
+                    assert r.status_code == 200, r.text
+                    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                await complete(A1 + [7] * 10, "a")             # 160 tokens: 10 full blocks
+                coord = cl.shell.coord
+                home = coord.session_worker("a")
+                held = 0
+                for _ in range(100):                           # the worker's KV events reach the coordinator
+                    held = coord.prefixes.match(home, coord.live["a"].hashes)[0]
+                    if held:
+                        break
+                    await asyncio.sleep(0.02)
+                cached = await complete(A1[:144] + [9] * 30, "b")
+                return home, held, coord.session_worker("b"), cached
+        finally:
+            await cl.shutdown()
+    home, held, b_home, cached = asyncio.run(go())
+    assert held == 10 and b_home == home and cached == 144

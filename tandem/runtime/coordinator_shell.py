@@ -295,7 +295,12 @@ class CoordinatorShell:
     def _event(self, worker: int, ev, now: float) -> None:
         """A worker core's event, back as the core event the coordinator consumes."""
         coord = self.coord
-        if isinstance(ev, (m.EvFetchHistory, m.EvPrefillDone)):
+        if isinstance(ev, m.EvKVBlocks):
+            core_ev = m.kv_event(worker, ev)
+            if core_ev is None:
+                log.warning("worker %d sent a KV event in an unknown medium %r: ignored", worker, ev.medium)
+                return
+        elif isinstance(ev, (m.EvFetchHistory, m.EvPrefillDone)):
             req = self.reqs.get(ev.request_id)
             if req is None or req.task is None:
                 return

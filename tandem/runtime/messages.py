@@ -11,6 +11,7 @@ from typing import Literal, Union
 import msgspec
 
 from tandem.core import commands as c
+from tandem.core.host_tier import AllBlocksCleared, BlockRemoved, BlockStored, Medium
 
 Purpose = Literal["history", "incremental"]     # tandem.core.actions.TransferPurpose on the wire
 
@@ -188,7 +189,28 @@ class EvSessionFailed(msgspec.Struct, tag=True):
     reason: str
 
 
-CoreEvent = Union[EvFetchHistory, EvPrefillDone, EvFirstToken, EvRoundDone, EvSessionFailed]
+class EvKVBlocks(msgspec.Struct, tag=True):
+    """KV event (vLLM's BlockStored / BlockRemoved, or AllBlocksCleared when `cleared`): blocks of these chained
+    hashes now held (`stored`) or no longer held in `medium` (GPU or CPU) of the sending worker."""
+
+    stored: bool
+    medium: str
+    hashes: list[int] = []
+    cleared: bool = False
+
+
+def kv_event(worker: int, ev: EvKVBlocks) -> BlockStored | BlockRemoved | AllBlocksCleared | None:
+    """The core's KV event of `worker` for a received EvKVBlocks (None: a medium this coordinator does not know)."""
+    if ev.cleared:
+        return AllBlocksCleared(worker)
+    try:
+        medium = Medium(ev.medium)
+    except ValueError:
+        return None
+    return (BlockStored if ev.stored else BlockRemoved)(worker, tuple(ev.hashes), medium)
+
+
+CoreEvent = Union[EvFetchHistory, EvPrefillDone, EvFirstToken, EvRoundDone, EvSessionFailed, EvKVBlocks]
 
 
 class Events(msgspec.Struct, tag=True):

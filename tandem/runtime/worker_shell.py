@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from tandem.core.host_tier import AllBlocksCleared, BlockRemoved, BlockStored, Medium
 from tandem.core.types import DECODE, FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
 from tandem.engine.config import EngineError
 from tandem.engine.kv_transfer import KV_PART_BYTES, KVAssembly, KVPayload, KVTransferError, \
@@ -373,5 +374,9 @@ class WorkerShell:
                                          ev.preemptions))
             elif isinstance(ev, SessionFailed):
                 out.append(m.EvSessionFailed(ev.session_id, ev.reason))
+            elif isinstance(ev, AllBlocksCleared):
+                out.append(m.EvKVBlocks(False, Medium.GPU.value, cleared=True))
+            elif isinstance(ev, (BlockStored, BlockRemoved)):
+                out.append(m.EvKVBlocks(isinstance(ev, BlockStored), ev.medium.value, list(ev.hashes)))
         if out:
             self.send_up(m.Events(out))
