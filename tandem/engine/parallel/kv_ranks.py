@@ -1,0 +1,258 @@
+"""KV between workers rank to rank: every rank of a worker (the driver included, and the one rank of a tp=1 worker)
+has a KV endpoint of its own, given to the engine by the runtime (`EndpointFactory`: the runtime's authenticated
+transport, tandem.runtime.rank_kv); engine code never opens a socket.
+
+A transfer from a group at tp=a to a group at tp=b: the sending driver tells its ranks (one group command) which
+positions and which destination endpoints; each sending rank exports its own heads and sends each receiving rank
+exactly the heads `head_map.regroup_plan` gives it from this rank (a replicated head from one holder only; a < b: one
+sender, several receivers; a > b: one receiver, several senders). Only a small control message (the transfer id, its
+length, the first token) then goes driver to driver. The receiving driver claims the transfer with one group command:
+each rank waits (bounded) until it holds every cell of its heads; all ranks complete or the transfer fails on every
+rank (all-or-nothing: the caller reports a failed transfer, as on the driver path). The staged heads are written
+into the session's blocks later, on each rank, when the engine places the KV (`place`).
+
+Byte counts: each rank counts what its endpoint sent and received; the driver gathers them at every command."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from tandem.engine.kv_transfer import KVTransferError, export_kv, import_kv
+from tandem.engine.parallel.head_map import KVMove, kv_head_spans, regroup_plan
+from tandem.engine.parallel.kv_stage import HeadPart, KVStaging, StagedKV
+
+log = logging.getLogger(__name__)
+CLAIM_WAIT_S = 10.0         # a receiving rank waits this long for its heads once the sender's manifest is in
+
+
+class KVEndpoint(Protocol):
+    """A rank's KV endpoint (the runtime's): it feeds received parts to the rank's staging from its own thread."""
+
+    address: str
+
+    def send(self, address: str, part: HeadPart, data: memoryview) -> None:
+        """Send one part to the endpoint at `address`; raises (one line) when it cannot go out."""
+
+    def close(self) -> None: ...
+
+
+EndpointFactory = Callable[[KVStaging], KVEndpoint]
+
+
+class GroupLike(Protocol):
+    """What this module needs of the driver's group (parallel/driver.py's RankGroup)."""
+
+    size: int
+
+    def send(self, *command: Any) -> None: ...
+
+    def run(self, fn: Callable[[], Any]) -> Any: ...
+
+
+def moves_from(total: int, src_tp: int, dst_tp: int, rank: int) -> list[KVMove]:
+    """The moves rank `rank` of a src_tp group makes towards a dst_tp group."""
+    return [mv for mv in regroup_plan(total, src_tp, dst_tp) if mv.src == rank]
+
+
+@dataclass
+class RankKV:
+    """One rank's KV plane: its endpoint, its staging, and what it sent."""
+
+    rank: int
+    size: int
+    total_heads: int
+    staging: KVStaging
+    endpoint: KVEndpoint | None = None
+    sent_bytes: int = 0
+
+    @classmethod
+    def open(cls, factory: EndpointFactory, rank: int, size: int, total_heads: int, layers: int, head_dim: int,
+             dtype: torch.dtype, max_tokens: int) -> RankKV:
+        first, count = kv_head_spans(total_heads, size)[rank]
+        plane = cls(rank, size, total_heads, KVStaging(layers, first, count, head_dim, dtype, max_tokens))
+        plane.endpoint = factory(plane.staging)
+        return plane
+
+    def counts(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) by this rank's endpoint so far."""
+        return self.sent_bytes, self.staging.received_bytes
+
+    def send(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int, end: int,
+             transfer: str, dst: list[str], part_tokens: int) -> None:
+        """This rank's heads of positions [start, end) to the receiving ranks that take them from here."""
+        assert self.endpoint is not None
+        local = export_kv(kv_caches, block_table, block_size, start, end)
+        n, first = local.num_tokens, self.staging.first
+        for mv in moves_from(self.total_heads, self.size, len(dst), self.rank):
+            h0 = mv.first - first
+            for off in range(0, n, part_tokens):
+                chunk = local.data[:, :, off:off + part_tokens, h0:h0 + mv.count].contiguous()
+                part = HeadPart(transfer, self.rank, mv.first, mv.count, off, int(chunk.shape[2]), n, local.dtype)
+                self.endpoint.send(dst[mv.dst], part, memoryview(chunk.view(torch.uint8).numpy()).cast("B"))
+                self.sent_bytes += chunk.numel() * chunk.element_size()
+
+    def place(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int,
+              transfer: str) -> None:
+        """Write this rank's staged heads of a claimed transfer into positions [start, start + tokens)."""
+        import_kv(kv_caches, block_table, block_size, start, self.staging.take(transfer))
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
+
+def _gather(size: int, mine: Any) -> list[Any]:
+    """Every rank's `mine`, in rank order (an all-gather within the group of `size` ranks; just `mine` alone)."""
+    if size == 1:
+        return [mine]
+    import torch.distributed as dist
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _attempt(fn: Callable[[], Any]) -> str | None:
+    """Run fn; the error as one line, or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported to the driver, which fails the transfer
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return None
+
+
+# ------------------------------------------------------------------ each rank's side of the group commands
+
+def rank_open(factory: EndpointFactory, rank: int, size: int, total_heads: int, layers: int, head_dim: int,
+              dtype: torch.dtype, max_tokens: int) -> RankKV | None:
+    """Open this rank's plane and tell the driver its address (or why not): the "kv_plane" command."""
+    plane: list[RankKV] = []
+    err = _attempt(lambda: plane.append(RankKV.open(factory, rank, size, total_heads, layers, head_dim, dtype,
+                                                     max_tokens)))
+    _gather(size, plane[0].endpoint.address if plane and plane[0].endpoint else f"!{err}")
+    return plane[0] if plane else None
+
+
+def rank_send(plane: RankKV | None, size: int, kv_caches: list[torch.Tensor], drops: list[str],
+              *args: Any) -> None:
+    """A rank's side of `DriverPlane.send`: its parts out, then everyone's outcome and byte counts to everyone."""
+    err = "no KV endpoint on this rank" if plane is None else _attempt(lambda: plane.send(kv_caches, *args))
+    if plane is not None:
+        plane.staging.drop(drops)
+    _gather(size, (err, plane.counts() if plane else (0, 0)))
+
+
+def rank_claim(plane: RankKV | None, size: int, drops: list[str], transfer: str, tokens: int,
+               wait_s: float) -> None:
+    """A rank's side of `DriverPlane.claim`: wait for its heads, then all ranks learn whether every one has them;
+    when one has not, every rank forgets the transfer."""
+    got = -1 if plane is None else plane.staging.claim(transfer, tokens, wait_s)
+    if plane is not None:
+        plane.staging.drop(drops)
+    every = _gather(size, (got, plane.counts() if plane else (0, 0)))
+    if plane is not None and any(g < 0 for g, _ in every):
+        plane.staging.drop([transfer])
+
+
+def rank_place(plane: RankKV | None, kv_caches: list[torch.Tensor], drops: list[str], *args: Any) -> None:
+    """A rank's side of `DriverPlane.place`."""
+    if plane is None:
+        raise KVTransferError("no KV endpoint on this rank")
+    plane.staging.drop(drops)
+    plane.place(kv_caches, *args)
+
+
+# ------------------------------------------------------------------ the driver
+
+@dataclass
+class DriverPlane:
+    """The driver's view of its worker's rank-to-rank KV plane: every rank's endpoint address, the driver's own
+    plane, the transfers to forget on the other ranks at the next command, every rank's byte counts."""
+
+    group: GroupLike | None
+    own: RankKV
+    addresses: list[str]
+    counts: list[tuple[int, int]] = field(default_factory=list)     # (sent, received) per rank, as last gathered
+    drops: list[str] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, group: GroupLike | None, factory: EndpointFactory, total_heads: int, layers: int, head_dim: int,
+             dtype: torch.dtype, max_tokens: int) -> DriverPlane:
+        """Every rank's endpoint; KVTransferError (the planes opened so far stay, unused) when one cannot open."""
+        size = 1 if group is None else group.size
+        if group is not None:
+            group.send("kv_plane", factory, max_tokens)
+        box: list[RankKV] = []
+        err = _attempt(lambda: box.append(RankKV.open(factory, 0, size, total_heads, layers, head_dim, dtype,
+                                                       max_tokens)))
+        addrs = box[0].endpoint.address if box and box[0].endpoint else f"!{err}"
+        every = group.run(lambda: _gather(size, addrs)) if group is not None else [addrs]
+        bad = [(r, a) for r, a in enumerate(every) if a.startswith("!")]
+        if bad:
+            if box:
+                box[0].close()
+            raise KVTransferError(f"rank {bad[0][0]} could not open its KV endpoint: {bad[0][1][1:]}")
+        return cls(group, box[0], list(every), [(0, 0)] * size)
+
+    @property
+    def size(self) -> int:
+        return len(self.addresses)
+
+    def _take_drops(self) -> list[str]:
+        drops, self.drops = self.drops, []
+        return drops
+
+    def send(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int, end: int,
+             transfer: str, dst: list[str], part_tokens: int) -> None:
+        """Positions [start, end) of a sequence from every rank to the receiving group's ranks (endpoints `dst`, in
+        rank order); KVTransferError naming the first rank whose parts could not go out."""
+        if not dst or part_tokens < 1:
+            raise KVTransferError("a rank-to-rank transfer needs the receiving ranks' endpoints")
+        args = (list(block_table), block_size, start, end, transfer, list(dst), part_tokens)
+        if self.group is not None:
+            self.group.send("kv_send", self._take_drops(), *args)
+        err = _attempt(lambda: self.own.send(kv_caches, *args))
+        every = self._collect((err, self.own.counts()))
+        bad = [(r, e) for r, (e, _) in enumerate(every) if e]
+        if bad:
+            raise KVTransferError(f"rank {bad[0][0]} could not send its KV heads: {bad[0][1]}")
+
+    def claim(self, transfer: str, tokens: int, wait_s: float = CLAIM_WAIT_S) -> StagedKV:
+        """Every rank holds its heads of the transfer (then kept until placed), or KVTransferError and no rank
+        keeps any of it."""
+        if self.group is not None:
+            self.group.send("kv_claim", self._take_drops(), transfer, tokens, wait_s)
+        got = self.own.staging.claim(transfer, tokens, wait_s)
+        every = self._collect((got, self.own.counts()))
+        missing = [r for r, (g, _) in enumerate(every) if g < 0]
+        if missing:
+            self.own.staging.drop([transfer])
+            raise KVTransferError(f"rank {missing[0]} did not receive its KV heads of a {tokens}-token transfer "
+                                  f"within {wait_s:g} s ({len(missing)} of {self.size} ranks incomplete)")
+        return StagedKV(transfer, tokens, sum(g for g, _ in every))
+
+    def place(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int,
+              staged: StagedKV) -> None:
+        """Write a claimed transfer into positions [start, start + tokens) of a sequence, each rank its heads."""
+        self.own.place(kv_caches, list(block_table), block_size, start, staged.transfer)
+        if self.group is not None:
+            self.group.send("kv_place", self._take_drops(), list(block_table), block_size, start, staged.transfer)
+
+    def forget(self, staged: StagedKV) -> None:
+        """A claimed transfer that will not be placed (its request ended): forgotten here now, on the other ranks
+        with the next command."""
+        self.own.staging.drop([staged.transfer])
+        if self.group is not None:
+            self.drops.append(staged.transfer)
+
+    def _collect(self, mine: tuple) -> list[tuple]:
+        every = self.group.run(lambda: _gather(self.size, mine)) if self.group is not None else [mine]
+        self.counts = [c for _, c in every]
+        return every
+
+    def close(self) -> None:
+        self.own.close()
+

@@ -1,0 +1,112 @@
+"""A tensor-parallel rank's KV endpoint: the KV plane's inbox and outbox (transport/peers.py: ZeroMQ PULL/PUSH, CURVE
+with the cluster's KV keys, frame caps, handshake watch) on an event loop of their own, so a rank's command loop,
+which blocks on its group's collectives, can send and its staging can fill meanwhile. The engine's parallel/kv_ranks.py
+says what travels; this module only carries it. `endpoint_factory` is what a worker gives its engine (picklable, so
+the engine's rank processes open their own)."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+
+import msgspec
+import zmq.asyncio
+
+from tandem.engine.kv_transfer import KVTransferError
+from tandem.engine.parallel.kv_stage import HeadPart, KVStaging
+from tandem.runtime.transport import LOCAL_HOSTS, Codec, PeerInbox, PeerOutbox, WorkerAuth
+
+log = logging.getLogger("tandem.rank_kv")
+SEND_TIMEOUT_S = 5.0         # a part that cannot go out for this long fails its transfer (the receiver is gone)
+
+
+class RankKVPart(msgspec.Struct, tag=True):
+    """One rank-to-rank KV message's header (engine.parallel.kv_stage.HeadPart); the bytes follow as one frame."""
+
+    transfer: str
+    src_rank: int
+    first_head: int
+    heads: int
+    offset: int
+    num_tokens: int
+    total_tokens: int
+    dtype: str
+
+
+CODEC = Codec([RankKVPart], frames={RankKVPart: 1})
+
+
+class RankEndpoint:
+    """One rank's KV inbox (parts land in its staging) and outbox, on a daemon thread's event loop."""
+
+    def __init__(self, staging: KVStaging, auth: WorkerAuth | None, bind_host: str, max_msg_bytes: int,
+                 send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+        self.staging, self.send_timeout_s = staging, send_timeout_s
+        self.refused = 0                                   # parts the staging refused (not this rank's, malformed)
+        self._ctx = zmq.asyncio.Context()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-rank-kv", daemon=True)
+        self._thread.start()
+
+        async def start() -> None:
+            self.inbox = PeerInbox(CODEC, address=f"tcp://{bind_host}:0", allow_remote=bind_host not in LOCAL_HOSTS,
+                                   ctx=self._ctx, auth=auth, accept=(RankKVPart,), max_msg_bytes=max_msg_bytes)
+            self.outbox = PeerOutbox(CODEC, ctx=self._ctx, auth=auth, max_msg_bytes=max_msg_bytes,
+                                     send_timeout_s=send_timeout_s)
+            self._reader = asyncio.create_task(self._read())
+        try:
+            asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
+        self.address: str = self.inbox.address
+
+    async def _read(self) -> None:
+        while True:
+            msg, frames = await self.inbox.recv()
+            part = HeadPart(msg.transfer, msg.src_rank, msg.first_head, msg.heads, msg.offset, msg.num_tokens,
+                            msg.total_tokens, msg.dtype)
+            try:
+                self.staging.add(part, frames[0])
+            except KVTransferError as e:
+                self.refused += 1
+                log.warning("rank KV endpoint %s: dropped a part of %s: %s", self.address, msg.transfer, e)
+
+    def send(self, address: str, part: HeadPart, data: memoryview) -> None:
+        """Send one part and wait until it is out of the buffer (PeerUnreachable, MessageTooLarge: one line)."""
+        head = RankKVPart(part.transfer, part.src_rank, part.first_head, part.heads, part.offset, part.num_tokens,
+                          part.total_tokens, part.dtype)
+        fut = asyncio.run_coroutine_threadsafe(self.outbox.send(address, head, data, wait_release=True), self._loop)
+        fut.result(self.send_timeout_s + 10.0)
+
+    @property
+    def rejected_handshakes(self) -> int:
+        """Connections this endpoint refused at the CURVE handshake."""
+        return self.inbox.rejected_handshakes
+
+    def close(self) -> None:
+        """Close the sockets and stop the loop (idempotent)."""
+        if not self._thread.is_alive():
+            return
+
+        async def stop() -> None:
+            self._reader.cancel()
+            self.outbox.close(linger_s=0.5)
+            self.inbox.close()
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
+        except Exception as e:  # noqa: BLE001 - closing must not fail the caller
+            log.debug("rank KV endpoint %s: close: %s", self.address, e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def open_endpoint(auth: WorkerAuth | None, bind_host: str, max_msg_bytes: int, staging: KVStaging) -> RankEndpoint:
+    """A rank's endpoint (the engine's EndpointFactory, with the first three arguments bound)."""
+    return RankEndpoint(staging, auth, bind_host, max_msg_bytes)
+
+
+def endpoint_factory(auth: WorkerAuth | None, bind_host: str, max_msg_bytes: int) -> functools.partial:
+    """The factory a worker gives its engine: every rank's endpoint with the cluster's KV keys, on `bind_host`."""
+    return functools.partial(open_endpoint, auth, bind_host, max_msg_bytes)
