@@ -186,7 +186,8 @@ class ServingCluster:
                                       block_size=int(first["block_size"]), slo=self._slo(),
                                       vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs,
                                       dllm_block=first.get("dllm_block"), dllm_canvas=first.get("dllm_canvas") is True,
-                                      audit_s=cfg.audit_interval_s)
+                                      audit_s=cfg.audit_interval_s,
+                                      rank_addr={wid: rank_kv_addresses(info) for wid, info in infos.items()})
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump(), name="coordinator-pump"),
                        asyncio.create_task(self._tick(), name="coordinator-tick")]
@@ -362,7 +363,7 @@ class ServingCluster:
         self._lost.discard(wid)
         self._memory[wid] = memory_info(wp.info)
         self.shell.coord.view.revive(wid)
-        self.shell.on_worker_joined(wid, wp.info["kv_address"])
+        self.shell.on_worker_joined(wid, wp.info["kv_address"], rank_kv_addresses(wp.info))
         routable = time.monotonic()
         self._up_since[wid] = routable
         started = self.procs.started.get(wid, {})
@@ -395,6 +396,7 @@ class ServingCluster:
         out.iteration_tokens = dict(s.iteration_tokens)
         out.dllm_commits, out.dllm_chunks = dict(s.dllm_commits), dict(s.dllm_chunks)
         out.dllm_serve = dict(s.dllm_serve)
+        out.kv_bytes = dict(s.kv_bytes)
         out.cache_config = self._cache_config
         if self.hub is not None:                         # the workers' counts arrive in their StepCounts
             out.rejected_frames += self.hub.rejected_frames
@@ -465,6 +467,14 @@ def restart_phases(dead_at: float, marks: dict[str, float]) -> dict[str, float]:
         out[name] = max(0.0, t - last)
         last = max(last, t)
     return out
+
+
+def rank_kv_addresses(info: dict) -> list[str]:
+    """A worker's ranks' KV endpoints from its Ready (rank order; empty when it has none: KV then goes driver to
+    driver)."""
+    addrs = info.get("rank_kv_addresses") or []
+    ok = isinstance(addrs, list) and all(isinstance(a, str) and a.startswith("tcp://") for a in addrs)
+    return list(addrs) if ok else []
 
 
 def memory_info(info: dict) -> dict[str, int]:

@@ -33,6 +33,18 @@ def _kv_bytes_per_token(engine) -> int:
                * mc.head_dim)
 
 
+def open_rank_endpoints(engine, env: WorkerEnv, kv_cap: int) -> list[str]:
+    """Every rank's KV endpoint (the cluster's KV keys, the inbox's host and frame cap), in rank order; none when one
+    cannot open (then this worker's KV goes driver to driver, as it does between two tp=1 workers)."""
+    from tandem.engine.kv_transfer import KVTransferError
+    from tandem.runtime.rank_kv import endpoint_factory
+    try:
+        return engine.runner.open_kv_plane(endpoint_factory(env.auth, env.bind_host, kv_cap))
+    except (KVTransferError, TransportError) as e:
+        log.warning("worker %d: no rank-to-rank KV (%s); its KV goes through its driver", env.worker_id, e)
+        return []
+
+
 STEP_COUNTS = ("iteration_tokens", "dllm_commits", "dllm_chunks", "dllm_serve")   # StepStats counts sent as deltas
 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
@@ -79,6 +91,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     part_tokens = kv_part_tokens(bs, kv_bytes_per_token(*geometry), engine.max_model_len, kv_part_bytes)
     kv_cap = kv_message_max_bytes(bs, *geometry, engine.max_model_len, kv_part_bytes)
     inbox = env.inbox(CODEC, accept=tuple(m.KV), max_msg_bytes=kv_cap)     # CURVE, the cluster's KV keys
+    rank_addrs = open_rank_endpoints(engine, env, kv_cap)
     outbox = env.outbox(CODEC, max_msg_bytes=kv_cap)
     up: collections.deque = collections.deque()        # to the coordinator, appended by both threads
     peer: collections.deque = collections.deque()      # to other workers' KV inboxes
@@ -124,6 +137,9 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 if isinstance(msg, m.KVData):
                     shell.post(msg, bufs)                      # writable views of the frames: no copy
                     kick.set()
+                elif isinstance(msg, m.KVRanked):              # the bytes came to the rank endpoints
+                    shell.post(msg, [])
+                    kick.set()
 
         async def flush() -> None:
             while peer:
@@ -143,6 +159,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         # the engine's cumulative step counts, by StepCounts field, as already reported
         counted: dict[str, dict] = {name: {} for name in STEP_COUNTS}
         rejected = [0, 0]                            # dropped frames, refused handshakes already reported
+        kv_counted: dict[str, int] = {}              # KV bytes by path (engine.runner.kv_bytes keys), reported
 
         async def publish(changed: bool = True) -> bool:
             """The worker's state, read under the shell's lock (between steps or while the model runs): after a
@@ -156,6 +173,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
             with shell.lock:
                 st = WorkerState.from_core(engine.core, engine.clock(), kv_addr=inbox.address, published_s=now)
                 counts = {name: dict(getattr(engine.stats, name)) for name in STEP_COUNTS}
+                kv = engine.runner.kv_bytes()
+                kv["driver"] += shell.driver_kv_bytes
             if store is not None:
                 store.publish(st)
             else:
@@ -164,11 +183,13 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                    for name, c in counts.items()}
             frames = inbox.rejected_frames + link.rejected_frames
             handshakes = inbox.rejected_handshakes
-            if any(new.values()) or frames != rejected[0] or handshakes != rejected[1]:
+            kv_new = {k: n - kv_counted.get(k, 0) for k, n in kv.items() if k not in kv_counted or n != kv_counted[k]}
+            if any(new.values()) or kv_new or frames != rejected[0] or handshakes != rejected[1]:
                 for name, c in counts.items():
                     counted[name].update(c)
+                kv_counted.update(kv)
                 await link.send(m.StepCounts(rejected_frames=frames - rejected[0],
-                                             rejected_handshakes=handshakes - rejected[1], **new))
+                                             rejected_handshakes=handshakes - rejected[1], kv_bytes=kv_new, **new))
                 rejected[:] = [frames, handshakes]
             return True
 
@@ -194,7 +215,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                           "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": engine.cache_config(),
                           "kv_max_msg_bytes": kv_cap, "kv_part_tokens": part_tokens,
                           "tensor_parallel_size": engine.config.tensor_parallel_size,
-                          "rank_pids": engine.runner.rank_pids,
+                          "rank_pids": engine.runner.rank_pids, "rank_kv_addresses": rank_addrs,
                           "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
         stepper.start()

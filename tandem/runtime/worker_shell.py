@@ -9,6 +9,7 @@ import collections
 import logging
 import threading
 import time
+import uuid
 from typing import Callable, Sequence
 
 from tandem.core.types import DECODE, FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
@@ -23,7 +24,7 @@ from tandem.runtime import messages as m
 log = logging.getLogger("tandem.worker")
 # the early messages whose engine call runs a collective of a tensor-parallel group (a session's KV gathered from or
 # scattered to the ranks): under TP they wait for the running step's end, as the step's own collectives run meanwhile
-RANK_COLLECTIVES = (m.SendKV, m.HistoryReady, m.KVArrived)
+RANK_COLLECTIVES = (m.SendKV, m.HistoryReady, m.KVArrived, m.KVRanked)
 
 
 class WorkerShell:
@@ -64,6 +65,8 @@ class WorkerShell:
         self._in_step = False                                # the model runs a step (between prepare and finish)
         self._stopping = False
         self._tp = engine.config.tensor_parallel_size > 1     # the engine's ranks run one collective at a time
+        self._unreachable: set[tuple[str, ...]] = set()      # rank endpoints a rank-to-rank send failed to reach
+        self.driver_kv_bytes = 0                             # KV payload bytes sent or received driver to driver
 
     # ------------------------------------------------------------------ messages from the I/O thread
     def post(self, msg, frames: list | None = None) -> bool:
@@ -153,6 +156,46 @@ class WorkerShell:
         self._flush_events()
 
     def _send_kv(self, msg: m.SendKV) -> None:
+        """Rank to rank when both workers' ranks have KV endpoints (not tp=1 to tp=1, and not to ranks this worker
+        could not reach before); else, or when the ranks' parts cannot go out, driver to driver."""
+        dst = tuple(msg.dst_rank_addrs)
+        plane = self.engine.runner.kv_plane
+        if not dst or plane is None or (plane.size == 1 and len(dst) == 1) or dst in self._unreachable:
+            self._send_driver(msg)
+            return
+        fault = self._fault(msg)
+        if fault == "drop":
+            return
+        try:
+            self._send_ranked(msg, fault)
+            return
+        except KVTransferError as e:
+            self._unreachable.add(dst)
+            log.warning("worker %d: the %s KV of %s could not go rank to rank (%s); it goes through the drivers, as "
+                        "will later transfers to worker %d", self.id, msg.purpose, msg.request_id, e, msg.dst_worker)
+        self._send_driver(msg, fault)
+
+    def _fault(self, msg: m.SendKV) -> str | float | None:
+        fault = self.kv_send_faults.pop(0) if self.kv_send_faults else None
+        if fault == "drop":                                    # fault injection: the transfer is lost
+            log.warning("worker %d: dropped the %s KV of %s (fault injection)", self.id, msg.purpose, msg.request_id)
+        elif fault:                                            # fault injection: the transfer is slow
+            log.warning("worker %d: delaying the %s KV of %s by %g s (fault injection)", self.id, msg.purpose,
+                        msg.request_id, fault)
+        return fault
+
+    def _send_ranked(self, msg: m.SendKV, fault: str | float | None) -> None:
+        """Every rank sends the receiving ranks their heads; then the control message alone, driver to driver."""
+        transfer = f"{msg.request_id}/{msg.purpose}/{uuid.uuid4().hex[:12]}"
+        sent_s = self.wall()
+        n, tok, lps, _ = self.engine.send_kv_ranks(msg.purpose, msg.session_id, msg.request_id, msg.tokens, transfer,
+                                                   list(msg.dst_rank_addrs), self._part_tokens())
+        head = m.KVRanked(msg.request_id, msg.purpose, self.id, transfer, n, sent_s, tok, lps)
+        self.send_peer(msg.dst_addr, head, delay_s=float(fault or 0.0))
+
+    def _send_driver(self, msg: m.SendKV, fault: str | float | None | bool = False) -> None:
+        """The whole payload from this driver to the receiving driver (KVData, in parts); `fault` already drawn, or
+        False to draw it here."""
         eng = self.engine
         tok, lps = -1, None
         if msg.purpose == "history":
@@ -162,16 +205,13 @@ class WorkerShell:
         parts = split_kv(payload, self._part_tokens())
         total = payload.num_tokens if len(parts) > 1 else 0
         sent_s = self.wall()
-        fault = self.kv_send_faults.pop(0) if self.kv_send_faults else None
-        if fault == "drop":                                    # fault injection: the transfer is lost
-            log.warning("worker %d: dropped the %s KV of %s (fault injection)", self.id, msg.purpose, msg.request_id)
+        fault = self._fault(msg) if fault is False else fault
+        if fault == "drop":
             return
-        if fault:                                              # fault injection: the transfer is slow
-            log.warning("worker %d: delaying the %s KV of %s by %g s (fault injection)", self.id, msg.purpose,
-                        msg.request_id, fault)
         for offset, part in parts:
             head = m.KVData(msg.request_id, msg.purpose, self.id, part.num_tokens, part.dtype, list(part.shape),
                             sent_s, tok, lps, offset=offset, total_tokens=total)
+            self.driver_kv_bytes += part.nbytes
             if fault:
                 self.send_peer(msg.dst_addr, head, part.buffer(), delay_s=float(fault))
             else:
@@ -191,15 +231,37 @@ class WorkerShell:
         with self.lock:
             self._kv(head, frames)
 
-    def _kv(self, head: m.KVData, frames: list) -> None:
+    def _kv(self, head: m.KVData | m.KVRanked, frames: list) -> None:
         req = self.engine.requests.get(head.request_id)
-        key = (head.request_id, head.purpose)
         if req is None or (self.engine.role == DECODE and req.task.local):
             # Late: the request was aborted or finished here, or its transfer timed out and the round is being
-            # recomputed locally (RunLocal). Not a failure of the request: drop the bytes.
+            # recomputed locally (RunLocal). Not a failure of the request: drop the bytes (staged ones expire).
             self._forget_parts(head.request_id)
             log.info("worker %d: dropped late %s KV for %s", self.id, head.purpose, head.request_id)
             return
+        if isinstance(head, m.KVRanked):
+            self._kv_ranked(head)
+        else:
+            self._kv_payload(head, frames)
+
+    def _kv_ranked(self, head: m.KVRanked) -> None:
+        """A transfer that came rank to rank: acknowledged once every rank holds its heads, else failed whole."""
+        try:
+            staged = self.engine.receive_staged(head.request_id, head.transfer, head.num_tokens)
+        except (EngineError, KVTransferError) as e:
+            log.warning("worker %d: dropped KV for %s: %s", self.id, head.request_id, e)
+            self.send_up(m.WorkerFailure(head.request_id, f"KV transfer to worker {self.id} failed: {e}"))
+            return
+        self._received(head, staged.nbytes, head.sent_s)
+
+    def _received(self, head: m.KVData | m.KVRanked, nbytes: int, sent_s: float) -> None:
+        if head.first_token >= 0:
+            self._first[head.request_id] = (head.first_token, head.first_logprobs)
+        self.send_up(m.KVReceived(head.request_id, head.purpose, head.src_worker, nbytes,
+                                  max(0.0, self.wall() - sent_s)))
+
+    def _kv_payload(self, head: m.KVData, frames: list) -> None:
+        key = (head.request_id, head.purpose)
         if head.total_tokens and head.offset and key not in self._assembling:
             # the rest of a transfer whose start was refused (already reported) or never came (the transfer times out)
             log.warning("worker %d: dropped a %s KV part of %s at token %d without its start", self.id, head.purpose,
@@ -208,6 +270,7 @@ class WorkerShell:
         try:
             payload = KVPayload.from_buffer(frames[0] if frames else b"", head.num_tokens, head.dtype,
                                             tuple(head.shape))
+            self.driver_kv_bytes += payload.nbytes
             sent_s = head.sent_s
             if head.offset and not head.total_tokens:
                 raise KVTransferError(f"a whole transfer at token {head.offset}")
@@ -221,10 +284,7 @@ class WorkerShell:
             log.warning("worker %d: dropped KV for %s: %s", self.id, head.request_id, e)
             self.send_up(m.WorkerFailure(head.request_id, f"KV transfer to worker {self.id} failed: {e}"))
             return
-        if head.first_token >= 0:
-            self._first[head.request_id] = (head.first_token, head.first_logprobs)
-        self.send_up(m.KVReceived(head.request_id, head.purpose, head.src_worker, payload.nbytes,
-                                  max(0.0, self.wall() - sent_s)))
+        self._received(head, payload.nbytes, sent_s)
 
     def _add_part(self, key: tuple[str, str], head: m.KVData, part: KVPayload) -> tuple[KVPayload | None, float]:
         """One part of a transfer sent in parts: (the whole payload once its last part is in, else None; the

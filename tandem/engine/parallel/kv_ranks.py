@@ -211,6 +211,8 @@ class DriverPlane:
         rank order); KVTransferError naming the first rank whose parts could not go out."""
         if not dst or part_tokens < 1:
             raise KVTransferError("a rank-to-rank transfer needs the receiving ranks' endpoints")
+        if end <= start:
+            return
         args = (list(block_table), block_size, start, end, transfer, list(dst), part_tokens)
         if self.group is not None:
             self.group.send("kv_send", self._take_drops(), *args)
@@ -223,6 +225,8 @@ class DriverPlane:
     def claim(self, transfer: str, tokens: int, wait_s: float = CLAIM_WAIT_S) -> StagedKV:
         """Every rank holds its heads of the transfer (then kept until placed), or KVTransferError and no rank
         keeps any of it."""
+        if tokens == 0:
+            return StagedKV(transfer, 0, 0)
         if self.group is not None:
             self.group.send("kv_claim", self._take_drops(), transfer, tokens, wait_s)
         got = self.own.staging.claim(transfer, tokens, wait_s)
@@ -237,6 +241,8 @@ class DriverPlane:
     def place(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int,
               staged: StagedKV) -> None:
         """Write a claimed transfer into positions [start, start + tokens) of a sequence, each rank its heads."""
+        if staged.num_tokens == 0:
+            return
         self.own.place(kv_caches, list(block_table), block_size, start, staged.transfer)
         if self.group is not None:
             self.group.send("kv_place", self._take_drops(), list(block_table), block_size, start, staged.transfer)
@@ -244,6 +250,8 @@ class DriverPlane:
     def forget(self, staged: StagedKV) -> None:
         """A claimed transfer that will not be placed (its request ended): forgotten here now, on the other ranks
         with the next command."""
+        if staged.num_tokens == 0:
+            return
         self.own.staging.drop([staged.transfer])
         if self.group is not None:
             self.drops.append(staged.transfer)
