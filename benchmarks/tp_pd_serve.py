@@ -7,7 +7,8 @@ round's history KV goes from the decode worker to the prefill worker and the new
 degrees): `--sessions` multi-round sessions of a tiny Qwen3 (2 KV heads; made here, offline) over HTTP, greedy,
 `--concurrency` sessions at a time. Per deployment: rounds whose tokens equal the tp=1 offline engine's on the whole
 conversation, rounds whose cached tokens are the session's previous prompt + output - 1 (the decode worker reused
-the KV it was sent), remote prefills, KV transfers and their mean seconds (/metrics), wall time and its ratio to the
+the KV it was sent), remote prefills, KV transfers and their mean seconds (/metrics), the KV bytes that went through
+each worker's driver and those each rank's endpoint received (rank to rank; /metrics), wall time and its ratio to the
 P:tp1x1,D:tp1x1 baseline measured in the same run. Writes table.md, results.json and a PNG of the wall times (the
 servers' logs stay in a temporary folder).
 """
@@ -25,7 +26,7 @@ import httpx
 import torch
 from rich.progress import Progress
 
-from tandem.bench.serve_client import parse_prometheus
+from tandem.bench.serve_client import parse_kv_paths, parse_prometheus
 from tandem.bench.serve_process import serve_subprocess
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
@@ -79,7 +80,10 @@ def measure(model_dir: str, deploy: str, news, concurrency: int, ref: dict, logd
         done = asyncio.run(replay(url, Path(model_dir).name, news, concurrency,
                                   lambda: progress.advance(task)))
         wall = time.perf_counter() - t0
-        m = parse_prometheus(httpx.get(url + "/metrics").text, METRICS)
+        time.sleep(0.5)                                # the workers' last byte counts reach the coordinator
+        text = httpx.get(url + "/metrics").text
+        m = parse_prometheus(text, METRICS)
+        ranks, driver = parse_kv_paths(text)
     rounds = [r for s in done for r in s]
     same = sum(r["token_ids"] == ref[tuple(r["prompt"])] for r in rounds)
     reused = sum(b["cached"] == len(a["prompt"]) + len(a["token_ids"]) - 1 for s in done for a, b in zip(s, s[1:]))
@@ -89,17 +93,23 @@ def measure(model_dir: str, deploy: str, news, concurrency: int, ref: dict, logd
             "remote_prefills": m.get("tandem:remote_prefills_total", 0.0),
             "local_prefills": m.get("tandem:local_prefills_total", 0.0), "kv_transfers": transfers,
             "kv_transfer_ms": 1e3 * m.get("tandem:kv_transfer_seconds_sum", 0.0) / transfers if transfers else 0.0,
-            "wall_s": wall}
+            "wall_s": wall, "driver_bytes": {str(w): b for w, b in sorted(driver.items())},
+            "rank_received_bytes": {f"{w}/{r}": b for (w, d, r), b in sorted(ranks.items()) if d == "received"}}
 
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["wall_s"]
     lines = ["| deployment | rounds equal to tp=1 | later rounds reusing sent KV | remote prefills | KV transfers | "
-             "mean transfer ms | wall s | wall / tp1 |", "|---|---|---|---|---|---|---|---|"]
+             "mean transfer ms | KV MB through P / D driver | KV MB received per rank, P; D | wall s | wall / tp1 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        mb = lambda b: f"{b / 1e6:.2f}"                                    # noqa: E731
+        drivers = " / ".join(mb(b) for b in r["driver_bytes"].values()) or "-"
+        per_rank = "; ".join("/".join(mb(b) for k, b in r["rank_received_bytes"].items() if k.startswith(f"{w}/"))
+                             for w in ("0", "1")) if r["rank_received_bytes"] else "-"
         lines.append(f"| `{r['deploy']}` | {r['same_as_tp1']}/{r['rounds']} | {r['kv_reused']}/{r['later_rounds']} | "
                      f"{r['remote_prefills']:.0f} | {r['kv_transfers']:.0f} | {r['kv_transfer_ms']:.1f} | "
-                     f"{r['wall_s']:.1f} | {r['wall_s'] / base:.2f} |")
+                     f"{drivers} | {per_rank} | {r['wall_s']:.1f} | {r['wall_s'] / base:.2f} |")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 2 KV heads, on CPU; every prefill remote, so each later round's history goes decode -> prefill and the new KV back):
 greedy tokens equal the tp=1 offline engine's, no KV byte passes through a driver process (tandem:
 kv_driver_path_bytes is 0 on every worker), and each rank's endpoint received exactly its heads' share of the KV its
-worker was sent, counted from the rounds' token counts. Between two tp=1 workers KV still goes driver to driver."""
+worker was sent, counted from the rounds' token counts. Between two tp=1 workers KV still goes driver to driver.
+GET /status and the start banner give the deployment as given and each worker's role, degree and processes."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tandem.bench.serve_client import parse_kv_paths  # noqa: E402
+from tandem.cli.serve_cmd import deployment_lines  # noqa: E402
 from tandem.engine.parallel import group  # noqa: E402
 from tandem.engine.parallel.head_map import kv_head_spans  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
@@ -63,21 +66,6 @@ def _rounds(url: str, vocab: int) -> list[tuple[list[int], list[int], int]]:
     return [r for s in asyncio.run(go()) for r in s]
 
 
-def kv_paths(text: str) -> tuple[dict[tuple[int, str, int], float], dict[int, float]]:
-    """(tandem:kv_rank_bytes_total by (worker, direction, rank), tandem:kv_driver_path_bytes_total by worker)."""
-    ranks, driver = {}, {}
-    for line in text.splitlines():
-        for name, into in (("tandem:kv_rank_bytes_total{", ranks), ("tandem:kv_driver_path_bytes_total{", driver)):
-            if line.startswith(name):
-                labels = dict(kv.split("=", 1) for kv in line[len(name):line.index("}")].split(","))
-                labels = {k: v.strip('"') for k, v in labels.items()}
-                value = float(line.rsplit(" ", 1)[1])
-                key = int(labels["worker"]) if into is driver else \
-                    (int(labels["worker"]), labels["direction"], int(labels["rank"]))
-                into[key] = value
-    return ranks, driver
-
-
 @needs_two_cores
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1), (2, 2), (1, 1)], ids=["P1-D2", "P2-D1", "P2-D2", "P1-D1"])
 def test_kv_goes_rank_to_rank_in_the_live_server(tiny, offline, p_tp, d_tp):
@@ -93,10 +81,12 @@ def test_kv_goes_rank_to_rank_in_the_live_server(tiny, offline, p_tp, d_tp):
 
     def settled(total: float) -> bool:
         """Both workers reported, and their counts add up to every byte of the rounds' KV (reports lag a little)."""
-        seen[:] = kv_paths(httpx.get(srv.url + "/metrics").text)
+        seen[:] = parse_kv_paths(httpx.get(srv.url + "/metrics").text)
         ranks, driver = seen
         return len(driver) == 2 and sum(driver.values()) + sum(ranks.values()) == 2 * total
     try:
+        status = httpx.get(srv.url + "/status").json()
+        banner = deployment_lines(status)
         rounds = _rounds(srv.url, mc.vocab_size)
         history = sum(cached for _, _, cached in rounds) * per_token                # decode -> prefill (worker 0)
         new = sum(len(p) - cached for p, _, cached in rounds) * per_token          # prefill -> decode (worker 1)
@@ -107,6 +97,15 @@ def test_kv_goes_rank_to_rank_in_the_live_server(tiny, offline, p_tp, d_tp):
         ranks, driver = seen
     finally:
         srv.stop()
+    path = "driver" if p_tp == d_tp == 1 else "rank-to-rank"
+    assert status["deploy"] == f"P:tp{p_tp}x1,D:tp{d_tp}x1"
+    assert [(w["worker"], w["role"], w["tensor_parallel_size"], len(w["rank_pids"]), w["kv"])
+            for w in status["workers"]] == [(0, "prefill", p_tp, p_tp - 1, path), (1, "decode", d_tp, d_tp - 1, path)]
+    w1 = status["workers"][1]
+    ranks_text = f"pids {w1['pid']} driver, {w1['rank_pids'][0]} rank 1" if d_tp == 2 else f"pid {w1['pid']}"
+    kv_text = "KV rank to rank" if path == "rank-to-rank" else "KV through the driver"
+    assert banner[0] == f"tandem: deployment P:tp{p_tp}x1,D:tp{d_tp}x1"
+    assert banner[2] == f"tandem: decode worker 1: tp{d_tp} ({ranks_text}; {kv_text})"
     refs = offline.generate([p for p, _, _ in rounds], SamplingParams(temperature=0.0, max_tokens=OUT,
                                                                       ignore_eos=True))
     assert [o for _, o, _ in rounds] == [r.outputs[0].token_ids for r in refs]

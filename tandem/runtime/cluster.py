@@ -395,8 +395,7 @@ class ServingCluster:
         s.kv_transfer_seconds = []
         out.iteration_tokens = dict(s.iteration_tokens)
         out.dllm_commits, out.dllm_chunks = dict(s.dllm_commits), dict(s.dllm_chunks)
-        out.dllm_serve = dict(s.dllm_serve)
-        out.kv_bytes = dict(s.kv_bytes)
+        out.dllm_serve, out.kv_bytes = dict(s.dllm_serve), dict(s.kv_bytes)
         out.cache_config = self._cache_config
         if self.hub is not None:                         # the workers' counts arrive in their StepCounts
             out.rejected_frames += self.hub.rejected_frames
@@ -418,6 +417,11 @@ class ServingCluster:
         """Each running worker's (role, process id), by worker id (a Ray actor's pid is on its node)."""
         return {wid: (self.roles.get(wid, "?"), wp.pid) for wid, wp in sorted(self.procs.workers.items())} \
             if self.procs is not None else {}
+
+    def deployment(self) -> dict:
+        """The deployment as given (`--deploy`'s form) and each running worker (`describe`)."""
+        infos = {wid: wp.info or {} for wid, wp in self.procs.workers.items()} if self.procs is not None else {}
+        return describe(deploy_spec(self.cfg, self.roles, self.worker_tp), self.worker_pids(), self.worker_tp, infos)
 
     def rank_pids(self) -> dict[int, list[int]]:
         """Each running worker's other tensor-parallel ranks' process ids (from its Ready; empty at tp=1)."""
@@ -467,6 +471,30 @@ def restart_phases(dead_at: float, marks: dict[str, float]) -> dict[str, float]:
         out[name] = max(0.0, t - last)
         last = max(last, t)
     return out
+
+
+def deploy_spec(cfg: ClusterConfig, roles: dict[int, str], tp_of) -> str:
+    """The deployment in `--deploy`'s form: as given, else from the worker counts and degrees ("P:tp1x1,D:tp2x1")."""
+    if cfg.deploy:
+        return cfg.deploy
+    letters = {PREFILL: "P", DECODE: "D", COLOCATED: "C"}
+    groups: dict[tuple[str, int], int] = {}
+    for wid, role in sorted(roles.items()):
+        key = (role, tp_of(wid))
+        groups[key] = groups.get(key, 0) + 1
+    return ",".join(f"{letters[r]}:tp{t}x{n}" for (r, t), n in groups.items())
+
+
+def describe(deploy: str, pids: dict[int, tuple[str, int]], tp_of, infos: dict[int, dict]) -> dict:
+    """Each running worker from its (role, pid), degree and Ready info: role, tensor-parallel degree, driver and rank
+    process ids, and whether its ranks have KV endpoints (KV rank to rank) or not (through the driver)."""
+    workers = []
+    for wid, (role, pid) in pids.items():
+        info = infos.get(wid, {})
+        ranks = [int(p) for p in info.get("rank_pids") or () if isinstance(p, int)]
+        workers.append({"worker": wid, "role": role, "tensor_parallel_size": tp_of(wid), "pid": pid, "rank_pids": ranks,
+                        "kv": "rank-to-rank" if rank_kv_addresses(info) else "driver"})
+    return {"deploy": deploy, "workers": workers}
 
 
 def rank_kv_addresses(info: dict) -> list[str]:

@@ -9,17 +9,16 @@ import collections
 import logging
 import threading
 import time
-import uuid
 from typing import Callable, Sequence
 
 from tandem.core.types import DECODE, FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
 from tandem.engine.config import EngineError
-from tandem.engine.kv_transfer import KV_PART_BYTES, KVAssembly, KVPayload, KVTransferError, \
-    kv_bytes_per_token, kv_part_tokens, split_kv
+from tandem.engine.kv_transfer import KVAssembly, KVPayload, KVTransferError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
 from tandem.runtime import messages as m
+from tandem.runtime.kv_send import KVSender
 
 log = logging.getLogger("tandem.worker")
 # the early messages whose engine call runs a collective of a tensor-parallel group (a session's KV gathered from or
@@ -35,25 +34,18 @@ class WorkerShell:
                  kv_send_faults: Sequence[str | float | None] = (), step_sleep_s: float = 0.0,
                  drop_control: Sequence[str] = (), kv_part_tokens: int | None = None) -> None:
         self.engine, self.id = engine, worker_id
-        # the most tokens one KV message carries (None: as many whole blocks as fit in KV_PART_BYTES); a longer
-        # transfer goes as parts in order, joined by the receiver (_assembling), so every frame stays under the
-        # receiving inbox's cap
-        self.kv_part_tokens = kv_part_tokens
         self._assembling: dict[tuple[str, str], tuple[KVAssembly, float]] = {}   # (request, purpose) -> parts so far
         self.step_sleep_s = step_sleep_s                      # fault injection: every model run that much longer
-        # fault injection, one entry per KV send from now on: "drop" (lost), seconds (delayed), None (normal);
-        # drop_kv_sends=N is N "drop"s first
-        self.kv_send_faults: list = ["drop"] * drop_kv_sends + list(kv_send_faults)
-        for f in self.kv_send_faults:
-            if not (f is None or f == "drop" or (isinstance(f, (int, float)) and f >= 0)):
-                raise ValueError(f"a KV send fault is 'drop', a delay in seconds >= 0 or None, got {f!r}")
         # fault injection: the next control message of each type named here is lost on the wire, once per entry
         names = {t.__name__ for t in m.CONTROL}
         bad = sorted(set(drop_control) - names)
         if bad:
             raise ValueError(f"drop_control names control messages ({', '.join(sorted(names))}), got {bad}")
         self.drop_control: list[str] = list(drop_control)
-        self.send_up, self.send_peer, self.wall = send_up, send_peer, wall
+        self.send_up, self.wall = send_up, wall
+        # KV out to peers: rank to rank or driver to driver, in parts, with the fault injection of KV sends
+        self.sender = KVSender(engine, worker_id, send_peer, wall, ["drop"] * drop_kv_sends + list(kv_send_faults),
+                               kv_part_tokens)
         self._sent: dict[str, tuple[int, str]] = {}          # request -> (tokens, text) streamed so far
         self._first: dict[str, tuple[int, dict | None]] = {}  # remote request -> first token from its prefill
         # Held while the engine's state is read or changed: by the step thread except while the model runs
@@ -65,8 +57,7 @@ class WorkerShell:
         self._in_step = False                                # the model runs a step (between prepare and finish)
         self._stopping = False
         self._tp = engine.config.tensor_parallel_size > 1     # the engine's ranks run one collective at a time
-        self._unreachable: set[tuple[str, ...]] = set()      # rank endpoints a rank-to-rank send failed to reach
-        self.driver_kv_bytes = 0                             # KV payload bytes sent or received driver to driver
+        self.received_driver_bytes = 0                       # KV payload bytes received driver to driver
 
     # ------------------------------------------------------------------ messages from the I/O thread
     def post(self, msg, frames: list | None = None) -> bool:
@@ -126,7 +117,7 @@ class WorkerShell:
                 eng.add_prefill(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params), msg.session_id,
                                 msg.l_hist, msg.round_idx, ttft_slo_s=msg.ttft_slo_s, hist_compute=msg.hist_compute)
             elif isinstance(msg, m.SendKV):
-                self._send_kv(msg)
+                self.sender.send(msg)
             elif isinstance(msg, m.HistoryReady):
                 eng.on_history_ready(msg.request_id)
             elif isinstance(msg, m.KVArrived):
@@ -155,75 +146,10 @@ class WorkerShell:
             self.send_up(m.WorkerFailure(rid, f"{type(msg).__name__} failed on worker {self.id}: {e}"))
         self._flush_events()
 
-    def _send_kv(self, msg: m.SendKV) -> None:
-        """Rank to rank when both workers' ranks have KV endpoints (not tp=1 to tp=1, and not to ranks this worker
-        could not reach before); else, or when the ranks' parts cannot go out, driver to driver."""
-        dst = tuple(msg.dst_rank_addrs)
-        plane = self.engine.runner.kv_plane
-        if not dst or plane is None or (plane.size == 1 and len(dst) == 1) or dst in self._unreachable:
-            self._send_driver(msg)
-            return
-        fault = self._fault(msg)
-        if fault == "drop":
-            return
-        try:
-            self._send_ranked(msg, fault)
-            return
-        except KVTransferError as e:
-            self._unreachable.add(dst)
-            log.warning("worker %d: the %s KV of %s could not go rank to rank (%s); it goes through the drivers, as "
-                        "will later transfers to worker %d", self.id, msg.purpose, msg.request_id, e, msg.dst_worker)
-        self._send_driver(msg, fault)
-
-    def _fault(self, msg: m.SendKV) -> str | float | None:
-        fault = self.kv_send_faults.pop(0) if self.kv_send_faults else None
-        if fault == "drop":                                    # fault injection: the transfer is lost
-            log.warning("worker %d: dropped the %s KV of %s (fault injection)", self.id, msg.purpose, msg.request_id)
-        elif fault:                                            # fault injection: the transfer is slow
-            log.warning("worker %d: delaying the %s KV of %s by %g s (fault injection)", self.id, msg.purpose,
-                        msg.request_id, fault)
-        return fault
-
-    def _send_ranked(self, msg: m.SendKV, fault: str | float | None) -> None:
-        """Every rank sends the receiving ranks their heads; then the control message alone, driver to driver."""
-        transfer = f"{msg.request_id}/{msg.purpose}/{uuid.uuid4().hex[:12]}"
-        sent_s = self.wall()
-        n, tok, lps, _ = self.engine.send_kv_ranks(msg.purpose, msg.session_id, msg.request_id, msg.tokens, transfer,
-                                                   list(msg.dst_rank_addrs), self._part_tokens())
-        head = m.KVRanked(msg.request_id, msg.purpose, self.id, transfer, n, sent_s, tok, lps)
-        self.send_peer(msg.dst_addr, head, delay_s=float(fault or 0.0))
-
-    def _send_driver(self, msg: m.SendKV, fault: str | float | None | bool = False) -> None:
-        """The whole payload from this driver to the receiving driver (KVData, in parts); `fault` already drawn, or
-        False to draw it here."""
-        eng = self.engine
-        tok, lps = -1, None
-        if msg.purpose == "history":
-            payload = eng.export_history(msg.session_id, msg.tokens)
-        else:
-            payload, tok, lps = eng.export_new_kv(msg.request_id)
-        parts = split_kv(payload, self._part_tokens())
-        total = payload.num_tokens if len(parts) > 1 else 0
-        sent_s = self.wall()
-        fault = self._fault(msg) if fault is False else fault
-        if fault == "drop":
-            return
-        for offset, part in parts:
-            head = m.KVData(msg.request_id, msg.purpose, self.id, part.num_tokens, part.dtype, list(part.shape),
-                            sent_s, tok, lps, offset=offset, total_tokens=total)
-            self.driver_kv_bytes += part.nbytes
-            if fault:
-                self.send_peer(msg.dst_addr, head, part.buffer(), delay_s=float(fault))
-            else:
-                self.send_peer(msg.dst_addr, head, part.buffer())
-
-    def _part_tokens(self) -> int:
-        if self.kv_part_tokens is None:
-            eng = self.engine
-            self.kv_part_tokens = kv_part_tokens(eng.config.block_size,
-                                                 kv_bytes_per_token(*eng.runner.wire_geometry),
-                                                 eng.max_model_len, KV_PART_BYTES)
-        return self.kv_part_tokens
+    @property
+    def driver_kv_bytes(self) -> int:
+        """KV payload bytes this worker's driver sent or received driver to driver."""
+        return self.sender.driver_bytes + self.received_driver_bytes
 
     # ------------------------------------------------------------------ KV plane
     def on_kv(self, head: m.KVData, frames: list) -> None:
@@ -270,7 +196,7 @@ class WorkerShell:
         try:
             payload = KVPayload.from_buffer(frames[0] if frames else b"", head.num_tokens, head.dtype,
                                             tuple(head.shape))
-            self.driver_kv_bytes += payload.nbytes
+            self.received_driver_bytes += payload.nbytes
             sent_s = head.sent_s
             if head.offset and not head.total_tokens:
                 raise KVTransferError(f"a whole transfer at token {head.offset}")
