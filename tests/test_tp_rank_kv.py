@@ -3,8 +3,11 @@ authenticated endpoints, runtime/rank_kv.py): every rank of each engine (the ran
 KV endpoint with the cluster's CURVE keys; a session's history read from the decode engine and the new KV sent back
 go from each sending rank to the receiving ranks that hold the heads, never through a driver. The decode engine's
 KV equals the tp=1 pair's, greedy tokens equal the tp=1 engine's, each rank received exactly its heads' share, and
-a transfer that misses a rank fails whole (no rank keeps any of it; the request is still there)."""
+a transfer that misses a rank fails whole (no rank keeps any of it; the request is still there); rank endpoints that
+cannot be reached make the worker send that transfer, and later ones to them, driver to driver."""
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -21,6 +24,8 @@ from tandem.engine.parallel.head_map import kv_head_spans  # noqa: E402
 from tandem.engine.parallel.kv_stage import HeadPart, KVStaging  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+from tandem.runtime import messages as m  # noqa: E402
+from tandem.runtime.kv_send import KVSender  # noqa: E402
 from tandem.runtime.rank_kv import endpoint_factory  # noqa: E402
 from tandem.runtime.transport import Keys, WorkerAuth, curve_available  # noqa: E402
 
@@ -39,7 +44,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def factory():
     auth = WorkerAuth(0, b"", Keys.new(), Keys.new(), Keys.new()) if curve_available() else None
-    return endpoint_factory(auth, "127.0.0.1", 8 << 20)
+    return endpoint_factory(auth, "127.0.0.1", 8 << 20, send_timeout_s=1.0)
 
 
 def _engine(path: str, role: str, wid: int, tp: int, factory) -> tuple[LLMEngine, list[str]]:
@@ -188,3 +193,28 @@ def test_staging_refuses_what_is_not_this_ranks():
     assert st.take("t").shape == (2, 2, 6, 1, 4)
     with pytest.raises(KVTransferError, match="no claimed KV transfer"):
         st.take("t")
+
+
+def test_unreachable_rank_endpoints_fall_back_to_the_driver_path(reference):
+    """Protects the fallback: a SendKV naming rank endpoints nobody listens on (as when a peer's ranks cannot be
+    reached across hosts) fails its rank-to-rank send within the endpoint's send timeout, and the same transfer goes
+    driver to driver (KVData in 16-token parts, every byte counted on the driver path); the next transfer to those
+    endpoints goes driver to driver at once."""
+    from live_server import free_port
+    d1 = reference[4]
+    sent: list = []
+    sender = KVSender(d1, 1, lambda addr, msg, *bufs, delay_s=0.0: sent.append((addr, msg, bufs)), time.time, [],
+                      PART)
+    msg = m.SendKV("rx", "s", "history", 40, 0, "tcp://127.0.0.1:9",
+                   [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)])
+    mc = d1.model_config
+    per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 4
+    for most_s in (3.0, 0.5):
+        t0 = time.monotonic()
+        sender.send(msg)
+        took = time.monotonic() - t0
+        assert [(type(h).__name__, h.offset, h.num_tokens) for _, h, _ in sent] == \
+            [("KVData", 0, 16), ("KVData", 16, 16), ("KVData", 32, 8)]
+        assert took < most_s
+        sent.clear()
+    assert sender.driver_bytes == 2 * 40 * per_token

@@ -256,7 +256,7 @@ def deployment_lines(dep: dict) -> list[str]:
     for w in dep["workers"]:
         pids = f"pid {w['pid']}" if not w["rank_pids"] else "pids " + ", ".join(
             [f"{w['pid']} driver"] + [f"{p} rank {r}" for r, p in enumerate(w["rank_pids"], 1)])
-        kv = "KV rank to rank" if w["kv"] == "rank-to-rank" else "KV through the driver"
+        kv = "a KV endpoint per rank" if w["kv_rank_endpoints"] else "KV through its driver only"
         lines.append(f"tandem: {w['role']} worker {w['worker']}: tp{w['tensor_parallel_size']} ({pids}; {kv})")
     return lines
 

@@ -487,13 +487,14 @@ def deploy_spec(cfg: ClusterConfig, roles: dict[int, str], tp_of) -> str:
 
 def describe(deploy: str, pids: dict[int, tuple[str, int]], tp_of, infos: dict[int, dict]) -> dict:
     """Each running worker from its (role, pid), degree and Ready info: role, tensor-parallel degree, driver and rank
-    process ids, and whether its ranks have KV endpoints (KV rank to rank) or not (through the driver)."""
+    process ids, and how many of its ranks have KV endpoints (all: KV moves rank to rank with workers of another
+    degree; none: only through its driver)."""
     workers = []
     for wid, (role, pid) in pids.items():
         info = infos.get(wid, {})
         ranks = [int(p) for p in info.get("rank_pids") or () if isinstance(p, int)]
         workers.append({"worker": wid, "role": role, "tensor_parallel_size": tp_of(wid), "pid": pid, "rank_pids": ranks,
-                        "kv": "rank-to-rank" if rank_kv_addresses(info) else "driver"})
+                        "kv_rank_endpoints": len(rank_kv_addresses(info))})
     return {"deploy": deploy, "workers": workers}
 
 

@@ -6,6 +6,7 @@ the engine's rank processes open their own)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import threading
@@ -15,7 +16,7 @@ import zmq.asyncio
 
 from tandem.engine.kv_transfer import KVTransferError
 from tandem.engine.parallel.kv_stage import HeadPart, KVStaging
-from tandem.runtime.transport import LOCAL_HOSTS, Codec, PeerInbox, PeerOutbox, WorkerAuth
+from tandem.runtime.transport import LOCAL_HOSTS, Codec, PeerInbox, PeerOutbox, PeerUnreachable, WorkerAuth
 
 log = logging.getLogger("tandem.rank_kv")
 SEND_TIMEOUT_S = 5.0         # a part that cannot go out for this long fails its transfer (the receiver is gone)
@@ -53,7 +54,7 @@ class RankEndpoint:
             self.inbox = PeerInbox(CODEC, address=f"tcp://{bind_host}:0", allow_remote=bind_host not in LOCAL_HOSTS,
                                    ctx=self._ctx, auth=auth, accept=(RankKVPart,), max_msg_bytes=max_msg_bytes)
             self.outbox = PeerOutbox(CODEC, ctx=self._ctx, auth=auth, max_msg_bytes=max_msg_bytes,
-                                     send_timeout_s=send_timeout_s)
+                                     send_timeout_s=send_timeout_s, immediate=True)
             self._reader = asyncio.create_task(self._read())
         try:
             asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
@@ -78,7 +79,13 @@ class RankEndpoint:
         head = RankKVPart(part.transfer, part.src_rank, part.first_head, part.heads, part.offset, part.num_tokens,
                           part.total_tokens, part.dtype)
         fut = asyncio.run_coroutine_threadsafe(self.outbox.send(address, head, data, wait_release=True), self._loop)
-        fut.result(self.send_timeout_s + 10.0)
+        try:
+            fut.result(self.send_timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()                               # queued to a peer that never took it: drop the socket
+            self._loop.call_soon_threadsafe(self.outbox.forget, address)
+            raise PeerUnreachable(f"the rank KV endpoint at {address} took no part for {self.send_timeout_s:g} s "
+                                  "(gone, unreachable, or refusing this cluster's keys)") from None
 
     @property
     def rejected_handshakes(self) -> int:
@@ -102,11 +109,13 @@ class RankEndpoint:
         self._thread.join(5)
 
 
-def open_endpoint(auth: WorkerAuth | None, bind_host: str, max_msg_bytes: int, staging: KVStaging) -> RankEndpoint:
-    """A rank's endpoint (the engine's EndpointFactory, with the first three arguments bound)."""
-    return RankEndpoint(staging, auth, bind_host, max_msg_bytes)
+def open_endpoint(auth: WorkerAuth | None, bind_host: str, max_msg_bytes: int, send_timeout_s: float,
+                  staging: KVStaging) -> RankEndpoint:
+    """A rank's endpoint (the engine's EndpointFactory, with the first four arguments bound)."""
+    return RankEndpoint(staging, auth, bind_host, max_msg_bytes, send_timeout_s)
 
 
-def endpoint_factory(auth: WorkerAuth | None, bind_host: str, max_msg_bytes: int) -> functools.partial:
+def endpoint_factory(auth: WorkerAuth | None, bind_host: str, max_msg_bytes: int,
+                     send_timeout_s: float = SEND_TIMEOUT_S) -> functools.partial:
     """The factory a worker gives its engine: every rank's endpoint with the cluster's KV keys, on `bind_host`."""
-    return functools.partial(open_endpoint, auth, bind_host, max_msg_bytes)
+    return functools.partial(open_endpoint, auth, bind_host, max_msg_bytes, send_timeout_s)
