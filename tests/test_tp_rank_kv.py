@@ -186,10 +186,13 @@ def test_staging_refuses_what_is_not_this_ranks():
     st.add(ok, bytearray(size))
     with pytest.raises(KVTransferError, match="repeating cells"):
         st.add(ok, bytearray(size))
-    assert st.claim("t", 6, 0.0) == -1 and len(st) == 0           # incomplete: dropped
+    assert st.claim_all("t", 6, 0, 0.0) == (-1, [0]) and len(st) == 0        # incomplete: dropped
     st.add(ok, bytearray(size))
     st.add(HeadPart("t", 1, 1, 1, 3, 3, 6, "float32"), bytearray(size))
-    assert st.claim("t", 6, 0.0) == 2 * size and st.received_bytes == 3 * size
+    assert not st.ready("t", 6, 1)                                 # rank 1 has not reported its heads
+    st.note_remote("t", 1, 7, (0, 7))
+    assert st.ready("t", 6, 1) and st.claim_all("t", 6, 1, 0.0) == (2 * size + 7, [])
+    assert st.received_bytes == 3 * size and st.remote_counts == {1: (0, 7)}
     assert st.take("t").shape == (2, 2, 6, 1, 4)
     with pytest.raises(KVTransferError, match="no claimed KV transfer"):
         st.take("t")

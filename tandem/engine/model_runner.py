@@ -18,7 +18,7 @@ from tandem.engine.memory_profile import (DiffusionDummy, MemoryProfile, diffusi
                                          weight_bytes, worst_case_batch)
 from tandem.engine.model_input import ModelInput
 from tandem.engine.parallel.group import TPGroup, check_shardable
-from tandem.engine.parallel.kv_ranks import DriverPlane, EndpointFactory
+from tandem.engine.parallel.kv_ranks import CLAIM_WAIT_S, DriverPlane, EndpointFactory
 from tandem.engine.parallel.kv_stage import StagedKV
 from tandem.engine.prefill_graphs import PrefillGraphs, graph_buckets, graph_max_len, prefill_graphs_apply
 from tandem.engine.sampler import Sampler, SampleOutput
@@ -174,15 +174,25 @@ class ModelRunner:
         """Positions [start, end) from every rank straight to the receiving ranks' endpoints; the bytes sent."""
         if self.kv_plane is None:
             raise KVTransferError("this worker's ranks have no KV endpoints")
-        before = sum(c[0] for c in self.kv_plane.counts)
+        before = sum(c[0] for c in self.kv_plane.byte_counts())
         self.kv_plane.send(self.kv_caches, block_table, self.block_size, start, end, transfer, dst, part_tokens)
-        return sum(c[0] for c in self.kv_plane.counts) - before
+        return sum(c[0] for c in self.kv_plane.byte_counts()) - before
 
-    def claim_kv(self, transfer: str, tokens: int) -> StagedKV:
-        """A transfer every rank holds its heads of (kept until placed), or KVTransferError and none keeps it."""
+    def claim_kv(self, transfer: str, tokens: int, wait_s: float = CLAIM_WAIT_S) -> StagedKV:
+        """A transfer every rank holds its heads of (kept until placed; waiting at most wait_s), or KVTransferError
+        and none keeps it."""
         if self.kv_plane is None:
             raise KVTransferError("this worker's ranks have no KV endpoints")
-        return self.kv_plane.claim(transfer, tokens)
+        return self.kv_plane.claim(transfer, tokens, wait_s)
+
+    def on_kv_staged(self, fn) -> None:
+        """Call fn() (from the endpoint's thread) whenever a rank-to-rank transfer may have become complete."""
+        if self.kv_plane is not None:
+            self.kv_plane.own.staging.on_change = fn
+
+    def kv_ready(self, transfer: str, tokens: int) -> bool:
+        """Whether every rank holds its heads of a rank-to-rank transfer now (claim_kv would not wait)."""
+        return self.kv_plane is not None and self.kv_plane.ready(transfer, tokens)
 
     def forget_kv(self, payload: KVPayload | StagedKV) -> None:
         """KV received for a request that ended before it was placed: a staged transfer is forgotten on every rank."""
@@ -193,7 +203,7 @@ class ModelRunner:
         """Cumulative KV bytes by path: "sent/R", "received/R" per rank's endpoint, "driver" what the driver gathered
         or scattered for its ranks (the driver path)."""
         out = {"driver": 0 if self.group is None else self.group.forwarded_bytes}
-        for r, (sent, got) in enumerate(self.kv_plane.counts if self.kv_plane is not None else ()):
+        for r, (sent, got) in enumerate(self.kv_plane.byte_counts() if self.kv_plane is not None else ()):
             out[f"sent/{r}"], out[f"received/{r}"] = sent, got
         return out
 

@@ -99,12 +99,12 @@ class SessionKV:
         self.discard(request_id)
         self.inbox[request_id] = payload
 
-    def receive_staged(self, request_id: str, transfer: str, tokens: int) -> StagedKV:
-        """KV a peer sent rank to rank: every rank holds its heads (claimed, kept until placed) or KVTransferError
-        and none keeps any."""
+    def receive_staged(self, request_id: str, transfer: str, tokens: int, wait_s: float) -> StagedKV:
+        """KV a peer sent rank to rank: every rank holds its heads (claimed, kept until placed; waiting at most
+        wait_s) or KVTransferError and none keeps any."""
         if request_id not in self.table.requests:
             raise EngineError(f"KV for unknown request {request_id!r}")
-        staged = self.runner.claim_kv(transfer, tokens)
+        staged = self.runner.claim_kv(transfer, tokens, wait_s)
         self.receive_kv(request_id, staged)
         return staged
 

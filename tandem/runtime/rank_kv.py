@@ -19,7 +19,9 @@ from tandem.engine.parallel.kv_stage import HeadPart, KVStaging
 from tandem.runtime.transport import LOCAL_HOSTS, Codec, PeerInbox, PeerOutbox, PeerUnreachable, WorkerAuth
 
 log = logging.getLogger("tandem.rank_kv")
-SEND_TIMEOUT_S = 5.0         # a part that cannot go out for this long fails its transfer (the receiver is gone)
+# a part that cannot go out for this long fails its rank-to-rank send (the transfer then goes driver to driver); short,
+# as the sending worker's step thread holds its shell meanwhile (its I/O loop must heartbeat within DEAD_AFTER_S)
+SEND_TIMEOUT_S = 1.0
 
 
 class RankKVPart(msgspec.Struct, tag=True):
@@ -35,7 +37,18 @@ class RankKVPart(msgspec.Struct, tag=True):
     dtype: str
 
 
-CODEC = Codec([RankKVPart], frames={RankKVPart: 1})
+class RankKVHave(msgspec.Struct, tag=True):
+    """A rank to its driver's endpoint: it holds every cell of its heads of `transfer` (`nbytes` there); `sent` and
+    `received` are its endpoint's byte counts so far."""
+
+    transfer: str
+    rank: int
+    nbytes: int
+    sent: int
+    received: int
+
+
+CODEC = Codec([RankKVPart, RankKVHave], frames={RankKVPart: 1, RankKVHave: 0})
 
 
 class RankEndpoint:
@@ -45,6 +58,7 @@ class RankEndpoint:
                  send_timeout_s: float = SEND_TIMEOUT_S) -> None:
         self.staging, self.send_timeout_s = staging, send_timeout_s
         self.refused = 0                                   # parts the staging refused (not this rank's, malformed)
+        self._notices: set[asyncio.Task] = set()           # notices to the driver on their way
         self._ctx = zmq.asyncio.Context()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-rank-kv", daemon=True)
@@ -52,7 +66,7 @@ class RankEndpoint:
 
         async def start() -> None:
             self.inbox = PeerInbox(CODEC, address=f"tcp://{bind_host}:0", allow_remote=bind_host not in LOCAL_HOSTS,
-                                   ctx=self._ctx, auth=auth, accept=(RankKVPart,), max_msg_bytes=max_msg_bytes)
+                                   ctx=self._ctx, auth=auth, accept=(RankKVPart, RankKVHave), max_msg_bytes=max_msg_bytes)
             self.outbox = PeerOutbox(CODEC, ctx=self._ctx, auth=auth, max_msg_bytes=max_msg_bytes,
                                      send_timeout_s=send_timeout_s, immediate=True)
             self._reader = asyncio.create_task(self._read())
@@ -66,6 +80,12 @@ class RankEndpoint:
     async def _read(self) -> None:
         while True:
             msg, frames = await self.inbox.recv()
+            if isinstance(msg, RankKVHave):
+                if self.staging.driver and msg.rank >= 1 and min(msg.nbytes, msg.sent, msg.received) >= 0:
+                    self.staging.note_remote(msg.transfer, msg.rank, msg.nbytes, (msg.sent, msg.received))
+                else:
+                    self.refused += 1
+                continue
             part = HeadPart(msg.transfer, msg.src_rank, msg.first_head, msg.heads, msg.offset, msg.num_tokens,
                             msg.total_tokens, msg.dtype)
             try:
@@ -86,6 +106,22 @@ class RankEndpoint:
             self._loop.call_soon_threadsafe(self.outbox.forget, address)
             raise PeerUnreachable(f"the rank KV endpoint at {address} took no part for {self.send_timeout_s:g} s "
                                   "(gone, unreachable, or refusing this cluster's keys)") from None
+
+    def notify(self, address: str, transfer: str, rank: int, nbytes: int, counts: tuple[int, int]) -> None:
+        """Tell the driver's endpoint that this rank holds its heads of `transfer` (returns at once; from any
+        thread, this endpoint's own included)."""
+        msg = RankKVHave(transfer, rank, nbytes, *counts)
+
+        async def send() -> None:
+            try:
+                await self.outbox.send(address, msg)
+            except Exception as e:  # noqa: BLE001 - the driver's claim then times out and fails the transfer
+                log.warning("rank KV endpoint %s: could not tell the driver about %s: %s", self.address, transfer, e)
+        def start() -> None:
+            task = self._loop.create_task(send())
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
+        self._loop.call_soon_threadsafe(start)
 
     @property
     def rejected_handshakes(self) -> int:

@@ -113,6 +113,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                         drop_kv_sends=drop_kv_sends, kv_send_faults=kv_send_faults or (), step_sleep_s=step_sleep_s,
                         drop_control=drop_control or (), kv_part_tokens=part_tokens)
 
+    engine.runner.on_kv_staged(wake)                  # a rank-to-rank transfer may be complete: poll_kv below
+
     def run_steps() -> None:
         try:
             shell.run(wake)
@@ -228,6 +230,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 except asyncio.TimeoutError:
                     pass
                 kick.clear()
+                if shell.poll_kv():
+                    dirty = True
                 if died:
                     raise RuntimeError("this worker's step thread or a message reader died") from died[0]
                 lost_rank = engine.runner.tp_failure()

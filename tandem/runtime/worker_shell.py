@@ -16,6 +16,7 @@ from tandem.engine.config import EngineError
 from tandem.engine.kv_transfer import KVAssembly, KVPayload, KVTransferError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestMetrics, RequestOutput
+from tandem.engine.parallel.kv_ranks import CLAIM_WAIT_S
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
 from tandem.runtime import messages as m
 from tandem.runtime.kv_send import KVSender
@@ -23,7 +24,7 @@ from tandem.runtime.kv_send import KVSender
 log = logging.getLogger("tandem.worker")
 # the early messages whose engine call runs a collective of a tensor-parallel group (a session's KV gathered from or
 # scattered to the ranks): under TP they wait for the running step's end, as the step's own collectives run meanwhile
-RANK_COLLECTIVES = (m.SendKV, m.HistoryReady, m.KVArrived, m.KVRanked)
+RANK_COLLECTIVES = (m.SendKV, m.HistoryReady, m.KVArrived)
 
 
 class WorkerShell:
@@ -58,6 +59,7 @@ class WorkerShell:
         self._stopping = False
         self._tp = engine.config.tensor_parallel_size > 1     # the engine's ranks run one collective at a time
         self.received_driver_bytes = 0                       # KV payload bytes received driver to driver
+        self._awaiting: dict[str, tuple[m.KVRanked, float]] = {}   # transfer -> (its manifest, give up at)
 
     # ------------------------------------------------------------------ messages from the I/O thread
     def post(self, msg, frames: list | None = None) -> bool:
@@ -72,13 +74,33 @@ class WorkerShell:
             return False
         with self.lock:
             early = isinstance(msg, m.EARLY) and not (self._tp and isinstance(msg, RANK_COLLECTIVES))
-            now = not self._pending and (not self._in_step or early)
+            if isinstance(msg, m.KVRanked) and not self.engine.runner.kv_ready(msg.transfer, msg.num_tokens):
+                # its ranks' heads are still on their way: applied by poll_kv once they are in (or failed after
+                # CLAIM_WAIT_S), never waited for here, where the heartbeats and other messages must keep moving
+                self._awaiting[msg.transfer] = (msg, time.monotonic() + CLAIM_WAIT_S)
+                return False
+            # rank-to-rank sends wait on sockets: on the step thread, not on the I/O thread
+            sends = isinstance(msg, m.SendKV) and bool(msg.dst_rank_addrs)
+            now = not self._pending and (not self._in_step or early) and not sends
             if now:
                 self._apply(msg, frames)
             else:
                 self._pending.append((msg, frames))
             self._wake.notify()                               # a new request is work; a queued message too
             return now
+
+    def poll_kv(self) -> bool:
+        """Apply the rank-to-rank manifests whose ranks now all hold their heads, and fail those that waited
+        CLAIM_WAIT_S; True if any was applied (its replies are then queued)."""
+        if not self._awaiting:
+            return False
+        with self.lock:
+            now, ready = time.monotonic(), self.engine.runner.kv_ready
+            due = [t for t, (msg, give_up) in self._awaiting.items()
+                   if give_up <= now or ready(msg.transfer, msg.num_tokens)]
+            for t in due:
+                self._apply(self._awaiting.pop(t)[0], [])
+        return bool(due)
 
     def _apply(self, msg, frames: list | None) -> None:
         if frames is None:
@@ -173,7 +195,7 @@ class WorkerShell:
     def _kv_ranked(self, head: m.KVRanked) -> None:
         """A transfer that came rank to rank: acknowledged once every rank holds its heads, else failed whole."""
         try:
-            staged = self.engine.receive_staged(head.request_id, head.transfer, head.num_tokens)
+            staged = self.engine.receive_staged(head.request_id, head.transfer, head.num_tokens, wait_s=0.0)
         except (EngineError, KVTransferError) as e:
             log.warning("worker %d: dropped KV for %s: %s", self.id, head.request_id, e)
             self.send_up(m.WorkerFailure(head.request_id, f"KV transfer to worker {self.id} failed: {e}"))

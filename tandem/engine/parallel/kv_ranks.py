@@ -36,6 +36,10 @@ class KVEndpoint(Protocol):
     def send(self, address: str, part: HeadPart, data: memoryview) -> None:
         """Send one part to the endpoint at `address`; raises (one line) when it cannot go out."""
 
+    def notify(self, address: str, transfer: str, rank: int, nbytes: int, counts: tuple[int, int]) -> None:
+        """Tell the driver's endpoint at `address` that rank `rank` holds its heads of `transfer` (returns at once;
+        its endpoint calls the driver staging's note_remote)."""
+
     def close(self) -> None: ...
 
 
@@ -72,9 +76,16 @@ class RankKV:
     def open(cls, factory: EndpointFactory, rank: int, size: int, total_heads: int, layers: int, head_dim: int,
              dtype: torch.dtype, max_tokens: int) -> RankKV:
         first, count = kv_head_spans(total_heads, size)[rank]
-        plane = cls(rank, size, total_heads, KVStaging(layers, first, count, head_dim, dtype, max_tokens))
+        plane = cls(rank, size, total_heads, KVStaging(layers, first, count, head_dim, dtype, max_tokens,
+                                                       driver=rank == 0))
         plane.endpoint = factory(plane.staging)
         return plane
+
+    def report_to(self, driver: str) -> None:
+        """A rank other than the driver: tell the driver's endpoint each transfer it completes here."""
+        endpoint = self.endpoint
+        assert endpoint is not None
+        self.staging.on_complete = lambda t, n: endpoint.notify(driver, t, self.rank, n, self.counts())
 
     def counts(self) -> tuple[int, int]:
         """(bytes sent, bytes received) by this rank's endpoint so far."""
@@ -145,16 +156,10 @@ def rank_send(plane: RankKV | None, size: int, kv_caches: list[torch.Tensor], dr
     _gather(size, (err, plane.counts() if plane else (0, 0)))
 
 
-def rank_claim(plane: RankKV | None, size: int, drops: list[str], transfer: str, tokens: int,
-               wait_s: float) -> None:
-    """A rank's side of `DriverPlane.claim`: wait for its heads, then all ranks learn whether every one has them;
-    when one has not, every rank forgets the transfer."""
-    got = -1 if plane is None else plane.staging.claim(transfer, tokens, wait_s)
+def rank_peers(plane: RankKV | None, addresses: list[str]) -> None:
+    """The "kv_peers" command: every rank's endpoint is open; report completed transfers to the driver's."""
     if plane is not None:
-        plane.staging.drop(drops)
-    every = _gather(size, (got, plane.counts() if plane else (0, 0)))
-    if plane is not None and any(g < 0 for g, _ in every):
-        plane.staging.drop([transfer])
+        plane.report_to(addresses[0])
 
 
 def rank_place(plane: RankKV | None, kv_caches: list[torch.Tensor], drops: list[str], *args: Any) -> None:
@@ -195,6 +200,8 @@ class DriverPlane:
             if box:
                 box[0].close()
             raise KVTransferError(f"rank {bad[0][0]} could not open its KV endpoint: {bad[0][1][1:]}")
+        if group is not None:
+            group.send("kv_peers", list(every))
         return cls(group, box[0], list(every), [(0, 0)] * size)
 
     @property
@@ -202,8 +209,18 @@ class DriverPlane:
         return len(self.addresses)
 
     def _take_drops(self) -> list[str]:
-        drops, self.drops = self.drops, []
+        drops, self.drops = self.drops + self.own.staging.take_expired(), []
         return drops
+
+    def ready(self, transfer: str, tokens: int) -> bool:
+        """Whether every rank holds its heads of the transfer now (a claim would not wait)."""
+        return tokens == 0 or self.own.staging.ready(transfer, tokens, self.size - 1)
+
+    def byte_counts(self) -> list[tuple[int, int]]:
+        """(bytes sent, bytes received) per rank's endpoint: the driver's now, the others' as last reported."""
+        remote = self.own.staging.remote_counts
+        return [self.own.counts()] + [tuple(max(a, b) for a, b in zip(self.counts[r], remote.get(r, (0, 0))))
+                                      for r in range(1, self.size)]
 
     def send(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int, end: int,
              transfer: str, dst: list[str], part_tokens: int) -> None:
@@ -227,16 +244,13 @@ class DriverPlane:
         keeps any of it."""
         if tokens == 0:
             return StagedKV(transfer, 0, 0)
-        if self.group is not None:
-            self.group.send("kv_claim", self._take_drops(), transfer, tokens, wait_s)
-        got = self.own.staging.claim(transfer, tokens, wait_s)
-        every = self._collect((got, self.own.counts()))
-        missing = [r for r, (g, _) in enumerate(every) if g < 0]
-        if missing:
-            self.own.staging.drop([transfer])
+        got, missing = self.own.staging.claim_all(transfer, tokens, self.size - 1, wait_s)
+        if got < 0:
+            if self.group is not None:
+                self.drops.append(transfer)
             raise KVTransferError(f"rank {missing[0]} did not receive its KV heads of a {tokens}-token transfer "
                                   f"within {wait_s:g} s ({len(missing)} of {self.size} ranks incomplete)")
-        return StagedKV(transfer, tokens, sum(g for g, _ in every))
+        return StagedKV(transfer, tokens, got)
 
     def place(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int,
               staged: StagedKV) -> None:

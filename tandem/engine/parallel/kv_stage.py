@@ -1,9 +1,12 @@
 """One rank's landing area for KV sent to it rank to rank: the parts of each transfer (its own KV heads only, head_map's
 share) copied into one host tensor per transfer, checked against this rank's heads and geometry before anything is
-kept, until the driver claims the transfer (every rank complete, or the transfer fails on all) and places it in the
-session's blocks. Thread-safe: the rank's endpoint adds from its own thread, the command loop waits and takes."""
+kept. A rank other than the driver tells its driver when it holds every cell of a transfer (`on_complete`); the
+driver's staging keeps those notices (`note_remote`), so the driver claims a transfer (every rank complete, or it
+fails on all) without a group command, and the heads are placed in the session's blocks later. Thread-safe: the
+rank's endpoint adds from its own thread, the command loop or the worker's threads check, claim and take."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,8 +16,10 @@ import torch
 
 from tandem.engine.kv_transfer import KVPayload, KVTransferError, dtype_name
 
-STAGE_TTL_S = 60.0          # an unclaimed transfer (its manifest never came) is dropped after this long
-MAX_STAGED = 64             # transfers a rank holds at once (the oldest unclaimed one goes first)
+log = logging.getLogger(__name__)
+
+STAGE_TTL_S = 60.0          # an incomplete transfer, or one the driver never claimed, is dropped after this long
+MAX_STAGED = 256            # transfers a rank holds at once (beyond: the oldest unclaimed one goes, with a warning)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +68,15 @@ class KVStaging:
     max_tokens: int             # the longest sequence: no transfer may be longer
     clock: Callable[[], float] = time.monotonic
     received_bytes: int = 0     # payload bytes accepted so far (this rank's endpoint counter)
+    driver: bool = True         # the driver's staging: it claims; another rank's holds complete transfers until told
+    # another rank: called (transfer, its bytes here) once a transfer is complete here, outside the lock
+    on_complete: Callable[[str, int], None] | None = None
+    on_change: Callable[[], None] | None = None      # driver: called (outside the lock) when a transfer may be ready
     _entries: dict[str, _Entry] = field(default_factory=dict, init=False)
+    _remote: dict[str, dict[int, int]] = field(default_factory=dict, init=False)   # driver: transfer -> rank -> bytes
+    # driver: each other rank's endpoint (bytes sent, bytes received), as its last notice said
+    remote_counts: dict[int, tuple[int, int]] = field(default_factory=dict, init=False)
+    _expired: list[str] = field(default_factory=list, init=False)                  # driver: dropped unclaimed
     _cv: threading.Condition = field(default_factory=threading.Condition, init=False)
 
     def add(self, part: HeadPart, buf) -> None:
@@ -102,37 +115,83 @@ class KVStaging:
             cells.fill_(True)
             entry.nbytes += raw.numel()
             self.received_bytes += raw.numel()
+            done = bool(entry.filled.all())
             self._cv.notify_all()
+        if done and self.on_complete is not None:
+            self.on_complete(p.transfer, entry.nbytes)
+        if done and self.on_change is not None:
+            self.on_change()
 
     def _expire(self) -> None:
+        """Drop what waits too long: on the driver an unclaimed transfer, on another rank an incomplete one (a
+        complete one waits for the driver, which drops it when it drops its own); then the oldest beyond MAX_STAGED."""
         now = self.clock()
-        for key in [k for k, e in self._entries.items() if not e.claimed and now - e.started > STAGE_TTL_S]:
-            del self._entries[key]
-        unclaimed = [k for k, e in self._entries.items() if not e.claimed]
-        while len(self._entries) >= MAX_STAGED and unclaimed:
-            del self._entries[unclaimed.pop(0)]
+        for key in [k for k, e in self._entries.items() if now - e.started > STAGE_TTL_S and not e.claimed
+                    and (self.driver or not bool(e.filled.all()))]:
+            self._drop(key)
+        for key in list(self._entries)[:max(0, len(self._entries) - MAX_STAGED + 1)]:
+            log.warning("KV staging full (%d transfers): dropped %s", MAX_STAGED, key)
+            self._drop(key)
 
-    def claim(self, transfer: str, tokens: int, wait_s: float) -> int:
-        """Wait up to wait_s for every cell of this rank's heads of a `tokens`-token transfer; on success mark it
-        claimed (kept until taken) and return its bytes here, else drop what came and return -1."""
+    def _drop(self, key: str) -> None:
+        del self._entries[key]
+        if self.driver:
+            self._expired.append(key)
+            self._remote.pop(key, None)
+
+    def take_expired(self) -> list[str]:
+        """Driver: the transfers it dropped unclaimed since the last call (the other ranks drop them too)."""
+        with self._cv:
+            out, self._expired = self._expired, []
+            return out
+
+    def note_remote(self, transfer: str, rank: int, nbytes: int, counts: tuple[int, int]) -> None:
+        """Driver: rank `rank` holds every cell of its heads of `transfer` (`nbytes` there); `counts` are its
+        endpoint's (bytes sent, bytes received) so far."""
+        with self._cv:
+            old = self.remote_counts.get(rank, (0, 0))
+            self.remote_counts[rank] = (max(old[0], counts[0]), max(old[1], counts[1]))
+            if len(self._remote) >= MAX_STAGED and transfer not in self._remote:
+                self._remote.pop(next(iter(self._remote)))
+            self._remote.setdefault(transfer, {})[rank] = nbytes
+            self._cv.notify_all()
+        if self.on_change is not None:
+            self.on_change()
+
+    def _complete(self, transfer: str, tokens: int, others: int) -> bool:
+        entry = self._entries.get(transfer)
+        return entry is not None and entry.data.shape[2] == tokens and bool(entry.filled.all()) \
+            and len(self._remote.get(transfer, ())) == others
+
+    def ready(self, transfer: str, tokens: int, others: int) -> bool:
+        """Driver: whether this rank and the `others` other ranks all hold their heads of the transfer now."""
+        with self._cv:
+            return self._complete(transfer, tokens, others)
+
+    def claim_all(self, transfer: str, tokens: int, others: int, wait_s: float) -> tuple[int, list[int]]:
+        """Driver: wait up to wait_s until this rank and the `others` other ranks all hold their heads of a
+        `tokens`-token transfer; then mark it claimed here and return (its bytes over every rank, []), else drop it
+        here and return (-1, the ranks that were incomplete) (the caller has the other ranks drop it)."""
         deadline = time.monotonic() + wait_s
         with self._cv:
-            while True:
-                entry = self._entries.get(transfer)
-                if entry is not None and entry.data.shape[2] == tokens and bool(entry.filled.all()):
-                    entry.claimed = True
-                    return entry.nbytes
+            while not self._complete(transfer, tokens, others):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._entries.pop(transfer, None)
-                    return -1
+                    entry = self._entries.pop(transfer, None)
+                    remote = self._remote.pop(transfer, {})
+                    own_ok = entry is not None and entry.data.shape[2] == tokens and bool(entry.filled.all())
+                    return -1, [0] * (not own_ok) + [r for r in range(1, others + 1) if r not in remote]
                 self._cv.wait(left)
+            entry = self._entries[transfer]
+            entry.claimed = True
+            return entry.nbytes + sum(self._remote.pop(transfer, {}).values()), []
 
     def take(self, transfer: str) -> KVPayload:
-        """A claimed transfer's heads as a payload (forgotten here); KVTransferError when none is claimed."""
+        """A claimed (driver) or complete (another rank) transfer's heads as a payload, forgotten here;
+        KVTransferError when there is none."""
         with self._cv:
             entry = self._entries.get(transfer)
-            if entry is None or not entry.claimed:
+            if entry is None or not (entry.claimed or (not self.driver and bool(entry.filled.all()))):
                 raise KVTransferError(f"no claimed KV transfer {transfer!r} on this rank")
             del self._entries[transfer]
         d = entry.data
@@ -143,6 +202,7 @@ class KVStaging:
         with self._cv:
             for t in transfers:
                 self._entries.pop(t, None)
+                self._remote.pop(t, None)
 
     def __len__(self) -> int:
         with self._cv:

@@ -136,8 +136,8 @@ class _Shard:
                                                        mc.num_hidden_layers, mc.head_dim, self.dtype, cmd[2])
                 elif op == "kv_send":
                     kv_ranks.rank_send(self.kv_plane, self.size, self.kv_caches, *cmd[1:])
-                elif op == "kv_claim":
-                    kv_ranks.rank_claim(self.kv_plane, self.size, *cmd[1:])
+                elif op == "kv_peers":
+                    kv_ranks.rank_peers(self.kv_plane, cmd[1])
                 elif op == "kv_place":
                     kv_ranks.rank_place(self.kv_plane, self.kv_caches, *cmd[1:])
                 elif op == "stop":
