@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     """Register `serve` and `demo`."""
     p = sub.add_parser("serve", help="serve a model over the OpenAI API with prefill/decode worker processes")
     _add_server_args(p, demo=False)
-    add_knobs(p, ClusterConfig, ("deploy",))
+    add_knobs(p, ClusterConfig, ("deploy", "kv_transfer"))
     add_knobs(p, ServerOptions)
     p.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="serve a tiny model 1P+1D with AMPD and a baseline, replay multi-round sessions "

@@ -115,7 +115,8 @@ class ServingCluster:
         self.roles = dict(enumerate(roles))
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
                            dict(role=r, engine_args=self._role_args(args, r), state=cfg.state, perf=perf,
-                                threads=cfg.threads, **cfg.worker_kwargs.get(i, {})))
+                                threads=cfg.threads, rank_kv=cfg.kv_transfer == "rank-to-rank",
+                                **cfg.worker_kwargs.get(i, {})))
                 for i, r in enumerate(roles)]
 
     def _role_args(self, args: dict, role: str) -> dict:

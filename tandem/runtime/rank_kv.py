@@ -10,6 +10,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 
 import msgspec
 import zmq.asyncio
@@ -59,6 +60,7 @@ class RankEndpoint:
         self.staging, self.send_timeout_s = staging, send_timeout_s
         self.refused = 0                                   # parts the staging refused (not this rank's, malformed)
         self._notices: set[asyncio.Task] = set()           # notices to the driver on their way
+        self._sending: list[tuple[str, concurrent.futures.Future]] = []   # parts queued since the last flush
         self._ctx = zmq.asyncio.Context()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-rank-kv", daemon=True)
@@ -95,17 +97,32 @@ class RankEndpoint:
                 log.warning("rank KV endpoint %s: dropped a part of %s: %s", self.address, msg.transfer, e)
 
     def send(self, address: str, part: HeadPart, data: memoryview) -> None:
-        """Send one part and wait until it is out of the buffer (PeerUnreachable, MessageTooLarge: one line)."""
+        """Queue one part for the endpoint at `address` (zero-copy: `data` stays referenced until it is out);
+        `flush` waits for every queued part."""
         head = RankKVPart(part.transfer, part.src_rank, part.first_head, part.heads, part.offset, part.num_tokens,
                           part.total_tokens, part.dtype)
-        fut = asyncio.run_coroutine_threadsafe(self.outbox.send(address, head, data, wait_release=True), self._loop)
-        try:
-            fut.result(self.send_timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()                               # queued to a peer that never took it: drop the socket
-            self._loop.call_soon_threadsafe(self.outbox.forget, address)
-            raise PeerUnreachable(f"the rank KV endpoint at {address} took no part for {self.send_timeout_s:g} s "
-                                  "(gone, unreachable, or refusing this cluster's keys)") from None
+        self._sending.append((address, asyncio.run_coroutine_threadsafe(self.outbox.send(address, head, data),
+                                                                        self._loop)))
+
+    def flush(self) -> None:
+        """Wait until every queued part went out (queued only to completed connections: a receiver that is not
+        there raises PeerUnreachable within the send timeout; MessageTooLarge: one line)."""
+        sending, self._sending = self._sending, []
+        deadline = time.monotonic() + self.send_timeout_s
+        first: BaseException | None = None
+        for address, fut in sending:
+            try:
+                fut.result(max(0.0, deadline - time.monotonic()) + 0.5)
+            except concurrent.futures.TimeoutError:
+                fut.cancel()                           # a peer that never took it: drop the socket
+                self._loop.call_soon_threadsafe(self.outbox.forget, address)
+                first = first or PeerUnreachable(f"the rank KV endpoint at {address} took no part for "
+                                                 f"{self.send_timeout_s:g} s (gone, unreachable, or refusing this "
+                                                 "cluster's keys)")
+            except Exception as e:  # noqa: BLE001 - the first failure is raised once all are done
+                first = first or e
+        if first is not None:
+            raise first
 
     def notify(self, address: str, transfer: str, rank: int, nbytes: int, counts: tuple[int, int]) -> None:
         """Tell the driver's endpoint that this rank holds its heads of `transfer` (returns at once; from any

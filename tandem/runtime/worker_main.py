@@ -50,7 +50,7 @@ STEP_COUNTS = ("iteration_tokens", "dllm_commits", "dllm_chunks", "dllm_serve") 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
                publish_s: float = 0.02, perf: str | None = None, threads: int | None = None,
                drop_kv_sends: int = 0, kv_send_faults: list | None = None, step_sleep_s: float = 0.0,
-               drop_control: list[str] | None = None, kv_part_bytes: int | None = None) -> None:
+               drop_control: list[str] | None = None, kv_part_bytes: int | None = None, rank_kv: bool = True) -> None:
     """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process).
 
     Fault injection (tests, docs/runtime.md): `drop_kv_sends=N` silently drops this worker's next N KV sends, as
@@ -58,7 +58,9 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     `step_sleep_s` makes every engine step that long slower (a loaded machine's long prefill step);
     `drop_control` names coordinator messages (e.g. ["AddRequest"]) whose next one is lost, once per entry.
     `kv_part_bytes` is the most KV payload one message carries (None: kv_transfer.KV_PART_BYTES; a longer transfer
-    goes in parts); the KV inbox caps its frames at the largest such message of this deployment."""
+    goes in parts); the KV inbox caps its frames at the largest such message of this deployment. `rank_kv`: give
+    every rank a KV endpoint (KV then moves rank to rank with workers of another degree); else KV keeps to the
+    driver path."""
     import torch
 
     from tandem.engine.config import EngineConfig
@@ -91,7 +93,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     part_tokens = kv_part_tokens(bs, kv_bytes_per_token(*geometry), engine.max_model_len, kv_part_bytes)
     kv_cap = kv_message_max_bytes(bs, *geometry, engine.max_model_len, kv_part_bytes)
     inbox = env.inbox(CODEC, accept=tuple(m.KV), max_msg_bytes=kv_cap)     # CURVE, the cluster's KV keys
-    rank_addrs = open_rank_endpoints(engine, env, kv_cap)
+    rank_addrs = open_rank_endpoints(engine, env, kv_cap) if rank_kv else []
     outbox = env.outbox(CODEC, max_msg_bytes=kv_cap)
     up: collections.deque = collections.deque()        # to the coordinator, appended by both threads
     peer: collections.deque = collections.deque()      # to other workers' KV inboxes

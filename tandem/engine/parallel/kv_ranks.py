@@ -34,7 +34,10 @@ class KVEndpoint(Protocol):
     address: str
 
     def send(self, address: str, part: HeadPart, data: memoryview) -> None:
-        """Send one part to the endpoint at `address`; raises (one line) when it cannot go out."""
+        """Queue one part for the endpoint at `address` (`data` is not copied and must stay unchanged)."""
+
+    def flush(self) -> None:
+        """Wait until every queued part went out; raises (one line) when one cannot."""
 
     def notify(self, address: str, transfer: str, rank: int, nbytes: int, counts: tuple[int, int]) -> None:
         """Tell the driver's endpoint at `address` that rank `rank` holds its heads of `transfer` (returns at once;
@@ -104,6 +107,7 @@ class RankKV:
                 part = HeadPart(transfer, self.rank, mv.first, mv.count, off, int(chunk.shape[2]), n, local.dtype)
                 self.endpoint.send(dst[mv.dst], part, memoryview(chunk.view(torch.uint8).numpy()).cast("B"))
                 self.sent_bytes += chunk.numel() * chunk.element_size()
+        self.endpoint.flush()
 
     def place(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int,
               transfer: str) -> None:
