@@ -115,3 +115,29 @@ def test_kv_goes_rank_to_rank_in_the_live_server(tiny, offline, p_tp, d_tp):
         shares = [count / mc.num_key_value_heads for _, count in kv_head_spans(mc.num_key_value_heads, tp)]
         assert [ranks[(wid, "received", r)] for r in range(tp)] == [got * s for s in shares]
         assert sum(ranks[(wid, "sent", r)] for r in range(tp)) == gave
+
+
+@needs_two_cores
+def test_a_partial_rank_to_rank_transfer_falls_back_to_a_local_recompute(tiny, offline):
+    """Protects all-or-nothing in the live server: the prefill worker's first transfer sends every part to the tp=2
+    decode group's first rank (which refuses rank 1's heads, so rank 1 never completes); the decode worker gives up
+    after its claim wait (0.5 s here) and reports the transfer failed, the coordinator's core falls back as for a
+    transfer that timed out (the round routed remote is prefilled again on the decode worker: one KV fallback), and
+    every round's greedy tokens still equal the tp=1 engine's; the session is not lost (its next round reuses its
+    KV)."""
+    srv = LiveServer(ClusterConfig(tiny, 1, 1, 0, "dynamo", served_model_name=MODEL, engine_args=ENGINE,
+                                   role_tp={"prefill": 1, "decode": 2},
+                                   worker_kwargs={0: {"kv_send_faults": ["partial"]}, 1: {"kv_claim_wait_s": 0.5}}))
+    try:
+        rounds = _rounds(srv.url, offline.engine.model_config.vocab_size)
+        m = srv.metrics()
+    finally:
+        srv.stop()
+    refs = offline.generate([p for p, _, _ in rounds], SamplingParams(temperature=0.0, max_tokens=OUT,
+                                                                      ignore_eos=True))
+    assert [o for _, o, _ in rounds] == [r.outputs[0].token_ids for r in refs]
+    assert m["tandem:kv_transfer_timeouts_total"] == 1 and m["tandem:lost_requests_total"] == 0
+    assert (m["tandem:remote_prefills_total"], m["tandem:local_prefills_total"]) == (SESSIONS * len(NEW), 0)
+    later = [r for i, r in enumerate(rounds) if i % len(NEW)]
+    assert all(cached == len(prev[0]) + len(prev[1]) - 1 for prev, (_, _, cached) in
+               zip([r for i, r in enumerate(rounds) if i % len(NEW) != len(NEW) - 1], later))

@@ -187,8 +187,7 @@ class ServingCluster:
                                       block_size=int(first["block_size"]), slo=self._slo(),
                                       vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs,
                                       dllm_block=first.get("dllm_block"), dllm_canvas=first.get("dllm_canvas") is True,
-                                      audit_s=cfg.audit_interval_s,
-                                      rank_addr={wid: rank_kv_addresses(info) for wid, info in infos.items()})
+                                      audit_s=cfg.audit_interval_s, rank_addr=rank_kv_map(infos))
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump(), name="coordinator-pump"),
                        asyncio.create_task(self._tick(), name="coordinator-tick")]
@@ -497,6 +496,11 @@ def describe(deploy: str, pids: dict[int, tuple[str, int]], tp_of, infos: dict[i
         workers.append({"worker": wid, "role": role, "tensor_parallel_size": tp_of(wid), "pid": pid, "rank_pids": ranks,
                         "kv_rank_endpoints": len(rank_kv_addresses(info))})
     return {"deploy": deploy, "workers": workers}
+
+
+def rank_kv_map(infos: dict[int, dict]) -> dict[int, list[str]]:
+    """Each worker's ranks' KV endpoints (rank_kv_addresses), by worker id."""
+    return {wid: rank_kv_addresses(info) for wid, info in infos.items()}
 
 
 def rank_kv_addresses(info: dict) -> list[str]:

@@ -37,6 +37,13 @@ MAX_STEP_TOKENS = 1 << 20  # a StepCounts key beyond this (tokens in one engine 
 KV_BYTES_KEY = re.compile(r"driver|(sent|received)/\d{1,3}")    # StepCounts.kv_bytes keys a worker may report
 
 
+def add_kv_bytes(into: dict[str, int], worker: int, kv: dict[str, int]) -> None:
+    """A worker's StepCounts.kv_bytes (deltas by path) added to the cumulative counts, keys checked."""
+    for k, n in kv.items():
+        if KV_BYTES_KEY.fullmatch(k) and isinstance(n, int) and n >= 0:
+            into[f"{worker}/{k}"] = into.get(f"{worker}/{k}", 0) + n
+
+
 def params_dict(p: SamplingParams) -> dict:
     return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
 
@@ -257,15 +264,16 @@ class CoordinatorShell:
                     self.stats.dllm_serve[k] = self.stats.dllm_serve.get(k, 0) + n
             self.stats.rejected_frames += min(max(msg.rejected_frames, 0), MAX_STEP_TOKENS)
             self.stats.rejected_handshakes += min(max(msg.rejected_handshakes, 0), MAX_STEP_TOKENS)
-            for k, n in msg.kv_bytes.items():
-                if KV_BYTES_KEY.fullmatch(k) and isinstance(n, int) and n >= 0:
-                    key = f"{worker}/{k}"
-                    self.stats.kv_bytes[key] = self.stats.kv_bytes.get(key, 0) + n
+            add_kv_bytes(self.stats.kv_bytes, worker, msg.kv_bytes)
         elif isinstance(msg, m.KVReceived):
             req = self.reqs.get(msg.request_id)
             if req is None or msg.purpose not in req.transfers:
                 return
             tr = req.transfers.pop(msg.purpose)
+            if msg.failed:                                     # the core falls back (local recompute), as on a timeout
+                log.warning("worker %d: the %s KV of %s failed: %s", worker, msg.purpose, msg.request_id, msg.failed)
+                self._apply(self.coord.on_transfer_failed(tr, now, msg.failed))
+                return
             samples = self.stats.kv_transfer_seconds
             samples.append(msg.elapsed_s)
             if len(samples) > MAX_KV_SAMPLES:                  # nobody scrapes /metrics: keep the newest only

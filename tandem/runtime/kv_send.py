@@ -22,10 +22,11 @@ class KVSender:
     def __init__(self, engine: LLMEngine, worker_id: int, send_peer: Callable, wall: Callable[[], float],
                  faults: list, part_tokens: int | None = None) -> None:
         self.engine, self.id, self.send_peer, self.wall = engine, worker_id, send_peer, wall
-        # fault injection, one entry per KV send from now on: "drop" (lost), seconds (delayed), None (normal)
+        # fault injection, one entry per KV send from now on: "drop" (lost), "partial" (rank to rank: every part goes
+        # to the receiver's first rank, which refuses the other ranks' heads), seconds (delayed), None (normal)
         for f in faults:
-            if not (f is None or f == "drop" or (isinstance(f, (int, float)) and f >= 0)):
-                raise ValueError(f"a KV send fault is 'drop', a delay in seconds >= 0 or None, got {f!r}")
+            if not (f is None or f in ("drop", "partial") or (isinstance(f, (int, float)) and f >= 0)):
+                raise ValueError(f"a KV send fault is 'drop', 'partial', a delay in seconds >= 0 or None, got {f!r}")
         self.kv_send_faults = faults
         # the most tokens one KV message carries (None: as many whole blocks as fit in KV_PART_BYTES); a longer
         # transfer goes as parts in order, joined by the receiver, so every frame stays under the receiving inbox's cap
@@ -55,8 +56,9 @@ class KVSender:
 
     def _fault(self, msg: m.SendKV) -> str | float | None:
         fault = self.kv_send_faults.pop(0) if self.kv_send_faults else None
-        if fault == "drop":                                    # fault injection: the transfer is lost
-            log.warning("worker %d: dropped the %s KV of %s (fault injection)", self.id, msg.purpose, msg.request_id)
+        if fault in ("drop", "partial"):                       # fault injection: the transfer is lost, or part of it
+            log.warning("worker %d: %s the %s KV of %s (fault injection)", self.id,
+                        "dropped" if fault == "drop" else "sent only part of", msg.purpose, msg.request_id)
         elif fault:                                            # fault injection: the transfer is slow
             log.warning("worker %d: delaying the %s KV of %s by %g s (fault injection)", self.id, msg.purpose,
                         msg.request_id, fault)
@@ -66,10 +68,13 @@ class KVSender:
         """Every rank sends the receiving ranks their heads; then the control message alone, driver to driver."""
         transfer = f"{msg.request_id}/{msg.purpose}/{uuid.uuid4().hex[:12]}"
         sent_s = self.wall()
+        dst = list(msg.dst_rank_addrs)
+        if fault == "partial":
+            dst = dst[:1] * len(dst)
         n, tok, lps, _ = self.engine.send_kv_ranks(msg.purpose, msg.session_id, msg.request_id, msg.tokens, transfer,
-                                                   list(msg.dst_rank_addrs), self._part_tokens())
+                                                   dst, self._part_tokens())
         head = m.KVRanked(msg.request_id, msg.purpose, self.id, transfer, n, sent_s, tok, lps)
-        self.send_peer(msg.dst_addr, head, delay_s=float(fault or 0.0))
+        self.send_peer(msg.dst_addr, head, delay_s=fault if isinstance(fault, (int, float)) else 0.0)
 
     def _send_driver(self, msg: m.SendKV, fault: str | float | None | bool = False) -> None:
         """The whole payload from this driver to the receiving driver (KVData, in parts); `fault` already drawn, or
@@ -86,6 +91,7 @@ class KVSender:
         fault = self._fault(msg) if fault is False else fault
         if fault == "drop":
             return
+        fault = None if fault == "partial" else fault            # driver to driver: sent whole
         for offset, part in parts:
             head = m.KVData(msg.request_id, msg.purpose, self.id, part.num_tokens, part.dtype, list(part.shape),
                             sent_s, tok, lps, offset=offset, total_tokens=total)

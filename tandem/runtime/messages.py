@@ -211,13 +211,15 @@ class Events(msgspec.Struct, tag=True):
 
 
 class KVReceived(msgspec.Struct, tag=True):
-    """A KV payload landed on this worker (and is held until the coordinator says HistoryReady/KVArrived)."""
+    """A KV payload landed on this worker (and is held until the coordinator says HistoryReady/KVArrived); with
+    `failed`, a rank-to-rank transfer that did not reach every rank (the core falls back: local recompute)."""
 
     request_id: str
     purpose: str
     src_worker: int
     nbytes: int
     elapsed_s: float
+    failed: str = ""
 
 
 class Holding(msgspec.Struct, tag=True):

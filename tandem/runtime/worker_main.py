@@ -50,7 +50,8 @@ STEP_COUNTS = ("iteration_tokens", "dllm_commits", "dllm_chunks", "dllm_serve") 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
                publish_s: float = 0.02, perf: str | None = None, threads: int | None = None,
                drop_kv_sends: int = 0, kv_send_faults: list | None = None, step_sleep_s: float = 0.0,
-               drop_control: list[str] | None = None, kv_part_bytes: int | None = None, rank_kv: bool = True) -> None:
+               drop_control: list[str] | None = None, kv_part_bytes: int | None = None, rank_kv: bool = True,
+               kv_claim_wait_s: float | None = None) -> None:
     """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process).
 
     Fault injection (tests, docs/runtime.md): `drop_kv_sends=N` silently drops this worker's next N KV sends, as
@@ -60,7 +61,9 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     `kv_part_bytes` is the most KV payload one message carries (None: kv_transfer.KV_PART_BYTES; a longer transfer
     goes in parts); the KV inbox caps its frames at the largest such message of this deployment. `rank_kv`: give
     every rank a KV endpoint (KV then moves rank to rank with workers of another degree); else KV keeps to the
-    driver path."""
+    driver path. `kv_claim_wait_s`: how long a rank-to-rank transfer's ranks have to hold their heads once its
+    control message is in (None: kv_ranks.CLAIM_WAIT_S); "partial" in `kv_send_faults` sends a rank-to-rank transfer's
+    parts all to the receiver's first rank."""
     import torch
 
     from tandem.engine.config import EngineConfig
@@ -113,7 +116,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
     shell = WorkerShell(engine, env.worker_id, lambda msg, *b: up.append((msg, b)), send_peer,
                         drop_kv_sends=drop_kv_sends, kv_send_faults=kv_send_faults or (), step_sleep_s=step_sleep_s,
-                        drop_control=drop_control or (), kv_part_tokens=part_tokens)
+                        drop_control=drop_control or (), kv_part_tokens=part_tokens,
+                        **({} if kv_claim_wait_s is None else {"kv_claim_wait_s": kv_claim_wait_s}))
 
     engine.runner.on_kv_staged(wake)                  # a rank-to-rank transfer may be complete: poll_kv below
 

@@ -33,7 +33,8 @@ class WorkerShell:
     def __init__(self, engine: LLMEngine, worker_id: int, send_up: Callable, send_peer: Callable,
                  wall: Callable[[], float] = time.time, drop_kv_sends: int = 0,
                  kv_send_faults: Sequence[str | float | None] = (), step_sleep_s: float = 0.0,
-                 drop_control: Sequence[str] = (), kv_part_tokens: int | None = None) -> None:
+                 drop_control: Sequence[str] = (), kv_part_tokens: int | None = None,
+                 kv_claim_wait_s: float = CLAIM_WAIT_S) -> None:
         self.engine, self.id = engine, worker_id
         self._assembling: dict[tuple[str, str], tuple[KVAssembly, float]] = {}   # (request, purpose) -> parts so far
         self.step_sleep_s = step_sleep_s                      # fault injection: every model run that much longer
@@ -60,6 +61,7 @@ class WorkerShell:
         self._tp = engine.config.tensor_parallel_size > 1     # the engine's ranks run one collective at a time
         self.received_driver_bytes = 0                       # KV payload bytes received driver to driver
         self._awaiting: dict[str, tuple[m.KVRanked, float]] = {}   # transfer -> (its manifest, give up at)
+        self.kv_claim_wait_s = kv_claim_wait_s               # a rank-to-rank transfer's ranks have this long
 
     # ------------------------------------------------------------------ messages from the I/O thread
     def post(self, msg, frames: list | None = None) -> bool:
@@ -77,7 +79,7 @@ class WorkerShell:
             if isinstance(msg, m.KVRanked) and not self.engine.runner.kv_ready(msg.transfer, msg.num_tokens):
                 # its ranks' heads are still on their way: applied by poll_kv once they are in (or failed after
                 # CLAIM_WAIT_S), never waited for here, where the heartbeats and other messages must keep moving
-                self._awaiting[msg.transfer] = (msg, time.monotonic() + CLAIM_WAIT_S)
+                self._awaiting[msg.transfer] = (msg, time.monotonic() + self.kv_claim_wait_s)
                 return False
             # rank-to-rank sends wait on sockets: on the step thread, not on the I/O thread
             sends = isinstance(msg, m.SendKV) and bool(msg.dst_rank_addrs)
@@ -193,12 +195,16 @@ class WorkerShell:
             self._kv_payload(head, frames)
 
     def _kv_ranked(self, head: m.KVRanked) -> None:
-        """A transfer that came rank to rank: acknowledged once every rank holds its heads, else failed whole."""
+        """A transfer that came rank to rank: acknowledged once every rank holds its heads, else failed whole (the
+        coordinator's core falls back to a local recompute, as for a transfer that timed out)."""
         try:
             staged = self.engine.receive_staged(head.request_id, head.transfer, head.num_tokens, wait_s=0.0)
         except (EngineError, KVTransferError) as e:
             log.warning("worker %d: dropped KV for %s: %s", self.id, head.request_id, e)
-            self.send_up(m.WorkerFailure(head.request_id, f"KV transfer to worker {self.id} failed: {e}"))
+            self.send_up(m.KVReceived(head.request_id, head.purpose, head.src_worker, 0,
+                                      max(0.0, self.wall() - head.sent_s),
+                                      failed=f"worker {self.id}, {self.kv_claim_wait_s:g} s after its control "
+                                             f"message: {e}"))
             return
         self._received(head, staged.nbytes, head.sent_s)
 

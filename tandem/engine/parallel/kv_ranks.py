@@ -253,7 +253,7 @@ class DriverPlane:
             if self.group is not None:
                 self.drops.append(transfer)
             raise KVTransferError(f"rank {missing[0]} did not receive its KV heads of a {tokens}-token transfer "
-                                  f"within {wait_s:g} s ({len(missing)} of {self.size} ranks incomplete)")
+                                  f"({len(missing)} of {self.size} ranks incomplete)")
         return StagedKV(transfer, tokens, got)
 
     def place(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int,
