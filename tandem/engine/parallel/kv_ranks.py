@@ -53,6 +53,7 @@ class GroupLike(Protocol):
     """What this module needs of the driver's group (parallel/driver.py's RankGroup)."""
 
     size: int
+    device: torch.device
 
     def send(self, *command: Any) -> None: ...
 
@@ -130,6 +131,17 @@ def _gather(size: int, mine: Any) -> list[Any]:
     return out
 
 
+def _gather_ints(size: int, values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's few integers, in rank order: one all-gather of a small tensor (no pickling)."""
+    if size == 1:
+        return [values]
+    import torch.distributed as dist
+    mine = torch.tensor(values, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    out = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
 def _attempt(fn: Callable[[], Any]) -> str | None:
     """Run fn; the error as one line, or None."""
     try:
@@ -151,13 +163,17 @@ def rank_open(factory: EndpointFactory, rank: int, size: int, total_heads: int, 
     return plane[0] if plane else None
 
 
-def rank_send(plane: RankKV | None, size: int, kv_caches: list[torch.Tensor], drops: list[str],
-              *args: Any) -> None:
-    """A rank's side of `DriverPlane.send`: its parts out, then everyone's outcome and byte counts to everyone."""
+def rank_send(plane: RankKV | None, size: int, device: torch.device, kv_caches: list[torch.Tensor],
+              drops: list[str], *args: Any) -> None:
+    """A rank's side of `DriverPlane.send`: its parts out, then everyone's outcome and byte counts to everyone (a
+    failure's reason is in this rank's log)."""
     err = "no KV endpoint on this rank" if plane is None else _attempt(lambda: plane.send(kv_caches, *args))
+    if err:
+        log.warning("tensor-parallel rank %d: its KV heads could not go rank to rank: %s", 0 if plane is None
+                    else plane.rank, err)
     if plane is not None:
         plane.staging.drop(drops)
-    _gather(size, (err, plane.counts() if plane else (0, 0)))
+    _gather_ints(size, [int(bool(err)), *(plane.counts() if plane else (0, 0))], device)
 
 
 def rank_peers(plane: RankKV | None, addresses: list[str]) -> None:
@@ -238,10 +254,14 @@ class DriverPlane:
         if self.group is not None:
             self.group.send("kv_send", self._take_drops(), *args)
         err = _attempt(lambda: self.own.send(kv_caches, *args))
-        every = self._collect((err, self.own.counts()))
-        bad = [(r, e) for r, (e, _) in enumerate(every) if e]
+        mine = [int(bool(err)), *self.own.counts()]
+        every = self.group.run(lambda: _gather_ints(self.size, mine, self.group.device)) \
+            if self.group is not None else [mine]
+        self.counts = [(sent, got) for _, sent, got in every]
+        bad = [r for r, (failed, _, _) in enumerate(every) if failed]
         if bad:
-            raise KVTransferError(f"rank {bad[0][0]} could not send its KV heads: {bad[0][1]}")
+            why = err if bad[0] == 0 else "see its log"
+            raise KVTransferError(f"rank {bad[0]} could not send its KV heads ({why})")
 
     def claim(self, transfer: str, tokens: int, wait_s: float = CLAIM_WAIT_S) -> StagedKV:
         """Every rank holds its heads of the transfer (then kept until placed), or KVTransferError and no rank
@@ -273,11 +293,6 @@ class DriverPlane:
         self.own.staging.drop([staged.transfer])
         if self.group is not None:
             self.drops.append(staged.transfer)
-
-    def _collect(self, mine: tuple) -> list[tuple]:
-        every = self.group.run(lambda: _gather(self.size, mine)) if self.group is not None else [mine]
-        self.counts = [c for _, c in every]
-        return every
 
     def close(self) -> None:
         self.own.close()

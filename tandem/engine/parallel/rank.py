@@ -135,7 +135,7 @@ class _Shard:
                     self.kv_plane = kv_ranks.rank_open(cmd[1], self.rank, self.size, mc.num_key_value_heads,
                                                        mc.num_hidden_layers, mc.head_dim, self.dtype, cmd[2])
                 elif op == "kv_send":
-                    kv_ranks.rank_send(self.kv_plane, self.size, self.kv_caches, *cmd[1:])
+                    kv_ranks.rank_send(self.kv_plane, self.size, self.device, self.kv_caches, *cmd[1:])
                 elif op == "kv_peers":
                     kv_ranks.rank_peers(self.kv_plane, cmd[1])
                 elif op == "kv_place":
