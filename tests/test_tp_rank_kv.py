@@ -116,12 +116,15 @@ def reference(tiny, factory):
 
 
 @needs_two_cores
-@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
-def test_kv_moves_rank_to_rank_and_equals_one_rank(tiny, factory, reference, p_tp, d_tp):
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2), (4, 1), (1, 4)])
+def test_kv_moves_rank_to_rank_and_equals_one_rank(tiny, factory, reference, monkeypatch, p_tp, d_tp):
     """Protects rank-to-rank KV (two engines of one process: a tp=2 group's rank 1 is a real process with its own
     endpoint): over three rounds the decode engine's whole KV equals the tp=1 pair's (float tolerance of the
     all-reduce's order), tokens and cached tokens equal tp=1, no driver gathered or scattered a byte, and each
-    rank's endpoint received exactly its heads' share of what was sent to its engine (sent == received in all)."""
+    rank's endpoint received exactly its heads' share of what was sent to its engine. At tp=4 the tiny Qwen3's 2 KV
+    heads are replicated on two ranks each: every replica receives its head, and a replicated head is sent by one
+    holder only (the senders' bytes add up to every head once)."""
+    monkeypatch.setattr(group, "usable_cpus", lambda: 4)        # tp=4: four rank processes on this machine's cores
     news, want, cached_ref, sent_ref, d1 = reference
     p, pa = _engine(tiny, "prefill", 0, p_tp, factory)
     d, da = _engine(tiny, "decode", 1, d_tp, factory)
@@ -138,15 +141,14 @@ def test_kv_moves_rank_to_rank_and_equals_one_rank(tiny, factory, reference, p_t
     assert got == want and cached == cached_ref
     assert [s[:2] for s in sent] == [s[:2] for s in sent_ref]
     assert pb["driver"] == 0 and db["driver"] == 0
-    into = {"history": sum(b for k, _, b in sent if k == "history"),
-            "incremental": sum(b for k, _, b in sent if k == "incremental")}
-    assert into["incremental"] == sum(b for k, _, b in sent_ref if k == "incremental")
+    # the payload (every KV head once) of each direction, as the tp=1 pair sent it
+    payload = {k: sum(b for kind, _, b in sent_ref if kind == k) for k in ("history", "incremental")}
     for eng, tp, purpose in ((pb, p_tp, "history"), (db, d_tp, "incremental")):
-        shares = [c / 2 for _, c in kv_head_spans(2, tp)]           # the tiny Qwen3 has 2 KV heads
-        assert [eng[f"received/{r}"] for r in range(tp)] == [into[purpose] * s for s in shares]
-    assert sum(pb[f"sent/{r}"] for r in range(p_tp)) == into["incremental"]
-    assert sum(db[f"sent/{r}"] for r in range(d_tp)) == into["history"]
-
+        shares = [count / 2 for _, count in kv_head_spans(2, tp)]     # the tiny Qwen3 has 2 KV heads
+        assert [eng[f"received/{r}"] for r in range(tp)] == [payload[purpose] * sh for sh in shares]
+    # each head once from one holder, to every rank that holds it on the receiving side
+    assert sum(pb[f"sent/{r}"] for r in range(p_tp)) == payload["incremental"] * max(1, d_tp // 2)
+    assert sum(db[f"sent/{r}"] for r in range(d_tp)) == payload["history"] * max(1, p_tp // 2)
 
 @needs_two_cores
 def test_a_transfer_missing_a_rank_fails_whole_and_keeps_the_request(tiny, factory, reference):

@@ -6,12 +6,14 @@ A transfer from a group at tp=a to a group at tp=b: the sending driver tells its
 positions and which destination endpoints; each sending rank exports its own heads and sends each receiving rank
 exactly the heads `head_map.regroup_plan` gives it from this rank (a replicated head from one holder only; a < b: one
 sender, several receivers; a > b: one receiver, several senders). Only a small control message (the transfer id, its
-length, the first token) then goes driver to driver. The receiving driver claims the transfer with one group command:
-each rank waits (bounded) until it holds every cell of its heads; all ranks complete or the transfer fails on every
-rank (all-or-nothing: the caller reports a failed transfer, as on the driver path). The staged heads are written
-into the session's blocks later, on each rank, when the engine places the KV (`place`).
+length, the first token) then goes driver to driver. Each receiving rank other than the driver tells its driver's
+endpoint (a notice without payload, `report_to`) once it holds every cell of its heads; the receiving driver claims
+the transfer when it and every other rank are complete, waiting a bounded time, without a group command; otherwise
+the transfer fails on every rank (all-or-nothing: the caller reports a failed transfer). The staged heads are written
+into the session's blocks later, on each rank, when the engine places the KV (`place`, one group command).
 
-Byte counts: each rank counts what its endpoint sent and received; the driver gathers them at every command."""
+Byte counts: each rank counts what its endpoint sent and received; the driver learns them from each send's
+all-gather and each notice."""
 from __future__ import annotations
 
 import logging
@@ -25,7 +27,7 @@ from tandem.engine.parallel.head_map import KVMove, kv_head_spans, regroup_plan
 from tandem.engine.parallel.kv_stage import HeadPart, KVStaging, StagedKV
 
 log = logging.getLogger(__name__)
-CLAIM_WAIT_S = 10.0         # a receiving rank waits this long for its heads once the sender's manifest is in
+CLAIM_WAIT_S = 10.0         # a transfer's ranks have this long to hold their heads once its control message is in
 
 
 class KVEndpoint(Protocol):
@@ -187,7 +189,11 @@ def rank_place(plane: RankKV | None, kv_caches: list[torch.Tensor], drops: list[
     if plane is None:
         raise KVTransferError("no KV endpoint on this rank")
     plane.staging.drop(drops)
-    plane.place(kv_caches, *args)
+    try:
+        plane.place(kv_caches, *args)
+    except KVTransferError as e:             # the driver placed its heads: this rank's part of the session is stale
+        log.error("tensor-parallel rank %d: could not place its KV heads: %s", plane.rank, e)
+        raise
 
 
 # ------------------------------------------------------------------ the driver
