@@ -98,12 +98,15 @@ def test_kv_goes_rank_to_rank_in_the_live_server(tiny, offline, p_tp, d_tp):
     finally:
         srv.stop()
     assert status["deploy"] == f"P:tp{p_tp}x1,D:tp{d_tp}x1"
+    ranked = p_tp > 1 or d_tp > 1                     # between tp=1 workers no rank opens a KV endpoint
     assert [(w["worker"], w["role"], w["tensor_parallel_size"], len(w["rank_pids"]), w["kv_rank_endpoints"])
-            for w in status["workers"]] == [(0, "prefill", p_tp, p_tp - 1, p_tp), (1, "decode", d_tp, d_tp - 1, d_tp)]
+            for w in status["workers"]] == [(0, "prefill", p_tp, p_tp - 1, p_tp * ranked),
+                                            (1, "decode", d_tp, d_tp - 1, d_tp * ranked)]
     w1 = status["workers"][1]
     ranks_text = f"pids {w1['pid']} driver, {w1['rank_pids'][0]} rank 1" if d_tp == 2 else f"pid {w1['pid']}"
+    kv_text = "a KV endpoint per rank" if ranked else "KV through its driver only"
     assert banner[0] == f"tandem: deployment P:tp{p_tp}x1,D:tp{d_tp}x1"
-    assert banner[2] == f"tandem: decode worker 1: tp{d_tp} ({ranks_text}; a KV endpoint per rank)"
+    assert banner[2] == f"tandem: decode worker 1: tp{d_tp} ({ranks_text}; {kv_text})"
     refs = offline.generate([p for p, _, _ in rounds], SamplingParams(temperature=0.0, max_tokens=OUT,
                                                                       ignore_eos=True))
     assert [o for _, o, _ in rounds] == [r.outputs[0].token_ids for r in refs]

@@ -24,7 +24,7 @@ from tandem.policy.laps.cost import boundary_from_profile
 from tandem.policy.presets import PolicySpec, PrefillSchedKind, get_policy
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError, add_memory_reports
-from tandem.runtime.cluster_config import ClusterConfig, RESTART_WINDOW_S
+from tandem.runtime.cluster_config import KV_TRANSFERS, ClusterConfig, RESTART_WINDOW_S
 from tandem.runtime.coordinator_shell import CoordinatorShell
 from tandem.runtime.costs import serving_cost_model
 from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError
@@ -113,10 +113,10 @@ class ServingCluster:
             model, perf = str(Path(model).resolve()), perf and str(Path(perf).resolve())
         args = dict(cfg.engine_args, model=model, policy=spec.name, policy_options={**cfg.policy_knobs(), **opts})
         self.roles = dict(enumerate(roles))
+        rank_kv = wants_rank_kv(cfg, [self._role_args(args, r) for r in set(roles)])
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
                            dict(role=r, engine_args=self._role_args(args, r), state=cfg.state, perf=perf,
-                                threads=cfg.threads, rank_kv=cfg.kv_transfer == "rank-to-rank",
-                                **cfg.worker_kwargs.get(i, {})))
+                                threads=cfg.threads, rank_kv=rank_kv, **cfg.worker_kwargs.get(i, {})))
                 for i, r in enumerate(roles)]
 
     def _role_args(self, args: dict, role: str) -> dict:
@@ -420,8 +420,7 @@ class ServingCluster:
 
     def deployment(self) -> dict:
         """The deployment as given (`--deploy`'s form) and each running worker (`describe`)."""
-        infos = {wid: wp.info or {} for wid, wp in self.procs.workers.items()} if self.procs is not None else {}
-        return describe(deploy_spec(self.cfg, self.roles, self.worker_tp), self.worker_pids(), self.worker_tp, infos)
+        return describe(self)
 
     def rank_pids(self) -> dict[int, list[int]]:
         """Each running worker's other tensor-parallel ranks' process ids (from its Ready; empty at tp=1)."""
@@ -485,17 +484,23 @@ def deploy_spec(cfg: ClusterConfig, roles: dict[int, str], tp_of) -> str:
     return ",".join(f"{letters[r]}:tp{t}x{n}" for (r, t), n in groups.items())
 
 
-def describe(deploy: str, pids: dict[int, tuple[str, int]], tp_of, infos: dict[int, dict]) -> dict:
-    """Each running worker from its (role, pid), degree and Ready info: role, tensor-parallel degree, driver and rank
-    process ids, and how many of its ranks have KV endpoints (all: KV moves rank to rank with workers of another
+def describe(cluster: ServingCluster) -> dict:
+    """The deployment as given and each running worker from its Ready info: role, tensor-parallel degree, driver and
+    rank process ids, and how many of its ranks have KV endpoints (all: KV moves rank to rank with workers of another
     degree; none: only through its driver)."""
     workers = []
-    for wid, (role, pid) in pids.items():
-        info = infos.get(wid, {})
+    for wid, (role, pid) in cluster.worker_pids().items():
+        info = cluster.procs.workers[wid].info or {}
         ranks = [int(p) for p in info.get("rank_pids") or () if isinstance(p, int)]
-        workers.append({"worker": wid, "role": role, "tensor_parallel_size": tp_of(wid), "pid": pid, "rank_pids": ranks,
-                        "kv_rank_endpoints": len(rank_kv_addresses(info))})
-    return {"deploy": deploy, "workers": workers}
+        workers.append({"worker": wid, "role": role, "tensor_parallel_size": cluster.worker_tp(wid), "pid": pid,
+                        "rank_pids": ranks, "kv_rank_endpoints": len(rank_kv_addresses(info))})
+    return {"deploy": deploy_spec(cluster.cfg, cluster.roles, cluster.worker_tp), "workers": workers}
+
+
+def wants_rank_kv(cfg: ClusterConfig, role_args: list[dict]) -> bool:
+    """Whether the workers open rank KV endpoints: KV rank to rank is asked for and some worker is at tp > 1 (between
+    tp=1 workers KV always goes driver to driver)."""
+    return cfg.kv_transfer == KV_TRANSFERS[0] and any(a.get("tensor_parallel_size", 1) > 1 for a in role_args)
 
 
 def rank_kv_map(infos: dict[int, dict]) -> dict[int, list[str]]:
