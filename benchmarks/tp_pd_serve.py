@@ -7,8 +7,10 @@ round's history KV goes from the decode worker to the prefill worker and the new
 degrees): `--sessions` multi-round sessions of a tiny Qwen3 (2 KV heads; made here, offline) over HTTP, greedy,
 `--concurrency` sessions at a time. Per deployment: rounds whose tokens equal the tp=1 offline engine's on the whole
 conversation, rounds whose cached tokens are the session's previous prompt + output - 1 (the decode worker reused
-the KV it was sent), remote prefills, KV transfers and their mean seconds (/metrics), wall time and its ratio to the
-P:tp1x1,D:tp1x1 baseline measured in the same run. Writes table.md, results.json and a PNG of the wall times (the
+the KV it was sent), remote prefills, KV transfers and their mean seconds (/metrics), the KV bytes that went through
+each worker's driver and those each rank's endpoint received (rank to rank; /metrics), wall time and its ratio to the
+P:tp1x1,D:tp1x1 baseline measured in the same run. Each deployment with a tp>1 worker runs twice, KV rank to rank
+(the default) and through the drivers (`--kv-transfer driver`). Writes table.md, results.json and a PNG of the wall times (the
 servers' logs stay in a temporary folder).
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -25,18 +28,24 @@ import httpx
 import torch
 from rich.progress import Progress
 
-from tandem.bench.serve_client import parse_prometheus
+from tandem.bench.serve_client import parse_kv_paths, parse_prometheus
 from tandem.bench.serve_process import serve_subprocess
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tiny_model import make_tiny_model
 
 DEPLOYS = ("P:tp1x1,D:tp1x1", "P:tp2x1,D:tp1x1", "P:tp1x1,D:tp2x1", "P:tp2x1,D:tp2x1")
+PATHS = ("rank-to-rank", "driver")  # --kv-transfer of each tp>1 deployment, both measured in the same run
 NEW = (48, 24, 12, 12, 12)          # new prompt tokens of each round
 OUT = 8                             # output tokens of each round
 SERVE = ["--policy", "dynamo", "--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-batched-tokens", "256"]
 METRICS = ("tandem:remote_prefills_total", "tandem:local_prefills_total", "tandem:kv_transfer_seconds_count",
            "tandem:kv_transfer_seconds_sum")
+
+
+def tensor_parallel(deploy: str) -> bool:
+    """Whether a deployment has a worker at tp > 1 (its KV can move rank to rank)."""
+    return any(int(t) > 1 for t in re.findall(r"tp(\d+)", deploy))
 
 
 def sessions_of(n: int, rounds: int, vocab: int) -> list[list[list[int]]]:
@@ -70,36 +79,47 @@ async def replay(url: str, model: str, news: list[list[list[int]]], concurrency:
         return await asyncio.gather(*(one(c, i) for i in range(len(news))))
 
 
-def measure(model_dir: str, deploy: str, news, concurrency: int, ref: dict, logdir: Path, progress) -> dict:
-    """One deployment's row."""
-    task = progress.add_task(deploy, total=len(news))
-    log = logdir / (deploy.replace(":", "").replace(",", "_") + ".log")
-    with serve_subprocess(["--model", model_dir, "--deploy", deploy, *SERVE], log) as (url, _):
+def measure(model_dir: str, deploy: str, path: str, news, concurrency: int, ref: dict, logdir: Path,
+            progress) -> dict:
+    """One deployment's row, KV moving by `path` (--kv-transfer)."""
+    task = progress.add_task(f"{deploy} {path}", total=len(news))
+    log = logdir / (deploy.replace(":", "").replace(",", "_") + f"_{path}.log")
+    with serve_subprocess(["--model", model_dir, "--deploy", deploy, "--kv-transfer", path, *SERVE], log) as (url, _):
         t0 = time.perf_counter()
         done = asyncio.run(replay(url, Path(model_dir).name, news, concurrency,
                                   lambda: progress.advance(task)))
         wall = time.perf_counter() - t0
-        m = parse_prometheus(httpx.get(url + "/metrics").text, METRICS)
+        time.sleep(0.5)                                # the workers' last byte counts reach the coordinator
+        text = httpx.get(url + "/metrics").text
+        m = parse_prometheus(text, METRICS)
+        ranks, driver = parse_kv_paths(text)
     rounds = [r for s in done for r in s]
     same = sum(r["token_ids"] == ref[tuple(r["prompt"])] for r in rounds)
     reused = sum(b["cached"] == len(a["prompt"]) + len(a["token_ids"]) - 1 for s in done for a, b in zip(s, s[1:]))
     transfers = m.get("tandem:kv_transfer_seconds_count", 0.0)
-    return {"deploy": deploy, "rounds": len(rounds), "same_as_tp1": same,
+    return {"deploy": deploy, "kv_transfer": path if tensor_parallel(deploy) else "driver", "rounds": len(rounds), "same_as_tp1": same,
             "later_rounds": sum(len(s) - 1 for s in done), "kv_reused": reused,
             "remote_prefills": m.get("tandem:remote_prefills_total", 0.0),
             "local_prefills": m.get("tandem:local_prefills_total", 0.0), "kv_transfers": transfers,
             "kv_transfer_ms": 1e3 * m.get("tandem:kv_transfer_seconds_sum", 0.0) / transfers if transfers else 0.0,
-            "wall_s": wall}
+            "wall_s": wall, "driver_bytes": {str(w): b for w, b in sorted(driver.items())},
+            "rank_received_bytes": {f"{w}/{r}": b for (w, d, r), b in sorted(ranks.items()) if d == "received"}}
 
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["wall_s"]
-    lines = ["| deployment | rounds equal to tp=1 | later rounds reusing sent KV | remote prefills | KV transfers | "
-             "mean transfer ms | wall s | wall / tp1 |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| deployment | KV path | rounds equal to tp=1 | later rounds reusing sent KV | remote prefills | "
+             "KV transfers | mean transfer ms | KV MB through P / D driver | KV MB received per rank, P; D | wall s | "
+             "wall / tp1 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| `{r['deploy']}` | {r['same_as_tp1']}/{r['rounds']} | {r['kv_reused']}/{r['later_rounds']} | "
+        mb = lambda b: f"{b / 1e6:.2f}"                                    # noqa: E731
+        drivers = " / ".join(mb(b) for b in r["driver_bytes"].values()) or "-"
+        got = {k: b for k, b in r["rank_received_bytes"].items() if b}
+        per_rank = "; ".join("/".join(mb(b) for k, b in got.items() if k.startswith(f"{w}/")) for w in ("0", "1")) \
+            if got else "-"
+        lines.append(f"| `{r['deploy']}` | {r['kv_transfer']} | {r['same_as_tp1']}/{r['rounds']} | {r['kv_reused']}/{r['later_rounds']} | "
                      f"{r['remote_prefills']:.0f} | {r['kv_transfers']:.0f} | {r['kv_transfer_ms']:.1f} | "
-                     f"{r['wall_s']:.1f} | {r['wall_s'] / base:.2f} |")
+                     f"{drivers} | {per_rank} | {r['wall_s']:.1f} | {r['wall_s'] / base:.2f} |")
     return "\n".join(lines)
 
 
@@ -108,7 +128,8 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    ax.barh([r["deploy"] for r in rows], [r["wall_s"] for r in rows], color="#4c72b0")
+    ax.barh([f"{r['deploy']} {r['kv_transfer']}" for r in rows], [r["wall_s"] for r in rows],
+            color=["#4c72b0" if r["kv_transfer"] == "rank-to-rank" else "#dd8452" for r in rows])
     ax.set_xlabel("wall seconds for every session")
     ax.invert_yaxis()
     fig.tight_layout()
@@ -141,7 +162,8 @@ def main() -> None:
         rows = []
         with Progress() as progress:
             for deploy in args.deploys.split(";"):
-                rows.append(measure(model_dir, deploy, news, args.concurrency, ref, Path(tmp), progress))
+                for path in PATHS if tensor_parallel(deploy) else PATHS[:1]:
+                    rows.append(measure(model_dir, deploy, path, news, args.concurrency, ref, Path(tmp), progress))
     md = table(rows)
     print(md)
     print(f"cores {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f}")

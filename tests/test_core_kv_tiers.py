@@ -293,7 +293,8 @@ def test_a_session_whose_context_is_gone_is_bound_again_by_load():
     """Two co-located H20 workers, continuum-tool with a 2-block host tier (no room for a context) and a 1 s idle
     expiry. b (long decode) binds to worker 0, a to worker 1, and c, arriving during a's 100 s tool call, to worker 1
     too (a's context still counts there) with a longer decode than b's. a's context is dropped at its expiry, so its
-    next round goes to the less loaded worker 0 (one rebind; worker 1 releases it) and every session completes. With
+    next round goes to the less loaded worker 0 (one rebind; worker 1 releases it; a's record names its new home) and
+    every session completes. With
     a 1000 s expiry a's context stays home (its held blocks outweigh the load) and nothing moves."""
     from tandem.sim.cluster import SimConfig, build
     from tandem.workload.session import Round, Session
@@ -306,12 +307,12 @@ def test_a_session_whose_context_is_gone_is_bound_again_by_load():
         loop.run(sessions)
         recs = {r.session_id: r for r in coord.records}
         assert not any(r.failed for r in recs.values())
-        assert (recs["b"].decode_worker, recs["a"].decode_worker, recs["c"].decode_worker) == (0, 1, 1)
-        return coord.rebinds, recs["a"].rounds[1]
-    moved, rnd = run(1.0)
-    assert moved == 1 and rnd.prefill_worker == 0 and rnd.history_tokens == 0
-    stayed, rnd = run(1000.0)
-    assert stayed == 0 and rnd.prefill_worker == 1 and rnd.history_tokens == 2001
+        assert (recs["b"].decode_worker, recs["c"].decode_worker) == (0, 1)
+        return coord.rebinds, recs["a"].decode_worker, recs["a"].rounds[1]
+    moved, home, rnd = run(1.0)
+    assert moved == 1 and home == 0 and rnd.prefill_worker == 0 and rnd.history_tokens == 0
+    stayed, home, rnd = run(1000.0)
+    assert stayed == 0 and home == 1 and rnd.prefill_worker == 1 and rnd.history_tokens == 2001
 
 
 def test_a_live_shell_asks_where_the_next_round_goes_before_pinning_it():

@@ -197,6 +197,28 @@ def parse_prometheus(text: str, names: Sequence[str] = PREFILL_COUNTERS) -> dict
     return out
 
 
+def parse_kv_paths(text: str) -> tuple[dict[tuple[int, str, int], float], dict[int, float]]:
+    """KV bytes by path from a /metrics page: (tandem:kv_rank_bytes_total by (worker, direction, rank),
+    tandem:kv_driver_path_bytes_total by worker)."""
+    ranks: dict[tuple[int, str, int], float] = {}
+    driver: dict[int, float] = {}
+    for line in text.splitlines():
+        for name in ("tandem:kv_rank_bytes_total{", "tandem:kv_driver_path_bytes_total{"):
+            if not line.startswith(name) or "}" not in line:
+                continue
+            labels = {k: v.strip('"') for k, _, v in (kv.partition("=") for kv in
+                                                       line[len(name):line.index("}")].split(","))}
+            try:
+                value = float(line.rsplit(" ", 1)[1])
+                if name.startswith("tandem:kv_rank"):
+                    ranks[(int(labels["worker"]), labels["direction"], int(labels["rank"]))] = value
+                else:
+                    driver[int(labels["worker"])] = value
+            except (KeyError, ValueError, IndexError):
+                continue
+    return ranks, driver
+
+
 async def _scrape(client, root: str) -> dict | None:
     try:
         r = await client.get(root + "/metrics")

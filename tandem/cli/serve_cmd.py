@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     """Register `serve` and `demo`."""
     p = sub.add_parser("serve", help="serve a model over the OpenAI API with prefill/decode worker processes")
     _add_server_args(p, demo=False)
-    add_knobs(p, ClusterConfig, ("deploy",))
+    add_knobs(p, ClusterConfig, ("deploy", "kv_transfer"))
     add_knobs(p, ServerOptions)
     p.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="serve a tiny model 1P+1D with AMPD and a baseline, replay multi-round sessions "
@@ -272,6 +272,18 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
             await cluster.shutdown()
 
 
+def deployment_lines(dep: dict) -> list[str]:
+    """The start banner's deployment: as given, then one line per worker with its role, tensor-parallel degree,
+    process ids (the driver's first) and how its KV moves."""
+    lines = [f"tandem: deployment {dep['deploy']}"]
+    for w in dep["workers"]:
+        pids = f"pid {w['pid']}" if not w["rank_pids"] else "pids " + ", ".join(
+            [f"{w['pid']} driver"] + [f"{p} rank {r}" for r, p in enumerate(w["rank_pids"], 1)])
+        kv = "a KV endpoint per rank" if w["kv_rank_endpoints"] else "KV through its driver only"
+        lines.append(f"tandem: {w['role']} worker {w['worker']}: tp{w['tensor_parallel_size']} ({pids}; {kv})")
+    return lines
+
+
 def cmd_serve(args) -> int:
     """Serve until interrupted."""
     cfg = _cluster_config(args)
@@ -304,8 +316,7 @@ def cmd_serve(args) -> int:
                   (f", {cfg.colocated} co-located" if cfg.colocated else "") +
                   (f"; Ray actors in namespace {cluster.ray_namespace}" if cfg.launcher == "ray" else "") + ")",
                   flush=True)
-            print("tandem: workers " + ", ".join(f"{wid} {role} (pid {pid})"
-                                                 for wid, (role, pid) in cluster.worker_pids().items()), flush=True)
+            print("\n".join(deployment_lines(cluster.deployment())), flush=True)
             await stop.wait()
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

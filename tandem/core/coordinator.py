@@ -2,16 +2,17 @@
 sessions, handles lost workers and failed transfers, keeps records. Every shell runs this one object."""
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from tandem.core.actions import (
-    Cancel, Delivered, ExpectReturn, HistoryReady, KVArrived, Release, RunLocal, Submit, Timer, ToolCall, Transfer,
+    Cancel, Delivered, ExpectReturn, HistoryReady, KVArrived, Release, RunLocal, Submit, ToolCall, Transfer,
     TransferPurpose,
 )
-from tandem.core.host_tier import KV_EVENTS, BlockStored, Medium
+from tandem.core.deadlines import Deadlines
+from tandem.core.homes import Homes
+from tandem.core.host_tier import KV_EVENTS
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
 from tandem.policy.binding import CacheAwareBinder, LeastKVBinder, PrefixAffinityBinder
 from tandem.policy.routing import ClusterView, Router
@@ -64,21 +65,18 @@ class Coordinator:
         self.recompute_history = recompute_history   # a remote prefill computes its history (vLLM's PD) or reads it
         self.max_context = max_context
         self.router = router
-        self.binder = binder or LeastKVBinder()
-        self.prefixes = getattr(self.binder, "index", None)   # what each worker may hold in its prefix cache
+        self.placement = Homes(view, binder or LeastKVBinder(), block_size)
+        self.binder, self.prefixes = self.placement.binder, self.placement.prefixes
         self.kv_timeout_s = kv_timeout_s
         self.session_ttl_s = session_ttl_s
         self.block_size = block_size
         self.live: dict[str, _Live] = {}
         self.rounds_done = 0                              # rounds finished so far (a progress signal for shells)
         self.records: list[SessionRecord] = []
-        self.committed: dict[int, int] = {w: 0 for w in view.home_workers()}
-        self.capacity = {w: view.capacity(w) for w in view.home_workers()}
+        self.committed, self.capacity = self.placement.committed, self.placement.capacity   # the same dicts
         self.transfers: dict[int, tuple[Transfer, float]] = {}   # in flight: id -> (transfer, started)
         self._xfer_ids = 0
-        self._deadlines: list[tuple[float, int, int, object]] = []
-        self._deadline_n = 0
-        self._armed = math.inf                            # the earliest Timer asked of the shell
+        self.deadlines = Deadlines(self._stale)
         self.kv_failures = 0                              # transfers failed or timed out (fell back to local)
         self.rebinds = 0                                  # bound sessions moved to another worker between rounds
 
@@ -87,26 +85,21 @@ class Coordinator:
         """Bind a new session to a worker (longest cached prefix of its first prompt, else least committed KV)
         and start its first round."""
         hashes = session.first_prompt_hashes(self.block_size)
-        homes = self._homes()
-        if not homes:                                     # every decode worker is lost: say so, drop nothing
+        w = self.placement.bind(hashes)
+        if w is None:                                     # every decode worker is lost: say so, drop nothing
             rec = SessionRecord(session.session_id, session.arrival_s, session.slo, len(session.rounds),
                                 finish_s=now, failed=True, fail_reason=NO_HOME)
             self.records.append(rec)
             return []
-        w = self.binder.bind(homes, self.committed, self.capacity, hashes)
         rec = SessionRecord(session.session_id, session.arrival_s, session.slo, len(session.rounds), decode_worker=w)
         self.records.append(rec)
         st = _Live(session, rec, w, hashes=hashes)
         self.live[session.session_id] = st
         return self._start_round(st, now)
 
-    def _homes(self) -> list[int]:
-        """Workers that can host sessions and are not lost."""
-        return [w for w in self.view.home_workers() if w in self.capacity]
-
     def homes(self) -> list[int]:
         """Live workers that can host sessions."""
-        return self._homes()
+        return self.placement.live()
 
     def on_tool_result(self, session_id: str, now: float) -> list:
         """The tool call of `session_id` returned: its next round's input is here."""
@@ -129,10 +122,9 @@ class Coordinator:
         rnd = Round(input_tokens, max_output_tokens)
         hashes = tuple(block_hashes)
         if st is None:
-            homes = self._homes()
-            if worker is None and not homes:
+            w = worker if worker is not None else self.placement.bind(hashes)
+            if w is None:
                 raise ValueError(NO_HOME)
-            w = worker if worker is not None else self.binder.bind(homes, self.committed, self.capacity, hashes)
             session = Session(session_id, now, [rnd], slo)
             rec = SessionRecord(session_id, now, slo, 1, decode_worker=w)
             self.records.append(rec)
@@ -162,8 +154,7 @@ class Coordinator:
     def pick_worker(self, block_hashes: Sequence[int] = ()) -> int | None:
         """The worker the binder would bind a new session with this prompt to (None: no live worker). A shell
         that must ask the worker first (its resident and cached KV) binds with on_round(worker=...) after."""
-        homes = self._homes()
-        return self.binder.bind(homes, self.committed, self.capacity, tuple(block_hashes)) if homes else None
+        return self.placement.bind(block_hashes)
 
     def touch(self, session_id: str, now: float) -> None:
         """A live session's next round is on its way (its shell is asking the worker): not idle any more."""
@@ -206,11 +197,8 @@ class Coordinator:
         liveness does that; InProcessState.drop in the simulator)."""
         out: list = []
         self._abandon(lambda tr: worker in (tr.src, tr.dst))
-        self.committed.pop(worker, None)
-        self.capacity.pop(worker, None)
-        if self.prefixes is not None:
-            self.prefixes.forget(worker)
-        homes = self._homes()
+        self.placement.lost(worker)
+        homes = self.placement.live()
         reason = f"worker lost: decode worker {worker} stopped"
         for st in list(self.live.values()):
             if st.worker == worker:
@@ -233,11 +221,7 @@ class Coordinator:
     def on_worker_joined(self, worker: int, now: float) -> list:
         """`worker` (re)started empty (a lost worker's replacement under the same id): it may host sessions again
         if it can, with nothing committed and no cached prefix. The view must list it again."""
-        if worker in self.view.home_workers():
-            self.capacity[worker] = self.view.capacity(worker)
-            self.committed[worker] = 0
-        if self.prefixes is not None:
-            self.prefixes.forget(worker)
+        self.placement.joined(worker)
         return []
 
     def on_transfer_failed(self, tr: Transfer, now: float, reason: str = "") -> list:
@@ -250,22 +234,15 @@ class Coordinator:
         """Time passed: abandon KV transfers older than kv_timeout_s (local recompute) and release the KV of
         sessions idle longer than session_ttl_s. Shells call this when a Timer falls due (or periodically)."""
         out: list = []
-        dl = self._deadlines
-        if self._armed <= now:
-            self._armed = math.inf
-        while dl and dl[0][0] <= now:
-            _, _, kind, key = heapq.heappop(dl)
-            if self._stale(kind, key):
+        dl = self.deadlines
+        for kind, key in dl.due(now):                   # checked one by one: handling one may end another
+            if dl.stale(kind, key):
                 continue
             if kind == _XFER:
                 out += self._fall_back(self.transfers.pop(key)[0], now)
             else:
                 out += self._expire(self.live[key[0]], now)
-        while dl and self._stale(dl[0][2], dl[0][3]):   # done transfers, sessions busy again: no tick for them
-            heapq.heappop(dl)
-        if dl and dl[0][0] < self._armed:
-            self._armed = dl[0][0]
-            out.append(Timer(self._armed))
+        dl.rearm(out)
         return out
 
     def _abandon(self, which) -> None:
@@ -276,7 +253,7 @@ class Coordinator:
     @property
     def timer_s(self) -> float:
         """When the coordinator next wants on_tick (the last Timer it asked for; inf: none)."""
-        return self._armed
+        return self.deadlines.armed
 
     def _stale(self, kind: int, key) -> bool:
         """A deadline whose transfer landed or whose session is no longer idle since then."""
@@ -284,15 +261,6 @@ class Coordinator:
             return key not in self.transfers
         st = self.live.get(key[0])
         return st is None or st.idle_since != key[1] or st.task is not None
-
-    def _arm(self, at: float, kind: int, key, out: list) -> None:
-        if at == math.inf:
-            return
-        self._deadline_n += 1
-        heapq.heappush(self._deadlines, (at, self._deadline_n, kind, key))
-        if at < self._armed:
-            self._armed = at
-            out.append(Timer(at))
 
     def _fall_back(self, tr: Transfer, now: float) -> list:
         """The transfer of a remote round failed or timed out: drop the remote work, prefill locally."""
@@ -331,7 +299,7 @@ class Coordinator:
             return self._fail(st, now, f"context exceeds the model's maximum: round {k} needs {need} "
                                        f"tokens, the model takes {self.max_context}")
         moved = self._rebind(st, need) if k and st.may_move else []
-        st.may_move = isinstance(self.binder, CacheAwareBinder)
+        st.may_move = self.placement.rebinding
         w = st.worker
         if need > self.capacity[w]:
             return moved + self._fail(st, now, f"KV exceeds the worker's capacity: round {k} needs {need} tokens, "
@@ -358,24 +326,11 @@ class Coordinator:
         return [*moved, Submit(target, task)]
 
     def _rebind(self, st: _Live, need: int) -> list:
-        """Cache-aware binding between rounds: the session moves when another worker scores higher than its own
-        with what that one holds of its context (its worker overloaded, or its context gone from both tiers); a
-        context coming back from the host tier stays. Returns the old worker's Release."""
-        sid, w = st.session.session_id, st.worker
-        if self.view.kv_loading(w, sid):
-            return []
-        gpu, host = self.view.held(w, sid)
-        bs = self.block_size
-        homes = self._homes()
-        new = self.binder.rebind(w, gpu // bs, (gpu + host) // bs, -(-need // bs), st.committed, homes,
-                                 self.committed, self.capacity, st.hashes)
-        if new == w:
-            return []
-        self.committed[w] -= st.committed
-        self.committed[new] += st.committed
-        st.worker = new
-        self.rebinds += 1
-        return [Release(w, sid)]
+        """Cache-aware binding between rounds (Homes.rebind); the old worker's Release if the session moved."""
+        w, sid = st.worker, st.session.session_id
+        st.worker = st.record.decode_worker = self.placement.rebind(w, sid, need, st.committed, st.hashes)
+        self.rebinds += st.worker != w
+        return [Release(w, sid)] if st.worker != w else []
 
     def _place(self, task: PrefillTask, target: int) -> None:
         """The task runs on `target`: local on its decode worker, else remote, where it reads its history or, with
@@ -413,9 +368,7 @@ class Coordinator:
             st = self.live.get(ev.session_id)
             return self._fail(st, now, ev.reason) if st is not None else []
         if isinstance(ev, KV_EVENTS):                  # cache-aware binding learns what each worker's tiers hold
-            if hasattr(self.prefixes, "observe"):
-                self.prefixes.observe(ev.worker, getattr(ev, "hashes", None), isinstance(ev, BlockStored),
-                                      getattr(ev, "medium", None) is Medium.GPU)
+            self.placement.observe(ev)
             return []
         raise TypeError(f"unknown worker event {ev!r}")
 
@@ -425,7 +378,7 @@ class Coordinator:
         tr = Transfer(src, dst, tokens, purpose, t, self._xfer_ids)
         self.transfers[tr.id] = (tr, now)
         out: list = [tr]
-        self._arm(now + self.kv_timeout_s, _XFER, tr.id, out)
+        self.deadlines.arm(now + self.kv_timeout_s, _XFER, tr.id, out)
         return out
 
     def on_transfer_done(self, tr: Transfer, now: float, elapsed_s: float) -> list:
@@ -462,7 +415,7 @@ class Coordinator:
         out: list = []
         if st.k < len(st.session.rounds) or st.open:      # between rounds: KV resident, idle until the next
             st.idle_since = now
-            self._arm(now + self.session_ttl_s, _IDLE, (ev.session_id, now), out)
+            self.deadlines.arm(now + self.session_ttl_s, _IDLE, (ev.session_id, now), out)
         if st.k < len(st.session.rounds):
             out += [ExpectReturn(st.worker, ev.session_id, rnd.tool_s)] if self.tool_hints else []
             out.append(ToolCall(ev.session_id, rnd.tool_s))

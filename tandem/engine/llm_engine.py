@@ -17,6 +17,8 @@ from tandem.engine.input_processor import InputProcessor
 from tandem.engine.kv_transfer import KVPayload
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.parallel.kv_ranks import CLAIM_WAIT_S
+from tandem.engine.parallel.kv_stage import StagedKV
 from tandem.engine.request_state import RequestTable
 from tandem.engine.sampler import SampleOutput
 from tandem.engine.sampling_params import SamplingParams
@@ -210,6 +212,17 @@ class LLMEngine:
     def receive_kv(self, request_id: str, payload: KVPayload) -> None:
         """Keep KV that arrived for a request until the coordinator says where it goes (HistoryReady/KVArrived)."""
         self.kv.receive_kv(request_id, payload)
+
+    def receive_staged(self, request_id: str, transfer: str, tokens: int, wait_s: float = CLAIM_WAIT_S) -> StagedKV:
+        """KV a peer sent rank to rank (every rank holds its heads, waiting at most wait_s, or KVTransferError and
+        none keeps any), kept until the coordinator says where it goes."""
+        return self.kv.receive_staged(request_id, transfer, tokens, wait_s)
+
+    def send_kv_ranks(self, purpose: str, session_id: str, request_id: str, tokens: int, transfer: str,
+                      dst: list[str], part_tokens: int) -> tuple[int, int, dict[int, float] | None, int]:
+        """A session's history or a task's new KV from every rank straight to the receiving ranks' endpoints `dst`:
+        (tokens, first token or -1, its logprobs, bytes sent)."""
+        return self.kv.send_kv_ranks(purpose, session_id, request_id, tokens, transfer, dst, part_tokens)
 
     def on_history_ready(self, request_id: str) -> None:
         """Prefill role: the history KV is here: place it in the task's blocks and let the task run."""

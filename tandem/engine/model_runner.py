@@ -11,13 +11,15 @@ from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block, nativ
 from tandem.engine.attention.metadata import AttnMetadata
 from tandem.engine.config import EngineConfig, EngineError, explicit_kv_pool, kv_pool_blocks, wants_memory_profile
 from tandem.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
-from tandem.engine.kv_transfer import KVPayload, SwapSpace, dtype_name, export_kv, import_kv
+from tandem.engine.kv_transfer import KVPayload, KVTransferError, SwapSpace, dtype_name, export_kv, import_kv
 from tandem.engine.loader import load_model, read_config
 from tandem.engine.logits import target_logprobs
 from tandem.engine.memory_profile import (DiffusionDummy, MemoryProfile, diffusion_worst_case, kv_budget, run_profile,
                                          weight_bytes, worst_case_batch)
 from tandem.engine.model_input import ModelInput
 from tandem.engine.parallel.group import TPGroup, check_shardable
+from tandem.engine.parallel.kv_ranks import CLAIM_WAIT_S, DriverPlane, EndpointFactory
+from tandem.engine.parallel.kv_stage import StagedKV
 from tandem.engine.prefill_graphs import PrefillGraphs, graph_buckets, graph_max_len, prefill_graphs_apply
 from tandem.engine.sampler import Sampler, SampleOutput
 from tandem.policy.task import COLOCATED, PREFILL
@@ -40,6 +42,7 @@ class ModelRunner:
         if self.tp.size > 1 and prefill_graphs_apply(cfg, self.device, role):     # checked before any rank starts
             raise EngineError(TP_LAPS_GRAPHS)
         self.group = None                              # the other ranks of a tensor-parallel worker (parallel/driver.py)
+        self.kv_plane = None                           # every rank's KV endpoint, once opened (parallel/kv_ranks.py)
         self.model, self.model_config = self._load()
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype
@@ -142,15 +145,67 @@ class ModelRunner:
         return kv_group.export(self.group, self.kv_caches, self.model_config.num_key_value_heads, block_table,
                                self.block_size, start, end)
 
-    def import_kv(self, block_table: list[int], start: int, payload: KVPayload) -> None:
+    def import_kv(self, block_table: list[int], start: int, payload: KVPayload | StagedKV) -> None:
         """Write a wire-layout payload into positions [start, start + num_tokens) of a sequence: under TP each rank
-        takes exactly its KV heads."""
+        takes exactly its KV heads; a transfer staged rank to rank is written by each rank from its own staging."""
+        if isinstance(payload, StagedKV):
+            if self.kv_plane is None:
+                raise KVTransferError("KV staged rank to rank on a worker without KV endpoints")
+            self.kv_plane.place(self.kv_caches, block_table, self.block_size, start, payload)
+            return
         if self.group is None:
             import_kv(self.kv_caches, block_table, self.block_size, start, payload)
             return
         from tandem.engine.parallel import kv_group
         kv_group.import_(self.group, self.kv_caches, self.model_config.num_key_value_heads, block_table,
                          self.block_size, start, payload)
+
+    def open_kv_plane(self, factory: EndpointFactory) -> list[str]:
+        """Give every rank a KV endpoint from the runtime's factory; their addresses in rank order (KVTransferError
+        when one cannot open: KV then keeps to the driver path)."""
+        mc = self.model_config
+        max_tokens = self.cfg.max_model_len or mc.max_position_embeddings
+        self.kv_plane = DriverPlane.open(self.group, factory, mc.num_key_value_heads, mc.num_hidden_layers,
+                                         mc.head_dim, self.dtype, max_tokens)
+        return list(self.kv_plane.addresses)
+
+    def send_kv_ranks(self, block_table: list[int], start: int, end: int, transfer: str, dst: list[str],
+                      part_tokens: int) -> int:
+        """Positions [start, end) from every rank straight to the receiving ranks' endpoints; the bytes sent."""
+        if self.kv_plane is None:
+            raise KVTransferError("this worker's ranks have no KV endpoints")
+        before = sum(c[0] for c in self.kv_plane.byte_counts())
+        self.kv_plane.send(self.kv_caches, block_table, self.block_size, start, end, transfer, dst, part_tokens)
+        return sum(c[0] for c in self.kv_plane.byte_counts()) - before
+
+    def claim_kv(self, transfer: str, tokens: int, wait_s: float = CLAIM_WAIT_S) -> StagedKV:
+        """A transfer every rank holds its heads of (kept until placed; waiting at most wait_s), or KVTransferError
+        and none keeps it."""
+        if self.kv_plane is None:
+            raise KVTransferError("this worker's ranks have no KV endpoints")
+        return self.kv_plane.claim(transfer, tokens, wait_s)
+
+    def on_kv_staged(self, fn) -> None:
+        """Call fn() (from the endpoint's thread) whenever a rank-to-rank transfer may have become complete."""
+        if self.kv_plane is not None:
+            self.kv_plane.own.staging.on_change = fn
+
+    def kv_ready(self, transfer: str, tokens: int) -> bool:
+        """Whether every rank holds its heads of a rank-to-rank transfer now (claim_kv would not wait)."""
+        return self.kv_plane is not None and self.kv_plane.ready(transfer, tokens)
+
+    def forget_kv(self, payload: KVPayload | StagedKV) -> None:
+        """KV received for a request that ended before it was placed: a staged transfer is forgotten on every rank."""
+        if isinstance(payload, StagedKV) and self.kv_plane is not None:
+            self.kv_plane.forget(payload)
+
+    def kv_bytes(self) -> dict[str, int]:
+        """Cumulative KV bytes by path: "sent/R", "received/R" per rank's endpoint, "driver" what the driver gathered
+        or scattered for its ranks (the driver path)."""
+        out = {"driver": 0 if self.group is None else self.group.forwarded_bytes}
+        for r, (sent, got) in enumerate(self.kv_plane.byte_counts() if self.kv_plane is not None else ()):
+            out[f"sent/{r}"], out[f"received/{r}"] = sent, got
+        return out
 
     @property
     def wire_geometry(self) -> tuple[int, int, int, str]:
@@ -171,6 +226,8 @@ class ModelRunner:
     def close(self, force: bool = False) -> None:
         """Stop a tensor-parallel group's other ranks (nothing to do without one): told to stop, or with `force`
         (another thread may be inside a collective) killed at once. Idempotent."""
+        if self.kv_plane is not None:
+            self.kv_plane.close()
         if self.group is not None:
             if force and self.group.error is None:
                 self.group.error = "the worker stopped while a step was running"

@@ -10,6 +10,7 @@ from tandem.core.types import FirstToken, PrefillTask, Swap
 from tandem.engine.config import EngineConfig, EngineError
 from tandem.engine.kv_transfer import KVPayload
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.parallel.kv_stage import StagedKV
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request_state import Request, RequestTable, Session
 from tandem.engine.step_executor import StepStats
@@ -23,7 +24,7 @@ class SessionKV:
         self.config, self.core, self.runner, self.table, self.clock, self.stats = \
             config, core, runner, table, clock, stats
         self.tier = tier                                  # the host tier's copy runner (engine/tier_copies.py)
-        self.inbox: dict[str, KVPayload] = {}             # request id -> KV received, not yet placed
+        self.inbox: dict[str, KVPayload | StagedKV] = {}  # request id -> KV received (or staged), not yet placed
         self.landing: dict[str, Request] = {}             # session -> remote request whose KV awaits blocks
 
     def open_round(self, sid: str, ids: list[int], full: bool, remote: bool, arrival_time: float | None,
@@ -82,22 +83,55 @@ class SessionKV:
         """Prefill role: drop a task and the KV it received."""
         self.table.requests.pop(req.request_id, None)
         self.table.task_req.pop(req.task, None)
-        self.inbox.pop(req.request_id, None)
+        self.discard(req.request_id)
         self.core.cancel(req.task)
 
-    def export_history(self, session_id: str, tokens: int) -> KVPayload:
-        """Decode role: the first `tokens` positions of a resident session's KV (a remote prefill's history)."""
+    def history_span(self, session_id: str, tokens: int) -> tuple[list[int], int, int]:
+        """Decode role: (block table, start, end) of the first `tokens` positions of a resident session's KV."""
         seq = self.core.seqs.get(session_id)
         if seq is None or seq.num_tokens < tokens:
             have = 0 if seq is None else seq.num_tokens
             raise EngineError(f"session {session_id!r} has {have} tokens of KV here, {tokens} were asked for")
-        return self.runner.export_kv(self.core.blocks.tables[seq], 0, tokens)
+        return self.core.blocks.tables[seq], 0, tokens
 
-    def receive_kv(self, request_id: str, payload: KVPayload) -> None:
+    def export_history(self, session_id: str, tokens: int) -> KVPayload:
+        """Decode role: the first `tokens` positions of a resident session's KV (a remote prefill's history)."""
+        return self.runner.export_kv(*self.history_span(session_id, tokens))
+
+    def receive_kv(self, request_id: str, payload: KVPayload | StagedKV) -> None:
         """Keep KV that arrived for a request until the coordinator says where it goes."""
         if request_id not in self.table.requests:
+            self.runner.forget_kv(payload)
             raise EngineError(f"KV for unknown request {request_id!r}")
+        self.discard(request_id)
         self.inbox[request_id] = payload
+
+    def receive_staged(self, request_id: str, transfer: str, tokens: int, wait_s: float) -> StagedKV:
+        """KV a peer sent rank to rank: every rank holds its heads (claimed, kept until placed; waiting at most
+        wait_s) or KVTransferError and none keeps any."""
+        if request_id not in self.table.requests:
+            raise EngineError(f"KV for unknown request {request_id!r}")
+        staged = self.runner.claim_kv(transfer, tokens, wait_s)
+        self.receive_kv(request_id, staged)
+        return staged
+
+    def send_kv_ranks(self, purpose: str, session_id: str, request_id: str, tokens: int, transfer: str,
+                      dst: list[str], part_tokens: int) -> tuple[int, int, dict[int, float] | None, int]:
+        """A session's history ("history", its first `tokens` positions) or a task's new KV ("incremental") from
+        every rank straight to the receiving ranks: (tokens sent, first token or -1, its logprobs, bytes)."""
+        tok, lps = -1, None
+        if purpose == "history":
+            table, start, end = self.history_span(session_id, tokens)
+        else:
+            table, start, end, tok, lps = self.new_kv_span(request_id)
+        sent = self.runner.send_kv_ranks(table, start, end, transfer, dst, part_tokens)
+        return end - start, tok, lps, sent
+
+    def discard(self, request_id: str) -> None:
+        """Forget KV received for a request and not placed (a staged transfer on every rank too)."""
+        payload = self.inbox.pop(request_id, None)
+        if payload is not None:
+            self.runner.forget_kv(payload)
 
     def on_history_ready(self, request_id: str) -> None:
         """Prefill role: place the history KV in the task's blocks and let the task run."""
@@ -106,15 +140,19 @@ class SessionKV:
         self.runner.import_kv(self.core.blocks.tables[req.task], 0, payload)
         self.core.on_history_fetched(req.task, self.clock())
 
-    def export_new_kv(self, request_id: str) -> tuple[KVPayload, int, dict[int, float] | None]:
-        """Prefill role: the KV this task computed, and the first token it sampled (with its logprobs)."""
+    def new_kv_span(self, request_id: str) -> tuple[list[int], int, int, int, dict[int, float] | None]:
+        """Prefill role: (block table, start, end) of the KV this task computed, its first token and logprobs."""
         req = self.table.requests[request_id]
         t = req.task
         if req.first_token is None:
             raise EngineError(f"request {request_id!r} has not finished its prefill")
-        payload = self.runner.export_kv(self.core.blocks.tables[t], t.l_hist, t.l_hist + t.l_incr)
         tok, lps = req.first_token
-        return payload, tok, lps
+        return self.core.blocks.tables[t], t.l_hist, t.l_hist + t.l_incr, tok, lps
+
+    def export_new_kv(self, request_id: str) -> tuple[KVPayload, int, dict[int, float] | None]:
+        """Prefill role: the KV this task computed, and the first token it sampled (with its logprobs)."""
+        table, start, end, tok, lps = self.new_kv_span(request_id)
+        return self.runner.export_kv(table, start, end), tok, lps
 
     def on_delivered(self, request_id: str) -> None:
         """Prefill role: the decode worker has the new KV: free it here."""
@@ -129,7 +167,7 @@ class SessionKV:
         table = self.table
         req = table.requests.get(request_id)
         if req is None or req.finished:
-            self.inbox.pop(request_id, None)
+            self.discard(request_id)
             return []
         now = self.clock()
         touched = {request_id: req}
@@ -146,7 +184,7 @@ class SessionKV:
         req = self.table.requests.get(request_id)
         if req is None or req.finished or req.task.local:
             return
-        self.inbox.pop(request_id, None)
+        self.discard(request_id)
         self.landing.pop(req.session_id, None)
         self.core.run_local(req.task, self.clock())
 

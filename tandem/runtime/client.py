@@ -52,6 +52,8 @@ class BackendStats:
     cache_config: dict[str, str] = field(default_factory=dict)       # vllm:cache_config_info labels
     rejected_frames: int = 0                       # tandem: messages dropped as malformed (hub and workers)
     rejected_handshakes: int = 0                   # tandem: connections refused at the CURVE handshake (likewise)
+    kv_bytes: dict[str, int] = field(default_factory=dict)   # "WORKER/driver", "WORKER/sent/RANK",
+                                                   # "WORKER/received/RANK" -> KV bytes by path (cumulative)
     laps_pool_short: int = 0                       # LAPS spatial mode: prefill workers in the short / long pool
     laps_pool_long: int = 0
     laps_pool_moves: int = 0                       # workers moved between the pools so far

@@ -24,7 +24,7 @@ from tandem.policy.laps.cost import boundary_from_profile
 from tandem.policy.presets import PolicySpec, PrefillSchedKind, get_policy
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError, add_memory_reports
-from tandem.runtime.cluster_config import ClusterConfig, RESTART_WINDOW_S
+from tandem.runtime.cluster_config import KV_TRANSFERS, ClusterConfig, RESTART_WINDOW_S
 from tandem.runtime.coordinator_shell import CoordinatorShell
 from tandem.runtime.costs import serving_cost_model
 from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError
@@ -113,9 +113,10 @@ class ServingCluster:
             model, perf = str(Path(model).resolve()), perf and str(Path(perf).resolve())
         args = dict(cfg.engine_args, model=model, policy=spec.name, policy_options={**cfg.policy_knobs(), **opts})
         self.roles = dict(enumerate(roles))
+        rank_kv = wants_rank_kv(cfg, [self._role_args(args, r) for r in set(roles)])
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
                            dict(role=r, engine_args=self._role_args(args, r), state=cfg.state, perf=perf,
-                                threads=cfg.threads, **cfg.worker_kwargs.get(i, {})))
+                                threads=cfg.threads, rank_kv=rank_kv, **cfg.worker_kwargs.get(i, {})))
                 for i, r in enumerate(roles)]
 
     def _role_args(self, args: dict, role: str) -> dict:
@@ -186,7 +187,7 @@ class ServingCluster:
                                       block_size=int(first["block_size"]), slo=self._slo(),
                                       vocab_size=int(first["vocab_size"]), max_unread=cfg.max_unread_outputs,
                                       dllm_block=first.get("dllm_block"), dllm_canvas=first.get("dllm_canvas") is True,
-                                      audit_s=cfg.audit_interval_s)
+                                      audit_s=cfg.audit_interval_s, rank_addr=rank_kv_map(infos))
         self.hub.on_worker_dead(self._on_dead)
         self._tasks = [asyncio.create_task(self._pump(), name="coordinator-pump"),
                        asyncio.create_task(self._tick(), name="coordinator-tick")]
@@ -362,7 +363,7 @@ class ServingCluster:
         self._lost.discard(wid)
         self._memory[wid] = memory_info(wp.info)
         self.shell.coord.view.revive(wid)
-        self.shell.on_worker_joined(wid, wp.info["kv_address"])
+        self.shell.on_worker_joined(wid, wp.info["kv_address"], rank_kv_addresses(wp.info))
         routable = time.monotonic()
         self._up_since[wid] = routable
         started = self.procs.started.get(wid, {})
@@ -394,7 +395,7 @@ class ServingCluster:
         s.kv_transfer_seconds = []
         out.iteration_tokens = dict(s.iteration_tokens)
         out.dllm_commits, out.dllm_chunks = dict(s.dllm_commits), dict(s.dllm_chunks)
-        out.dllm_serve = dict(s.dllm_serve)
+        out.dllm_serve, out.kv_bytes = dict(s.dllm_serve), dict(s.kv_bytes)
         out.host_tier = dict(s.host_tier)
         out.cache_config = self._cache_config
         if self.hub is not None:                         # the workers' counts arrive in their StepCounts
@@ -420,6 +421,10 @@ class ServingCluster:
         """Each running worker's (role, process id), by worker id (a Ray actor's pid is on its node)."""
         return {wid: (self.roles.get(wid, "?"), wp.pid) for wid, wp in sorted(self.procs.workers.items())} \
             if self.procs is not None else {}
+
+    def deployment(self) -> dict:
+        """The deployment as given (`--deploy`'s form) and each running worker (`describe`)."""
+        return describe(self)
 
     def rank_pids(self) -> dict[int, list[int]]:
         """Each running worker's other tensor-parallel ranks' process ids (from its Ready; empty at tp=1)."""
@@ -469,6 +474,50 @@ def restart_phases(dead_at: float, marks: dict[str, float]) -> dict[str, float]:
         out[name] = max(0.0, t - last)
         last = max(last, t)
     return out
+
+
+def deploy_spec(cfg: ClusterConfig, roles: dict[int, str], tp_of) -> str:
+    """The deployment in `--deploy`'s form: as given, else from the worker counts and degrees ("P:tp1x1,D:tp2x1")."""
+    if cfg.deploy:
+        return cfg.deploy
+    letters = {PREFILL: "P", DECODE: "D", COLOCATED: "C"}
+    groups: dict[tuple[str, int], int] = {}
+    for wid, role in sorted(roles.items()):
+        key = (role, tp_of(wid))
+        groups[key] = groups.get(key, 0) + 1
+    return ",".join(f"{letters[r]}:tp{t}x{n}" for (r, t), n in groups.items())
+
+
+def describe(cluster: ServingCluster) -> dict:
+    """The deployment as given and each running worker from its Ready info: role, tensor-parallel degree, driver and
+    rank process ids, and how many of its ranks have KV endpoints (all: KV moves rank to rank with workers of another
+    degree; none: only through its driver)."""
+    workers = []
+    for wid, (role, pid) in cluster.worker_pids().items():
+        info = cluster.procs.workers[wid].info or {}
+        ranks = [int(p) for p in info.get("rank_pids") or () if isinstance(p, int)]
+        workers.append({"worker": wid, "role": role, "tensor_parallel_size": cluster.worker_tp(wid), "pid": pid,
+                        "rank_pids": ranks, "kv_rank_endpoints": len(rank_kv_addresses(info))})
+    return {"deploy": deploy_spec(cluster.cfg, cluster.roles, cluster.worker_tp), "workers": workers}
+
+
+def wants_rank_kv(cfg: ClusterConfig, role_args: list[dict]) -> bool:
+    """Whether the workers open rank KV endpoints: KV rank to rank is asked for and some worker is at tp > 1 (between
+    tp=1 workers KV always goes driver to driver)."""
+    return cfg.kv_transfer == KV_TRANSFERS[0] and any(a.get("tensor_parallel_size", 1) > 1 for a in role_args)
+
+
+def rank_kv_map(infos: dict[int, dict]) -> dict[int, list[str]]:
+    """Each worker's ranks' KV endpoints (rank_kv_addresses), by worker id."""
+    return {wid: rank_kv_addresses(info) for wid, info in infos.items()}
+
+
+def rank_kv_addresses(info: dict) -> list[str]:
+    """A worker's ranks' KV endpoints from its Ready (rank order; empty when it has none: KV then goes driver to
+    driver)."""
+    addrs = info.get("rank_kv_addresses") or []
+    ok = isinstance(addrs, list) and all(isinstance(a, str) and a.startswith("tcp://") for a in addrs)
+    return list(addrs) if ok else []
 
 
 def memory_info(info: dict) -> dict[str, int]:

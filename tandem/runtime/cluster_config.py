@@ -45,6 +45,8 @@ def ray_place(text: str) -> tuple[str, str]:
     return role, resource
 
 
+KV_TRANSFERS = ("rank-to-rank", "driver")    # ClusterConfig.kv_transfer; the first is the default
+
 @dataclass
 class ClusterConfig:
     """What `tandem serve` starts (names follow its flags)."""
@@ -88,6 +90,9 @@ class ClusterConfig:
     deploy: str | None = knob(None, "the workers and their tensor-parallel degrees in the planner's form, e.g. "
                               "'P:tp2x1,D:tp1x2' or 'C:tp2x1' (instead of --prefill-workers/--decode-workers/"
                               "--colocated/--tensor-parallel-size)", metavar="SPEC")
+    kv_transfer: str = knob(KV_TRANSFERS[0], "how KV moves between workers of different tensor-parallel degrees: "
+                            "each rank straight to the ranks that hold its heads (rank-to-rank), or through both "
+                            "workers' driver processes (driver; as between two tp=1 workers)", choices=KV_TRANSFERS)
     # role (prefill, decode, colocated) -> its workers' tensor-parallel degree (`tandem serve --deploy
     # "P:tp2x1,D:tp1x2"`); a role not named takes engine_args' tensor_parallel_size (1 without it)
     role_tp: dict[str, int] = field(default_factory=dict)

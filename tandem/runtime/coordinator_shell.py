@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import re
 import time
 from typing import Callable
 
@@ -34,6 +35,14 @@ log = logging.getLogger("tandem.coordinator")
 MAX_UNREAD = 4096          # outputs a request may have queued unread before it is cancelled (a stalled client)
 MAX_KV_SAMPLES = 10_000    # kv_transfer_seconds kept between two /metrics scrapes (the oldest go first)
 MAX_STEP_TOKENS = 1 << 20  # a StepCounts key beyond this (tokens in one engine step) is not a real step: dropped
+KV_BYTES_KEY = re.compile(r"driver|(sent|received)/\d{1,3}")    # StepCounts.kv_bytes keys a worker may report
+
+
+def add_kv_bytes(into: dict[str, int], worker: int, kv: dict[str, int]) -> None:
+    """A worker's StepCounts.kv_bytes (deltas by path) added to the cumulative counts, keys checked."""
+    for k, n in kv.items():
+        if KV_BYTES_KEY.fullmatch(k) and isinstance(n, int) and n >= 0:
+            into[f"{worker}/{k}"] = into.get(f"{worker}/{k}", 0) + n
 
 
 def params_dict(p: SamplingParams) -> dict:
@@ -47,8 +56,10 @@ class CoordinatorShell:
                  max_model_len: int, block_size: int = 16,
                  clock: Callable[[], float] = time.monotonic, slo: SLO | None = None,
                  vocab_size: int | None = None, max_unread: int = MAX_UNREAD, dllm_block: int | None = None,
-                 dllm_canvas: bool = False, audit_s: float = AUDIT_S) -> None:
+                 dllm_canvas: bool = False, audit_s: float = AUDIT_S,
+                 rank_addr: dict[int, list[str]] | None = None) -> None:
         self.coord, self.store, self.send, self.kv_addr = coord, store, send, kv_addr
+        self.rank_addr = dict(rank_addr or {})               # worker -> its ranks' KV endpoints (rank to rank)
         self.dllm_block = dllm_block                         # a block-diffusion model's block length (None: AR)
         self.dllm_canvas = dllm_canvas                       # a LLaDA canvas: whole blocks of masks after the prompt
         self.vocab_size = vocab_size                         # token ids are checked here, as the engine would
@@ -175,7 +186,7 @@ class CoordinatorShell:
                 if req is not None:
                     req.transfers[a.purpose.value] = a
                     self.send(worker, m.SendKV(req.request_id, req.session_id, a.purpose.value, a.tokens, a.dst,
-                                               self.kv_addr[a.dst]))
+                                               self.kv_addr[a.dst], list(self.rank_addr.get(a.dst, ()))))
             elif kind in m.NOTICE:
                 self._notice(kind, worker, a)
 
@@ -262,11 +273,16 @@ class CoordinatorShell:
                     self.stats.host_tier[k] = self.stats.host_tier.get(k, 0) + n
             self.stats.rejected_frames += min(max(msg.rejected_frames, 0), MAX_STEP_TOKENS)
             self.stats.rejected_handshakes += min(max(msg.rejected_handshakes, 0), MAX_STEP_TOKENS)
+            add_kv_bytes(self.stats.kv_bytes, worker, msg.kv_bytes)
         elif isinstance(msg, m.KVReceived):
             req = self.reqs.get(msg.request_id)
             if req is None or msg.purpose not in req.transfers:
                 return
             tr = req.transfers.pop(msg.purpose)
+            if msg.failed:                                     # the core falls back (local recompute), as on a timeout
+                log.warning("worker %d: the %s KV of %s failed: %s", worker, msg.purpose, msg.request_id, msg.failed)
+                self._apply(self.coord.on_transfer_failed(tr, now, msg.failed))
+                return
             samples = self.stats.kv_transfer_seconds
             samples.append(msg.elapsed_s)
             if len(samples) > MAX_KV_SAMPLES:                  # nobody scrapes /metrics: keep the newest only
@@ -378,9 +394,11 @@ class CoordinatorShell:
         self._apply(self.coord.end_session(req.session_id, self.clock(), reason))
 
     # ------------------------------------------------------------------ time and faults
-    def on_worker_joined(self, worker: int, kv_address: str) -> None:
-        """A replacement for a lost worker is up: its new KV inbox, and the core may route to it again."""
+    def on_worker_joined(self, worker: int, kv_address: str, rank_addrs: list[str] | None = None) -> None:
+        """A replacement for a lost worker is up: its new KV inbox and rank endpoints, and the core may route to it
+        again."""
         self.kv_addr[worker] = kv_address
+        self.rank_addr[worker] = list(rank_addrs or ())
         self.audits.forget(worker)
         self._apply(self.coord.on_worker_joined(worker, self.clock()))
 

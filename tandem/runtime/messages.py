@@ -55,7 +55,10 @@ class AddPrefill(msgspec.Struct, tag=True):
 
 
 class SendKV(msgspec.Struct, tag=True):
-    """Push KV to a peer: the session's history ("history") or the task's new KV and first token ("incremental")."""
+    """Push KV to a peer: the session's history ("history") or the task's new KV and first token ("incremental").
+    With the peer's rank endpoints (`dst_rank_addrs`, in rank order), each of this worker's ranks sends the peer's
+    ranks their heads directly and only a KVRanked goes to `dst_addr`; without them, the payload goes driver to
+    driver (KVData)."""
 
     request_id: str
     session_id: str
@@ -63,6 +66,7 @@ class SendKV(msgspec.Struct, tag=True):
     tokens: int
     dst_worker: int
     dst_addr: str
+    dst_rank_addrs: list[str] = []
 
 
 class HistoryReady(msgspec.Struct, tag=True):
@@ -118,6 +122,21 @@ class KVData(msgspec.Struct, tag=True):
     first_logprobs: dict[int, float] | None = None
     offset: int = 0
     total_tokens: int = 0
+
+
+class KVRanked(msgspec.Struct, tag=True):
+    """The control half of a rank-to-rank transfer, driver to driver (no payload): transfer `transfer` of
+    `num_tokens` tokens went from the sender's ranks to this worker's rank endpoints; the receiver claims it on every
+    rank (all or none) and then answers KVReceived, or WorkerFailure as for a payload that does not fit."""
+
+    request_id: str
+    purpose: Purpose
+    src_worker: int
+    transfer: str
+    num_tokens: int
+    sent_s: float
+    first_token: int = -1
+    first_logprobs: dict[int, float] | None = None
 
 
 # ------------------------------------------------------------------ worker -> coordinator
@@ -218,13 +237,15 @@ class Events(msgspec.Struct, tag=True):
 
 
 class KVReceived(msgspec.Struct, tag=True):
-    """A KV payload landed on this worker (and is held until the coordinator says HistoryReady/KVArrived)."""
+    """A KV payload landed on this worker (and is held until the coordinator says HistoryReady/KVArrived); with
+    `failed`, a rank-to-rank transfer that did not reach every rank (the core falls back: local recompute)."""
 
     request_id: str
     purpose: str
     src_worker: int
     nbytes: int
     elapsed_s: float
+    failed: str = ""
 
 
 class Holding(msgspec.Struct, tag=True):
@@ -253,17 +274,18 @@ class StepCounts(msgspec.Struct, tag=True):
     dllm_serve: dict[str, int] = {}       # dLLM-Serve: the core's counters (policy.dllm_serve COUNTERS), likewise
     rejected_handshakes: int = 0      # connections its KV inbox refused (no or wrong CURVE keys), likewise
     host_tier: dict[str, int] = {}    # host KV tier: its copy counters (engine.tier_copies HOST_TIER_COUNTERS), likewise
+    kv_bytes: dict[str, int] = {}     # KV bytes by path since the last: "sent/R", "received/R" by rank endpoint,
+                                      # "driver" through the driver (KVData, or gathered/scattered for its ranks)
 
 
 UPSTREAM = [RoundBegun, Outputs, Events, KVReceived, WorkerFailure, StepCounts, Holding]
-KV = [KVData]
+KV = [KVData, KVRanked]
 
 # the worker command each message to a worker carries: the one table between core actions and the wire
 COMMAND: dict[type, int] = {BeginRound: c.BEGIN, AddRequest: c.SUBMIT, AddPrefill: c.SUBMIT, SendKV: c.SEND_KV,
                             HistoryReady: c.HISTORY_READY, KVArrived: c.KV_ARRIVED, Delivered: c.DELIVERED,
                             RunLocal: c.RUN_LOCAL, Release: c.RELEASE, Abort: c.CANCEL, Audit: c.AUDIT,
-
-                            KVData: c.KV_IN}
+                            KVData: c.KV_IN, KVRanked: c.KV_IN}
 CONTROL = [t for t, kind in COMMAND.items() if kind != c.KV_IN]
 # the messages a worker carries out while its model runs a step (tandem.core.commands.EARLY says which and why)
 EARLY = tuple(t for t, kind in COMMAND.items() if kind in c.EARLY)

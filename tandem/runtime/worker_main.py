@@ -33,12 +33,25 @@ def _kv_bytes_per_token(engine) -> int:
                * mc.head_dim)
 
 
+def open_rank_endpoints(engine, env: WorkerEnv, kv_cap: int) -> list[str]:
+    """Every rank's KV endpoint (the cluster's KV keys, the inbox's host and frame cap), in rank order; none when one
+    cannot open (then this worker's KV goes driver to driver, as it does between two tp=1 workers)."""
+    from tandem.engine.kv_transfer import KVTransferError
+    from tandem.runtime.rank_kv import endpoint_factory
+    try:
+        return engine.runner.open_kv_plane(endpoint_factory(env.auth, env.bind_host, kv_cap))
+    except (KVTransferError, TransportError) as e:
+        log.warning("worker %d: no rank-to-rank KV (%s); its KV goes through its driver", env.worker_id, e)
+        return []
+
+
 STEP_COUNTS = ("iteration_tokens", "dllm_commits", "dllm_chunks", "dllm_serve")   # StepStats counts sent as deltas
 
 async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "embedded", cluster: str = "default",
                publish_s: float = 0.02, perf: str | None = None, threads: int | None = None,
                drop_kv_sends: int = 0, kv_send_faults: list | None = None, step_sleep_s: float = 0.0,
-               drop_control: list[str] | None = None, kv_part_bytes: int | None = None) -> None:
+               drop_control: list[str] | None = None, kv_part_bytes: int | None = None, rank_kv: bool = True,
+               kv_claim_wait_s: float | None = None) -> None:
     """Serve one worker until the coordinator says Shutdown (or dies: the launcher then ends this process).
 
     Fault injection (tests, docs/runtime.md): `drop_kv_sends=N` silently drops this worker's next N KV sends, as
@@ -46,7 +59,11 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     `step_sleep_s` makes every engine step that long slower (a loaded machine's long prefill step);
     `drop_control` names coordinator messages (e.g. ["AddRequest"]) whose next one is lost, once per entry.
     `kv_part_bytes` is the most KV payload one message carries (None: kv_transfer.KV_PART_BYTES; a longer transfer
-    goes in parts); the KV inbox caps its frames at the largest such message of this deployment."""
+    goes in parts); the KV inbox caps its frames at the largest such message of this deployment. `rank_kv`: give
+    every rank a KV endpoint (KV then moves rank to rank with workers of another degree); else KV keeps to the
+    driver path. `kv_claim_wait_s`: how long a rank-to-rank transfer's ranks have to hold their heads once its
+    control message is in (None: kv_ranks.CLAIM_WAIT_S); "partial" in `kv_send_faults` sends a rank-to-rank transfer's
+    parts all to the receiver's first rank."""
     import torch
 
     from tandem.engine.config import EngineConfig
@@ -79,6 +96,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
     part_tokens = kv_part_tokens(bs, kv_bytes_per_token(*geometry), engine.max_model_len, kv_part_bytes)
     kv_cap = kv_message_max_bytes(bs, *geometry, engine.max_model_len, kv_part_bytes)
     inbox = env.inbox(CODEC, accept=tuple(m.KV), max_msg_bytes=kv_cap)     # CURVE, the cluster's KV keys
+    rank_addrs = open_rank_endpoints(engine, env, kv_cap) if rank_kv else []
     outbox = env.outbox(CODEC, max_msg_bytes=kv_cap)
     up: collections.deque = collections.deque()        # to the coordinator, appended by both threads
     peer: collections.deque = collections.deque()      # to other workers' KV inboxes
@@ -98,7 +116,10 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
     shell = WorkerShell(engine, env.worker_id, lambda msg, *b: up.append((msg, b)), send_peer,
                         drop_kv_sends=drop_kv_sends, kv_send_faults=kv_send_faults or (), step_sleep_s=step_sleep_s,
-                        drop_control=drop_control or (), kv_part_tokens=part_tokens)
+                        drop_control=drop_control or (), kv_part_tokens=part_tokens,
+                        **({} if kv_claim_wait_s is None else {"kv_claim_wait_s": kv_claim_wait_s}))
+
+    engine.runner.on_kv_staged(wake)                  # a rank-to-rank transfer may be complete: poll_kv below
 
     def run_steps() -> None:
         try:
@@ -124,6 +145,9 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 if isinstance(msg, m.KVData):
                     shell.post(msg, bufs)                      # writable views of the frames: no copy
                     kick.set()
+                elif isinstance(msg, m.KVRanked):              # the bytes came to the rank endpoints
+                    shell.post(msg, [])
+                    kick.set()
 
         async def flush() -> None:
             while peer:
@@ -144,6 +168,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
         counted: dict[str, dict] = {name: {} for name in (*STEP_COUNTS, "host_tier")}
         tier = engine.tier                           # the host KV tier's copy runner (None: no tier)
         rejected = [0, 0]                            # dropped frames, refused handshakes already reported
+        kv_counted: dict[str, int] = {}              # KV bytes by path (engine.runner.kv_bytes keys), reported
 
         async def publish(changed: bool = True) -> bool:
             """The worker's state, read under the shell's lock (between steps or while the model runs): after a
@@ -159,6 +184,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                                            host_tier=tier.gauges() if tier is not None else None)
                 counts = {name: dict(getattr(engine.stats, name)) for name in STEP_COUNTS}
                 counts["host_tier"] = dict(tier.counters) if tier is not None else {}
+                kv = engine.runner.kv_bytes()
+                kv["driver"] += shell.driver_kv_bytes
             if store is not None:
                 store.publish(st)
             else:
@@ -167,11 +194,13 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                    for name, c in counts.items()}
             frames = inbox.rejected_frames + link.rejected_frames
             handshakes = inbox.rejected_handshakes
-            if any(new.values()) or frames != rejected[0] or handshakes != rejected[1]:
+            kv_new = {k: n - kv_counted.get(k, 0) for k, n in kv.items() if k not in kv_counted or n != kv_counted[k]}
+            if any(new.values()) or kv_new or frames != rejected[0] or handshakes != rejected[1]:
                 for name, c in counts.items():
                     counted[name].update(c)
+                kv_counted.update(kv)
                 await link.send(m.StepCounts(rejected_frames=frames - rejected[0],
-                                             rejected_handshakes=handshakes - rejected[1], **new))
+                                             rejected_handshakes=handshakes - rejected[1], kv_bytes=kv_new, **new))
                 rejected[:] = [frames, handshakes]
             return True
 
@@ -197,7 +226,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                           "kv_bytes_per_token": _kv_bytes_per_token(engine), "cache_config": engine.cache_config(),
                           "kv_max_msg_bytes": kv_cap, "kv_part_tokens": part_tokens,
                           "tensor_parallel_size": engine.config.tensor_parallel_size,
-                          "rank_pids": engine.runner.rank_pids,
+                          "rank_pids": engine.runner.rank_pids, "rank_kv_addresses": rank_addrs,
                           "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
         stepper.start()
@@ -210,6 +239,8 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                 except asyncio.TimeoutError:
                     pass
                 kick.clear()
+                if shell.poll_kv():
+                    dirty = True
                 if died:
                     raise RuntimeError("this worker's step thread or a message reader died") from died[0]
                 lost_rank = engine.runner.tp_failure()

@@ -14,12 +14,13 @@ from typing import Callable, Sequence
 from tandem.core.host_tier import AllBlocksCleared, BlockRemoved, BlockStored, Medium
 from tandem.core.types import DECODE, FetchHistory, FirstToken, PrefillDone, RoundDone, SessionFailed
 from tandem.engine.config import EngineError
-from tandem.engine.kv_transfer import KV_PART_BYTES, KVAssembly, KVPayload, KVTransferError, \
-    kv_bytes_per_token, kv_part_tokens, split_kv
+from tandem.engine.kv_transfer import KVAssembly, KVPayload, KVTransferError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestMetrics, RequestOutput
+from tandem.engine.parallel.kv_ranks import CLAIM_WAIT_S
 from tandem.engine.sampling_params import SamplingParams, SamplingParamsError
 from tandem.runtime import messages as m
+from tandem.runtime.kv_send import KVSender
 
 log = logging.getLogger("tandem.worker")
 # the early messages whose engine call runs a collective of a tensor-parallel group (a session's KV gathered from or
@@ -33,27 +34,21 @@ class WorkerShell:
     def __init__(self, engine: LLMEngine, worker_id: int, send_up: Callable, send_peer: Callable,
                  wall: Callable[[], float] = time.time, drop_kv_sends: int = 0,
                  kv_send_faults: Sequence[str | float | None] = (), step_sleep_s: float = 0.0,
-                 drop_control: Sequence[str] = (), kv_part_tokens: int | None = None) -> None:
+                 drop_control: Sequence[str] = (), kv_part_tokens: int | None = None,
+                 kv_claim_wait_s: float = CLAIM_WAIT_S) -> None:
         self.engine, self.id = engine, worker_id
-        # the most tokens one KV message carries (None: as many whole blocks as fit in KV_PART_BYTES); a longer
-        # transfer goes as parts in order, joined by the receiver (_assembling), so every frame stays under the
-        # receiving inbox's cap
-        self.kv_part_tokens = kv_part_tokens
         self._assembling: dict[tuple[str, str], tuple[KVAssembly, float]] = {}   # (request, purpose) -> parts so far
         self.step_sleep_s = step_sleep_s                      # fault injection: every model run that much longer
-        # fault injection, one entry per KV send from now on: "drop" (lost), seconds (delayed), None (normal);
-        # drop_kv_sends=N is N "drop"s first
-        self.kv_send_faults: list = ["drop"] * drop_kv_sends + list(kv_send_faults)
-        for f in self.kv_send_faults:
-            if not (f is None or f == "drop" or (isinstance(f, (int, float)) and f >= 0)):
-                raise ValueError(f"a KV send fault is 'drop', a delay in seconds >= 0 or None, got {f!r}")
         # fault injection: the next control message of each type named here is lost on the wire, once per entry
         names = {t.__name__ for t in m.CONTROL}
         bad = sorted(set(drop_control) - names)
         if bad:
             raise ValueError(f"drop_control names control messages ({', '.join(sorted(names))}), got {bad}")
         self.drop_control: list[str] = list(drop_control)
-        self.send_up, self.send_peer, self.wall = send_up, send_peer, wall
+        self.send_up, self.wall = send_up, wall
+        # KV out to peers: rank to rank or driver to driver, in parts, with the fault injection of KV sends
+        self.sender = KVSender(engine, worker_id, send_peer, wall, ["drop"] * drop_kv_sends + list(kv_send_faults),
+                               kv_part_tokens)
         self._sent: dict[str, tuple[int, str]] = {}          # request -> (tokens, text) streamed so far
         self._first: dict[str, tuple[int, dict | None]] = {}  # remote request -> first token from its prefill
         # Held while the engine's state is read or changed: by the step thread except while the model runs
@@ -65,6 +60,9 @@ class WorkerShell:
         self._in_step = False                                # the model runs a step (between prepare and finish)
         self._stopping = False
         self._tp = engine.config.tensor_parallel_size > 1     # the engine's ranks run one collective at a time
+        self.received_driver_bytes = 0                       # KV payload bytes received driver to driver
+        self._awaiting: dict[str, tuple[m.KVRanked, float]] = {}   # transfer -> (its manifest, give up at)
+        self.kv_claim_wait_s = kv_claim_wait_s               # a rank-to-rank transfer's ranks have this long
         if engine.tier is not None:                          # a host-tier copy's end wakes an idle step thread
             engine.tier.on_end = self._copy_ended
 
@@ -86,13 +84,33 @@ class WorkerShell:
             return False
         with self.lock:
             early = isinstance(msg, m.EARLY) and not (self._tp and isinstance(msg, RANK_COLLECTIVES))
-            now = not self._pending and (not self._in_step or early)
+            if isinstance(msg, m.KVRanked) and not self.engine.runner.kv_ready(msg.transfer, msg.num_tokens):
+                # its ranks' heads are still on their way: applied by poll_kv once they are in (or failed after
+                # CLAIM_WAIT_S), never waited for here, where the heartbeats and other messages must keep moving
+                self._awaiting[msg.transfer] = (msg, time.monotonic() + self.kv_claim_wait_s)
+                return False
+            # rank-to-rank sends wait on sockets: on the step thread, not on the I/O thread
+            sends = isinstance(msg, m.SendKV) and bool(msg.dst_rank_addrs)
+            now = not self._pending and (not self._in_step or early) and not sends
             if now:
                 self._apply(msg, frames)
             else:
                 self._pending.append((msg, frames))
             self._wake.notify()                               # a new request is work; a queued message too
             return now
+
+    def poll_kv(self) -> bool:
+        """Apply the rank-to-rank manifests whose ranks now all hold their heads, and fail those that waited
+        CLAIM_WAIT_S; True if any was applied (its replies are then queued)."""
+        if not self._awaiting:
+            return False
+        with self.lock:
+            now, ready = time.monotonic(), self.engine.runner.kv_ready
+            due = [t for t, (msg, give_up) in self._awaiting.items()
+                   if give_up <= now or ready(msg.transfer, msg.num_tokens)]
+            for t in due:
+                self._apply(self._awaiting.pop(t)[0], [])
+        return bool(due)
 
     def _apply(self, msg, frames: list | None) -> None:
         if frames is None:
@@ -132,7 +150,7 @@ class WorkerShell:
                 eng.add_prefill(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params), msg.session_id,
                                 msg.l_hist, msg.round_idx, ttft_slo_s=msg.ttft_slo_s, hist_compute=msg.hist_compute)
             elif isinstance(msg, m.SendKV):
-                self._send_kv(msg)
+                self.sender.send(msg)
             elif isinstance(msg, m.HistoryReady):
                 eng.on_history_ready(msg.request_id)
             elif isinstance(msg, m.KVArrived):
@@ -162,38 +180,10 @@ class WorkerShell:
             self.send_up(m.WorkerFailure(rid, f"{type(msg).__name__} failed on worker {self.id}: {e}"))
         self._flush_events()
 
-    def _send_kv(self, msg: m.SendKV) -> None:
-        eng = self.engine
-        tok, lps = -1, None
-        if msg.purpose == "history":
-            payload = eng.export_history(msg.session_id, msg.tokens)
-        else:
-            payload, tok, lps = eng.export_new_kv(msg.request_id)
-        parts = split_kv(payload, self._part_tokens())
-        total = payload.num_tokens if len(parts) > 1 else 0
-        sent_s = self.wall()
-        fault = self.kv_send_faults.pop(0) if self.kv_send_faults else None
-        if fault == "drop":                                    # fault injection: the transfer is lost
-            log.warning("worker %d: dropped the %s KV of %s (fault injection)", self.id, msg.purpose, msg.request_id)
-            return
-        if fault:                                              # fault injection: the transfer is slow
-            log.warning("worker %d: delaying the %s KV of %s by %g s (fault injection)", self.id, msg.purpose,
-                        msg.request_id, fault)
-        for offset, part in parts:
-            head = m.KVData(msg.request_id, msg.purpose, self.id, part.num_tokens, part.dtype, list(part.shape),
-                            sent_s, tok, lps, offset=offset, total_tokens=total)
-            if fault:
-                self.send_peer(msg.dst_addr, head, part.buffer(), delay_s=float(fault))
-            else:
-                self.send_peer(msg.dst_addr, head, part.buffer())
-
-    def _part_tokens(self) -> int:
-        if self.kv_part_tokens is None:
-            eng = self.engine
-            self.kv_part_tokens = kv_part_tokens(eng.config.block_size,
-                                                 kv_bytes_per_token(*eng.runner.wire_geometry),
-                                                 eng.max_model_len, KV_PART_BYTES)
-        return self.kv_part_tokens
+    @property
+    def driver_kv_bytes(self) -> int:
+        """KV payload bytes this worker's driver sent or received driver to driver."""
+        return self.sender.driver_bytes + self.received_driver_bytes
 
     # ------------------------------------------------------------------ KV plane
     def on_kv(self, head: m.KVData, frames: list) -> None:
@@ -201,15 +191,41 @@ class WorkerShell:
         with self.lock:
             self._kv(head, frames)
 
-    def _kv(self, head: m.KVData, frames: list) -> None:
+    def _kv(self, head: m.KVData | m.KVRanked, frames: list) -> None:
         req = self.engine.requests.get(head.request_id)
-        key = (head.request_id, head.purpose)
         if req is None or (self.engine.role == DECODE and req.task.local):
             # Late: the request was aborted or finished here, or its transfer timed out and the round is being
-            # recomputed locally (RunLocal). Not a failure of the request: drop the bytes.
+            # recomputed locally (RunLocal). Not a failure of the request: drop the bytes (staged ones expire).
             self._forget_parts(head.request_id)
             log.info("worker %d: dropped late %s KV for %s", self.id, head.purpose, head.request_id)
             return
+        if isinstance(head, m.KVRanked):
+            self._kv_ranked(head)
+        else:
+            self._kv_payload(head, frames)
+
+    def _kv_ranked(self, head: m.KVRanked) -> None:
+        """A transfer that came rank to rank: acknowledged once every rank holds its heads, else failed whole (the
+        coordinator's core falls back to a local recompute, as for a transfer that timed out)."""
+        try:
+            staged = self.engine.receive_staged(head.request_id, head.transfer, head.num_tokens, wait_s=0.0)
+        except (EngineError, KVTransferError) as e:
+            log.warning("worker %d: dropped KV for %s: %s", self.id, head.request_id, e)
+            self.send_up(m.KVReceived(head.request_id, head.purpose, head.src_worker, 0,
+                                      max(0.0, self.wall() - head.sent_s),
+                                      failed=f"worker {self.id}, {self.kv_claim_wait_s:g} s after its control "
+                                             f"message: {e}"))
+            return
+        self._received(head, staged.nbytes, head.sent_s)
+
+    def _received(self, head: m.KVData | m.KVRanked, nbytes: int, sent_s: float) -> None:
+        if head.first_token >= 0:
+            self._first[head.request_id] = (head.first_token, head.first_logprobs)
+        self.send_up(m.KVReceived(head.request_id, head.purpose, head.src_worker, nbytes,
+                                  max(0.0, self.wall() - sent_s)))
+
+    def _kv_payload(self, head: m.KVData, frames: list) -> None:
+        key = (head.request_id, head.purpose)
         if head.total_tokens and head.offset and key not in self._assembling:
             # the rest of a transfer whose start was refused (already reported) or never came (the transfer times out)
             log.warning("worker %d: dropped a %s KV part of %s at token %d without its start", self.id, head.purpose,
@@ -218,6 +234,7 @@ class WorkerShell:
         try:
             payload = KVPayload.from_buffer(frames[0] if frames else b"", head.num_tokens, head.dtype,
                                             tuple(head.shape))
+            self.received_driver_bytes += payload.nbytes
             sent_s = head.sent_s
             if head.offset and not head.total_tokens:
                 raise KVTransferError(f"a whole transfer at token {head.offset}")
@@ -231,10 +248,7 @@ class WorkerShell:
             log.warning("worker %d: dropped KV for %s: %s", self.id, head.request_id, e)
             self.send_up(m.WorkerFailure(head.request_id, f"KV transfer to worker {self.id} failed: {e}"))
             return
-        if head.first_token >= 0:
-            self._first[head.request_id] = (head.first_token, head.first_logprobs)
-        self.send_up(m.KVReceived(head.request_id, head.purpose, head.src_worker, payload.nbytes,
-                                  max(0.0, self.wall() - sent_s)))
+        self._received(head, payload.nbytes, sent_s)
 
     def _add_part(self, key: tuple[str, str], head: m.KVData, part: KVPayload) -> tuple[KVPayload | None, float]:
         """One part of a transfer sent in parts: (the whole payload once its last part is in, else None; the

@@ -192,6 +192,13 @@ def build_app(client: EngineClient, api_key: str | None = None, served_model_nam
             return Response(status_code=200)
         return error_response(UNHEALTHY)
 
+    @app.get("/status")
+    async def status() -> dict:
+        """The deployment as given (`--deploy`'s form) and each worker as it runs: role, tensor-parallel degree,
+        process ids, how its KV moves (a client without workers, e.g. an in-process engine, reports none)."""
+        deployment = getattr(client, "deployment", None)
+        return deployment() if deployment is not None else {"deploy": None, "workers": []}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)

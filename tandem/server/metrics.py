@@ -117,6 +117,8 @@ class _BackendCollector:
             for mode, value in sorted(s.activation_peak_bytes.items()):
                 g.add_metric([self.model_name, mode], float(value))
             yield g
+        if s.kv_bytes:
+            yield from _kv_path_metrics(s.kv_bytes, self.model_name)
         yield _histogram("vllm:iteration_tokens_total", "Tokens through the model per engine step.", label,
                          s.iteration_tokens, _ITERATION_BUCKETS)
         if s.dllm_commits or s.dllm_chunks:
@@ -167,6 +169,26 @@ def _host_tier_metrics(s: BackendStats, model: str) -> Iterator[Metric]:
                                "tier: how long each waited for it (0: prefetched in time).", labels=["model_name"])
     late.add_metric([model], float(c.get("late_rounds", 0)), c.get("late_us", 0) / 1e6)
     yield late
+
+
+def _kv_path_metrics(kv: dict[str, int], model: str) -> Iterator[Metric]:
+    """KV between workers by path: what each rank's endpoint sent and received rank to rank, and what went through
+    each worker's driver (driver to driver, or gathered from / scattered to its ranks)."""
+    ranks = CounterMetricFamily("tandem:kv_rank_bytes", "KV bytes a rank's endpoint sent or received rank to rank.",
+                                labels=["model_name", "worker", "rank", "direction"])
+    driver = CounterMetricFamily("tandem:kv_driver_path_bytes", "KV bytes through a worker's driver process (sent or "
+                                 "received driver to driver, or gathered/scattered for its ranks).",
+                                 labels=["model_name", "worker"])
+    workers = sorted({key.partition("/")[0] for key in kv}, key=int)
+    for worker in workers:                      # every worker that reported, 0 when nothing went through its driver
+        driver.add_metric([model, worker], float(kv.get(f"{worker}/driver", 0)))
+    for key, n in sorted(kv.items()):
+        worker, _, path = key.partition("/")
+        if path != "driver":
+            direction, _, rank = path.partition("/")
+            ranks.add_metric([model, worker, rank, direction], float(n))
+    yield ranks
+    yield driver
 
 
 def _dllm_serve_metrics(c: dict[str, int], model: str) -> Iterator[Metric]:

@@ -27,8 +27,7 @@ RECOVERY_LIMIT_S = 5.0        # /health must be 200 again within this long of a 
 HEALTH_POLL_S = 0.02          # how often /health is asked while a worker is replaced
 HEALTH_WAIT_S = 30.0          # a run gives up waiting for /health 200 after this long
 LOAD_RETRY_S = 0.1            # a load client that got an error waits this long before its next request, as a client
-WORKERS_LINE = re.compile(r"^tandem: workers (.*)$")
-WORKER_ITEM = re.compile(r"(\d+) (\w+) \(pid (\d+)\)")
+WORKER_LINE = re.compile(r"^tandem: (\w+) worker (\d+): tp\d+ \(pids? (\d+)")     # the start banner, one per worker
 BACK_LINE = re.compile(r"worker (\d+) \((\w+)\) is back \(pid (\d+)\), ([\d.]+) s after its death was noticed: (.*) "
                        r"\[noticed at monotonic ([\d.]+)\]")
 PHASE_ITEM = re.compile(r"([a-z][a-z ]*?) ([\d.]+) s")
@@ -52,12 +51,13 @@ class Served:
         return self.log.read_text(errors="replace")
 
     def workers(self) -> dict[int, tuple[str, int]]:
-        """worker id -> (role, pid): from the `tandem: workers ...` line, then each `is back (pid N)` line."""
+        """worker id -> (role, pid): from the banner's `tandem: ROLE worker N: tpT (pid P ...` lines, then each
+        `is back (pid N)` line."""
         out: dict[int, tuple[str, int]] = {}
         for line in self.log_text().splitlines():
-            m = WORKERS_LINE.match(line)
+            m = WORKER_LINE.match(line)
             if m:
-                out = {int(w): (role, int(pid)) for w, role, pid in WORKER_ITEM.findall(m.group(1))}
+                out[int(m.group(2))] = (m.group(1), int(m.group(3)))
             b = BACK_LINE.search(line)
             if b:
                 out[int(b.group(1))] = (b.group(2), int(b.group(3)))

@@ -59,6 +59,7 @@ class RankGroup:
         self.size = size
         self.device = device
         self.error: str | None = None
+        self.forwarded_bytes = 0     # KV bytes this driver gathered from or scattered to its ranks (kv_group.py)
         self.threads = max(1, group.usable_cpus() // size) if device.type == "cpu" else torch.get_num_threads()
         self._threads_before = torch.get_num_threads()
         sock = channel.listen_loopback()

@@ -3,8 +3,12 @@ the positions asked for on the driver with every KV head once, in head order (th
 degree); `import_` hands each rank exactly its heads of such a payload (head_map.py says which). Point-to-point
 sends within the group (gloo on CPU, NCCL on CUDA): a replicated head travels from one holder only.
 
-The payload itself still leaves and enters the worker through its driver (the worker's one KV inbox): between two
-workers KV goes driver to driver, regrouped here on each side."""
+This is the driver path, kept as the fallback: the payload leaves and enters the worker through its driver (the
+worker's one KV inbox), driver to driver, regrouped here on each side. Between workers whose ranks have KV endpoints
+(every worker the runtime starts, locally or as Ray actors whose endpoints the peers can reach) KV goes rank to rank
+instead (parallel/kv_ranks.py); the driver path runs for tp=1 to tp=1, for a worker whose ranks could not open their
+endpoints, and for a transfer whose parts could not reach the receiving ranks. `forwarded_bytes` on the group counts
+what the driver moved for its other ranks here."""
 from __future__ import annotations
 
 from typing import Any, Callable, Protocol, TypeVar
@@ -22,6 +26,7 @@ class RankGroup(Protocol):
 
     size: int
     device: torch.device
+    forwarded_bytes: int
 
     def send(self, *command: Any) -> None: ...
 
@@ -58,6 +63,7 @@ def export(group: RankGroup, kv_caches: list[torch.Tensor], total_kv_heads: int,
             dist.recv(buf, src=r)
             parts[r] = buf.cpu()
     group.run(receive)
+    group.forwarded_bytes += sum(parts[r].numel() * parts[r].element_size() for r in needed)
     spans = kv_head_spans(total_kv_heads, group.size)
     out = torch.empty(shape, dtype=local.data.dtype)
     for h, r in enumerate(sources):
@@ -83,7 +89,9 @@ def import_(group: RankGroup, kv_caches: list[torch.Tensor], total_kv_heads: int
     def scatter() -> None:
         import torch.distributed as dist
         for r in range(1, group.size):
-            dist.send(_heads(payload, *spans[r]).data.to(dev), dst=r)
+            part = _heads(payload, *spans[r])
+            dist.send(part.data.to(dev), dst=r)
+            group.forwarded_bytes += part.nbytes
     group.run(scatter)
 
 

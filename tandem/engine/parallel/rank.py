@@ -1,7 +1,7 @@
 """A tensor-parallel rank other than the driver: it loads its shard of the weights, holds its heads' paged KV, and
 runs every model call the driver broadcasts (forward, logits, KV allocation, swaps, a session's KV out to the driver or
-in from it) until told to stop. It samples
-nothing and does no I/O; it exits by itself when the driver dies."""
+in from it, or rank to rank through its own KV endpoint: parallel/kv_ranks.py) until told to stop. It samples
+nothing; its only I/O is the KV endpoint the runtime gives it; it exits by itself when the driver dies."""
 from __future__ import annotations
 
 import logging
@@ -90,7 +90,7 @@ class _Shard:
         from tandem.engine.parallel.group import TPGroup
         cfg = spec.config
         self.device = torch.device(spec.device)
-        self.rank = spec.rank
+        self.rank, self.size = spec.rank, spec.size
         self.model, self.mc = load_model(cfg.model, dtype_for=lambda ckpt: cfg.torch_dtype(ckpt, self.device),
                                          device=self.device, backend=cfg.attention_backend,
                                          tp=TPGroup(spec.rank, spec.size))
@@ -100,6 +100,7 @@ class _Shard:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_space = SwapSpace()
         self.tier_pool = None                           # the host KV tier's pool of this rank's heads (tier_alloc)
+        self.kv_plane = None                         # this rank's KV endpoint (parallel/kv_ranks.py), once opened
         if self.device.type == "cpu" and self.dtype == torch.float32:
             native.load()
 
@@ -108,7 +109,7 @@ class _Shard:
         """Run the driver's commands in order until "stop". A command that raises here raises on the driver too
         (same code, same inputs), so the rank goes on with the next one."""
         from tandem.engine.attention import allocate_kv_cache
-        from tandem.engine.parallel import kv_group
+        from tandem.engine.parallel import kv_group, kv_ranks
         from tandem.engine.parallel.channel import receive_command
         import torch.distributed as dist
         while True:
@@ -135,8 +136,20 @@ class _Shard:
                     kv_group.rank_export(self.rank, self.kv_caches, *cmd[1:], self.device)
                 elif op == "kv_import":
                     kv_group.rank_import(self.kv_caches, *cmd[1:], self.device)
+                elif op == "kv_plane":
+                    mc = self.mc
+                    self.kv_plane = kv_ranks.rank_open(cmd[1], self.rank, self.size, mc.num_key_value_heads,
+                                                       mc.num_hidden_layers, mc.head_dim, self.dtype, cmd[2])
+                elif op == "kv_send":
+                    kv_ranks.rank_send(self.kv_plane, self.size, self.device, self.kv_caches, *cmd[1:])
+                elif op == "kv_peers":
+                    kv_ranks.rank_peers(self.kv_plane, cmd[1])
+                elif op == "kv_place":
+                    kv_ranks.rank_place(self.kv_plane, self.kv_caches, *cmd[1:])
                 elif op == "stop":
                     break
             except Exception as e:  # noqa: BLE001 - the driver raises the same error to its caller
                 log.debug("rank command %s failed: %s", op, e)
+        if self.kv_plane is not None:
+            self.kv_plane.close()
         dist.destroy_process_group()

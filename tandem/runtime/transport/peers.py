@@ -95,6 +95,9 @@ class PeerOutbox:
     send_timeout_s: float = 5.0
     # the peers' inbox cap: a larger frame raises MessageTooLarge here rather than be dropped there with its connection
     max_msg_bytes: int = PEER_MAX_MSG_BYTES
+    # queue only to a peer whose connection (and CURVE handshake) is complete: a peer that is not there makes the
+    # send wait and then raise PeerUnreachable, instead of queueing for a connection that may never come
+    immediate: bool = False
     _socks: dict[str, zmq.asyncio.Socket] = field(default_factory=dict, init=False)
 
     async def send(self, address: str, msg: msgspec.Struct, *bufs: Buffer, wait_release: bool = False) -> None:
@@ -113,6 +116,8 @@ class PeerOutbox:
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
             sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.send_timeout_s * 1000)))
             sock.setsockopt(zmq.LINGER, 1000)
+            if self.immediate:
+                sock.setsockopt(zmq.IMMEDIATE, 1)
             try:
                 limit(sock, HANDSHAKE_MAX_MSG_BYTES)
                 if self.auth is not None:
