@@ -11,6 +11,7 @@ when even the best deployment misses an SLO at P95 (after printing the plan; --b
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shlex
 import sys
@@ -156,6 +157,7 @@ def cmd_plan(args) -> int:
                      top_k=args.top_k, jobs=args.jobs or DEFAULT_JOBS, cache_dir=cache,
                      sim=tuple(sorted(cost_fields(args).items())))
     cost_note(gpu, args)
+    gc.freeze()     # modules, tables and sessions live until exit: the collector's full passes need not walk them
     if args.exact:
         inp.exact_max_gpus = args.gpus
     with ray_executor(args) as executor:
