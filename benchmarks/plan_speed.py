@@ -204,7 +204,11 @@ def cli_markdown(res: dict, meta: dict) -> str:
              f"| {c['old_warm']:.2f} | {c['new_warm']:.2f} | {res['cpu_ratio_warm']:.3f} |",
              "", f"Same plan (--json, all fields but the wall time): {'yes' if res['same_plan'] else 'NO'}; "
              f"first choices {', '.join(res['plan'])} (Z {', '.join(f'{z:.4f}' for z in res['z'])}). "
-             f"Goal: at most {CLI_GOAL_S:g} s and {CLI_GOAL_RATIO:g}x the old time."]
+             f"Goal: at most {CLI_GOAL_S:g} s and {CLI_GOAL_RATIO:g}x the old time.", "",
+             *(f"- {label}: new CPU {c[f'new_{cache}']:.2f} s ({'met' if c[f'new_{cache}'] <= CLI_GOAL_S else 'NOT met'}"
+               f" against {CLI_GOAL_S:g} s), {res[f'cpu_ratio_{cache}']:.3f}x the old CPU time "
+               f"({'met' if res[f'cpu_ratio_{cache}'] <= CLI_GOAL_RATIO else 'NOT met'} against {CLI_GOAL_RATIO:g}x)"
+               for cache, label in (("cold", "empty run cache"), ("warm", "warm run cache")))]
     return "\n".join(lines) + "\n"
 
 
