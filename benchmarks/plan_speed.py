@@ -249,7 +249,7 @@ def cli_plot(res: dict, path: Path) -> None:
                 ax.bar(x, y, color=color, label=version if j == 0 else None)
                 ax.plot([x] * len(vals), vals, "k.", ms=3)
                 ax.annotate(f"{y:.2f}s", (x, y), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
-        ax.axhline(CLI_GOAL_S, color="tab:red", lw=0.8, ls=":", label=f"goal {CLI_GOAL_S:g} s (wall)")
+        ax.axhline(CLI_GOAL_S, color="tab:red", lw=0.8, ls=":", label=f"goal {CLI_GOAL_S:g} s")
         ax.set_xticks([0.5, 3.5], ["empty run cache", "warm run cache"])
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
