@@ -29,13 +29,13 @@ class BlockManager:
 
     The free pool is the never-used blocks `_fresh`..num_blocks-1 (in id order, handed out first) followed by a FIFO
     list of freed blocks read from `_head` (least recently freed first): a whole prompt's blocks are handed out as one
-    slice and a table's blocks go back as one extend; a new pool allocates nothing per block. Only blocks with cached content can be shared, so
-    reference counts are kept for them alone (any other held block has exactly one owner). A free block taken back
+    slice and a table's blocks go back as one extend; a new pool allocates nothing per block. Only blocks with cached
+    content can be shared, so reference counts are kept for them alone (any other held block has exactly one owner). A free block taken back
     by the prefix cache (`share`) leaves a dead entry behind, counted per block in `_dead` (a block's dead entries
     come before its live one); `_stale` counts them all, and while it is 0 a take is a plain slice."""
 
-    __slots__ = ("block_size", "num_blocks", "_fresh", "_fifo", "_head", "_nfree", "_dead", "_stale", "_ref", "_hash_of",
-                 "_by_hash", "tables", "prefix_hits", "prefix_queries", "_shared", "removed")
+    __slots__ = ("block_size", "num_blocks", "_fresh", "_fifo", "_head", "_nfree", "_dead", "_stale", "_ref",
+                 "_hash_of", "_by_hash", "tables", "prefix_hits", "prefix_queries", "_shared", "removed")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -87,7 +87,8 @@ class BlockManager:
 
     def _take(self, n: int) -> list[int]:
         """Hand out the `n` (<= num_free) least recently freed blocks, in that order, forgetting any content they
-        cached: never-used blocks first, then a slice of the free list (the simulator allocates whole prompts at once)."""
+        cached: never-used blocks first, then a slice of the free list (the simulator allocates whole prompts at
+        once)."""
         fresh, end = self._fresh, self.num_blocks
         if fresh < end:                             # never-used blocks: no content, no dead entries
             k = n if n <= end - fresh else end - fresh
