@@ -48,7 +48,7 @@ class BlockManager:
         self._nfree = num_blocks
         self._dead: dict[int, int] = {}             # block -> its dead entries at or past the head
         self._stale = 0                             # all dead entries at or past the head
-        self._ref: dict[int, int] = {}              # references of blocks with cached content (only those)
+        self._ref: dict[int, int] = {}              # references counted by share/register (absent: 0)
         self._hash_of: dict[int, int] = {}          # block -> chained hash of its (complete) content
         self._by_hash: dict[int, int] = {}          # chained hash -> block
         self.tables: dict[object, list[int]] = {}
@@ -195,7 +195,7 @@ class BlockManager:
         table = self.tables.setdefault(owner, [])
         ref = self._ref
         for b in blocks:
-            r = ref[b]
+            r = ref.get(b, 0)                       # 0: a block no count was kept for yet
             if r == 0:                              # a free block: its pool entry dies
                 self._dead[b] = self._dead.get(b, 0) + 1
                 self._stale += 1
