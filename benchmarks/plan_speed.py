@@ -12,9 +12,12 @@ them stopped early. Writes plan_speed.json, plan_speed.md and plan_speed.png to 
 baseline revision checked out with `git worktree add` (default /tmp/plan-base at 5a0bb63), alternating old and new
 runs, each from an empty run cache (a fresh XDG_CACHE_HOME) and again from the cache the cold run left (warm);
 medians of --repeat pairs, the ratio new / old, and whether both print the same plan (`--json` output, all but
-the wall-time field, compared once). Writes plan_cli_speed.json, .md and .png to --out.
+the wall-time field, compared once). Python's bytecode: `--bytecode source` (default) removes both trees'
+__pycache__ and runs with PYTHONDONTWRITEBYTECODE=1, so every process compiles the modules it imports (as in an
+environment that sets it); `--bytecode compiled` compiles both trees first (python -m compileall), as an installed
+package or any second run has it. Writes plan_cli_speed.json, .md and .png to --out (`--tag` appends to the names).
 
-    python benchmarks/plan_speed.py --cli [--base 5a0bb63] [--repeat 5] [--cpu 0]
+    python benchmarks/plan_speed.py --cli [--base 5a0bb63] [--repeat 5] [--cpu 0] [--bytecode source|compiled]
 """
 from __future__ import annotations
 
@@ -143,7 +146,7 @@ def _cli_run(tree: Path, cache: Path, cpu: int | None, extra: tuple[str, ...] = 
     cmd = [sys.executable, "-m", "tandem.cli", *CLI_ARGS, *extra]
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu), *cmd]
-    env = dict(os.environ, PYTHONPATH=str(tree), XDG_CACHE_HOME=str(cache))
+    env = dict(os.environ, PYTHONPATH=str(tree), XDG_CACHE_HOME=str(cache), PYTHONDONTWRITEBYTECODE="1")
     r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     # cwd = the tree: `python -m` puts the working directory first on sys.path
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
@@ -158,9 +161,24 @@ def _plan_rows(stdout: str) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "plan_wall_s"} for row in json.loads(stdout)]
 
 
-def run_cli(new: Path, old: Path, repeat: int, cpu: int | None) -> dict:
+def _bytecode(tree: Path, mode: str) -> None:
+    """`source`: no cached bytecode in the tree's package (every run compiles what it imports); `compiled`: all of it
+    compiled beforehand."""
+    import shutil
+    for d in sorted((tree / "tandem").rglob("__pycache__")):
+        shutil.rmtree(d, ignore_errors=True)
+    if mode == "compiled":
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "tandem")], env=env, check=True,
+                       capture_output=True)
+
+
+def run_cli(new: Path, old: Path, repeat: int, cpu: int | None, bytecode: str = "source") -> dict:
     """Alternate old and new `tandem plan` processes, cold then warm, `repeat` times; medians and the ratio."""
     from rich.progress import Progress
+
+    for tree in (old, new):
+        _bytecode(tree, bytecode)
 
     times: dict[str, list[float]] = {f"{v}_{c}": [] for v in ("old", "new") for c in ("cold", "warm")}
     cpu_s: dict[str, list[float]] = {k: [] for k in times}
@@ -181,7 +199,8 @@ def run_cli(new: Path, old: Path, repeat: int, cpu: int | None) -> dict:
                 bar.advance(task)
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu_s.items()}
-    return {"command": "tandem " + " ".join(CLI_ARGS), "repeat": repeat, "cpu": cpu, "times": times, "median": med,
+    return {"command": "tandem " + " ".join(CLI_ARGS), "repeat": repeat, "cpu": cpu, "bytecode": bytecode,
+            "times": times, "median": med,
             "cpu_s": cpu_s, "median_cpu": med_cpu,
             "ratio_cold": med["new_cold"] / med["old_cold"], "ratio_warm": med["new_warm"] / med["old_warm"],
             "cpu_ratio_cold": med_cpu["new_cold"] / med_cpu["old_cold"],
@@ -195,6 +214,8 @@ def cli_markdown(res: dict, meta: dict) -> str:
     m, c = res["median"], res["median_cpu"]
     lines = [f"`{res['command']}`, whole process, median of {res['repeat']} alternating old/new runs"
              + (f" on CPU {res['cpu']} (taskset)" if res["cpu"] is not None else "")
+             + ("; modules compiled beforehand (cached bytecode)" if res.get("bytecode") == "compiled"
+                else "; no cached bytecode (every process compiles the modules it imports)")
              + f"; old = {meta['base']}, new = {meta['commit']}; {meta['machine']}, {meta['date']}.", "",
              "| run cache | old wall (s) | new wall (s) | new / old | old CPU (s) | new CPU (s) | new / old |",
              "|---|---|---|---|---|---|---|",
@@ -204,7 +225,11 @@ def cli_markdown(res: dict, meta: dict) -> str:
              f"| {c['old_warm']:.2f} | {c['new_warm']:.2f} | {res['cpu_ratio_warm']:.3f} |",
              "", f"Same plan (--json, all fields but the wall time): {'yes' if res['same_plan'] else 'NO'}; "
              f"first choices {', '.join(res['plan'])} (Z {', '.join(f'{z:.4f}' for z in res['z'])}). "
-             f"Goal: at most {CLI_GOAL_S:g} s and {CLI_GOAL_RATIO:g}x the old time."]
+             f"Goal: at most {CLI_GOAL_S:g} s and {CLI_GOAL_RATIO:g}x the old time.", "",
+             *(f"- {label}: new CPU {c[f'new_{cache}']:.2f} s ({'met' if c[f'new_{cache}'] <= CLI_GOAL_S else 'NOT met'}"
+               f" against {CLI_GOAL_S:g} s), {res[f'cpu_ratio_{cache}']:.3f}x the old CPU time "
+               f"({'met' if res[f'cpu_ratio_{cache}'] <= CLI_GOAL_RATIO else 'NOT met'} against {CLI_GOAL_RATIO:g}x)"
+               for cache, label in (("cold", "empty run cache"), ("warm", "warm run cache")))]
     return "\n".join(lines) + "\n"
 
 
@@ -224,11 +249,12 @@ def cli_plot(res: dict, path: Path) -> None:
                 ax.bar(x, y, color=color, label=version if j == 0 else None)
                 ax.plot([x] * len(vals), vals, "k.", ms=3)
                 ax.annotate(f"{y:.2f}s", (x, y), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
-        ax.axhline(CLI_GOAL_S, color="tab:red", lw=0.8, ls=":", label=f"goal {CLI_GOAL_S:g} s (wall)")
+        ax.axhline(CLI_GOAL_S, color="tab:red", lw=0.8, ls=":", label=f"goal {CLI_GOAL_S:g} s")
         ax.set_xticks([0.5, 3.5], ["empty run cache", "warm run cache"])
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
-    fig.suptitle("tandem plan --gpus 256 --workload toolbench --rate 16, whole process")
+    fig.suptitle("tandem plan --gpus 256 --workload toolbench --rate 16, whole process, "
+                 + ("modules compiled beforehand" if res.get("bytecode") == "compiled" else "no cached bytecode"))
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -240,16 +266,17 @@ def main_cli(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     new = Path(__file__).resolve().parent.parent
     old = _base_tree(args.base, Path(args.base_dir))
-    res = run_cli(new, old, args.repeat or 5, args.cpu)
+    res = run_cli(new, old, args.repeat or 5, args.cpu, args.bytecode)
     meta = {"base": args.base, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
                        f"load average {os.getloadavg()[0]:.1f} at the end"}
-    (out / "plan_cli_speed.json").write_text(json.dumps({"meta": meta, **res}, indent=2))
+    stem = "plan_cli_speed" + (f"_{args.tag}" if args.tag else "")
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, **res}, indent=2))
     md = cli_markdown(res, meta)
-    (out / "plan_cli_speed.md").write_text(md)
-    cli_plot(res, out / "plan_cli_speed.png")
+    (out / f"{stem}.md").write_text(md)
+    cli_plot(res, out / f"{stem}.png")
     print(md)
-    print(f"wrote {out}/plan_cli_speed.json, plan_cli_speed.md, plan_cli_speed.png")
+    print(f"wrote {out}/{stem}.json, {stem}.md, {stem}.png")
 
 
 def main() -> None:
@@ -268,6 +295,9 @@ def main() -> None:
     ap.add_argument("--base", default="5a0bb63", help="--cli: the baseline revision (default: %(default)s)")
     ap.add_argument("--base-dir", default="/tmp/plan-base", help="--cli: where it is checked out")
     ap.add_argument("--cpu", type=int, default=None, help="--cli: pin every process to this CPU (taskset)")
+    ap.add_argument("--bytecode", choices=("source", "compiled"), default="source",
+                    help="--cli: no cached bytecode in either tree, or both compiled beforehand (default: %(default)s)")
+    ap.add_argument("--tag", default="", help="--cli: suffix of the output file names")
     args = ap.parse_args()
     if args.cli:
         main_cli(args)

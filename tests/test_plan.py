@@ -12,7 +12,7 @@ from tandem.cli.main import main
 from tandem.plan import PlanError, PlanInputs, exhaustive, plan
 from tandem.plan.coefficients import evaluator as coef_mod
 from tandem.plan.coefficients import Evaluator, RunCache, SimSpec, Workload, needed_above, p95, simulate_one
-from tandem.plan.milp import Coefficients, solve_topk
+from tandem.plan.milp import Coefficients, solve_topk, solve_topk_highs
 from tandem.plan.space import Pair, explain_no_fit, feasible_degrees, min_kv_tokens, pairs
 from tandem.sim.cluster import SimConfig, simulate
 from tandem.workload.generators import PAPER_SLOS, generate
@@ -38,7 +38,8 @@ def _table(budget, values):
     return c
 
 
-def test_milp_picks_known_optimum_within_budget():
+@pytest.mark.parametrize("solve_topk", [solve_topk, solve_topk_highs], ids=["enumerate", "highs"])
+def test_milp_picks_known_optimum_within_budget(solve_topk):
     vals = {
         Pair(4, 1, 4, 1): (0.9, 1.1),    # Z 1.1
         Pair(2, 2, 4, 1): (1.0, 0.95),   # Z 1.0  <- best that fits 8 GPUs
@@ -54,13 +55,15 @@ def test_milp_picks_known_optimum_within_budget():
         Pair(8, 1, 4, 1)
 
 
-def test_milp_objective_is_worst_kind_not_either_alone():
+@pytest.mark.parametrize("solve_topk", [solve_topk, solve_topk_highs], ids=["enumerate", "highs"])
+def test_milp_objective_is_worst_kind_not_either_alone(solve_topk):
     # low TTFT but high ITL must lose to a balanced one
     vals = {Pair(4, 1, 4, 1): (0.1, 2.0), Pair(2, 2, 2, 2): (0.9, 0.9)}
     assert solve_topk(_table(8, vals), 1)[0].pair == Pair(2, 2, 2, 2)
 
 
-def test_no_good_cuts_give_distinct_topk_in_order():
+@pytest.mark.parametrize("solve_topk", [solve_topk, solve_topk_highs], ids=["enumerate", "highs"])
+def test_no_good_cuts_give_distinct_topk_in_order(solve_topk):
     rng = np.random.default_rng(3)
     budget = 16
     ps = pairs([1, 2, 4, 8], budget, maximal_only=True)
@@ -74,18 +77,38 @@ def test_no_good_cuts_give_distinct_topk_in_order():
     assert zs == sorted(zs)
 
 
-def test_milp_keeps_only_maximal_deployments():
+@pytest.mark.parametrize("solve_topk", [solve_topk, solve_topk_highs], ids=["enumerate", "highs"])
+def test_milp_keeps_only_maximal_deployments(solve_topk):
     # P:tp2x1,D:tp2x1 leaves 4 of 8 GPUs unused: never a candidate even with the best coefficients
     vals = {Pair(2, 1, 2, 1): (0.1, 0.1), Pair(2, 2, 2, 2): (0.5, 0.6)}
     assert solve_topk(_table(8, vals), 2)[0].pair == Pair(2, 2, 2, 2)
     assert len(solve_topk(_table(8, vals), 2)) == 1
 
 
-def test_exclude_and_infinite_coefficients():
+@pytest.mark.parametrize("solve_topk", [solve_topk, solve_topk_highs], ids=["enumerate", "highs"])
+def test_exclude_and_infinite_coefficients(solve_topk):
     vals = {Pair(4, 1, 4, 1): (math.inf, 0.5), Pair(2, 2, 4, 1): (1.0, 1.0), Pair(4, 1, 2, 2): (1.5, 0.1)}
     c = _table(8, vals)
     assert [s.pair for s in solve_topk(c, 3)] == [Pair(2, 2, 4, 1), Pair(4, 1, 2, 2), Pair(4, 1, 4, 1)]
     assert solve_topk(c, 1, exclude=[Pair(2, 2, 4, 1)])[0].pair == Pair(4, 1, 2, 2)
+
+
+def test_enumeration_equals_highs_on_random_coefficients():
+    """The planner's enumeration of the MILP's feasible points gives HiGHS's top k, exclusions and infinite
+    coefficients included, over budgets and degree sets."""
+    rng = np.random.default_rng(11)
+    for budget, degrees in ((8, [1, 2, 4, 8]), (12, [2, 4]), (16, [1, 2, 4, 8]), (24, [2, 4, 8]), (32, [4, 8])):
+        ps = pairs(degrees, budget, maximal_only=True)
+        for trial in range(4):
+            vals = {p: (float(rng.uniform(0.2, 3)), float(rng.uniform(0.2, 3))) for p in ps
+                    if rng.uniform() < 0.9}                     # some deployments never measured
+            for p in list(vals)[:: 7]:
+                vals[p] = (math.inf, vals[p][1])                # a deployment that fails rounds
+            c = _table(budget, vals)
+            k = 1 + trial
+            exclude = [min(vals, key=lambda q: max(vals[q]))] if trial % 2 else None
+            fast, ref = solve_topk(c, k, exclude=exclude), solve_topk_highs(c, k, exclude=exclude)
+            assert [(s.pair, s.z) for s in fast] == [(s.pair, s.z) for s in ref]
 
 
 # --------------------------------------------------------------------------- space

@@ -19,9 +19,9 @@ HEAVY = ("torch", "pandas", "fastapi", "matplotlib", "scipy.stats")
 
 
 def _modules_after(code: str) -> dict:
-    """Run `code` in a fresh interpreter; which of HEAVY (and scipy) it imported."""
+    """Run `code` in a fresh interpreter; which of HEAVY (and scipy, scipy.optimize) it imported."""
     probe = (f"{code}\nimport json, sys\n"
-             f"print(json.dumps({{m: m in sys.modules for m in {HEAVY!r} + ('scipy',)}}))")
+             f"print(json.dumps({{m: m in sys.modules for m in {HEAVY!r} + ('scipy', 'scipy.optimize')}}))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -29,18 +29,19 @@ def _modules_after(code: str) -> dict:
 def test_building_the_cli_parser_imports_neither_torch_nor_scipy():
     """Protects every command's start-up: torch costs about 0.8 s, scipy.optimize about 0.4 s to import."""
     seen = _modules_after("from tandem.cli.main import build_parser\nbuild_parser()")
-    assert seen == {m: False for m in HEAVY + ("scipy",)}
+    assert seen == {m: False for m in HEAVY + ("scipy", "scipy.optimize")}
 
 
-def test_a_whole_plan_command_never_imports_torch(tmp_path):
-    """Protects `tandem plan`'s wall time: the planner needs the simulator, never the engine."""
+def test_a_whole_plan_command_never_imports_torch_nor_scipy_optimize(tmp_path):
+    """Protects `tandem plan`'s wall time: the planner needs the simulator, never the engine; neither its MILP
+    (enumerated) nor the cost fits (scipy's NNLS kernel alone) import scipy.optimize (~0.3 s)."""
     code = ("import contextlib, io\nfrom tandem.cli.main import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"    rc = main(['plan', '--gpus', '8', '--workload', 'toolbench', '--rate', '1.2', '--sessions', '6',"
             f" '--jobs', '1', '--cache-dir', {str(tmp_path)!r}, '--best-effort', '--no-progress'])\n"
             "assert rc == 0, rc")
     seen = _modules_after(code)
-    assert {m: seen[m] for m in HEAVY} == {m: False for m in HEAVY}
+    assert {m: seen[m] for m in HEAVY + ("scipy.optimize",)} == {m: False for m in HEAVY + ("scipy.optimize",)}
 
 
 class _ReferencePool:

@@ -27,26 +27,28 @@ class OutOfBlocks(Exception):
 class BlockManager:
     """Free pool plus per-owner block tables; the executor maps block ids to KV tensor slots.
 
-    The free pool is a FIFO list read from `_head` (least recently freed first): a whole prompt's blocks are handed
-    out as one slice and a table's blocks go back as one extend. Only blocks with cached content can be shared, so
-    reference counts are kept for them alone (any other held block has exactly one owner). A free block taken back
+    The free pool is the never-used blocks `_fresh`..num_blocks-1 (in id order, handed out first) followed by a FIFO
+    list of freed blocks read from `_head` (least recently freed first): a whole prompt's blocks are handed out as one
+    slice and a table's blocks go back as one extend; a new pool allocates nothing per block. Only blocks with cached
+    content can be shared, so reference counts are kept for them alone (any other held block has exactly one owner). A free block taken back
     by the prefix cache (`share`) leaves a dead entry behind, counted per block in `_dead` (a block's dead entries
     come before its live one); `_stale` counts them all, and while it is 0 a take is a plain slice."""
 
-    __slots__ = ("block_size", "num_blocks", "_fifo", "_head", "_nfree", "_dead", "_stale", "_ref", "_hash_of",
-                 "_by_hash", "tables", "prefix_hits", "prefix_queries", "_shared", "removed")
+    __slots__ = ("block_size", "num_blocks", "_fresh", "_fifo", "_head", "_nfree", "_dead", "_stale", "_ref",
+                 "_hash_of", "_by_hash", "tables", "prefix_hits", "prefix_queries", "_shared", "removed")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("a block manager needs a positive number of blocks and block size")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self._fifo: list[int] = list(range(num_blocks))   # free entries in freeing order, live and dead
+        self._fresh = 0                             # blocks from here to num_blocks - 1 were never handed out
+        self._fifo: list[int] = []                  # freed entries in freeing order, live and dead
         self._head = 0                              # index in _fifo of the oldest entry not yet consumed
         self._nfree = num_blocks
         self._dead: dict[int, int] = {}             # block -> its dead entries at or past the head
         self._stale = 0                             # all dead entries at or past the head
-        self._ref = [0] * num_blocks                # references of blocks with cached content (0 for the others)
+        self._ref: dict[int, int] = {}              # references counted by share/register (absent: 0)
         self._hash_of: dict[int, int] = {}          # block -> chained hash of its (complete) content
         self._by_hash: dict[int, int] = {}          # chained hash -> block
         self.tables: dict[object, list[int]] = {}
@@ -68,7 +70,7 @@ class BlockManager:
     def free_blocks(self) -> list[int]:
         """The free blocks in the order they will be handed out (least recently freed first)."""
         dead = dict(self._dead)
-        out = []
+        out = list(range(self._fresh, self.num_blocks))
         for b in self._fifo[self._head:]:
             d = dead.get(b)
             if d:
@@ -85,7 +87,20 @@ class BlockManager:
 
     def _take(self, n: int) -> list[int]:
         """Hand out the `n` (<= num_free) least recently freed blocks, in that order, forgetting any content they
-        cached: a slice of the free list (the simulator allocates whole prompts at once)."""
+        cached: never-used blocks first, then a slice of the free list (the simulator allocates whole prompts at
+        once)."""
+        fresh, end = self._fresh, self.num_blocks
+        if fresh < end:                             # never-used blocks: no content, no dead entries
+            k = n if n <= end - fresh else end - fresh
+            self._fresh = fresh + k
+            if k == n:
+                self._nfree -= n
+                return list(range(fresh, fresh + n))
+            return list(range(fresh, end)) + self._take_freed(n - k, k)
+        return self._take_freed(n)
+
+    def _take_freed(self, n: int, fresh: int = 0) -> list[int]:
+        """`_take` from the list of freed blocks, `fresh` never-used blocks having been handed out before them."""
         fifo, head = self._fifo, self._head
         if not self._stale:
             taken = fifo[head:head + n]
@@ -108,7 +123,7 @@ class BlockManager:
             del fifo[:head]
             head = 0
         self._head = head
-        self._nfree -= n
+        self._nfree -= n + fresh
         hash_of = self._hash_of
         if hash_of:                                 # their references are 0 already: they were free
             gone = list(filter(_not_none, map(hash_of.pop, taken, repeat(None))))
@@ -180,7 +195,7 @@ class BlockManager:
         table = self.tables.setdefault(owner, [])
         ref = self._ref
         for b in blocks:
-            r = ref[b]
+            r = ref.get(b, 0)                       # 0: a block no count was kept for yet
             if r == 0:                              # a free block: its pool entry dies
                 self._dead[b] = self._dead.get(b, 0) + 1
                 self._stale += 1

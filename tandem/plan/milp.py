@@ -24,6 +24,11 @@ deployments that use the budget (adding a replica never hurts); under it, for ev
 point, y = floor((N - n x) / m) and x = floor((N - m y) / n), so tau_pre[n,x | m] and
 tau_dec[m,y | n] are measured on one and the same deployment and the objective value of every
 feasible point is exactly that deployment's simulated Z. See docs/planner.md.
+
+`solve_topk` solves this model exactly by enumerating its feasible points (under (C3)-(C5) they are the maximal
+deployments whose two coefficients are known, a few hundred at most) and `solve_topk_highs` by HiGHS
+(scipy.optimize.milp, imported on first use: ~0.3 s); both give the same top k (tests/test_plan.py), the first
+without importing scipy.optimize when every run of a plan comes from the cache.
 """
 from __future__ import annotations
 
@@ -31,8 +36,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import csr_array
 
 from tandem.plan.space import Pair
 
@@ -69,7 +72,32 @@ def _cap(t: float) -> float:
 
 def solve_topk(coef: Coefficients, k: int, maximal: bool = True,
                exclude: list[Pair] | None = None) -> list[Solution]:
-    """The k best deployments in order: solve, add a no-good cut on the optimum, solve again."""
+    """The k best deployments of the MILP in order, by enumerating its feasible points: the maximal deployments
+    (n, x, m, y = floor((N - n x) / m) >= 1) with both coefficients known and not excluded, ranked by
+    Z = max(tau_pre, tau_dec) (infinite and larger coefficients capped at BIG, as for HiGHS), ties by fewer GPUs
+    then the deployment string. Without `maximal`, HiGHS solves the model (its feasible set is then larger)."""
+    if not maximal:
+        return solve_topk_highs(coef, k, maximal, exclude)
+    N = coef.budget
+    cut = set(exclude or ())
+    feasible: list[tuple[float, int, str, Pair]] = []
+    for (n, x, m), t_pre in coef.pre.items():
+        p = Pair(n, x, m, (N - n * x) // m)
+        if p.y < 1 or not p.maximal(N) or p in cut:
+            continue
+        t_dec = coef.dec.get((m, p.y, n))
+        if t_dec is not None:
+            feasible.append((max(_cap(t_pre), _cap(t_dec)), p.gpus, p.deploy, p))
+    feasible.sort(key=lambda f: f[:3])
+    return [Solution(p, coef.value(p)) for *_, p in feasible[:k]]
+
+
+def solve_topk_highs(coef: Coefficients, k: int, maximal: bool = True,
+                     exclude: list[Pair] | None = None) -> list[Solution]:
+    """The k best deployments in order by HiGHS: solve, add a no-good cut on the optimum, solve again."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import csr_array
+
     N = coef.budget
     a_keys = sorted(coef.pre)          # (n, x, m)
     b_keys = sorted(coef.dec)          # (m, y, n)

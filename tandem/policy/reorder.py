@@ -1,10 +1,18 @@
 """Which queued prefill task a worker takes next: FCFS, AMPD reordering (Alg. 2), Continuum priority."""
 from __future__ import annotations
 
+from functools import lru_cache
 from itertools import permutations
 from typing import Protocol
 
 from tandem.policy.task import PrefillTask
+
+
+@lru_cache(maxsize=None)
+def _orders(window: int) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Every order of n = 1..window tasks, identity first; one shared copy per window (a cluster builds a picker per
+    worker)."""
+    return {n: tuple(permutations(range(n))) for n in range(1, window + 1)}
 
 
 class Picker(Protocol):
@@ -28,7 +36,7 @@ class TTFTAwareReorder:
             raise ValueError("reorder window must be at least 1")
         self.window = window
         self.cap = window if cap is None else cap
-        self._perms = {n: list(permutations(range(n))) for n in range(1, window + 1)}
+        self._perms = _orders(window)
 
     def satisfied(self, tasks: list[PrefillTask], order: tuple[int, ...], now: float) -> int:
         """Eq. 3-4: how many tasks of `tasks` meet their TTFT SLO when run in `order` from `now`."""

@@ -81,26 +81,33 @@ def simulate_one(sessions: Sequence[Session], workload_key: str, spec: SimSpec, 
                  cutoff: float = INF) -> Measurement:
     """Simulate `deploy` on `gpus` GPUs over `sessions`; stop early once Z > cutoff is proven."""
     from tandem.perf.models import get_model
-    from tandem.sim.cluster import SimConfig, build
-    from tandem.workload.metrics import summarize
+    from tandem.sim.cluster import SimConfig
 
     info = info_for(sessions, workload_key, get_model(spec.model).max_context)
     cfg = SimConfig(model=spec.model, gpu=spec.gpu, gpus=gpus, deploy=deploy, policy=spec.policy, seed=spec.seed,
                     **dict(spec.sim))
-    with _no_gc():
-        coord, _workers, loop = build(cfg)
-        t0 = time.perf_counter()
-        if math.isfinite(cutoff):
-            loop.progress = _Tracker(coord, loop, info, cutoff)
-        try:
-            loop.run(list(sessions))
-        except _Stop:
-            return Measurement(deploy, exact=False, z=cutoff, events=loop.events, wall_s=time.perf_counter() - t0)
-        wall = time.perf_counter() - t0
+    with _no_gc():      # the run's objects are dropped before the collector is back: it never walks them alive
+        return _measure(cfg, deploy, sessions, info, cutoff)
+
+
+def _measure(cfg, deploy: str, sessions: Sequence[Session], info: Info, cutoff: float) -> Measurement:
+    """One run of `cfg` over `sessions` and its measurement (a lower bound when it stopped at `cutoff`)."""
+    from tandem.sim.cluster import build
+    from tandem.workload.metrics import summarize
+
+    coord, _workers, loop = build(cfg)
+    t0 = time.perf_counter()
+    if math.isfinite(cutoff):
+        loop.progress = _Tracker(coord, loop, info, cutoff)
+    try:
+        loop.run(list(sessions))
+    except _Stop:
+        return Measurement(deploy, exact=False, z=cutoff, events=loop.events, wall_s=time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
     tn, itn, tr, itr = objective(coord.records, info)
     m = summarize(coord.records, loop.now)
-    return Measurement(deploy, exact=True, z=max(tn, itn), ttft_norm=tn, itl_norm=itn, ttft_p95_s=tr, itl_p95_s=itr,
-                       slo_attainment=m["slo_attainment"], round_slo_attainment=m["round_slo_attainment"],
+    return Measurement(deploy, exact=True, z=max(tn, itn), ttft_norm=tn, itl_norm=itn, ttft_p95_s=tr,
+                       itl_p95_s=itr, slo_attainment=m["slo_attainment"], round_slo_attainment=m["round_slo_attainment"],
                        local_prefill_fraction=m["local_prefill_fraction"], sessions_failed=m["sessions_failed"],
                        events=loop.events, wall_s=wall)
 
