@@ -120,46 +120,6 @@ def test_nonneg_lstsq_computes_the_residual_from_its_answer(monkeypatch):
     assert nonneg.nonneg_lstsq(_A, _B)[1] == pytest.approx(2.0, abs=1e-12)
 
 
-def test_nnls_kernel_gives_scipy_optimize_nnls_bit_for_bit():
-    """Protects every fitted cost (and so every simulated result): calling scipy's compiled NNLS without the
-    scipy.optimize package answers exactly as scipy.optimize.nnls, iteration-limit errors included."""
-    from scipy.optimize import nnls as reference
-
-    from tandem.perf import nonneg
-    assert nonneg.nnls_kernel() is not None, "this scipy is outside KERNEL_SCIPY: check the kernel and widen it"
-    rng = np.random.default_rng(5)
-    for trial in range(300):
-        m, n = int(rng.integers(1, 40)), int(rng.integers(1, 8))
-        a = rng.normal(size=(m, n)) * rng.choice([1e-6, 1.0, 1e4], size=n)
-        if trial % 5 == 0 and n > 1:
-            a[:, -1] = a[:, 0] * (1 + 1e-12)        # nearly collinear columns, as noisy step times give
-        b = rng.normal(size=m) * 10 ** float(rng.uniform(-6, 3))
-        maxiter = int(rng.choice([1, 2, 50 * n]))
-        try:
-            want = reference(a, b, maxiter=maxiter)
-        except RuntimeError:
-            with pytest.raises(RuntimeError, match="Maximum number of iterations"):
-                nonneg.nnls(a, b, maxiter=maxiter)
-            continue
-        got = nonneg.nnls(a, b, maxiter=maxiter)
-        assert got[0].tobytes() == want[0].tobytes() and got[1] == want[1], trial
-
-
-def test_nnls_kernel_loaded_before_scipy_optimize_is_the_module_scipy_then_uses():
-    """The kernel loaded from its file (scipy.optimize not imported yet, as in `tandem plan`) answers as
-    scipy.optimize.nnls imported afterwards, which takes the very same module."""
-    import subprocess
-    import sys
-    code = ("import sys, numpy as np\nfrom tandem.perf import nonneg\n"
-            "a = np.random.default_rng(1).normal(size=(30, 4)); b = np.random.default_rng(2).normal(size=30)\n"
-            "got = nonneg.nnls(a, b, maxiter=200)\nassert 'scipy.optimize' not in sys.modules\n"
-            "import scipy.optimize\nwant = scipy.optimize.nnls(a, b, maxiter=200)\n"
-            "assert sys.modules['scipy.optimize._nnls']._nnls is sys.modules[nonneg.KERNEL_MODULE].nnls\n"
-            "print(got[0].tobytes() == want[0].tobytes() and got[1] == want[1])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True"
-
-
 @pytest.mark.parametrize("a,b", [(np.ones((3, 2)), np.ones(2)), (np.ones(3), np.ones(3)),
                                  (np.array([[1.0, np.nan]]), np.ones(1))])
 def test_nonneg_lstsq_refuses_bad_shapes_and_non_finite_values(a, b):
