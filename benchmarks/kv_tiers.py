@@ -14,7 +14,11 @@ direction at the catalogue's link efficiency; a tp8 worker copies over its 8 lin
   tiers of 1024 and 64 GiB per worker (the smaller one fills, so the eviction rule matters);
 - the Mooncake trace (its first `--mooncake` requests, one round each, prefixes shared through hash_ids) at half
   its rate (MOONCAKE_STRETCH), SLO TTFT 10 s / ITL 100 ms (chosen before any run): only prefix blocks written
-  through to the host tier and cache-aware binding can act here.
+  through to the host tier and cache-aware binding can act here;
+- `chat-multiturn` (LAPS's multi-turn chat mix: about 2 rounds a session, think times of seconds to minutes),
+  the generators' default 200 sessions at 1/s, its SLO (TTFT 0.4 s, ITL 0.1 s);
+- the Azure LLM inference trace 2023, conversations (its first `--azure` requests at their own times, one round
+  each, no prefix information), the Mooncake SLO: nothing is reused, so a tier can only cost.
 
 Policies: continuum (C:tp8x4, the baseline), the untiered ampd+laps-chunked (P:tp8x2,D:tp8x2; the best untiered
 policy of ampd_laps_agentic.py), continuum with no idle expiry (untiered, GPU retention unbounded: what the tiers
@@ -41,10 +45,11 @@ from tandem.perf.hardware import get_gpu
 from tandem.policy.kv_tiers import EvictionKind
 from tandem.policy.presets import get_policy
 from tandem.sim.cluster import SimConfig, simulate
-from tandem.workload.generators import generate
+from tandem.workload.generators import CHAT_SLO, generate
+from tandem.workload.options import DEFAULT_RATE, DEFAULT_SESSIONS
 from tandem.workload.metrics import summarize
 from tandem.workload.session import SLO
-from tandem.workload.traces import load_mooncake
+from tandem.workload.traces import load_azure, load_mooncake
 
 MODEL, GPU, GPUS = "llama-3.1-70b", "h20", 32
 SLO_AGENTIC = SLO(2.5, 0.050)
@@ -98,6 +103,10 @@ def policies(setup: str, host_gib: float, mem_util: float = 0.9, untiered: bool 
 
 def sessions_of(setup: str, n: int):
     """The sessions of a setup (deterministic)."""
+    if setup == "chat-multiturn":
+        return generate("chat-multiturn", n, DEFAULT_RATE, 0, slo=CHAT_SLO)
+    if setup == "azure-conv":
+        return [dataclasses.replace(s, slo=SLO_MOONCAKE) for s in load_azure("conv", limit=n)]
     if setup == "mooncake":
         return [dataclasses.replace(s, slo=SLO_MOONCAKE, arrival_s=s.arrival_s * MOONCAKE_STRETCH)
                 for s in load_mooncake(limit=n)]
@@ -198,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/results/kv_tiers", help="report directory")
     p.add_argument("--sessions", type=positive_int, default=20, help="agentic-long sessions (default: 20)")
     p.add_argument("--mooncake", type=positive_int, default=2000, help="Mooncake requests (default: 2000)")
+    p.add_argument("--azure", type=positive_int, default=2000, help="Azure conv requests (default: 2000)")
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default: 1)")
     p.add_argument("--quick", action="store_true", help="6 agentic sessions, no pressure setup, 100 Mooncake requests")
     a = p.parse_args(argv)
@@ -209,9 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [(c, a.sessions) for c in policies(pressure, HOST_GIB, PRESSURE_MEM_UTIL)]
         jobs += [(c, a.sessions) for c in policies(pressure, SMALL_HOST_GIB, PRESSURE_MEM_UTIL, untiered=False,
                                                    small=True)]
-    mooncake = [c for c in policies("mooncake", HOST_GIB)
-                if c.label.split(" (")[0] in ("continuum", "ampd+laps-chunked", "continuum-tool", "hicache")]
+    traced = ("continuum", "ampd+laps-chunked", "continuum-tool", "hicache", "ampd-tiered")
+    mooncake = [c for c in policies("mooncake", HOST_GIB) if c.label.split(" (")[0] in traced[:4]]
     jobs = [(c, a.mooncake) for c in mooncake] + jobs        # the longest cells first
+    if not a.quick:
+        jobs += [(c, DEFAULT_SESSIONS) for c in policies("chat-multiturn", HOST_GIB) if c.label.split(" (")[0] in traced]
+        jobs += [(c, a.azure) for c in policies("azure-conv", HOST_GIB) if c.label.split(" (")[0] in traced]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from rich.progress import Progress
