@@ -66,6 +66,8 @@ class SessionKV:
         hashes: list[int] = []
         if prompt_token_ids and self.config.enable_prefix_caching:
             extend_hashes(hashes, prompt_token_ids, self.config.block_size)
+        if self.tier is not None:                # copies that ended since the last step free their blocks first: a
+            self.tier.poll()                     # round must not recompute for want of blocks a landed copy still held
         now = self.clock()
         resident = self.core.begin_round(session_id, hashes, len(prompt_token_ids or ()), now)
         if self.tier is not None:

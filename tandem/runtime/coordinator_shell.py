@@ -219,7 +219,7 @@ class CoordinatorShell:
         slo = (t.ttft_slo_s, t.itl_slo_s)
         if not req.sent_to_decode:
             self.send(t.decode_worker, m.AddRequest(req.request_id, req.session_id, req.prompt, params,
-                                                    remote=not local, keep_session=True,
+                                                    remote=not local, keep_session=req.keep_session,
                                                     ttft_slo_s=slo[0], itl_slo_s=slo[1], tool_s=req.tool_s))
             req.sent_to_decode = True
         elif local:
