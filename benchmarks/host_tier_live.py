@@ -93,9 +93,8 @@ async def _scenario(cl, tool_s: float, wait: bool, tiered: bool, first: list[lis
                         m.get("tandem:host_kv_cache_bytes", 0) > 0:
                     break
                 await asyncio.sleep(0.05)
-        await complete(_prompt(50, FILLER, base=30))
-        await asyncio.sleep(0.2)                       # its release reaches the decode worker (else a round that
-        cached, lat = [], []                           # comes at once finds no free blocks to load into)
+        await complete(_prompt(50, FILLER, base=30))   # no session: its decode worker frees it at its round's end
+        cached, lat = [], []
         for i in range(SESSIONS):
             if wait:                                   # the round comes when its tool call said it would
                 await asyncio.sleep(max(0.0, ends[i] + tool_s - time.perf_counter()))

@@ -391,26 +391,15 @@ class ServingCluster:
 
     def stats(self) -> BackendStats:
         s = self.shell.stats
-        out = BackendStats(**{k: getattr(s, k) for k in BackendStats.__dataclass_fields__})
+        out = BackendStats(**{k: dict(v) if isinstance(v, dict) else v     # counters copied, not shared
+                              for k, v in ((k, getattr(s, k)) for k in BackendStats.__dataclass_fields__)})
         s.kv_transfer_seconds = []
-        out.iteration_tokens = dict(s.iteration_tokens)
-        out.dllm_commits, out.dllm_chunks = dict(s.dllm_commits), dict(s.dllm_chunks)
-        out.dllm_serve, out.kv_bytes = dict(s.dllm_serve), dict(s.kv_bytes)
-        out.host_tier = dict(s.host_tier)
         out.cache_config = self._cache_config
         if self.hub is not None:                         # the workers' counts arrive in their StepCounts
             out.rejected_frames += self.hub.rejected_frames
             out.rejected_handshakes += self.hub.rejected_handshakes
         states = [st for st in self.shell.coord.view.states() if st.worker_id not in self._lost]
-        homes = [st for st in states if st.role != PREFILL]
-        out.num_requests_running = sum(st.num_running for st in homes)
-        out.num_requests_waiting = sum(st.num_waiting for st in states)
-        out.kv_cache_usage_perc = sum(st.kv_usage for st in homes) / len(homes) if homes else 0.0
-        out.num_requests_swapped = sum(st.num_swapped for st in homes)
-        out.cpu_cache_usage_perc = sum(st.swap_usage for st in homes) / len(homes) if homes else 0.0
-        out.host_tier_bytes = sum(st.host_tier_bytes for st in homes)
-        out.host_tier_capacity_bytes = sum(st.host_tier_capacity_bytes for st in homes)
-        out.host_tier_usage = out.host_tier_bytes / out.host_tier_capacity_bytes if out.host_tier_capacity_bytes else 0.0
+        _worker_gauges(out, states)
         out.workers_total = len(self.roles)
         out.workers_alive = len(self.roles) - len(self._lost)
         _laps_stats(out, states, self.shell.coord.router)
@@ -527,6 +516,19 @@ def memory_info(info: dict) -> dict[str, int]:
         return {}
     return {str(k): int(v) for k, v in mem.items()
             if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+
+
+def _worker_gauges(out: BackendStats, states: list) -> None:
+    """Requests, KV and host-tier occupancy over the live workers' last published states."""
+    homes = [st for st in states if st.role != PREFILL]
+    out.num_requests_running = sum(st.num_running for st in homes)
+    out.num_requests_waiting = sum(st.num_waiting for st in states)
+    out.kv_cache_usage_perc = sum(st.kv_usage for st in homes) / len(homes) if homes else 0.0
+    out.num_requests_swapped = sum(st.num_swapped for st in homes)
+    out.cpu_cache_usage_perc = sum(st.swap_usage for st in homes) / len(homes) if homes else 0.0
+    out.host_tier_bytes = sum(st.host_tier_bytes for st in homes)
+    out.host_tier_capacity_bytes = sum(st.host_tier_capacity_bytes for st in homes)
+    out.host_tier_usage = out.host_tier_bytes / out.host_tier_capacity_bytes if out.host_tier_capacity_bytes else 0.0
 
 
 def _laps_stats(out: BackendStats, states, router) -> None:

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import re
 import time
 from typing import Callable
 
@@ -18,15 +17,14 @@ from tandem.core.commands import DELIVERED, KV_ARRIVED, RELEASE, RUN_LOCAL, SEND
 from tandem.core.coordinator import Coordinator
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
-from tandem.policy.dllm_serve.admission import COUNTERS as DLLM_COUNTERS
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tandem.engine.tier_copies import HOST_TIER_COUNTERS
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
 from tandem.runtime.request_audit import AUDIT_S, RequestAudit
 from tandem.runtime.round_checks import check_prompt, round_budget
 from tandem.runtime.shell_request import ShellRequest
+from tandem.runtime.step_counts import add_step_counts
 from tandem.runtime.state_store import SessionInfo, StateStoreError
 from tandem.workload.session import SLO
 
@@ -34,15 +32,6 @@ log = logging.getLogger("tandem.coordinator")
 
 MAX_UNREAD = 4096          # outputs a request may have queued unread before it is cancelled (a stalled client)
 MAX_KV_SAMPLES = 10_000    # kv_transfer_seconds kept between two /metrics scrapes (the oldest go first)
-MAX_STEP_TOKENS = 1 << 20  # a StepCounts key beyond this (tokens in one engine step) is not a real step: dropped
-KV_BYTES_KEY = re.compile(r"driver|(sent|received)/\d{1,3}")    # StepCounts.kv_bytes keys a worker may report
-
-
-def add_kv_bytes(into: dict[str, int], worker: int, kv: dict[str, int]) -> None:
-    """A worker's StepCounts.kv_bytes (deltas by path) added to the cumulative counts, keys checked."""
-    for k, n in kv.items():
-        if KV_BYTES_KEY.fullmatch(k) and isinstance(n, int) and n >= 0:
-            into[f"{worker}/{k}"] = into.get(f"{worker}/{k}", 0) + n
 
 
 def params_dict(p: SamplingParams) -> dict:
@@ -260,20 +249,7 @@ class CoordinatorShell:
             for ev in msg.events:
                 self._event(worker, ev, now)
         elif isinstance(msg, m.StepCounts):
-            for mine, theirs in ((self.stats.iteration_tokens, msg.iteration_tokens),
-                                 (self.stats.dllm_commits, msg.dllm_commits), (self.stats.dllm_chunks, msg.dllm_chunks)):
-                for k, n in theirs.items():
-                    if isinstance(k, int) and isinstance(n, int) and 0 <= k <= MAX_STEP_TOKENS and n > 0:
-                        mine[k] = mine.get(k, 0) + n
-            for k, n in msg.dllm_serve.items():
-                if k in DLLM_COUNTERS and isinstance(n, int) and 0 < n <= MAX_STEP_TOKENS:
-                    self.stats.dllm_serve[k] = self.stats.dllm_serve.get(k, 0) + n
-            for k, n in msg.host_tier.items():
-                if k in HOST_TIER_COUNTERS and isinstance(n, int) and n > 0:
-                    self.stats.host_tier[k] = self.stats.host_tier.get(k, 0) + n
-            self.stats.rejected_frames += min(max(msg.rejected_frames, 0), MAX_STEP_TOKENS)
-            self.stats.rejected_handshakes += min(max(msg.rejected_handshakes, 0), MAX_STEP_TOKENS)
-            add_kv_bytes(self.stats.kv_bytes, worker, msg.kv_bytes)
+            add_step_counts(self.stats, worker, msg)
         elif isinstance(msg, m.KVReceived):
             req = self.reqs.get(msg.request_id)
             if req is None or msg.purpose not in req.transfers:
