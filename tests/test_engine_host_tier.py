@@ -262,3 +262,29 @@ def test_decode_steps_run_while_a_rank_copies(tiny):
         assert eng.tier.counters["failed_copies"] == 0
     finally:
         eng.close()
+
+
+@TWO_CORES
+def test_a_rank_killed_during_a_copy_fails_the_copy_and_the_engine(tiny):
+    """Rank 1 is killed while it holds its share of a copy: the copy ends failed (its notice pipe ended, nothing
+    waits for it forever) and the next step fails the engine with one line."""
+    import os
+    import signal
+    from tandem.engine.parallel.driver import TensorParallelError
+    eng = tiered(tiny, tensor_parallel_size=2)
+    try:
+        eng.tier.rank_hooks(1, hold=True)
+        run_round(eng, "a", PROMPT)
+        eng.step()                                  # the idle session's copy out starts, held on rank 1
+        held = next(c for c in eng.tier.inflight.values() if c.run is not None and c.run.key == "s")
+        os.kill(eng.runner.group.pids[0], signal.SIGKILL)
+        for _ in range(100):
+            if not eng.tier.waiting_on(held.id):
+                break
+            eng.tier.wait(0.1)
+        assert (held, False) in eng.tier.ended
+        eng.add_request("o", list(range(200, 230)), GREEDY, session_id="other")
+        with pytest.raises(TensorParallelError, match="tensor-parallel rank 1 .* was killed by SIGKILL"):
+            eng.step()
+    finally:
+        eng.close()
