@@ -24,16 +24,12 @@ from typing import Callable
 import torch
 
 from tandem.core.host_tier import KVCopy
-from tandem.engine.host_pool import GIB, HostKVPool, host_memory_available
+from tandem.engine.host_pool import GIB, CopyFault, HostKVPool, host_memory_available
 
 log = logging.getLogger("tandem.engine")
 FAULT_ENV = "TANDEM_FAIL_KV_COPIES"     # fault injection: the next N host-tier copies raise on the copy thread
 HOST_TIER_COUNTERS = ("offload_bytes", "write_bytes", "prefetch_bytes", "load_bytes", "failed_copies",
                       "gpu_hit_tokens", "cpu_hit_tokens", "late_rounds", "late_us")
-
-
-class CopyFault(RuntimeError):
-    """An injected copy failure."""
 
 
 def _env_faults() -> int:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from tandem.engine.host_pool import HostKVPool
+from tandem.engine.host_pool import CopyFault, HostKVPool
 
 log = logging.getLogger(__name__)
 HOLD_LIMIT_S = 120.0        # a held copy (a test hook) goes on by itself after this long
@@ -91,7 +91,6 @@ class RankTier:
 
     def _copy(self, cid: int, to_host: bool, blocks: list[int], slots: list[int]) -> str:
         """Carry out one copy; "" when done, else why it failed (logged here)."""
-        from tandem.engine.tier_copies import CopyFault
         self.released.wait(HOLD_LIMIT_S)
         try:
             with self._lock:
