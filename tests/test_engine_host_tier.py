@@ -170,19 +170,121 @@ def test_the_offline_llm_serves_a_tiered_policy(tiny, one_thread):
         assert llm.engine.tier.counters["load_bytes"] > 0
 
 
-@pytest.mark.skipif(__import__("tandem.engine.parallel.group", fromlist=["x"]).usable_cpus() < 2,
-                    reason="two ranks need two CPU cores")
-def test_two_ranks_each_keep_their_heads_in_host_memory(tiny):
-    """Under tensor parallelism each rank copies its own heads (between steps): an offloaded session loaded back on
-    two ranks gives one rank's greedy tokens."""
+TWO_CORES = pytest.mark.skipif(__import__("tandem.engine.parallel.group", fromlist=["x"]).usable_cpus() < 2,
+                               reason="two ranks need two CPU cores")
+
+
+def full_blocks(eng, sid, tokens):
+    """(GPU blocks, host slots) of the session's first `tokens` // block_size blocks (whole ones only)."""
+    seq = eng.core.seqs[sid]
+    pool = eng.tier.pool
+    n = tokens // pool.block_size
+    return eng.core.blocks.tables[seq][:n], pool.slots(eng.core.kv.tier.host.session(sid))[:n]
+
+
+@TWO_CORES
+def test_two_ranks_copy_their_heads_bit_exact(tiny):
+    """Under tensor parallelism each rank copies its own heads on its own copy threads: the host copy equals the GPU
+    blocks bit for bit on every rank (each rank its own heads), and an offloaded session loaded back on two ranks
+    gives one rank's greedy tokens."""
     ref_a, ref_b, ref_cached = reference(tiny)
     eng = tiered(tiny, tensor_parallel_size=2)
     try:
         a = run_round(eng, "a", PROMPT)
         settle(eng)
+        seq = eng.core.seqs["s"]
+        assert seq.state is SeqState.IDLE and seq.host_tokens == seq.num_tokens > 0
+        n = -(-seq.num_tokens // eng.tier.pool.block_size)
+        blocks, slots = eng.core.blocks.tables[seq][:n], eng.tier.pool.slots(eng.core.kv.tier.host.session("s"))[:n]
+        out = eng.tier.compare(blocks, slots)
+        assert [same for same, _ in out] == [True, True]
+        assert out[0][1] != out[1][1] and 0.0 not in (out[0][1], out[1][1])     # two ranks, two different heads
+        assert eng.tier.counters["offload_bytes"] == n * eng.tier.pool.block_bytes
         eng.core.expire("s")
         b = run_round(eng, "b", PROMPT + a.outputs[0].token_ids + MORE)
         assert (a.outputs[0].token_ids, b.outputs[0].token_ids) == (ref_a, ref_b)
-        assert b.num_cached_tokens == ref_cached and eng.tier.counters["load_bytes"] > 0
+        assert b.num_cached_tokens == ref_cached and eng.tier.counters["load_bytes"] == n * eng.tier.pool.block_bytes
+        blocks, slots = full_blocks(eng, "s", ref_cached)       # loaded back: the GPU blocks equal the host ones
+        assert len(blocks) >= 2 and [same for same, _ in eng.tier.compare(blocks, slots)] == [True, True]
+        assert eng.tier.counters["failed_copies"] == 0
+    finally:
+        eng.close()
+
+
+@TWO_CORES
+def test_a_copy_failed_on_one_rank_fails_on_all_and_recomputes(tiny):
+    """The load fails on rank 1 only (the driver's share is done): the copy fails as a whole, the round recomputes
+    its context with the same greedy output."""
+    ref_a, ref_b, _ = reference(tiny)
+    eng = tiered(tiny, tensor_parallel_size=2)
+    try:
+        a = run_round(eng, "a", PROMPT)
+        settle(eng)
+        eng.core.expire("s")
+        eng.tier.rank_hooks(1, fail=1)
+        b = run_round(eng, "b", PROMPT + a.outputs[0].token_ids + MORE)
+        assert b.outputs[0].token_ids == ref_b
+        assert eng.tier.counters["failed_copies"] == 1 and eng.tier.counters["load_bytes"] == 0
+        assert eng.core.kv.tier.stats.recomputes == 1 and eng.core.kv.tier.stats.failed == 1
+    finally:
+        eng.close()
+
+
+@TWO_CORES
+def test_decode_steps_run_while_a_rank_copies(tiny):
+    """Rank 1 holds its share of the session's copy out (a test hook): the driver's share is done, the copy is in
+    flight, and every decode step of another session runs meanwhile; once released the copy lands bit for bit."""
+    eng = tiered(tiny, tensor_parallel_size=2)
+    try:
+        eng.tier.rank_hooks(1, hold=True)
+        run_round(eng, "a", PROMPT)
+        eng.add_request("o", list(range(200, 230)), GREEDY, session_id="other")
+        held, beside, tokens = None, 0, 0
+        for _ in range(100):
+            for out in eng.step():
+                if out.request_id == "o":
+                    tokens = len(out.outputs[0].token_ids)
+            if held is None:
+                held = next((c for c in eng.tier.inflight.values() if c.run is not None and c.run.key == "s"), None)
+            elif eng.tier.waiting_on(held.id) == {1}:
+                beside += 1                     # a step ran while rank 1's share of the copy was in flight
+            if tokens == GREEDY.max_tokens:
+                break
+        assert held is not None and held.kind is CopyKind.OFFLOAD
+        assert tokens == GREEDY.max_tokens and beside >= GREEDY.max_tokens - 1
+        assert held.id in eng.tier.inflight and eng.core.seqs["s"].host_tokens == 0
+        eng.tier.rank_hooks(1, hold=False)
+        settle(eng)
+        seq = eng.core.seqs["s"]
+        assert held.id not in eng.tier.inflight and seq.host_tokens == seq.num_tokens
+        blocks, slots = full_blocks(eng, "s", seq.num_tokens)
+        assert [same for same, _ in eng.tier.compare(blocks, slots)] == [True, True]
+        assert eng.tier.counters["failed_copies"] == 0
+    finally:
+        eng.close()
+
+
+@TWO_CORES
+def test_a_rank_killed_during_a_copy_fails_the_copy_and_the_engine(tiny):
+    """Rank 1 is killed while it holds its share of a copy: the copy ends failed (its notice pipe ended, nothing
+    waits for it forever) and the next step fails the engine with one line."""
+    import os
+    import signal
+    from tandem.engine.parallel.driver import TensorParallelError
+    eng = tiered(tiny, tensor_parallel_size=2)
+    try:
+        eng.tier.rank_hooks(1, hold=True)
+        run_round(eng, "a", PROMPT)
+        eng.step()                                  # the idle session's copy out starts, held on rank 1
+        held = next(c for c in eng.tier.inflight.values() if c.run is not None and c.run.key == "s")
+        os.kill(eng.runner.group.pids[0], signal.SIGKILL)
+        for _ in range(100):
+            if not eng.tier.waiting_on(held.id):
+                break
+            eng.tier.wait(0.1)
+        assert (held, False) in eng.tier.ended
+        eng.add_request("o", list(range(200, 230)), GREEDY, session_id="other")
+        with pytest.raises(TensorParallelError, match="tensor-parallel rank 1 .* was killed by SIGKILL"):
+            eng.step()
     finally:
         eng.close()

@@ -19,6 +19,10 @@ PROBE_BLOCKS = 8                 # the start-up bandwidth probe copies 1 and the
 PROBE_REPEATS = 3                # ... this many times each, keeping the fastest
 
 
+class CopyFault(RuntimeError):
+    """An injected copy failure (a test hook, on a copy thread)."""
+
+
 class HostPoolError(RuntimeError):
     """A copy the pool cannot map to its slots (a shell bug: the core's tier and the pool disagree)."""
 

@@ -2,9 +2,11 @@
 (one per direction, in order, as the core's link model has it), their ends reported back to the core on the step
 thread (the core is not thread-safe), and the tier's counters for /metrics.
 
-Under tensor parallelism every rank keeps its own heads' host pool (as its swap space); the copies then run between
-steps, on the step thread, each rank copying its share before the next step's forward (a copy thread cannot command
-the ranks while a step's collectives run).
+Under tensor parallelism every rank keeps its own heads' host pool (as its swap space) and copies its share beside
+its own steps on copy threads of its own (parallel/rank_tier.py): the driver starts a step's new copies on every rank
+with one group command that does not wait, each rank reports each copy's end on its notice pipe, and the driver hands
+a copy to the core only once every rank has ended it: done when every rank's share is done, failed (the core
+recomputes) when any rank's failed.
 
 A step never reads a block a copy is still writing: the core does not schedule a sequence whose KV is coming back;
 `check` asserts it on every step planned while such copies are in flight.
@@ -16,21 +18,18 @@ import logging
 import os
 import queue
 import threading
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from tandem.core.host_tier import KVCopy
-from tandem.engine.host_pool import GIB, HostKVPool, host_memory_available
+from tandem.engine.host_pool import GIB, CopyFault, HostKVPool, host_memory_available
 
 log = logging.getLogger("tandem.engine")
 FAULT_ENV = "TANDEM_FAIL_KV_COPIES"     # fault injection: the next N host-tier copies raise on the copy thread
 HOST_TIER_COUNTERS = ("offload_bytes", "write_bytes", "prefetch_bytes", "load_bytes", "failed_copies",
                       "gpu_hit_tokens", "cpu_hit_tokens", "late_rounds", "late_us")
-
-
-class CopyFault(RuntimeError):
-    """An injected copy failure."""
 
 
 def _env_faults() -> int:
@@ -41,6 +40,16 @@ def _env_faults() -> int:
     except ValueError:
         log.warning("%s=%r is not a count of copies: ignored", FAULT_ENV, raw)
         return 0
+
+
+@dataclass
+class _Shares:
+    """A copy's shares still running, by rank (the driver is rank 0), and whether every ended one was done."""
+
+    copy: KVCopy
+    left: set[int]
+    ok: bool = True
+    why: list[str] = field(default_factory=list)
 
 
 def host_link(one_s: float, per_block_s: float, block_size: int) -> Callable[[int], float]:
@@ -56,27 +65,35 @@ class TierRunner:
     def __init__(self, tier, pool: HostKVPool, kv_caches: list[torch.Tensor], clock: Callable[[], float],
                  fail_copies: int | None = None, group=None) -> None:
         self.tier, self.pool, self.kv_caches, self.clock = tier, pool, kv_caches, clock
-        self.group = group                              # a tensor-parallel worker's other ranks (copies inline)
+        self.group = group                              # a tensor-parallel worker's other ranks (their shares)
         self.fail_copies = _env_faults() if fail_copies is None else fail_copies
         self.counters: dict[str, int] = {k: 0 for k in HOST_TIER_COUNTERS}
         self.inflight: dict[int, KVCopy] = {}
         self.to_gpu: dict[int, KVCopy] = {}             # block -> the copy writing it
-        self.ended: collections.deque = collections.deque()   # (copy, ok), appended by the copy threads
+        self.ended: collections.deque = collections.deque()   # (copy, ok), once every rank's share ended
         self.on_end: Callable[[], None] = lambda: None  # the shell's wake-up (thread-safe), set by the runtime
         self._late: dict[str, float] = {}               # session -> when its round began waiting for its KV
         self._back: dict[str, int] = {}                 # session -> tokens brought back before its round began
         self._waited: dict[str, bool] = {}              # ... and whether that round waited for them (timed then)
         self._counted: set[int] = set()                 # copies in flight a round's hits already counted
         self._woken = threading.Event()                 # set at every copy's end (an idle engine waits on it)
+        self._shares: dict[int, _Shares] = {}           # copy id -> its shares still running (copy threads, notices)
+        self._gone: set[int] = set()                    # ranks whose notice pipe ended (exited): their shares fail
+        self._lock = threading.Lock()
         self._queues = (queue.SimpleQueue(), queue.SimpleQueue())
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"tandem-kv-copy-{d}", daemon=True)
                          for d, q in zip(("out", "in"), self._queues)]
         for t in self._threads:
             t.start()
+        if group is not None:
+            group.listen(self._notice)
 
     # ---------------------------------------------------------------- step thread
     def start(self, copies: list[KVCopy]) -> None:
-        """Hand the core's new copies to the copy threads (slots mapped here, on the step thread)."""
+        """Hand the core's new copies to the copy threads (slots mapped here, on the step thread); under tensor
+        parallelism every rank's share starts too, with one group command that does not wait for them."""
+        orders = []
+        ranks = set(range(1 if self.group is None else self.group.size))
         for c in copies:
             try:
                 blocks, slots = self.pool.plan(c, self.tier.host)
@@ -86,14 +103,38 @@ class TierRunner:
                 self.ended.append((c, False))
                 continue
             self.inflight[c.id] = c
-            if self.group is not None:                 # tensor parallelism: every rank now, before the next step
-                self.group.send("tier_copy", c.kind.to_host, blocks, slots)
-                self._copy(c, blocks, slots)
-                continue
             if not c.kind.to_host:
                 for b in blocks:
                     self.to_gpu[b] = c
+            with self._lock:
+                self._shares[c.id] = _Shares(c, ranks - self._gone, ok=not (self._gone & ranks))
             self._queues[0 if c.kind.to_host else 1].put((c, blocks, slots))
+            orders.append((c.id, c.kind.to_host, blocks, slots))
+        if orders and self.group is not None:
+            self.group.send("tier_copies", orders)
+
+    def waiting_on(self, copy_id: int) -> set[int]:
+        """The ranks (0: the driver) whose share of a copy has not ended yet (none: ended or unknown)."""
+        with self._lock:
+            shares = self._shares.get(copy_id)
+            return set(shares.left) if shares is not None else set()
+
+    def rank_hooks(self, rank: int, fail: int = 0, hold: bool | None = None) -> None:
+        """Test hooks on tensor-parallel rank `rank` (>= 1): its next `fail` shares of copies fail; hold=True holds
+        its shares before they start until hold=False."""
+        assert self.group is not None and 1 <= rank < self.group.size
+        self.group.send("tier_hooks", rank, fail, hold)
+
+    def compare(self, blocks: list[int], slots: list[int]) -> list[tuple[bool, float]]:
+        """Per rank (the driver first): whether its host slots[i] equal its GPU blocks[i] bit for bit, and the sum
+        of those slots' values (a check for tests and debugging, run on the step thread)."""
+        from tandem.engine.parallel.rank_tier import compare, gather_objects
+        mine = compare(self.pool, self.kv_caches, blocks, slots)
+        if self.group is None:
+            return [mine]
+        group = self.group
+        group.send("tier_compare", list(blocks), list(slots))
+        return group.run(lambda: gather_objects(group.size, mine))
 
     def poll(self) -> bool:
         """Report the copies that ended to the core (on_copy_done / on_copy_failed); True if any did."""
@@ -205,13 +246,12 @@ class TierRunner:
             item = q.get()
             if item is None:
                 return
-            self._copy(*item)
-            self._woken.set()
-            self.on_end()
+            c = item[0]
+            self._share_ended(c.id, 0, self._copy(*item))
 
-    def _copy(self, c: KVCopy, blocks: list[int], slots: list[int]) -> None:
-        """Carry out one copy here and queue its end (failed: an injected fault or any error)."""
-        ok = True
+    def _copy(self, c: KVCopy, blocks: list[int], slots: list[int]) -> str:
+        """Carry out the driver's share of one copy here: "" when done, else why it failed (an injected fault or
+        any error)."""
         try:
             if self.fail_copies > 0:
                 self.fail_copies -= 1
@@ -220,8 +260,42 @@ class TierRunner:
                 self.pool.copy(self.kv_caches, c.kind.to_host, blocks, slots)
         except Exception as e:  # noqa: BLE001 - reported to the core, which recomputes
             log.warning("host-tier copy %d (%s of %s) failed: %s", c.id, c.kind.value, c.session_id, e)
-            ok = False
-        self.ended.append((c, ok))
+            return str(e) or type(e).__name__
+        return ""
+
+    def _notice(self, rank: int, notice) -> None:
+        """A rank's notice (the group's listener thread): a share of a copy ended there; None: the rank exited, its
+        shares still running fail."""
+        if notice is None:
+            with self._lock:
+                self._gone.add(rank)
+                running = [cid for cid, s in self._shares.items() if rank in s.left]
+            for cid in running:
+                self._share_ended(cid, rank, f"rank {rank} exited")
+            return
+        from tandem.engine.parallel.rank_tier import NOTICE
+        if notice[0] == NOTICE:
+            self._share_ended(notice[1], rank, notice[2])
+
+    def _share_ended(self, copy_id: int, rank: int, why: str) -> None:
+        """One rank's share of a copy ended ("" when done): the copy ends once every rank's share has, done only
+        when every share is."""
+        with self._lock:
+            shares = self._shares.get(copy_id)
+            if shares is None or rank not in shares.left:
+                return
+            shares.left.discard(rank)
+            if why:
+                shares.ok = False
+                shares.why.append(f"rank {rank}: {why}")
+            if shares.left:
+                return
+            del self._shares[copy_id]
+            if self.group is not None and not shares.ok:
+                log.warning("host-tier copy %d failed (%s)", copy_id, "; ".join(shares.why))
+            self.ended.append((shares.copy, shares.ok))
+        self._woken.set()
+        self.on_end()
 
 
 def check_host_memory(gib: float, device: torch.device) -> None:
@@ -237,7 +311,7 @@ def check_host_memory(gib: float, device: torch.device) -> None:
 def host_tier_setup(config, runner, sched, role: str, spec) -> tuple[HostKVPool | None, Callable[[int], float] | None]:
     """The host pool of a tiered policy's decode or co-located worker (kv_offloading_size GiB over its ranks) and the
     core's host-link cost measured on it; (None, None) for a worker without a tier. EngineError-worthy problems
-    (no room in host memory, tensor parallelism) raise ValueError with one line."""
+    (no room in host memory) raise ValueError with one line."""
     from tandem.policy.task import PREFILL
     if not spec.tiered or role == PREFILL or not sched.kv_offloading_size:
         return None, None

@@ -1,15 +1,22 @@
 """The driver's side of a tensor-parallel group: it starts the other ranks (one process each, from the fork server),
 waits for their shards, broadcasts each model call's inputs once, notices a dead rank and fails the engine with one
 clear line, and stops the ranks when the engine closes. `TPModel` is the model the driver's engine calls: the same
-call runs on every rank, the logits are gathered here, where sampling runs."""
+call runs on every rank, the logits are gathered here, where sampling runs.
+
+Besides the group's collectives, each rank has a notice pipe to the driver (one way, a pipe per rank): what a rank
+finishes on a thread of its own (a host-tier copy) it reports there, without waiting, and the driver reads the pipes
+on a thread of its own (`listen`), never between the ranks' collectives."""
 from __future__ import annotations
 
 import atexit
 import multiprocessing
 import os
+import logging
 import signal
+import threading
 import time
 import weakref
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -22,6 +29,7 @@ STARTUP_TIMEOUT_S = 300.0      # the ranks have this long to load their shards
 STOP_GRACE_S = 5.0             # a stopped rank has this long to exit before it is killed
 PRELOAD = ["torch", "tandem.engine.loader", "tandem.engine.parallel.rank"]
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _LIVE: "weakref.WeakSet[RankGroup]" = weakref.WeakSet()
 
 
@@ -73,12 +81,17 @@ class RankGroup:
         ctx = _context()
         env = dict(os.environ)
         self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.notices: list[Connection] = []      # the read end of each rank's notice pipe (rank 1 first)
+        self._listening = False
         for r in range(1, size):
             dev = str(device) if device.type == "cpu" else f"cuda:{(device.index or 0) + r}"
-            spec = RankSpec(r, size, self.port, os.getpid(), cfg, dev, self.threads, env)
+            read, write = ctx.Pipe(duplex=False)
+            spec = RankSpec(r, size, self.port, os.getpid(), cfg, dev, self.threads, env, write)
             p = ctx.Process(target=rank_main, args=(spec,), name=f"tandem-tp-rank{r}", daemon=True)
             p.start()
+            write.close()                        # the rank holds the write end: its exit is the pipe's end here
             self.procs.append(p)
+            self.notices.append(read)
         self.joined = False
         _LIVE.add(self)
 
@@ -112,6 +125,29 @@ class RankGroup:
         """Broadcast one command to the ranks (TensorParallelError when the group is broken or a rank is dead)."""
         self.check()
         self.run(lambda: channel.broadcast_command(command))
+
+    def listen(self, fn: Callable[[int, Any], None]) -> None:
+        """Call fn(rank, notice) on a thread of its own for each notice a rank sends, and fn(rank, None) once when a
+        rank's pipe ends (it exited); one listener per group."""
+        if self._listening:
+            raise RuntimeError("the group's notices already have a listener")
+        self._listening = True
+        readers = {conn: r for r, conn in enumerate(self.notices, 1)}
+
+        def loop() -> None:
+            while readers:
+                for conn in wait(list(readers)):
+                    r = readers[conn]
+                    try:
+                        notice = conn.recv()
+                    except (EOFError, OSError):
+                        del readers[conn]
+                        notice = None
+                    try:
+                        fn(r, notice)
+                    except Exception:  # noqa: BLE001 - one bad notice must not stop the others
+                        log.exception("a notice of tensor-parallel rank %d could not be handled", r)
+        threading.Thread(target=loop, name="tandem-tp-notices", daemon=True).start()
 
     def run(self, fn: Callable[[], T]) -> T:
         """Run the driver's part of a collective step; a failure with a dead rank becomes TensorParallelError."""

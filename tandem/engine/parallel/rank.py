@@ -1,7 +1,9 @@
 """A tensor-parallel rank other than the driver: it loads its shard of the weights, holds its heads' paged KV, and
 runs every model call the driver broadcasts (forward, logits, KV allocation, swaps, a session's KV out to the driver or
-in from it, or rank to rank through its own KV endpoint: parallel/kv_ranks.py) until told to stop. It samples
-nothing; its only I/O is the KV endpoint the runtime gives it; it exits by itself when the driver dies."""
+in from it, or rank to rank through its own KV endpoint: parallel/kv_ranks.py) until told to stop; the host KV tier's
+copies it runs beside those, on copy threads of its own (parallel/rank_tier.py), reporting their ends on its notice
+pipe. It samples nothing; its only I/O is the KV endpoint the runtime gives it and its notice pipe to the driver; it
+exits by itself when the driver dies."""
 from __future__ import annotations
 
 import logging
@@ -31,6 +33,7 @@ class RankSpec:
     device: str
     threads: int              # torch CPU threads of this rank
     env: dict[str, str]       # the driver's environment when it started the group
+    notices: Any = None       # the write end of this rank's notice pipe to the driver (driver.RankGroup.listen)
 
 
 def ready_key(rank: int) -> str:
@@ -99,7 +102,8 @@ class _Shard:
         self.kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.kv_caches: list[torch.Tensor] = []
         self.swap_space = SwapSpace()
-        self.tier_pool = None                           # the host KV tier's pool of this rank's heads (tier_alloc)
+        self.tier = None                                # the host KV tier's share of this rank (tier_alloc)
+        self.notices = spec.notices                     # this rank's notice pipe to the driver
         self.kv_plane = None                         # this rank's KV endpoint (parallel/kv_ranks.py), once opened
         if self.device.type == "cpu" and self.dtype == torch.float32:
             native.load()
@@ -127,11 +131,8 @@ class _Shard:
                                                        self.kv_heads, self.mc.head_dim, self.dtype, self.device)
                 elif op == "swap":
                     self.swap_space.apply(self.kv_caches, cmd[1], self.block_size)
-                elif op == "tier_alloc":                # the host KV tier: this rank's heads
-                    from tandem.engine.host_pool import HostKVPool
-                    self.tier_pool = HostKVPool(self.kv_caches, cmd[1], self.block_size)
-                elif op == "tier_copy":
-                    self.tier_pool.copy(self.kv_caches, *cmd[1:])
+                elif op.startswith("tier_"):            # the host KV tier (parallel/rank_tier.py)
+                    self._tier_command(cmd)
                 elif op == "kv_export":
                     kv_group.rank_export(self.rank, self.kv_caches, *cmd[1:], self.device)
                 elif op == "kv_import":
@@ -152,4 +153,24 @@ class _Shard:
                 log.debug("rank command %s failed: %s", op, e)
         if self.kv_plane is not None:
             self.kv_plane.close()
+        if self.tier is not None:
+            self.tier.close()
         dist.destroy_process_group()
+
+    def _tier_command(self, cmd: tuple) -> None:
+        """The host KV tier's commands: allocate this rank's pool and copy threads, start copies (no wait), test
+        hooks, and the bit-for-bit comparison of host slots with GPU blocks (every rank answers it)."""
+        from tandem.engine.parallel import rank_tier
+        op = cmd[0]
+        if op == "tier_alloc" or self.tier is None:      # no pool without "tier_alloc": each copy then fails
+            pool_blocks = cmd[1] if op == "tier_alloc" else 0
+            if self.tier is not None:
+                self.tier.close()
+            self.tier = rank_tier.RankTier.open(self.rank, pool_blocks, self.block_size, lambda: self.kv_caches,
+                                                self.notices, self.device)
+        if op == "tier_copies":
+            self.tier.start(cmd[1])
+        elif op == "tier_hooks" and cmd[1] == self.rank:
+            self.tier.hooks(*cmd[2:])
+        elif op == "tier_compare":
+            rank_tier.gather_objects(self.size, rank_tier.compare(self.tier.pool, self.kv_caches, *cmd[1:]))
