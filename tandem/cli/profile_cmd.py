@@ -26,7 +26,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "and write them as JSON for `tandem simulate --perf FILE` (docs/profiler.md). "
                                    "The largest step measured is --max-num-batched-tokens tokens.")
     add_knobs(p, ProfileFiles, required=("model",))
-    add_knobs(p, ProfileOptions, ("quick", "max_len", "repeats", "device", "threads", "dtype",
+    add_knobs(p, ProfileOptions, ("quick", "max_len", "repeats", "device", "threads", "dtype", "tensor_parallel_size",
                                   "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "enforce_eager",
                                   "cuda_graph_sizes", "heldout", "seed"))
     add_knobs(p, OutputOptions, ("no_progress",))
