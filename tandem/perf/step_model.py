@@ -427,8 +427,8 @@ class Profile:
         """Why this profile cannot price a tp worker (one line), None when it can."""
         if tp in self.priced_tps():
             return None
-        how = "" if self.tensor_parallel_size > 1 else (" and measured no all-reduce among that many ranks (profile "
-                                                       f"with --tensor-parallel-size {tp}, or on a host with {tp} cores)")
+        how = "" if self.tensor_parallel_size > 1 else (f" and no all-reduce among {tp} ranks (profile with "
+                                                       f"--tensor-parallel-size {tp} on a host with {tp} cores)")
         return (f"the profile measured one engine at tp{self.tensor_parallel_size}{how}; it prices tp"
                 f"{'/tp'.join(map(str, self.priced_tps()))} workers, not tp{tp}")
 
