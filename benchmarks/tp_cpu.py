@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU: tp=1 against tp=2 of the same checkpoint, same run.
 
-    python benchmarks/tp_cpu.py [--size 30m] [--requests 16] [--output-len 32] [--json out.json]
+    python benchmarks/tp_cpu.py [--size 30m] [--requests 16] [--output-len 32] [--json out.json] [--plot out.png]
 
 A tiny Qwen3 checkpoint (made here, offline; `--size 1m` or `30m`), `--requests` prompts of 64..256 tokens, greedy,
 `--output-len` tokens each. For each TP degree: offline throughput (output tokens / s of `LLM.generate`), the mean
@@ -110,6 +110,29 @@ def predictions(path: str, rows: list[dict[str, object]], profile_threads: int =
     return out, info
 
 
+def plot(preds: list[dict], path: str) -> None:
+    """Measured mean step beside each prediction, per row (tp, threads per rank): grouped bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [("measured", "measured_ms"), ("tp1 profile (at tp2: + all-reduces)", "tp1_profile_ms"),
+              ("tp2 profile", "tp2_profile_ms"), ("nominal roofline", "nominal_ms")]
+    labels = [f"tp{p['tp']}, {p['threads']} thread(s)" if p["tp"] == 1 else "tp2, 1 thread a rank" for p in preds]
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    width = 0.2
+    for k, (name, key) in enumerate(series):
+        xs = [i + (k - 1.5) * width for i in range(len(preds))]
+        ax.bar(xs, [p[key] or 0.0 for p in preds], width, label=name)
+    ax.set_xticks(range(len(preds)), labels)
+    ax.set_ylabel("mean step (ms), same recorded steps")
+    ax.set_title("qwen3 30m on 2 CPU cores: measured step vs profile and roofline predictions")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(path: str, tp: int, prompts: list[list[int]], out_len: int, threads: int | None = None) -> dict[str, object]:
     """Throughput, step time and all-reduce time of one TP degree (tp=1 on `threads` torch threads when given: the
     control for a rank's one thread), and what the tolerance figures need."""
@@ -148,7 +171,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--plot", default=None, help="draw the predictions beside the measured steps into this PNG")
+    ap.add_argument("--plot-from", default=None, help="only draw --plot from a --json file of an earlier run")
     args = ap.parse_args()
+    if args.plot_from:
+        plot(json.load(open(args.plot_from))["predictions"], args.plot or "tp_cpu.png")
+        return
     info = cpu_info()
     print(f"CPU: {info['model']}; avx2 {info['avx2']}, avx512f {info['avx512f']}; {info['cores']} cores usable; "
           f"load average {', '.join(f'{x:.1f}' for x in info['load_avg'])}")
@@ -216,6 +244,8 @@ def main() -> None:
     print(f"tp2 / tp1 (one thread) step time: measured {m2['measured_ms'] / m1['measured_ms']:.2f}x; tp1 profile + "
           f"all-reduces {m2['tp1_profile_ms'] / m1['tp1_profile_ms']:.2f}x; nominal roofline "
           f"{m2['nominal_ms'] / m1['nominal_ms']:.2f}x (compute and KV reads divided by tp, no all-reduce term)")
+    if args.plot:
+        plot(preds, args.plot)
     if args.json:
         keep = [{k: v for k, v in r.items() if k not in ("greedy", "logits", "samples", "records")} for r in rows]
         json.dump({"cpu": info, "rows": keep, "predictions": preds, "profiles": pinfo, "max_logit_diff": dl.max().item(), "seeded_identical": same_seeded},
