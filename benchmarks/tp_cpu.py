@@ -240,7 +240,9 @@ def main() -> None:
                   f"{1e3 * st['all_reduce_s_per_step']:.2f} ms a step ({st['share_of_step']:.0%} of the step, waiting "
                   f"for the other rank included)")
     print(f"tp2 run: all-reduces measured {two['all_reduce_ms']:.2f} ms a step; the tp1 profile's fit prices the same "
-          f"steps' all-reduces at {m2['predicted_all_reduce_ms']:.2f} ms")
+          f"steps' all-reduces at {m2['predicted_all_reduce_ms']:.2f} ms; the rest of the step measured "
+          f"{two['step_ms'] - two['all_reduce_ms']:.1f} ms, the tp1 profile's sharded compute "
+          f"{m2['tp1_profile_ms'] - m2['predicted_all_reduce_ms']:.1f} ms")
     print(f"tp2 / tp1 (one thread) step time: measured {m2['measured_ms'] / m1['measured_ms']:.2f}x; tp1 profile + "
           f"all-reduces {m2['tp1_profile_ms'] / m1['tp1_profile_ms']:.2f}x; nominal roofline "
           f"{m2['nominal_ms'] / m1['nominal_ms']:.2f}x (compute and KV reads divided by tp, no all-reduce term)")
