@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import random
 import statistics
 import time
@@ -26,6 +27,7 @@ from tandem.perf.collective import CollectiveCost
 from tandem.perf.step_model import DEFAULT_KV_LINK, Profile, StepTimeModel
 
 Progress = Callable[[str, int, int], None]      # (stage, done, total)
+log = logging.getLogger(__name__)
 
 
 def _param_count(runner: ModelRunner) -> int:
@@ -143,12 +145,13 @@ def _measure(model: str, opt: ProfileOptions, progress: Progress | None, cfg: En
     if opt.measure_link:
         if progress:
             progress("KV path", 0, 1)
-        try:
-            if tp > 1:                                       # the driver's export path is the tp1 engine's
-                raise NotImplementedError
-            link = measure_kv_path(runner, rng, max_tokens=min(max_len, budget))
-        except Exception:                                    # no ZeroMQ here, or tp>1: the bare socket pair
+        if tp > 1:                                           # the driver's export path is the tp1 engine's
             link = measure_kv_link()
+        else:
+            try:
+                link = measure_kv_path(runner, rng, max_tokens=min(max_len, budget))
+            except Exception:                                # no ZeroMQ here: the bare socket pair
+                link = measure_kv_link()
         if progress:
             progress("KV path", 1, 1)
     interference = None
@@ -209,7 +212,13 @@ def measure_collective(runner: ModelRunner, tp: int, itemsize: int, max_tokens: 
         return None
     bpt = mc.hidden_size * itemsize
     sizes = step_sizes(bpt, max_tokens, quick)
-    fits = {n: measure_all_reduce(n, sizes, repeats=20 if quick else 40) for n in counts}
+    try:
+        fits = {n: measure_all_reduce(n, sizes, repeats=20 if quick else 40) for n in counts}
+    except RuntimeError as e:
+        if tp > 1:
+            raise
+        log.warning("%s: the profile prices tp1 workers only", e)     # a tp1 profile stands without it
+        return None
     return CollectiveCost(all_reduces_per_step(runner.model), bpt, "gloo", fits, in_steps)
 
 
