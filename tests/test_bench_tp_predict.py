@@ -33,13 +33,12 @@ def test_nominal_step_is_chunks_t_pre_plus_decode_t_dec_with_work_divided_by_tp(
     assert nominal_step_s(cost, _step([], [100]), 1) == pytest.approx(cost.t_dec(1, 1, 100))
 
 
-def test_profile_timer_prices_tp1_only_and_means_over_steps():
-    """The profiled step model prices the recorded shapes at tp1; at tp2 it refuses, as the simulator does."""
+def test_profile_timer_means_over_the_recorded_steps():
+    """A profile's step timer (the one it gives for the steps' degree) prices the recorded shapes; the mean is taken
+    over the steps."""
     timer = SimpleNamespace(step_time=lambda s: 1e-3 * s.prefill_tokens + 2e-3 * s.num_decode)
     steps = [_step([(0, 10)], []), _step([], [5, 5])]
     assert mean_predicted_s(steps, timer=timer) == pytest.approx((10e-3 + 4e-3) / 2)
-    with pytest.raises(ValueError, match="tp2 has no profiled price"):
-        mean_predicted_s(steps, timer=timer, tp=2)
     with pytest.raises(ValueError, match="exactly one"):
         mean_predicted_s(steps)
     with pytest.raises(ValueError, match="no steps"):

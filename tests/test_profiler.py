@@ -214,11 +214,13 @@ def test_bad_profile_is_one_line_exit_2(tmp_path, capsys, text, why):
     assert len(err) == 1 and err[0].startswith("tandem: error:") and why in err[0]
 
 
-def test_profile_with_tensor_parallel_deployment_is_refused(quick_profile, capsys):
+def test_profile_with_an_unpriced_tensor_parallel_degree_is_refused(quick_profile, capsys):
+    """A tp1 profile prices tp1 and the rank counts its all-reduces were measured at (at most 8): tp16 is refused."""
     from tandem.cli.main import main
     path, _ = quick_profile
-    assert main(["simulate", "--perf", str(path), "--workload", "toolbench", "--deploy", "P:tp2x1,D:tp1x1"]) == 2
-    assert "tp1" in capsys.readouterr().err
+    assert main(["simulate", "--perf", str(path), "--workload", "toolbench", "--deploy", "P:tp16x1,D:tp1x1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "at tp1" in err[0] and "not tp16" in err[0]
 
 
 def test_profile_cli_errors(tmp_path, capsys):

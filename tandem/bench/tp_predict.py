@@ -1,9 +1,9 @@
 """The cost models' predictions of a tensor-parallel engine's steps, beside the steps the engine ran.
 
 Two paths, each the one a shell uses, none invented here:
-- the `tandem profile` step-time model (`Profile.step_model`), which the simulator prices a worker's steps with.
-  It is fitted on one engine at tp1, and the simulator refuses it for a tp>1 worker (tandem/sim/cluster.py), so it
-  gives a tp1 prediction only;
+- a `tandem profile` step timer (`Profile.step_timer(tp)`), which the simulator prices a tp worker's steps with: the
+  fitted model of a profile taken at that degree, or from a tp1 profile the sharded compute plus the all-reduces it
+  measured on the host (tandem.perf.collective);
 - the nominal CPU roofline the live runtime routes with when it has no profile (`tandem.runtime.costs`,
   `serving_cost_model(..., tps=(1, 2))`): AMPD's T_pre per prefill chunk and T_dec per decode batch, with compute
   and KV reads divided by tp and no collective term. A step's prediction is the sum of its chunks' T_pre and its
@@ -53,14 +53,12 @@ def nominal_step_s(cost: AMPDCostModel, step: StepRecord, tp: int) -> float:
 
 def mean_predicted_s(steps: Sequence[StepRecord], timer: StepTimer | None = None, cost: AMPDCostModel | None = None,
                      tp: int = 1) -> float:
-    """Mean predicted seconds of `steps`: by a step timer (the profile's step model, tp1 only) or by `cost` at tp."""
+    """Mean predicted seconds of `steps`: by a step timer (a profile's, for the steps' degree) or by `cost` at tp."""
     if not steps:
         raise ValueError("no steps to predict")
     if (timer is None) == (cost is None):
         raise ValueError("give exactly one of a step timer or an AMPD cost model")
     if timer is not None:
-        if tp != 1:
-            raise ValueError(f"a profiled step model measured one engine at tp1; tp{tp} has no profiled price")
         return sum(timer.step_time(r.shape) for r in steps) / len(steps)
     return sum(nominal_step_s(cost, r, tp) for r in steps) / len(steps)
 

@@ -81,14 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- simulate
 
 
-def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False) -> tuple[str, int]:
-    """The validated deployment string and the cluster's GPU count (profiled: tp1 engines, no catalogue checks)."""
+def _deployment(args, model: str, gpu: str, policy: str, prof=None) -> tuple[str, int]:
+    """The validated deployment string and the cluster's GPU count (with a `tandem profile` output `prof`: workers at
+    the degrees it prices, no catalogue checks)."""
     from tandem.bench.experiment import check_fits, deployment_candidates, policy_is_colocated
     from tandem.workload.generators import PAPER_GPUS
 
     colocated = policy_is_colocated(policy)
+    profiled = prof is not None
     if profiled and args.deploy is None:
-        args.deploy = "C:tp1x1" if colocated else "P:tp1x1,D:tp1x1"
+        tp = prof.tensor_parallel_size
+        args.deploy = f"C:tp{tp}x1" if colocated else f"P:tp{tp}x1,D:tp{tp}x1"
         note(f"no --deploy given; using {args.deploy} (copies of the profiled engine)")
     if args.deploy is None:
         gpus = args.gpus or PAPER_GPUS.get(args.workload, 8)
@@ -102,9 +105,9 @@ def _deployment(args, model: str, gpu: str, policy: str, profiled: bool = False)
     gpus = args.gpus or dep.gpus
     check_deployment(get_policy(policy), dep)
     if profiled:
-        tps = sorted({g.tp for g in dep.groups if g.tp != 1})
-        if tps:
-            raise DeploymentError(f"a profile describes one engine on one device (tp1); {args.deploy!r} asks for tp{tps[0]}")
+        why = next((prof.refusal(g.tp) for g in dep.groups if prof.refusal(g.tp)), None)
+        if why:
+            raise DeploymentError(f"--perf {args.perf}: {why} ({args.deploy!r})")
     else:
         check_fits(model, gpu, str(dep))
     return str(dep), gpus
@@ -201,7 +204,7 @@ def cmd_simulate(args) -> int:
     if args.policy not in cluster.POLICIES:
         raise CLIError(f"unknown policy {args.policy!r} (valid: {', '.join(cluster.POLICIES)})")
     _check_concurrency(args)
-    deploy, gpus = _deployment(args, model, gpu, args.policy, profiled)
+    deploy, gpus = _deployment(args, model, gpu, args.policy, perf if profiled else None)
     sessions, rate, _ = load_workload(args, model)
     cfg = _sim_config(cluster, args, model, gpu, gpus, deploy, args.policy)
     if args.concurrency is not None:

@@ -26,7 +26,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "and write them as JSON for `tandem simulate --perf FILE` (docs/profiler.md). "
                                    "The largest step measured is --max-num-batched-tokens tokens.")
     add_knobs(p, ProfileFiles, required=("model",))
-    add_knobs(p, ProfileOptions, ("quick", "max_len", "repeats", "device", "threads", "dtype",
+    add_knobs(p, ProfileOptions, ("quick", "max_len", "repeats", "device", "threads", "dtype", "tensor_parallel_size",
                                   "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "enforce_eager",
                                   "cuda_graph_sizes", "heldout", "seed"))
     add_knobs(p, OutputOptions, ("no_progress",))
@@ -99,9 +99,27 @@ def summary_rows(prof) -> list[tuple[str, str]]:
               f"{1e3 * st.prefill_time(0, min(1024, prof.max_num_batched_tokens)):.1f} ms"),
              ("KV link", f"{prof.kv_link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
                          f"{1e6 * prof.kv_link['latency_s']:.0f} us ({prof.kv_link.get('source', '?')})"),
+             *collective_rows(prof),
              laps_boundary_row(prof),
              *window_latency_rows(prof),
              ("wall time", f"{prof.wall_s:.1f} s")]
+    return rows
+
+
+def collective_rows(prof) -> list[tuple[str, str]]:
+    """The profiled degree, and the all-reduces measured on this host (a tp1 profile prices those rank counts)."""
+    rows = [("tensor parallelism", f"tp{prof.tensor_parallel_size} (prices tp"
+                                   f"{'/tp'.join(map(str, prof.priced_tps()))} workers)")]
+    c = prof.collective
+    if c is None:
+        return rows
+    fits = "; ".join(f"{n} ranks {1e6 * f.latency_s:.0f} us + {1e9 * f.per_byte_s:.3f} ns/B"
+                     for n, f in sorted(c.fits.items()))
+    rows.append(("all-reduces", f"{c.all_reduces_per_step} a step of {c.bytes_per_token} B a token ({c.backend}): "
+                                f"{fits}"))
+    if c.in_steps and c.in_steps.get("share_of_step") is not None:
+        rows.append(("all-reduces in steps", f"{1e3 * c.in_steps['all_reduce_s_per_step']:.2f} ms a step, "
+                                             f"{c.in_steps['share_of_step']:.0%} of the step"))
     return rows
 
 

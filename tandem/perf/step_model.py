@@ -38,6 +38,7 @@ import numpy as np
 from tandem.perf.ampd_cost import TYPICAL_CTX, AMPDCostModel, dec_features, kv_features, pre_features
 from tandem.perf.fit import PiecewiseLinear, fit
 from tandem.perf.batch_shape import BatchShape
+from tandem.perf.collective import CollectiveCost, ShardedStepTimer
 from tandem.perf.step_timer import StepTimer
 from tandem.perf.window_profile import SECTION as DLLM_SECTION, WindowLatencyProfile
 
@@ -250,34 +251,11 @@ class StepTimeModel(StepTimer):
     # --- AMPD's cost functions from the same model -----------------------------------------
     def ampd_cost_model(self, max_len: int, kv_capacity_tokens: int, kv_bytes_per_token: int,
                         max_num_seqs: int = 256, kv_link: Mapping[str, Any] | None = None,
-                        meta: dict | None = None) -> AMPDCostModel:
-        """AMPD's T_pre/T_dec (tp1) fitted to this model's chunked prefills and decode steps, and T_kv
-        for one host (same values on the 'node' and 'net' paths)."""
-        link = dict(DEFAULT_KV_LINK if kv_link is None else kv_link)
-        max_len = max(int(max_len), 2)
-        incr = sorted({int(round(v)) for v in np.geomspace(1, max_len, 4 * max(1, int(math.log2(max_len))) + 1)})
-        hist = [0] + [h for h in (16 << i for i in range(40)) if h < max_len]
-        pre_X, pre_y = [], []
-        for h in hist:
-            for n in incr:
-                if h + n <= max_len:
-                    pre_X.append(pre_features(h, n))
-                    pre_y.append(self.prefill_time(h, n))
-        batches = sorted({int(round(v)) for v in np.geomspace(1, max(1, max_num_seqs), 24)})
-        ctxs = [c for c in (16 << i for i in range(40)) if c <= max_len] or [max_len]
-        dec_X, dec_y = [], []
-        for c in ctxs:
-            for b in batches:
-                if b * c <= kv_capacity_tokens or b == 1:
-                    dec_X.append(dec_features(b, b * c))
-                    dec_y.append(self.decode_time(b, b * c))
-        toks = [1, 16, 256, 4096, 65536]
-        kv_y = [kv_link_seconds(link, t * kv_bytes_per_token) for t in toks]
-        kv_X = [kv_features(t) for t in toks]
-        m = {"source": "profile", "chunk_tokens": self.max_num_batched_tokens, "kv_link": link, **(meta or {})}
-        return AMPDCostModel.from_samples({1: (pre_X, pre_y)}, {1: (dec_X, dec_y)},
-                                          {(1, 1, True): (kv_X, kv_y), (1, 1, False): (kv_X, kv_y)},
-                                          typical_ctx=min(TYPICAL_CTX, max(1, max_len // 2)), meta=m)
+                        meta: dict | None = None, tp: int = 1) -> AMPDCostModel:
+        """AMPD's T_pre/T_dec at `tp` (the degree the steps were measured at) fitted to this model's chunked
+        prefills and decode steps, and T_kv for one host (same values on the 'node' and 'net' paths)."""
+        return ampd_from_timers({tp: self}, self.max_num_batched_tokens, max_len, kv_capacity_tokens,
+                                kv_bytes_per_token, max_num_seqs, kv_link, meta)
 
     # --- persistence -----------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -298,6 +276,40 @@ class StepTimeModel(StepTimer):
         return f"StepTimeModel({self.fit.segments} segments, chunk {self.max_num_batched_tokens})"
 
 
+def ampd_from_timers(timers: Mapping[int, StepTimer], chunk_tokens: int, max_len: int, kv_capacity_tokens: int,
+                     kv_bytes_per_token: int, max_num_seqs: int = 256, kv_link: Mapping[str, Any] | None = None,
+                     meta: dict | None = None) -> AMPDCostModel:
+    """AMPD's T_pre/T_dec per tensor-parallel degree, each fitted to its step timer's chunked prefills and decode
+    steps, and T_kv between every two of the degrees on one host (the same link values on 'node' and 'net')."""
+    link = dict(DEFAULT_KV_LINK if kv_link is None else kv_link)
+    max_len = max(int(max_len), 2)
+    incr = sorted({int(round(v)) for v in np.geomspace(1, max_len, 4 * max(1, int(math.log2(max_len))) + 1)})
+    hist = [0] + [h for h in (16 << i for i in range(40)) if h < max_len]
+    batches = sorted({int(round(v)) for v in np.geomspace(1, max(1, max_num_seqs), 24)})
+    ctxs = [c for c in (16 << i for i in range(40)) if c <= max_len] or [max_len]
+    pre, dec = {}, {}
+    for tp, timer in timers.items():
+        pre_X, pre_y = [], []
+        for h in hist:
+            for n in incr:
+                if h + n <= max_len:
+                    pre_X.append(pre_features(h, n))
+                    pre_y.append(timer.prefill_time(h, n))
+        dec_X, dec_y = [], []
+        for c in ctxs:
+            for b in batches:
+                if b * c <= kv_capacity_tokens or b == 1:
+                    dec_X.append(dec_features(b, b * c))
+                    dec_y.append(timer.decode_time(b, b * c))
+        pre[tp], dec[tp] = (pre_X, pre_y), (dec_X, dec_y)
+    toks = [1, 16, 256, 4096, 65536]
+    kv_y = [kv_link_seconds(link, t * kv_bytes_per_token) for t in toks]
+    kv_X = [kv_features(t) for t in toks]
+    kv = {(a, b, same): (kv_X, kv_y) for a in timers for b in timers for same in (True, False)}
+    m = {"source": "profile", "chunk_tokens": chunk_tokens, "kv_link": link, **(meta or {})}
+    return AMPDCostModel.from_samples(pre, dec, kv, typical_ctx=min(TYPICAL_CTX, max(1, max_len // 2)), meta=m)
+
+
 @dataclass
 class Profile:
     """What `tandem profile` measured and fitted for one engine on one device (docs/profiler.md)."""
@@ -308,7 +320,7 @@ class Profile:
     engine: dict                                # EngineConfig fields the engine was built with
     model_config: dict                          # layers, hidden, heads, kv_heads, head_dim, vocab, params, ...
     step_model: StepTimeModel
-    ampd: AMPDCostModel                         # tp1 T_pre/T_dec/T_kv derived from step_model
+    ampd: AMPDCostModel                         # T_pre/T_dec/T_kv at the profiled tp, derived from step_model
     num_blocks: int
     block_size: int
     kv_bytes_per_token: int
@@ -325,6 +337,8 @@ class Profile:
     options: dict = field(default_factory=dict)
     wall_s: float = 0.0
     created: str = ""
+    tensor_parallel_size: int = 1               # the ranks the profiled engine ran (its steps' and fits' degree)
+    collective: CollectiveCost | None = None    # all-reduces measured on this host (tandem.perf.collective)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -350,7 +364,8 @@ class Profile:
                 "train_error": self.train_error, "kv_link": self.kv_link, "interference": self.interference,
                 "runtime": self.runtime, "options": self.options,
                 "wall_s": self.wall_s, "step_model": self.step_model.to_dict(), "ampd": self.ampd.to_dict(),
-                "measurements": self.measurements,
+                "measurements": self.measurements, "tensor_parallel_size": self.tensor_parallel_size,
+                "collective": None if self.collective is None else self.collective.to_dict(),
                 **({DLLM_SECTION: self.dllm_latency.to_dict()} if self.dllm_latency is not None else {})}
 
     @classmethod
@@ -374,6 +389,8 @@ class Profile:
                     measurements=list(d.get("measurements", [])),
                     options=dict(d.get("options", {})), wall_s=float(d.get("wall_s", 0.0)),
                     created=str(d.get("created", "")),
+                    tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
+                    collective=CollectiveCost.from_dict(d["collective"]) if d.get("collective") is not None else None,
                     dllm_latency=WindowLatencyProfile.from_dict(d[DLLM_SECTION])
                     if d.get(DLLM_SECTION) is not None else None)
         except KeyError as e:
@@ -384,8 +401,11 @@ class Profile:
                      "max_num_seqs"):
             if getattr(p, name) < 1:
                 raise ValueError(f"profile field {name} must be >= 1, got {getattr(p, name)}")
-        if 1 not in p.ampd.pre or 1 not in p.ampd.dec:
-            raise ValueError("profile's AMPD cost model has no tp1 fit")
+        tp = p.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"profile field tensor_parallel_size must be >= 1, got {tp}")
+        if tp not in p.ampd.pre or tp not in p.ampd.dec:
+            raise ValueError(f"profile's AMPD cost model has no tp{tp} fit (the degree it was profiled at)")
         bw, lat = p.kv_link.get("bandwidth_bytes_per_s"), p.kv_link.get("latency_s")
         if not (isinstance(bw, (int, float)) and bw > 0 and isinstance(lat, (int, float)) and lat >= 0):
             raise ValueError(f"profile kv_link needs bandwidth_bytes_per_s > 0 and latency_s >= 0, got {p.kv_link}")
@@ -396,6 +416,46 @@ class Profile:
                     raise ValueError(f"profile kv_link.{key} must be a non-negative number, got {v!r}")
         p.runtime_costs()                        # validates the runtime and interference blocks
         return p
+
+    def priced_tps(self) -> tuple[int, ...]:
+        """The degrees this profile prices a worker at: the one it was profiled at, and from a tp1 profile every
+        rank count its collective fit measured (compute divided, all-reduces added: tandem.perf.collective)."""
+        extra = sorted(self.collective.fits) if self.tensor_parallel_size == 1 and self.collective else []
+        return tuple(sorted({self.tensor_parallel_size, *extra}))
+
+    def refusal(self, tp: int) -> str | None:
+        """Why this profile cannot price a tp worker (one line), None when it can."""
+        if tp in self.priced_tps():
+            return None
+        how = "" if self.tensor_parallel_size > 1 else (f" and no all-reduce among {tp} ranks (profile with "
+                                                       f"--tensor-parallel-size {tp} on a host with {tp} cores)")
+        return (f"the profile measured one engine at tp{self.tensor_parallel_size}{how}; it prices tp"
+                f"{'/tp'.join(map(str, self.priced_tps()))} workers, not tp{tp}")
+
+    def step_timer(self, tp: int) -> StepTimer:
+        """The step timer of a tp worker: the fitted model at the profiled degree, a ShardedStepTimer for another
+        degree a tp1 profile's collective fit covers; ValueError (one line) otherwise."""
+        why = self.refusal(tp)
+        if why:
+            raise ValueError(why)
+        if tp == self.tensor_parallel_size:
+            return self.step_model
+        return ShardedStepTimer(self.step_model, tp, self.collective)
+
+    def cost_model(self, tps: Sequence[int]) -> AMPDCostModel:
+        """AMPD's costs for workers at the degrees `tps`: the profile's own fit when they are all the profiled
+        degree, else fits of each degree's step timer; ValueError (one line) for a degree it cannot price."""
+        tps = sorted(set(tps))
+        for tp in tps:
+            why = self.refusal(tp)
+            if why:
+                raise ValueError(why)
+        if tps == [self.tensor_parallel_size]:
+            return self.ampd
+        max_len = int(self.options.get("profiled_max_len") or self.max_model_len)     # as the profile's own fit
+        return ampd_from_timers({tp: self.step_timer(tp) for tp in tps}, self.max_num_batched_tokens,
+                                max_len, self.kv_capacity_tokens, self.kv_bytes_per_token,
+                                self.max_num_seqs, self.kv_link, {"model": self.model, "gpu": self.device_name})
 
     def runtime_costs(self) -> RuntimeCosts:
         """The host-loop costs of this profile (zeros for what it did not measure)."""

@@ -20,7 +20,12 @@ def serving_cost_model(model: str, kv_bytes_per_token: int, max_len: int, perf: 
     if perf:
         from tandem.perf.profile_io import load_perf
         prof = load_perf(perf)
-        cost = getattr(prof, "ampd", prof)
+        if hasattr(prof, "cost_model"):              # a `tandem profile` output: the degrees it prices
+            try:
+                return prof.cost_model(tps)
+            except ValueError as e:
+                raise ValueError(f"--perf {perf}: {e}") from None
+        cost = prof
         missing = sorted(set(tps) - set(getattr(cost, "tps", (1,))))
         if missing:
             raise ValueError(f"--perf {perf} has no fit for tp{missing[0]} (profile the model at that "

@@ -258,12 +258,12 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     """Workers that are copies of the profiled engine on one host: its step-time model as the executor
     timer, its AMPD costs for routing, its KV pool, chunk budget and sequence limit, and the profile's
     local KV link between them. cfg.model/gpu/mem_util/block_size and the token budgets are not used."""
-    bad = sorted({tp for _, tp in dep.workers() if tp != 1})
-    if bad:
-        raise ConfigError(f"the profile {cfg.perf} measured one engine on one device (tp1); "
-                          f"deployment {dep} asks for tp{bad[0]}")
-    step_time = prof.step_model.step_time
-    cost = prof.ampd
+    tps = sorted({tp for _, tp in dep.workers()})
+    try:
+        cost = prof.cost_model(tps)                  # the profile's own fit when every worker is at its degree
+        step_timers = {tp: prof.step_timer(tp).step_time for tp in tps}
+    except ValueError as e:
+        raise ConfigError(f"--perf {cfg.perf}: {e} (deployment {dep})") from None
     sched = cfg.scheduler(block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
                           max_num_seqs=prof.max_num_seqs)
     workers, timers = [], []
@@ -271,10 +271,14 @@ def _build_profiled(cfg: SimConfig, spec, dep: Deployment, prof: Profile) -> tup
     latency = _profile_latency(cfg, prof)
     block_bytes = int(prof.kv_bytes_per_token * prof.block_size)
     for wid, (role, tp) in enumerate(dep.workers()):
+        step_time = step_timers[tp]
+
+        def t_pre(h: int, n: int, _tp: int = tp) -> float:
+            return cost.t_pre(h, n, _tp)
         try:
-            workers.append(build_worker(wid, role, 1, prof.num_blocks, spec, sched, lambda h, n: cost.t_pre(h, n, 1),
+            workers.append(build_worker(wid, role, tp, prof.num_blocks, spec, sched, t_pre,
                                         boundary=boundary, t_step=step_time, latency=latency,
-                                        kv_block_bytes=block_bytes))
+                                        kv_block_bytes=block_bytes // tp))       # per rank: each holds 1/tp
         except ValueError as e:
             raise ConfigError(str(e)) from None
         timers.append(step_time)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.core.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
+from tandem.engine.config import EngineConfig
 from tandem.knob import csv_list, knob, positive_int, seed, shared
 from tandem.perf.step_model import SEGMENTS
 
@@ -37,6 +38,7 @@ class ProfileOptions:
     max_model_len: int | None = None    # the engine's max_model_len (default: the model's max_position_embeddings);
                                         # on CUDA also the width every CUDA-graphed decode row attends over
     dtype: str = knob("auto", "compute dtype", choices=DTYPES)
+    tensor_parallel_size: int = shared(EngineConfig, "tensor_parallel_size")   # the profiled engine's ranks
     max_num_batched_tokens: int = shared(SchedulerConfig, "max_num_batched_tokens")   # also the largest step measured
     max_num_seqs: int = shared(SchedulerConfig, "max_num_seqs")                       # the largest decode batch
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -55,6 +57,7 @@ class ProfileOptions:
     point_budget_s: float = 1.0         # stop repeating a step once this much time went into it (>= 2 runs)
     measure_link: bool = True           # measure the KV path between two engines (export, wire, import)
     measure_interference: bool = True   # measure the step slow-down while another engine process steps (CPU)
+    measure_collective: bool = True     # time all-reduces among this host's CPU ranks (tandem.perf.collective)
 
     @property
     def n_repeats(self) -> int:

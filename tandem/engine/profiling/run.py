@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import random
 import statistics
 import time
@@ -12,6 +13,8 @@ import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.parallel.group import usable_cpus
+from tandem.engine.profiling.collective import all_reduces_per_step, measure_all_reduce, step_sizes
 from tandem.engine.profiling.device import load_avg, device_info, memory_bandwidth
 from tandem.engine.profiling.grids import Point, block_aligned, heldout_grid, train_grid
 from tandem.engine.profiling.interference import measure_interference
@@ -20,9 +23,11 @@ from tandem.engine.profiling.options import QUICK_MAX_LEN, ProfileOptions
 from tandem.engine.profiling.timing import Bench
 from tandem.engine.profiling.windows import measure_window_latency_profile
 from tandem.perf.batch_shape import BatchShape
+from tandem.perf.collective import CollectiveCost
 from tandem.perf.step_model import DEFAULT_KV_LINK, Profile, StepTimeModel
 
 Progress = Callable[[str, int, int], None]      # (stage, done, total)
+log = logging.getLogger(__name__)
 
 
 def _param_count(runner: ModelRunner) -> int:
@@ -49,10 +54,19 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
                        max_num_seqs=opt.max_num_seqs,
                        kv_cache_memory_bytes=opt.kv_cache_memory_bytes, num_kv_blocks=opt.num_kv_blocks,
                        attention_backend=opt.attention_backend, seed=opt.seed, enforce_eager=opt.enforce_eager,
-                       cuda_graph_sizes=opt.cuda_graph_sizes)
+                       cuda_graph_sizes=opt.cuda_graph_sizes, tensor_parallel_size=opt.tensor_parallel_size)
     if progress:
         progress("loading model", 0, 1)
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(cfg)           # at tp>1 the other ranks are processes, as the engine runs them
+    try:
+        return _measure(model, opt, progress, cfg, runner, t_start, load_before)
+    finally:
+        runner.close()
+
+
+def _measure(model: str, opt: ProfileOptions, progress: Progress | None, cfg: EngineConfig, runner: ModelRunner,
+             t_start: float, load_before: float | None) -> Profile:
+    tp = runner.tp.size
     mc = runner.model_config
     capacity = runner.num_blocks * runner.block_size
     engine_max_len = cfg.max_model_len or mc.max_position_embeddings
@@ -92,8 +106,10 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
     # load spread over every kind of step instead of biasing one.
     jobs = [("train", p) for p in train] + [("heldout", p) for p in held]
     rng.shuffle(jobs)
+    comm0 = (runner.tp.comm.all_reduces, runner.tp.comm.all_reduce_s)
     runs = bench.measure([p for _, p in jobs], opt.n_repeats, opt.point_budget_s,
                          (lambda d, t: progress("measuring steps", d, t)) if progress else None)
+    in_steps = comm_in_steps(runner, comm0, sum(len(rs) for rs in runs), sum(sum(rs) for rs in runs))
     rows: list[dict] = []
     for (split_name, p), rs in zip(jobs, runs):
         rows.append({"split": split_name, **p.to_dict(), **dataclasses.asdict(p.shape()),
@@ -129,18 +145,29 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
     if opt.measure_link:
         if progress:
             progress("KV path", 0, 1)
-        try:
-            link = measure_kv_path(runner, rng, max_tokens=min(max_len, budget))
-        except Exception:                                    # no ZeroMQ here: the bare socket pair
+        if tp > 1:                                           # the driver's export path is the tp1 engine's
             link = measure_kv_link()
+        else:
+            try:
+                link = measure_kv_path(runner, rng, max_tokens=min(max_len, budget))
+            except Exception:                                # no ZeroMQ here: the bare socket pair
+                link = measure_kv_link()
         if progress:
             progress("KV path", 1, 1)
     interference = None
-    if opt.measure_interference and runner.device.type == "cpu" and not opt.quick and not dblock:   # its co-runs are AR
+    if opt.measure_interference and runner.device.type == "cpu" and not opt.quick and not dblock and tp == 1:
+        # its co-runs are autoregressive tp1 engines
         interference = measure_interference(cfg, bench, opt.threads,
                                             progress=(lambda d, t: progress("interference", d, t)) if progress else None)
+    collective = None
+    if opt.measure_collective and runner.device.type == "cpu":
+        if progress:
+            progress("all-reduces", 0, 1)
+        collective = measure_collective(runner, tp, itemsize, budget, opt.quick, in_steps)
+        if progress:
+            progress("all-reduces", 1, 1)
     ampd = step.ampd_cost_model(max_len, capacity, kv_bytes, cfg.max_num_seqs, link,
-                                meta={"model": model, "gpu": meta["device"]})
+                                meta={"model": model, "gpu": meta["device"]}, tp=tp)
     if progress:
         progress("fitting", 1, 1)
     model_cfg = {"architecture": mc.architecture, "layers": mc.num_hidden_layers, "hidden": mc.hidden_size,
@@ -161,7 +188,38 @@ def _profile(model: str, opt: ProfileOptions, progress: Progress | None) -> Prof
         max_num_seqs=cfg.max_num_seqs, heldout_error=held_err, train_error=step.meta["train_error"],
         kv_link=link or dict(DEFAULT_KV_LINK), interference=interference, dllm_latency=windows,
         measurements=rows, options=opts, wall_s=time.perf_counter() - t_start,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        tensor_parallel_size=tp, collective=collective)
+
+
+def comm_in_steps(runner: ModelRunner, before: tuple[int, float], runs: int, step_s: float) -> dict | None:
+    """At tp>1: the all-reduces the driver made in the timed steps (count and seconds per step, share of the step,
+    waiting for the other ranks included); None at tp1."""
+    if runner.tp.size == 1 or runs == 0:
+        return None
+    n, s = runner.tp.comm.all_reduces - before[0], runner.tp.comm.all_reduce_s - before[1]
+    return {"steps": runs, "all_reduces_per_step": n / runs, "all_reduce_s_per_step": s / runs,
+            "share_of_step": s / step_s if step_s > 0 else None}
+
+
+def measure_collective(runner: ModelRunner, tp: int, itemsize: int, max_tokens: int, quick: bool,
+                       in_steps: dict | None) -> CollectiveCost | None:
+    """All-reduces of `tp` ranks (at tp1: of every 2..cores ranks, up to 8) timed on this host, and the count one
+    step makes, counted from the loaded model; None when this host has one core (no second rank to run)."""
+    mc = runner.model_config
+    counts = [tp] if tp > 1 else [n for n in range(2, min(usable_cpus(), 8) + 1)]
+    if not counts:
+        return None
+    bpt = mc.hidden_size * itemsize
+    sizes = step_sizes(bpt, max_tokens, quick)
+    try:
+        fits = {n: measure_all_reduce(n, sizes, repeats=20 if quick else 40) for n in counts}
+    except RuntimeError as e:
+        if tp > 1:
+            raise
+        log.warning("%s: the profile prices tp1 workers only", e)     # a tp1 profile stands without it
+        return None
+    return CollectiveCost(all_reduces_per_step(runner.model), bpt, "gloo", fits, in_steps)
 
 
 def _rows(rows: Iterable[dict], split: str) -> list[dict]:
