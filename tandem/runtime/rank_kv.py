@@ -25,19 +25,6 @@ log = logging.getLogger("tandem.rank_kv")
 SEND_TIMEOUT_S = 1.0
 
 
-class RankKVPart(msgspec.Struct, tag=True):
-    """One rank-to-rank KV message's header (engine.parallel.kv_stage.HeadPart); the bytes follow as one frame."""
-
-    transfer: str
-    src_rank: int
-    first_head: int
-    heads: int
-    offset: int
-    num_tokens: int
-    total_tokens: int
-    dtype: str
-
-
 class RankKVHave(msgspec.Struct, tag=True):
     """A rank to its driver's endpoint: it holds every cell of its heads of `transfer` (`nbytes` there); `sent` and
     `received` are its endpoint's byte counts so far."""
@@ -49,7 +36,7 @@ class RankKVHave(msgspec.Struct, tag=True):
     received: int
 
 
-CODEC = Codec([RankKVPart, RankKVHave], frames={RankKVPart: 1, RankKVHave: 0})
+CODEC = Codec([HeadPart, RankKVHave], frames={HeadPart: 1, RankKVHave: 0})
 
 
 class RankEndpoint:
@@ -68,7 +55,7 @@ class RankEndpoint:
 
         async def start() -> None:
             self.inbox = PeerInbox(CODEC, address=f"tcp://{bind_host}:0", allow_remote=bind_host not in LOCAL_HOSTS,
-                                   ctx=self._ctx, auth=auth, accept=(RankKVPart, RankKVHave), max_msg_bytes=max_msg_bytes)
+                                   ctx=self._ctx, auth=auth, accept=(HeadPart, RankKVHave), max_msg_bytes=max_msg_bytes)
             self.outbox = PeerOutbox(CODEC, ctx=self._ctx, auth=auth, max_msg_bytes=max_msg_bytes,
                                      send_timeout_s=send_timeout_s, immediate=True)
             self._reader = asyncio.create_task(self._read())
@@ -88,10 +75,8 @@ class RankEndpoint:
                 else:
                     self.refused += 1
                 continue
-            part = HeadPart(msg.transfer, msg.src_rank, msg.first_head, msg.heads, msg.offset, msg.num_tokens,
-                            msg.total_tokens, msg.dtype)
             try:
-                self.staging.add(part, frames[0])
+                self.staging.add(msg, frames[0])
             except KVTransferError as e:
                 self.refused += 1
                 log.warning("rank KV endpoint %s: dropped a part of %s: %s", self.address, msg.transfer, e)
@@ -99,9 +84,7 @@ class RankEndpoint:
     def send(self, address: str, part: HeadPart, data: memoryview) -> None:
         """Queue one part for the endpoint at `address` (zero-copy: `data` stays referenced until it is out);
         `flush` waits for every queued part."""
-        head = RankKVPart(part.transfer, part.src_rank, part.first_head, part.heads, part.offset, part.num_tokens,
-                          part.total_tokens, part.dtype)
-        self._sending.append((address, asyncio.run_coroutine_threadsafe(self.outbox.send(address, head, data),
+        self._sending.append((address, asyncio.run_coroutine_threadsafe(self.outbox.send(address, part, data),
                                                                         self._loop)))
 
     def flush(self) -> None:

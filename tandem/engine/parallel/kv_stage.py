@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import torch
 
 from tandem.engine.kv_transfer import KVPayload, KVTransferError, dtype_name
@@ -22,10 +23,10 @@ STAGE_TTL_S = 60.0          # an incomplete transfer, or one the driver never cl
 MAX_STAGED = 256            # transfers a rank holds at once (beyond: the oldest unclaimed one goes, with a warning)
 
 
-@dataclass(frozen=True, slots=True)
-class HeadPart:
-    """The header of one rank-to-rank KV message: KV heads [first_head, first_head + heads) of tokens
-    [offset, offset + num_tokens) of transfer `transfer` (total_tokens long), from rank `src_rank` of the sender."""
+class HeadPart(msgspec.Struct, tag=True, frozen=True):
+    """The header of one rank-to-rank KV message, as it goes on the wire (the bytes follow as one frame): KV heads
+    [first_head, first_head + heads) of tokens [offset, offset + num_tokens) of transfer `transfer` (total_tokens
+    long), from rank `src_rank` of the sender."""
 
     transfer: str
     src_rank: int
