@@ -11,7 +11,7 @@ from tandem.core.actions import (
     TransferPurpose,
 )
 from tandem.core.deadlines import Deadlines
-from tandem.core.homes import Homes
+from tandem.core.homes import Homes, HomesView
 from tandem.core.host_tier import KV_EVENTS
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
 from tandem.policy.binding import CacheAwareBinder, LeastKVBinder, PrefixAffinityBinder
@@ -24,15 +24,11 @@ _XFER, _IDLE = 0, 1                                   # deadline kinds
 NO_HOME = "no live decode worker: every worker that can hold sessions is lost"
 
 
-class CoordinatorView(ClusterView, Protocol):
-    """Routing's view plus what binding needs: homes for sessions and their resident KV."""
+class CoordinatorView(ClusterView, HomesView, Protocol):
+    """Routing's view plus what binding needs (HomesView), and a round's start on its worker."""
 
-    def home_workers(self) -> Sequence[int]: ...
-    def capacity(self, worker: int) -> int: ...
     def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (),
                     prompt_tokens: int = 0, now: float | None = None) -> int: ...
-    def kv_loading(self, worker: int, session_id: str) -> bool: ...
-    def held(self, worker: int, session_id: str) -> tuple[int, int]: ...
 
 
 @dataclass(slots=True)
@@ -203,7 +199,7 @@ class Coordinator:
         for st in list(self.live.values()):
             if st.worker == worker:
                 if st.task is None and homes:
-                    w = self.binder.bind(homes, self.committed, self.capacity)
+                    w = self.placement.bind()
                     st.worker = st.record.decode_worker = w
                     self.committed[w] += st.committed
                 else:

@@ -158,24 +158,25 @@ class StoreView:
     def capacity(self, worker: int) -> int:
         return self.state(worker).capacity_tokens
 
-    def kv_loading(self, worker: int, session_id: str) -> bool:
-        """Whether the session's history is on its way back from `worker`'s host tier (its RoundBegun said so)."""
+    def _bound_here(self, worker: int, session_id: str):
+        """The session's recorded info if it is bound to `worker` (None: elsewhere, unknown, or the store is out)."""
         try:
             info = self.store.get_session(session_id)
         except StateStoreError as e:
             log.warning("routing view: %s", e)
-            return False
-        return info is not None and info.decode_worker == worker and info.loading
+            return None
+        return info if info is not None and info.decode_worker == worker else None
+
+    def kv_loading(self, worker: int, session_id: str) -> bool:
+        """Whether the session's history is on its way back from `worker`'s host tier (its RoundBegun said so)."""
+        info = self._bound_here(worker, session_id)
+        return info is not None and info.loading
 
     def held(self, worker: int, session_id: str) -> tuple[int, int]:
         """Tokens of the session's context on `worker` as its last BeginRound reported them (a worker loads a context
         back from its host tier at BeginRound, so they count as on the GPU), and none known in a host tier."""
-        try:
-            info = self.store.get_session(session_id)
-        except StateStoreError as e:
-            log.warning("routing view: %s", e)
-            return 0, 0
-        return (info.resident_tokens, 0) if info is not None and info.decode_worker == worker else (0, 0)
+        info = self._bound_here(worker, session_id)
+        return (info.resident_tokens, 0) if info is not None else (0, 0)
 
     def begin_round(self, worker: int, session_id: str, block_hashes: Sequence[int] = (),
                     prompt_tokens: int = 0, now: float | None = None) -> int:
