@@ -7,7 +7,10 @@ stream of their own, beside the steps' stream; on CPU it is a separate tensor, c
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,6 +34,36 @@ def host_memory_available(device: torch.device) -> int:
     """Bytes a host tier may take now: psutil's available memory (on CUDA the same: pinned pages come from it)."""
     import psutil
     return int(psutil.virtual_memory().available)
+
+
+class CopyLanes:
+    """Two copy threads, one per direction (out to host memory, back in), each carrying out its items in order with
+    `run_one(item)`; a False from it ends that thread. A worker's driver and each of its TP ranks run one."""
+
+    def __init__(self, name: str, run_one: Callable[[object], bool | None], device: torch.device | None = None) -> None:
+        self.run_one, self.device = run_one, device
+        self._queues: tuple[queue.SimpleQueue, queue.SimpleQueue] = (queue.SimpleQueue(), queue.SimpleQueue())
+        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"{name}-{d}", daemon=True)
+                         for d, q in zip(("out", "in"), self._queues)]
+        for t in self._threads:
+            t.start()
+
+    def put(self, to_host: bool, item) -> None:
+        """Queue `item` behind the copies already going the same way."""
+        self._queues[0 if to_host else 1].put(item)
+
+    def close(self) -> None:
+        """End both threads once their queued items are done."""
+        for q in self._queues:
+            q.put(None)
+
+    def _run(self, q: queue.SimpleQueue) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)           # a new thread's current device is the first
+        while True:
+            item = q.get()
+            if item is None or self.run_one(item) is False:
+                return
 
 
 class HostKVPool:

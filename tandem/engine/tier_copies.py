@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,7 +23,7 @@ from typing import Callable
 import torch
 
 from tandem.core.host_tier import KVCopy
-from tandem.engine.host_pool import GIB, CopyFault, HostKVPool, host_memory_available
+from tandem.engine.host_pool import GIB, CopyFault, CopyLanes, HostKVPool, host_memory_available
 
 log = logging.getLogger("tandem.engine")
 FAULT_ENV = "TANDEM_FAIL_KV_COPIES"     # fault injection: the next N host-tier copies raise on the copy thread
@@ -80,11 +79,7 @@ class TierRunner:
         self._shares: dict[int, _Shares] = {}           # copy id -> its shares still running (copy threads, notices)
         self._gone: set[int] = set()                    # ranks whose notice pipe ended (exited): their shares fail
         self._lock = threading.Lock()
-        self._queues = (queue.SimpleQueue(), queue.SimpleQueue())
-        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"tandem-kv-copy-{d}", daemon=True)
-                         for d, q in zip(("out", "in"), self._queues)]
-        for t in self._threads:
-            t.start()
+        self._lanes = CopyLanes("tandem-kv-copy", self._run_one)
         if group is not None:
             group.listen(self._notice)
 
@@ -108,7 +103,7 @@ class TierRunner:
                     self.to_gpu[b] = c
             with self._lock:
                 self._shares[c.id] = _Shares(c, ranks - self._gone, ok=not (self._gone & ranks))
-            self._queues[0 if c.kind.to_host else 1].put((c, blocks, slots))
+            self._lanes.put(c.kind.to_host, (c, blocks, slots))
             orders.append((c.id, c.kind.to_host, blocks, slots))
         if orders and self.group is not None:
             self.group.send("tier_copies", orders)
@@ -237,17 +232,11 @@ class TierRunner:
                 "capacity_bytes": host.capacity_blocks * self.pool.block_bytes}
 
     def close(self) -> None:
-        for q in self._queues:
-            q.put(None)
+        self._lanes.close()
 
     # ---------------------------------------------------------------- copy threads
-    def _run(self, q: queue.SimpleQueue) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            c = item[0]
-            self._share_ended(c.id, 0, self._copy(*item))
+    def _run_one(self, item: tuple[KVCopy, list[int], list[int]]) -> None:
+        self._share_ended(item[0].id, 0, self._copy(*item))
 
     def _copy(self, c: KVCopy, blocks: list[int], slots: list[int]) -> str:
         """Carry out the driver's share of one copy here: "" when done, else why it failed (an injected fault or

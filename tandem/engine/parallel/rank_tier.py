@@ -9,13 +9,12 @@ it): the copy thread's index_copy_ into other blocks of the KV tensors is what a
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from typing import Any, Callable
 
 import torch
 
-from tandem.engine.host_pool import CopyFault, HostKVPool
+from tandem.engine.host_pool import CopyFault, CopyLanes, HostKVPool
 
 log = logging.getLogger(__name__)
 HOLD_LIMIT_S = 120.0        # a held copy (a test hook) goes on by itself after this long
@@ -35,11 +34,7 @@ class RankTier:
         self.released = threading.Event()                # test hook: cleared, copies wait before they start
         self.released.set()
         self._lock = threading.Lock()                    # the notice pipe and fail_copies, shared by both threads
-        self._queues: tuple[queue.SimpleQueue, queue.SimpleQueue] = (queue.SimpleQueue(), queue.SimpleQueue())
-        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"tandem-kv-copy-{d}-rank{rank}",
-                                          daemon=True) for d, q in zip(("out", "in"), self._queues)]
-        for t in self._threads:
-            t.start()
+        self._lanes = CopyLanes(f"tandem-kv-copy-rank{rank}", self._run_one, device)
 
     @classmethod
     def open(cls, rank: int, capacity: int, block_size: int, kv_caches: Callable[[], list[torch.Tensor]],
@@ -58,7 +53,7 @@ class RankTier:
     def start(self, orders: list[CopyOrder]) -> None:
         """The "tier_copies" command: queue each copy on its direction's thread and return at once."""
         for order in orders:
-            self._queues[0 if order[1] else 1].put(order)
+            self._lanes.put(order[1], order)
 
     def hooks(self, fail: int, hold: bool | None) -> None:
         """Test hooks: the next `fail` copies raise; hold=True holds copies before they start until hold=False."""
@@ -71,23 +66,18 @@ class RankTier:
 
     def close(self) -> None:
         self.released.set()
-        for q in self._queues:
-            q.put(None)
+        self._lanes.close()
 
     # ---------------------------------------------------------------- copy threads
-    def _run(self, q: queue.SimpleQueue) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)           # a new thread's current device is the first
-        while True:
-            order = q.get()
-            if order is None:
-                return
-            why = self._copy(*order)
-            with self._lock:
-                try:
-                    self.notices.send((NOTICE, order[0], why))
-                except (OSError, ValueError):            # the driver is gone: this rank exits by itself soon
-                    return
+    def _run_one(self, order: CopyOrder) -> bool:
+        """One copy, then its end on the notice pipe; False (this lane ends) once the driver is gone."""
+        why = self._copy(*order)
+        with self._lock:
+            try:
+                self.notices.send((NOTICE, order[0], why))
+            except (OSError, ValueError):                # the driver is gone: this rank exits by itself soon
+                return False
+        return True
 
     def _copy(self, cid: int, to_host: bool, blocks: list[int], slots: list[int]) -> str:
         """Carry out one copy; "" when done, else why it failed (logged here)."""
