@@ -164,7 +164,7 @@ def live_server(model: Path, profile: Path, args, logfile: Path, lay: Layout):
 
 
 def bench_config(url: str, model: Path, seed: int):
-    from tandem.bench.serve_client import BenchConfig
+    from tandem.bench.bench_options import BenchConfig
     from tandem.engine.tokenizer import Tokenizer
 
     return BenchConfig(url=url, endpoint="completions", tokenizer=Tokenizer.from_pretrained(str(model)), seed=seed,

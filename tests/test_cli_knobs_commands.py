@@ -51,7 +51,7 @@ def test_known_spellings_parse_to_field_names(tmp_path):
 
 def test_shared_defaults_are_the_owners():
     """Protects: the profiler's budgets and the bench seed are the scheduler's and workload's knobs, one default."""
-    from tandem.bench.serve_client import BenchConfig
+    from tandem.bench.bench_options import BenchConfig
     from tandem.core.config import SchedulerConfig
     from tandem.engine.diffusion.train import TrainConfig
     from tandem.engine.profiling.options import ProfileOptions

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import AsyncContextManager
 
 from tandem.bench.demo_calibration import DEFAULT_LOAD, DEFAULT_SLO_FACTOR, Calibration, calibrate
+from tandem.bench.demo_options import DEFAULT_BASELINE, DEFAULT_THREADS
 from tandem.bench.demo_runtime import Probe, probe_sessions, run_probe, runtime_block, ttfts
 from tandem.bench.serve_client import BenchConfig, BenchResult, run_bench, scale_session
 from tandem.perf.step_model import Profile
@@ -24,8 +25,6 @@ from tandem.workload.metrics import summarize
 from tandem.workload.records import SessionRecord
 from tandem.workload.session import SLO, Round, Session
 
-DEFAULT_BASELINE = "dynamo"
-DEFAULT_THREADS = 1              # torch threads per worker when neither --threads nor OMP_NUM_THREADS says
 WARMUP_SESSIONS = 2              # short sessions each fresh server answers before the measured ones (a cold
 WARMUP_ROUND = Round(64, 4)      # server's first prefill is many times slower than the next)
 PROBE_APART_S = 30.0             # the simulated probe's sessions this far apart: each alone, as replayed

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.bench.demo import DEFAULT_BASELINE, DEFAULT_THREADS
 from tandem.bench.demo_calibration import DEFAULT_LOAD, DEFAULT_SLO_FACTOR
 from tandem.knob import knob, positive_float, positive_int, shared, unit_fraction
 from tandem.workload.options import WorkloadOptions
 
+DEFAULT_BASELINE = "dynamo"
+DEFAULT_THREADS = 1              # torch threads per worker when neither --threads nor OMP_NUM_THREADS says
 DEMO_MODEL = "models/tiny-qwen3-1m"       # the tiny checkpoint the demo makes once when no --model is given
 DEMO_MAX_MODEL_LEN = 4096                 # the demo's context: its scaled sessions and its quick profile fit it
 DEFAULT_DEMO_WORKLOAD = "toolbench"

@@ -9,14 +9,12 @@ incremental TTFT, local/remote prefill split); `--json` prints one JSON object, 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 from pathlib import Path
 
-from tandem.bench.bench_options import DEFAULT_BENCH_SESSIONS, BenchOptions
-from tandem.bench.serve_client import BenchConfig
+from tandem.bench.bench_options import DEFAULT_BENCH_SESSIONS, BenchConfig, BenchOptions
 from tandem.cli.args import add_knobs, knob_values
 from tandem.cli.bench_table import print_table
 from tandem.cli.common import CLIError, SessionBar, check_out_path, flush_notes, load_workload
@@ -49,6 +47,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_bench(args) -> int:
     """`tandem bench`: load the workload, replay it against --url, print and write the metrics."""
+    import asyncio
+
     from tandem.bench.serve_client import BenchError, run_bench
     from tandem.workload import generators
 

@@ -3,7 +3,6 @@ multi-round workload through the HTTP API, print the metrics, shut down (what `m
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -236,6 +235,8 @@ async def serving(cfg, host: str, port: int, api_key: str | None = None, options
 
     `options`: server_options(args) (limits for build_app, uvicorn's keep-alive and header limits); `drain`: the
     tandem.server.drain.Drain to use (its caller may hurry it), else a new one."""
+    import asyncio
+
     import uvicorn
 
     from tandem.policy.presets import get_policy
@@ -290,6 +291,8 @@ def cmd_serve(args) -> int:
     api_key = api_key_of(args)
     options = server_options(args)
 
+    import asyncio
+
     from tandem.runtime.event_loop import event_loop_factory
     from tandem.server.drain import Drain
     from tandem.server.process import freeze_startup_objects, tune_for_serving, warm_up
@@ -330,6 +333,8 @@ def cmd_demo(args) -> int:
     """A tiny checkpoint (made once under models/) and its quick profile (cached per machine, speed-checked); the
     sessions at the calibrated rate and SLO served by AMPD, then by the baseline, each on fresh workers, and
     simulated (bench/demo)."""
+    import asyncio
+
     from tandem.bench import demo, demo_report
     from tandem.bench.demo_profile import ensure_profile, machine_key
     from tandem.engine.tokenizer import Tokenizer

@@ -2,14 +2,17 @@
 consumer reads, merged from the workers' deltas."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.core.types import PrefillTask
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime import messages as m
+
+if TYPE_CHECKING:    # an annotation only: the CLI imports this module and starts without asyncio
+    import asyncio
 
 
 @dataclass
