@@ -184,3 +184,23 @@ def test_a_request_arriving_mid_step_runs_in_the_next_step(tiny):
     assert a.error is None and len(a.outputs[0].token_ids) == 4
     assert b.error is None and len(b.outputs[0].token_ids) == 1
     assert 1.8 < took < 3.3, f"b took {took:.2f} s: expected one step after the one it arrived in (about 2.5 s)"
+
+
+def test_a_coordinator_stalled_for_seconds_still_routes_the_next_request(tiny):
+    """Protects against a false 503 "no live decode worker" on a loaded host: the coordinator's event loop is
+    blocked for 3 s (the workers' states wait unrelayed in its socket, so the newest one it holds is 3 s old), then
+    a request arrives before anything is relayed. The workers are alive (their heartbeats say so), so it is served."""
+    async def main():
+        c = await ServingCluster.start(ClusterConfig(tiny, 0, 0, 1, "vllm", engine_args=ENGINE))
+        try:
+            time.sleep(3.0)
+            last = None
+            async for o in c.generate(list(range(10, 30)), SamplingParams(temperature=0.0, max_tokens=2,
+                                                                          ignore_eos=True), "after-stall"):
+                last = o
+            return last
+        finally:
+            await c.shutdown()
+
+    out = asyncio.run(main())
+    assert out.error is None and out.finished and len(out.outputs[0].token_ids) == 2

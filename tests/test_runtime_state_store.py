@@ -14,7 +14,7 @@ from tandem.core.worker import WorkerConfig, WorkerCore
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.policy.routing import AdaptiveRouter
 from tandem.runtime.state_store import (
-    EmbeddedStore, RedisStore, SessionInfo, StateStoreError, WorkerState, open_store,
+    DEFAULT_TTL_S, EmbeddedStore, RedisStore, SessionInfo, StateStoreError, WorkerState, open_store,
 )
 from tandem.runtime.store_view import StoreView
 from redis_helper import redis_server  # noqa: E402
@@ -379,3 +379,22 @@ def test_a_worker_missing_from_an_emptied_store_stays_routable_while_its_last_st
     clock.t += 1.6                                               # 2.1 s without a publish
     view.refresh()
     assert (list(view.prefill_workers()), list(view.home_workers())) == ([], [])
+
+
+def test_states_a_busy_coordinator_relays_late_keep_their_workers_routable(make_store, cost):
+    """Protects against refusing requests ("no live decode worker", 503) because the coordinator's own loop was too
+    busy to relay the workers' states for a few seconds: by default a state proves its worker alive for the store's
+    key TTL, and only a worker silent longer than that (or dropped by the transport) leaves the routing sets."""
+    store, clock = make_store(), Clock()
+    store.publish(_state(0, role=PREFILL, published_s=clock()))
+    store.publish(_state(1, role=DECODE, published_s=clock()))
+    view = StoreView(store, cost, clock=clock)
+    assert view.liveness_s == DEFAULT_TTL_S == 5.0
+    clock.t += 4.9                                               # no state relayed for 4.9 s: still routable
+    assert list(view.prefill_workers()) == [0] and list(view.home_workers()) == [1]
+    clock.t += 0.2                                               # 5.1 s: gone
+    assert list(view.prefill_workers()) == [] and list(view.home_workers()) == []
+    view.revive(1)
+    store.publish(_state(1, role=DECODE, published_s=clock()))
+    view.drop(1)                                                 # the transport's word is final at once
+    assert list(view.home_workers()) == []

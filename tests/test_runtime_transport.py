@@ -300,3 +300,29 @@ def test_the_worker_start_method_follows_tandem_worker_multiproc_method_and_refu
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "TANDEM_WORKER_MULTIPROC_METHOD is one of forkserver, spawn, got 'fork'" in r.stderr
+
+
+def test_a_stalled_coordinator_loop_declares_no_live_worker_dead():
+    """Liveness counts only silence the hub could hear: after its own event loop was blocked past the heartbeat
+    limit (a long GC pause, a CPU-starved coordinator), heartbeats still queued in the socket are read before any
+    worker is judged, so live workers stay alive and a worker hung during the stall is still found."""
+    async def main():
+        async with Hub(CODEC) as hub, Cluster(hub, startup_timeout_s=15.0) as cluster:
+            ws = await cluster.start([WorkerSpec(0, ECHO), WorkerSpec(1, ECHO)])
+            events = []
+            hub.on_worker_dead(events.append)
+            await hub.send(1, Hang(30.0))                          # worker 1 goes silent as the hub stalls
+            await asyncio.sleep(0.05)
+            time.sleep(2.0)                                        # the hub's own loop blocked past 1.5 s
+            t0 = time.monotonic()
+            while hub.alive(1):
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.6)                               # worker 0 goes on beating: never judged dead
+            assert hub.alive(0)
+            assert [(e.worker_id, e.reason) for e in events] == [(1, "heartbeat")]
+            assert time.monotonic() - t0 < 2.0                     # the hung one is still found promptly
+            await hub.send(0, Echo(7, "after"))
+            wid, msg, _ = await hub.recv()
+            assert (wid, msg) == (0, Echo(7, "after"))
+        assert gone(ws[0].pid) and gone(ws[1].pid)
+    run(main())

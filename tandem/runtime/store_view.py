@@ -5,7 +5,10 @@ cost model, making the same cost-model calls as `tandem.core.state.InProcessStat
 
 - liveness: a worker counts (prefill_workers, home_workers) only while `alive` and its last publish
   is at most `liveness_s` old on the injected wall clock (its last state known to the view: a key missing from a
-  read, e.g. Redis restarted empty, does not end a worker's liveness before that);
+  read, e.g. Redis restarted empty, does not end a worker's liveness before that). The default is the store's key
+  TTL: the transport's heartbeats find dead workers within 1.5 s (`drop`), so a state's age only has to outlast a
+  coordinator whose event loop was too busy to relay the workers' states for a while (a loaded host), not to find
+  deaths;
 - staleness: its TTFT/ITL means count as 0 (an empty window) once its last publish is older than
   its `window_s`; the `now` argument of windowed_ttft/itl is the coordinator core's clock, which
   need not be wall time, so the view ages states with its own `clock` instead;
@@ -28,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 from tandem.core.types import PREFILL
 from tandem.perf.ampd_cost import AMPDCostModel
-from tandem.runtime.state_store import SessionInfo, StateStore, StateStoreError, WorkerState
+from tandem.runtime.state_store import DEFAULT_TTL_S, SessionInfo, StateStore, StateStoreError, WorkerState
 
 log = logging.getLogger("tandem.store_view")
 
@@ -36,7 +39,7 @@ log = logging.getLogger("tandem.store_view")
 class StoreView:
     """CoordinatorView over a StateStore: cached snapshot, liveness filter, stale-window zeroing."""
 
-    def __init__(self, store: StateStore, cost: AMPDCostModel, liveness_s: float = 2.0,
+    def __init__(self, store: StateStore, cost: AMPDCostModel, liveness_s: float = DEFAULT_TTL_S,
                  max_age_s: float = 0.010, clock: Callable[[], float] = time.time, retry_s: float = 0.2) -> None:
         self.store, self.cost = store, cost
         self.liveness_s, self.max_age_s, self.clock, self.retry_s = liveness_s, max_age_s, clock, retry_s
