@@ -117,6 +117,28 @@ def test_offloaded_context_is_prefetched_before_its_expected_return():
     assert t.l_hist == 101 and tier.stats.prefetch_hits == 1 and tier.stats.loads == 0
 
 
+def test_a_tool_time_told_as_the_round_starts_is_kept_for_the_rounds_end():
+    """The coordinator tells the tool time with the round (a live client's tool_s, the trace's): given while the
+    round runs, it waits for the round's end and then plans the idle KV exactly as a hint given at that end (the
+    same offload and prefetch time as above); a session that ends first takes its hint with it."""
+    w = worker("continuum-tool")
+    tier = w.kv.tier
+    start(w, "a", 100, 2, 0.0)
+    w.expect_return("a", 100.0, 0.0)                          # round under way: kept, not applied
+    assert tier.hints == {"a": 100.0} and w.seqs["a"].expect_s != 100.02
+    now, _ = run(w, 0.0)
+    seq = w.seqs["a"]
+    assert tier.hints == {} and seq.expect_s == pytest.approx(100.02)
+    w.schedule(now)
+    (out,) = tier.take_copies()
+    assert out.kind is CopyKind.OFFLOAD and tier.prefetch_at["a"] == pytest.approx(100.02 - 1.0 - 0.101)
+    w.expect_return("b", 5.0, now)                            # a session not here yet: kept for its round
+    assert tier.hints == {"b": 5.0}
+    start(w, "b", 16, 1, now)
+    w.release("b")
+    assert tier.hints == {}
+
+
 @pytest.mark.parametrize("rule, victim", [(EvictionKind.LRU, "a"), (EvictionKind.RETURN_TIME, "b")])
 def test_a_full_host_tier_evicts_by_its_rule(rule, victim):
     """10 blocks: a (4 blocks, written at t=0, back at t=50) and b (4, written at t=1, back at t=100); 4 more
@@ -361,6 +383,40 @@ def test_a_live_shell_asks_where_the_next_round_goes_before_pinning_it():
     assert coord.move_before_round("a", 56, ()) == (0, [])
     coord = setup(LeastKVBinder(), (0, 0))
     assert coord.move_before_round("a", 56, ()) == (0, [])
+
+
+def test_the_coordinator_tells_the_tool_time_with_the_round_live_and_simulated():
+    """One route for tool times: the coordinator core sends ExpectReturn to the session's worker with the round's
+    Submit, from a live client's tool_s (none when the client gave none) or from the trace (none after the last
+    round), and only under a tiered policy; nothing at the round's end."""
+    from tandem.core.actions import ExpectReturn, Submit, ToolCall
+    from tandem.core.coordinator import Coordinator
+    from tandem.policy.binding import LeastKVBinder
+    from tandem.policy.routing import LocalRouter
+    from tandem.workload.session import Round, Session
+
+    class View:
+        def home_workers(self):
+            return [0]
+
+        def capacity(self, worker):
+            return 10_000
+
+        def begin_round(self, worker, sid, hashes=(), prompt_tokens=0, now=None):
+            return 0
+
+    coord = Coordinator(View(), LocalRouter(), LeastKVBinder(), tool_hints=True)
+    sub, hint = coord.on_round("live", 32, 8, 0.0, tool_s=12.5)
+    assert isinstance(sub, Submit) and hint == ExpectReturn(0, "live", 12.5)
+    assert coord.on_event(RoundDone("live", 0, 1.0, 8, 0.0, 7, 0.0, 0), 1.0) == []
+    (sub,) = coord.on_round("live", 8, 8, 2.0)                # no tool_s from the client: the tier's estimate
+    assert isinstance(sub, Submit)
+    sim = Session("sim", 0.0, [Round(32, 8, tool_s=3.0), Round(8, 8)])
+    assert [type(a) for a in coord.on_session_arrival(sim, 0.0)] == [Submit, ExpectReturn]
+    assert [type(a) for a in coord.on_event(RoundDone("sim", 0, 1.0, 8, 0.0, 7, 0.0, 0), 1.0)] == [ToolCall]
+    assert [type(a) for a in coord.on_tool_result("sim", 4.0)] == [Submit]      # the last round: no tool after
+    plain = Coordinator(View(), LocalRouter(), LeastKVBinder())
+    assert [type(a) for a in plain.on_round("live", 32, 8, 0.0, tool_s=12.5)] == [Submit]
 
 
 def test_untiered_policy_refuses_a_host_tier_and_tiered_needs_one():

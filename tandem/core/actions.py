@@ -84,7 +84,8 @@ class ToolCall:
 
 @dataclass(slots=True)
 class ExpectReturn:
-    """`worker`'s session `session_id` is out on a tool expected to take `tool_s` (its host tier plans with it)."""
+    """`worker`'s session `session_id` goes out on a tool expected to take `tool_s` when its current round ends (its
+    host tier plans the idle KV with it)."""
 
     worker: int
     session_id: str

@@ -46,6 +46,7 @@ class _Live:
     kv_home: bool = False      # the round's remote prefill KV has reached its decode worker
     full_prefill: bool = False  # the current round computes its whole prompt at home (prompt logprobs)
     may_move: bool = False     # the next round may be bound again (cache-aware binding; a live shell decides first)
+    tool_s: float | None = None  # live: the client's expected tool time after the current round (None: unknown)
 
 
 class Coordinator:
@@ -105,13 +106,14 @@ class Coordinator:
     # ------------------------------------------------------------------ live sessions (rounds not known ahead)
     def on_round(self, session_id: str, input_tokens: int, max_output_tokens: int, now: float,
                  slo: SLO | None = None, worker: int | None = None, block_hashes: Sequence[int] = (),
-                 full_prefill: bool = False) -> list:
+                 full_prefill: bool = False, tool_s: float | None = None) -> list:
         """A live round arrives: `input_tokens` new tokens after the session's history, at most
         `max_output_tokens` to generate; `block_hashes` are the chained hashes of the whole prompt's full blocks.
         A new session is bound first (to `worker` if given, else by the binder: longest cached prefix); the
         session stays bound after the round until end_session or its idle expiry. `full_prefill`: the round
         wants every prompt position computed (prompt logprobs exist only where the prefill runs), so its
-        prefill runs on the session's own worker, whatever the router would say."""
+        prefill runs on the session's own worker, whatever the router would say. `tool_s`: the client's expected
+        tool time after this round, told to the session's worker (a host tier plans with it; None: its estimate)."""
         st = self.live.get(session_id)
         if st is not None and st.task is not None:
             raise ValueError(f"session {session_id!r} already has a round in flight")
@@ -131,6 +133,7 @@ class Coordinator:
             st.hashes = hashes
             st.may_move = st.may_move and worker is None
         st.full_prefill = full_prefill
+        st.tool_s = tool_s
         return self._start_round(st, now)
 
     def move_before_round(self, session_id: str, tokens: int, block_hashes: Sequence[int] = ()) -> tuple[int, list]:
@@ -319,7 +322,17 @@ class Coordinator:
         rec.prefill_worker = target
         rec.recomputed_tokens += task.hist_compute
         st.task = task
-        return [*moved, Submit(target, task)]
+        return [*moved, Submit(target, task), *self._tool_hint(st, w)]
+
+    def _tool_hint(self, st: _Live, worker: int) -> list:
+        """Host tiers: tell the session's worker, as its round starts, how long the tool call after it takes (the
+        trace's time between rounds, a live client's own figure), so that its tier plans the idle KV when the round
+        ends, before it decides by its estimate."""
+        if not self.tool_hints:
+            return []
+        rounds, k = st.session.rounds, st.k
+        tool_s = st.tool_s if st.open else rounds[k].tool_s if k + 1 < len(rounds) else None
+        return [ExpectReturn(worker, st.session.session_id, tool_s)] if tool_s is not None else []
 
     def _rebind(self, st: _Live, need: int) -> list:
         """Cache-aware binding between rounds (Homes.rebind); the old worker's Release if the session moved."""
@@ -413,7 +426,6 @@ class Coordinator:
             st.idle_since = now
             self.deadlines.arm(now + self.session_ttl_s, _IDLE, (ev.session_id, now), out)
         if st.k < len(st.session.rounds):
-            out += [ExpectReturn(st.worker, ev.session_id, rnd.tool_s)] if self.tool_hints else []
             out.append(ToolCall(ev.session_id, rnd.tool_s))
             return out
         if st.open:

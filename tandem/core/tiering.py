@@ -70,6 +70,7 @@ class TierCopies:
         self._ids = 0
         self._link_free = [0.0, 0.0]             # when each direction (0: to host, 1: to GPU) is expected free
         self.undecided: dict[str, Seq] = {}      # went idle, decided at the next tick (a tool hint may come first)
+        self.hints: dict[str, float] = {}        # session -> the tool time announced for after its running round
         self.expiring: dict[str, Seq] = {}       # pinned, the rule asked again when the pin ends
         self.offloaded: dict[str, Seq] = {}      # GPU copy gone, host copy written
         self._expired: set[str] = set()          # expired while a copy out was in flight
@@ -262,19 +263,31 @@ class TierManager(TierCopies):
     """One worker's host tier and the rules that use it (built by tandem.core.factory.build_worker)."""
 
     def on_idle(self, seq: Seq, now: float) -> None:
-        """A round ended: the session's KV waits for the rule, decided at the next tick."""
+        """A round ended: the session's KV waits for the rule, decided at the next tick (with the tool time
+        announced for after this round, if any, else the learnt estimate)."""
         self.now = now
+        sid = seq.session_id
         seq.idle_since = now
-        seq.expect_s = now + self.est.expected(seq.session_id)
+        seq.expect_s = now + self.est.expected(sid)
         seq.prefetched = False
-        self.undecided[seq.session_id] = seq
+        self.undecided[sid] = seq
+        hint = self.hints.pop(sid, None)
+        if hint is not None:
+            self._known_return(seq, hint, now)
 
     def expect_return(self, sid: str, tool_s: float, now: float) -> None:
-        """The coordinator knows the tool's time (the trace's tool_s): the next round comes tool_s after the
-        round's end."""
+        """The coordinator knows the tool's time (the trace's tool_s, a client's): the next round comes tool_s
+        after the end of the session's round, the one under way (or about to start) if any, else the one that
+        just ended."""
         seq = self.res.host.seqs.get(sid)
         if seq is None or seq.idle_since < 0:
+            self.hints[sid] = tool_s                 # for the running round's end (on_idle)
             return
+        self._known_return(seq, tool_s, now)
+
+    def _known_return(self, seq: Seq, tool_s: float, now: float) -> None:
+        """The idle session's next round comes tool_s after its last round ended."""
+        sid = seq.session_id
         old = seq.expect_s
         seq.expect_s = seq.idle_since + tool_s
         if sid in self.prefetch_at:
@@ -495,7 +508,7 @@ class TierManager(TierCopies):
     def forget(self, seq: Seq) -> None:
         """The session ended: its host run goes (once its copies end), a copy into its blocks keeps them."""
         sid = seq.session_id
-        for d in (self.undecided, self.expiring, self.offloaded, self.prefetch_at):
+        for d in (self.undecided, self.expiring, self.offloaded, self.prefetch_at, self.hints):
             d.pop(sid, None)
         self.est.forget(sid)
         self.host.drop_session(sid)

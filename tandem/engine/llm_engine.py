@@ -117,7 +117,6 @@ class LLMEngine:
         self.stats = self.steps.stats
         self.kv = SessionKV(config, self.core, self.runner, self.table, self.clock, self.stats, self.tier)
         self._ids = itertools.count()
-        self._tool_hints: dict[str, tuple[str, float]] = {}   # request -> (session, expected tool time after it)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
@@ -157,15 +156,14 @@ class LLMEngine:
         sess.request = req
         sess.rounds += 1
         self.requests[request_id] = req
-        if tool_s is not None and self.core.kv.tier is not None:
-            self._tool_hints[request_id] = (sid, float(tool_s))
+        if tool_s is not None:
+            self.core.expect_return(sid, float(tool_s), self.clock())    # the core holds it for the round's end
         if not remote:
             self.core.submit(task, task.enqueue_s)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV (its session's KV too; on a prefill worker, the task's)."""
-        self._tool_hints.pop(request_id, None)
         req = self.requests.get(request_id)
         if req is None:
             return
@@ -250,7 +248,8 @@ class LLMEngine:
         return self.kv.cache_config()
 
     def expect_return(self, session_id: str, tool_s: float) -> None:
-        """The session's client expects its tool call to take `tool_s` seconds (a host tier plans with it)."""
+        """The session's client expects its tool call after the current round (the last one, between rounds) to take
+        `tool_s` seconds (a host tier plans with it)."""
         self._check_tool_s(tool_s)
         self.core.expect_return(session_id, tool_s, self.clock())
 
@@ -304,13 +303,5 @@ class LLMEngine:
         return self.steps.execute(prep)
 
     def finish_step(self, prep: PreparedStep, out: SampleOutput | None) -> list[RequestOutput]:
-        """The last part of a step: tokens appended, stops checked, the core told; returns the touched requests.
-        A finished round's tool hint reaches the host tier before the next schedule decides for its session."""
-        outs = self.steps.finish(prep, out)
-        if self._tool_hints:
-            for o in outs:
-                if o.finished and o.request_id in self._tool_hints:
-                    sid, tool_s = self._tool_hints.pop(o.request_id)
-                    if o.error is None:
-                        self.core.expect_return(sid, tool_s, self.clock())
-        return outs
+        """The last part of a step: tokens appended, stops checked, the core told; returns the touched requests."""
+        return self.steps.finish(prep, out)

@@ -13,7 +13,7 @@ from typing import Callable
 
 from tandem.core.admission import SessionBusyError, check_one_round, continues
 from tandem.core import actions as act
-from tandem.core.commands import DELIVERED, KV_ARRIVED, RELEASE, RUN_LOCAL, SEND_KV, SUBMIT, commands
+from tandem.core.commands import DELIVERED, EXPECT, KV_ARRIVED, RELEASE, RUN_LOCAL, SEND_KV, SUBMIT, commands
 from tandem.core.coordinator import Coordinator
 from tandem.core.prefix_hash import extend_hashes
 from tandem.core.types import FetchHistory, FirstToken, PrefillDone, PrefillTask, RoundDone, SessionFailed
@@ -136,7 +136,7 @@ class CoordinatorShell:
                                            loading=loading))
         try:
             actions = coord.on_round(sid, new, max_out, self.clock(), slo=self.slo, worker=worker,
-                                     block_hashes=hashes, full_prefill=full)
+                                     block_hashes=hashes, full_prefill=full, tool_s=req.tool_s)
         except ValueError as e:                                # no live decode worker left (the core says why)
             raise RequestError(str(e), 503, code="engine_unavailable") from None
         self._apply(actions)
@@ -176,6 +176,8 @@ class CoordinatorShell:
                     req.transfers[a.purpose.value] = a
                     self.send(worker, m.SendKV(req.request_id, req.session_id, a.purpose.value, a.tokens, a.dst,
                                                self.kv_addr[a.dst], list(self.rank_addr.get(a.dst, ()))))
+            elif kind == EXPECT:
+                self.send(worker, m.ExpectReturn(a.session_id, a.tool_s))
             elif kind in m.NOTICE:
                 self._notice(kind, worker, a)
 
@@ -209,7 +211,7 @@ class CoordinatorShell:
         if not req.sent_to_decode:
             self.send(t.decode_worker, m.AddRequest(req.request_id, req.session_id, req.prompt, params,
                                                     remote=not local, keep_session=req.keep_session,
-                                                    ttft_slo_s=slo[0], itl_slo_s=slo[1], tool_s=req.tool_s))
+                                                    ttft_slo_s=slo[0], itl_slo_s=slo[1]))
             req.sent_to_decode = True
         elif local:
             self.send(t.decode_worker, m.RunLocal(req.request_id))  # re-routed home after its prefill worker died

@@ -38,7 +38,6 @@ class AddRequest(msgspec.Struct, tag=True):
     keep_session: bool = True
     ttft_slo_s: float = float("inf")
     itl_slo_s: float = float("inf")
-    tool_s: float | None = None       # the client's expected tool time after this round (a host tier plans with it)
 
 
 class AddPrefill(msgspec.Struct, tag=True):
@@ -90,6 +89,13 @@ class RunLocal(msgspec.Struct, tag=True):
 class Release(msgspec.Struct, tag=True):
     session_id: str
 
+
+class ExpectReturn(msgspec.Struct, tag=True):
+    """The session goes out on a tool expected to take `tool_s` seconds when its current round ends (the core's
+    ExpectReturn: the worker's host tier plans the idle KV with it)."""
+
+    session_id: str
+    tool_s: float
 
 
 
@@ -285,7 +291,7 @@ KV = [KVData, KVRanked]
 COMMAND: dict[type, int] = {BeginRound: c.BEGIN, AddRequest: c.SUBMIT, AddPrefill: c.SUBMIT, SendKV: c.SEND_KV,
                             HistoryReady: c.HISTORY_READY, KVArrived: c.KV_ARRIVED, Delivered: c.DELIVERED,
                             RunLocal: c.RUN_LOCAL, Release: c.RELEASE, Abort: c.CANCEL, Audit: c.AUDIT,
-                            KVData: c.KV_IN, KVRanked: c.KV_IN}
+                            ExpectReturn: c.EXPECT, KVData: c.KV_IN, KVRanked: c.KV_IN}
 CONTROL = [t for t, kind in COMMAND.items() if kind != c.KV_IN]
 # the messages a worker carries out while its model runs a step (tandem.core.commands.EARLY says which and why)
 EARLY = tuple(t for t, kind in COMMAND.items() if kind in c.EARLY)

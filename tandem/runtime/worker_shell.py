@@ -144,8 +144,7 @@ class WorkerShell:
             elif isinstance(msg, m.AddRequest):
                 eng.add_request(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params),
                                 session_id=msg.session_id, remote=msg.remote,
-                                slo=(msg.ttft_slo_s, msg.itl_slo_s), keep_session=msg.keep_session,
-                                tool_s=msg.tool_s)
+                                slo=(msg.ttft_slo_s, msg.itl_slo_s), keep_session=msg.keep_session)
             elif isinstance(msg, m.AddPrefill):
                 eng.add_prefill(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params), msg.session_id,
                                 msg.l_hist, msg.round_idx, ttft_slo_s=msg.ttft_slo_s, hist_compute=msg.hist_compute)
@@ -164,7 +163,8 @@ class WorkerShell:
                 eng.make_local(msg.request_id)
             elif isinstance(msg, m.Release):
                 eng.end_session(msg.session_id)
-
+            elif isinstance(msg, m.ExpectReturn):
+                eng.expect_return(msg.session_id, msg.tool_s)
             elif isinstance(msg, m.Abort):
                 self._first.pop(msg.request_id, None)
                 self._forget_parts(msg.request_id)
