@@ -164,6 +164,8 @@ class EventLoop:
         if tier is not None and tier.copies:
             self._start_copies(wid, tier.take_copies())
         if w.busy:
+            if w.events:                                # raised by a command mid-step (a first token once its KV
+                self._forward(w)                        # landed): the coordinator hears it now, as live
             return
         plan = w.schedule(self.now)
         if w.swaps:
