@@ -1,8 +1,80 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and how a run collects and orders them (bytecode, serial run, slow first)."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Compiled bytecode is cached even where PYTHONDONTWRITEBYTECODE is set: otherwise every pytest process (each xdist
+# worker, then the serial run) rewrites and compiles all ~120 test modules again (~8 s of CPU each on 2 cores), and
+# every worker process, fork server and `tandem` subprocess the tests start compiles tandem from source. Where the
+# tree is not writable Python silently skips the write.
+sys.dont_write_bytecode = False
+
+# The modules that take longest (live clusters, subprocess servers, Ray, long engine runs), slowest first. They run
+# first so that, with `-n 2 --dist loadscope` (each module's tests on one worker: its module-scoped servers start
+# once), the two workers end together instead of one finishing a 30 s module alone. A module missing here only runs
+# later; its tests are unaffected. (Order measured with --durations; refresh it when a module becomes slow.)
+SLOW_FIRST = (
+    "test_runtime_faults.py",
+    "test_engine_diffusion.py",
+    "test_ray_cluster.py",
+    "test_runtime_cluster.py",
+    "test_tp_rank_kv_serve.py",
+    "test_tp_serve.py",
+    "test_runtime_supervisor.py",
+    "test_optimus_sim.py",
+    "test_runtime_resilience.py",
+    "test_docs_serve.py",
+    "test_runtime_serve_e2e.py",
+    "test_tp_kv_regroup.py",
+    "test_server_diffusion.py",
+    "test_host_tier_serve.py",
+    "test_cli_serve_signals.py",
+    "test_engine_tp.py",
+    "test_tp_rank_kv.py",
+    "test_policy_live.py",
+    "test_engine_llm.py",
+    "test_sim.py",
+    "test_workload_generators.py",
+    "test_runtime_transport.py",
+    "test_diffusion_train.py",
+    "test_server_hostile.py",
+    "test_server_metrics.py",
+    "test_profile_dllm.py",
+    "test_server_body_limits.py",
+    "test_engine_dllm_repro.py",
+    "test_transport_security.py",
+    "test_server_api.py",
+    "test_profiler.py",
+    "test_server_echo_logit_bias.py",
+    "test_runtime_laps.py",
+    "test_server_forced_tools.py",
+    "test_transport_limits.py",
+    "test_engine_dllm_serve.py",
+    "test_engine_structured.py",
+    "test_prefix_cache_http.py",
+    "test_gpu_roofline.py",
+    "test_engine_host_tier.py",
+)
+_RANK = {name: i for i, name in enumerate(SLOW_FIRST)}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow modules first (SLOW_FIRST), the rest in their usual order; each module's tests keep theirs."""
+    items.sort(key=lambda item: _RANK.get(item.path.name, len(SLOW_FIRST)))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`pytest -m serial` (make test's second run) imports only the modules that mark a test serial: collecting the
+    other ~120 modules only to deselect all their tests took longer than the serial tests themselves."""
+    if (config.getoption("markexpr", "") or "").strip() != "serial":
+        return None
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return "mark.serial" not in collection_path.read_text(encoding="utf-8")
+    return None
 
 
 @pytest.fixture(scope="module")
