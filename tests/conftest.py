@@ -77,6 +77,31 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+_WINDOW_LATENCY: dict[tuple, object] = {}
+
+
+@pytest.fixture(scope="module")
+def window_latency_once(request: pytest.FixtureRequest):
+    """A block-diffusion engine measures Optimus's T(c, b) on its own forward when it starts (about 1 s of CPU for
+    the tiny SDAR, most of such an engine's start): in a module that starts many engines of one model, the first
+    measures and the others take its fit (the same shapes give the same fit up to timing noise, which no decoding
+    test may depend on). The measurement itself: tests/test_profile_dllm.py."""
+    from tandem.engine import diffusion_setup
+
+    measure = diffusion_setup.measure_window_latency
+
+    def once(model, block, max_tokens, device, **kw):
+        shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters())
+        key = (type(model).__name__, shapes, block, max_tokens, str(device), tuple(sorted(kw.items())))
+        if key not in _WINDOW_LATENCY:
+            _WINDOW_LATENCY[key] = measure(model, block, max_tokens, device, **kw)
+        return _WINDOW_LATENCY[key]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(diffusion_setup, "measure_window_latency", once)
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module: on 2 shared cores OpenMP's barriers make every small op wait a time slice."""
