@@ -7,11 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Compiled bytecode is cached even where PYTHONDONTWRITEBYTECODE is set: otherwise every pytest process (each xdist
-# worker, then the serial run) rewrites and compiles all ~120 test modules again (~8 s of CPU each on 2 cores), and
-# every worker process, fork server and `tandem` subprocess the tests start compiles tandem from source. Where the
-# tree is not writable Python silently skips the write.
-sys.dont_write_bytecode = False
+_DONT_WRITE_BYTECODE = sys.dont_write_bytecode
 
 # The modules that take longest (live clusters, subprocess servers, Ray, long engine runs), slowest first. They run
 # first so that, with `-n 2 --dist loadscope` (each module's tests on one worker: its module-scoped servers start
@@ -60,6 +56,22 @@ SLOW_FIRST = (
     "test_engine_host_tier.py",
 )
 _RANK = {name: i for i, name in enumerate(SLOW_FIRST)}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A test module and what it imports first (tandem's modules) are compiled to bytecode in their __pycache__ even
+    where PYTHONDONTWRITEBYTECODE is set: otherwise each pytest process (each xdist worker, the serial run) rewrites
+    and compiles every test module again (~8 s of CPU each), and every worker process, fork server and `tandem`
+    subprocess the tests start compiles tandem from source. Only while a module is collected: nothing else writes
+    (installed packages have their bytecode already); where the tree is read-only Python skips the write."""
+    if not isinstance(collector, pytest.Module):
+        return (yield)
+    sys.dont_write_bytecode = False
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = _DONT_WRITE_BYTECODE
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
