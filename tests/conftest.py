@@ -1,6 +1,7 @@
 """Fixtures shared by the test modules, and how a run collects and orders them (bytecode, serial run, slow first)."""
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -9,52 +10,57 @@ import torch
 
 _DONT_WRITE_BYTECODE = sys.dont_write_bytecode
 
-# The modules that take longest (live clusters, subprocess servers, Ray, long engine runs), slowest first. They run
-# first so that, with `-n 2 --dist loadscope` (each module's tests on one worker: its module-scoped servers start
-# once), the two workers end together instead of one finishing a 30 s module alone. A module missing here only runs
-# later; its tests are unaffected. (Order measured with --durations; refresh it when a module becomes slow.)
-SLOW_FIRST = (
+# The modules that take longest run first, so that with `-n 2 --dist loadscope` (each module's tests on one worker: its
+# module-scoped servers start once) the two workers end together instead of one finishing a 30 s module alone. Live
+# ones (worker processes, servers, Ray: they wait on heartbeats and timeouts) alternate with busy ones (one process
+# computing), so that the two workers mostly run one of each: two live modules at once on 2 cores miss heartbeats.
+# Each list slowest first; a module missing here only runs later, its tests unaffected. (Measured with --durations;
+# refresh when a module becomes slow.)
+LIVE_FIRST = (
     "test_runtime_faults.py",
-    "test_engine_diffusion.py",
     "test_ray_cluster.py",
     "test_runtime_cluster.py",
     "test_tp_rank_kv_serve.py",
     "test_tp_serve.py",
     "test_runtime_supervisor.py",
-    "test_optimus_sim.py",
     "test_runtime_resilience.py",
     "test_docs_serve.py",
     "test_runtime_serve_e2e.py",
-    "test_tp_kv_regroup.py",
     "test_server_diffusion.py",
     "test_host_tier_serve.py",
     "test_cli_serve_signals.py",
+    "test_policy_live.py",
+    "test_runtime_transport.py",
+    "test_transport_security.py",
+    "test_runtime_laps.py",
+    "test_server_metrics.py",
+    "test_prefix_cache_http.py",
+    "test_transport_limits.py",
+)
+BUSY_FIRST = (
+    "test_engine_diffusion.py",
+    "test_optimus_sim.py",
+    "test_tp_kv_regroup.py",
     "test_engine_tp.py",
     "test_tp_rank_kv.py",
-    "test_policy_live.py",
     "test_engine_llm.py",
     "test_sim.py",
     "test_workload_generators.py",
-    "test_runtime_transport.py",
     "test_diffusion_train.py",
     "test_server_hostile.py",
-    "test_server_metrics.py",
     "test_profile_dllm.py",
     "test_server_body_limits.py",
     "test_engine_dllm_repro.py",
-    "test_transport_security.py",
     "test_server_api.py",
     "test_profiler.py",
     "test_server_echo_logit_bias.py",
-    "test_runtime_laps.py",
     "test_server_forced_tools.py",
-    "test_transport_limits.py",
     "test_engine_dllm_serve.py",
     "test_engine_structured.py",
-    "test_prefix_cache_http.py",
     "test_gpu_roofline.py",
     "test_engine_host_tier.py",
 )
+SLOW_FIRST = tuple(name for pair in itertools.zip_longest(LIVE_FIRST, BUSY_FIRST) for name in pair if name)
 _RANK = {name: i for i, name in enumerate(SLOW_FIRST)}
 
 
