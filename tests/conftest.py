@@ -69,8 +69,9 @@ def pytest_make_collect_report(collector: pytest.Collector):
     """A test module and what it imports first (tandem's modules) are compiled to bytecode in their __pycache__ even
     where PYTHONDONTWRITEBYTECODE is set: otherwise each pytest process (each xdist worker, the serial run) rewrites
     and compiles every test module again (~8 s of CPU each), and every worker process, fork server and `tandem`
-    subprocess the tests start compiles tandem from source. Only while a module is collected: nothing else writes
-    (installed packages have their bytecode already); where the tree is read-only Python skips the write."""
+    subprocess the tests start compiles tandem from source. Only while a module is collected: installed packages have
+    their bytecode already (the exception: a pytest plugin's module first imported then, e.g. anyio.from_thread, gets
+    its assert-rewritten copy cached beside it); where a tree is read-only Python skips the write."""
     if not isinstance(collector, pytest.Module):
         return (yield)
     sys.dont_write_bytecode = False
