@@ -27,6 +27,7 @@ from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 ASSET = Path(__file__).resolve().parents[1] / "tandem" / "engine" / "diffusion" / "assets" / "tiny-sdar"
 CFG = DllmConfig(dllm_confidence_threshold=0.9)
 WORDS = "words:"                                   # random words: one token a step, window sizes matter most
+pytestmark = pytest.mark.usefixtures("window_latency_once")    # tests/conftest.py
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 LOAD = ["copy: abc def ->", "reverse: kkh ->", "sort: bca ->", "words: x", "count: aab ->"] * 2
 

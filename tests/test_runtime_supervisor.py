@@ -115,6 +115,7 @@ def test_a_short_stop_is_ridden_out_and_a_long_one_is_replaced_with_health_back_
           f"({next(r['error'] for r in long if r['error'])!r})")
 
 
+@pytest.mark.serial            # times /health's return against 5 s: 11 s once beside the parallel suite at load 5
 def test_a_killed_decode_worker_is_replaced_at_once_and_a_quick_re_death_backs_off(server):
     """Protects recovery in seconds: SIGKILL of a decode worker that had served a while → its replacement starts at
     once (no backoff), /health is 200 again within 5 s, and the coordinator records where the time went (every
