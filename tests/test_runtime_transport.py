@@ -302,6 +302,7 @@ def test_the_worker_start_method_follows_tandem_worker_multiproc_method_and_refu
     assert "TANDEM_WORKER_MULTIPROC_METHOD is one of forkserver, spawn, got 'fork'" in r.stderr
 
 
+@pytest.mark.serial
 def test_a_stalled_coordinator_loop_declares_no_live_worker_dead():
     """Liveness counts only silence the hub could hear: after its own event loop was blocked past the heartbeat
     limit (a long GC pause, a CPU-starved coordinator), heartbeats still queued in the socket are read before any
