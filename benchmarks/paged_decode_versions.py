@@ -29,7 +29,7 @@ HQ, HKV, D, BS = 8, 4, 64, 16
 
 def _build(src: str, out: Path):
     from tandem.engine.attention import native
-    cc = native._compiler()
+    cc = native.compiler()
     if cc is None:
         raise SystemExit("paged_decode_versions.py: no C compiler on PATH")
     c = out.with_suffix(".c")

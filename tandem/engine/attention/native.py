@@ -60,7 +60,7 @@ def _cpu_key() -> str:
     return "\n".join([platform.machine(), platform.processor(), *keep])
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc:
         return cc
@@ -72,12 +72,13 @@ def compile_flags(cap: IsaCap | None) -> tuple[str, ...]:
     return (*BASE_FLAGS, march_flag(cap))
 
 
-def _build() -> ctypes.CDLL:
-    """Both kernels in one library; if the prefill kernel does not compile here, the decode kernel alone."""
-    cc = _compiler()
+def build(cap: IsaCap | None) -> ctypes.CDLL:
+    """Both kernels in one library compiled for `cap` (None: this machine), or the decode kernel alone if the
+    prefill kernel does not compile here; RuntimeError without a working compiler."""
+    cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    flags = compile_flags(isa_cap())
+    flags = compile_flags(cap)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     try:
         return bind(ctypes.CDLL(str(_compile(cc, version, SOURCES, flags))))
@@ -142,7 +143,7 @@ def load() -> ctypes.CDLL | None:
                 _why = "turned off by TANDEM_CPU_ATTENTION"
             else:
                 try:
-                    _lib = _build()
+                    _lib = build(isa_cap())
                 except Exception as e:  # noqa: BLE001 - any failure means: use the SDPA path, and say why once
                     _why = f"{type(e).__name__}: {e}"
                     log.warning("CPU paged decode attention kernel unavailable (%s): using the SDPA path", _why)
@@ -201,14 +202,14 @@ def supports_prefill(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 def paged_prefill(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor,
                   qlens: torch.Tensor, seqs: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, lib: ctypes.CDLL | None = None) -> None:
     """out[starts[i] + t] = causal attention of q[starts[i] + t] (position seq_lens[i] - qlens[i] + t) over the first
     seq_lens[i] tokens of sequence seqs[i]'s blocks, for t < qlens[i].
 
     q/out [T, Hq, D] float32 contiguous, kv [2, blocks, block_size, Hkv, D] with the chunk's own K/V written,
     block_tables int32 [S, max_blocks], starts/qlens/seqs/seq_lens int64 [n]. The caller checks
-    `supports_prefill` first."""
-    lib = load()
+    `supports_prefill` first. `lib`: another build of the kernels (`build`) instead of the loaded one."""
+    lib = lib or load()
     assert lib is not None, "paged_prefill without the kernel: check supports_prefill() first"
     assert q.is_contiguous() and out.is_contiguous() and block_tables.dtype == torch.int32
     bt = block_tables.contiguous()
@@ -219,12 +220,13 @@ def paged_prefill(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
-                 seqs: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                 seqs: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                 lib: ctypes.CDLL | None = None) -> None:
     """out[rows[i]] = attention of q[rows[i]] over the first seq_lens[i] tokens of sequence seqs[i]'s blocks.
 
     q/out [T, Hq, D] float32 contiguous, kv [2, blocks, block_size, Hkv, D], block_tables int32 [S, max_blocks],
-    rows/seqs/seq_lens int64 [n]. The caller checks `supports` first."""
-    lib = load()
+    rows/seqs/seq_lens int64 [n]. The caller checks `supports` first. `lib`: as in `paged_prefill`."""
+    lib = lib or load()
     assert lib is not None, "paged_decode without the kernel: check supports() first"
     assert q.is_contiguous() and out.is_contiguous() and block_tables.dtype == torch.int32
     bt = block_tables.contiguous()
