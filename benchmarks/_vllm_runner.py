@@ -5,7 +5,7 @@
 SPEC (written by engine_vs_vllm.py): model, prompts (token ids), output_len and the engine limits. The thread
 count and the KV space come from the environment (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE), set by the
 caller. Writes OUT: the time the engine was ready (Unix seconds), the generate() wall time, the output token
-ids, the versions and what the run actually ran at (the vLLM kernel libraries its processes mapped, torch's CPU
+ids, the CPU seconds the process tree spent in generate(), the versions and what the run actually ran at (the vLLM kernel libraries its processes mapped, torch's CPU
 capability, the attention variant vLLM picks for this model). Imports nothing from tandem: tandem is not installed
 in that virtualenv.
 """
@@ -16,6 +16,8 @@ import os
 import re
 import sys
 import time
+
+from proc_cpu import cpu_seconds_since, tree_cpu_seconds   # benchmarks/ is this script's directory
 
 
 def kernel_libraries() -> list[str]:
@@ -64,11 +66,13 @@ def main(spec_path: str, out_path: str) -> int:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0][:16])],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)   # warm-up
+    cpu0 = tree_cpu_seconds()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
+    cpu = cpu_seconds_since(cpu0)
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    result = {"ran_at": ran_at(), "ready_unix": ready, "wall_s": wall, "output_tokens": sum(map(len, ids)), "token_ids": ids,
+    result = {"ran_at": ran_at(), "ready_unix": ready, "wall_s": wall, "cpu_s": cpu, "output_tokens": sum(map(len, ids)), "token_ids": ids,
               "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
               "torch_threads": torch.get_num_threads()}
     with open(out_path, "w") as f:

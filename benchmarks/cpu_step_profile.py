@@ -4,12 +4,14 @@
         [--out docs/results/cpu_step_profile]
 
 One process per (ISA, GEMM path): the 64-request offline workload of benchmarks/engine_vs_vllm.py (prompts of
-32-512 tokens, 128 greedy output tokens each, block size 32) through `tandem.LLM`, with wall-clock timers around
+32-512 tokens, 128 greedy output tokens each, block size 32) through `tandem.LLM`, with timers around
 step preparation (StepExecutor.prepare), the model's linears (Linear.matmul), the paged decode and prefill
 attention kernels, the attention backend's other work (KV write, metadata), the LM head and sampling
 (compute_logits_phase) and step finishing; "rest of forward" is the forward's time outside the linears and the
 attention backend (norms, rotary, residuals, embedding). Steps are split into decode-only steps and steps with a
-prefill chunk. With one thread the parts are synchronous, so they add up to the step. --isa avx2 caps torch,
+prefill chunk. With one thread the parts are synchronous, so they add up to the step, and the timers read the
+thread's CPU time (time.thread_time), which other processes on a shared machine barely disturb; with more threads
+they read wall-clock time. --isa avx2 caps torch,
 oneDNN, MKL and tandem's C kernels as engine_vs_vllm.py --isa avx2 does (tandem/bench/host.py); --gemm torch sets
 TANDEM_CPU_GEMM=torch (F.linear: MKL's sgemm). Prints a table and writes results.json and table.md under --out.
 """
@@ -41,18 +43,19 @@ def _child(threads: int) -> dict:
     from tandem.engine.attention import native, sdpa
     from tandem.engine.models import layers
 
+    clock = time.thread_time if threads == 1 else time.perf_counter
     acc: dict[str, float] = defaultdict(float)
     stack: list[str] = []
 
     def timed(name, fn):
         def wrapper(*a, **k):
-            t0 = time.perf_counter()
+            t0 = clock()
             stack.append(name)
             try:
                 return fn(*a, **k)
             finally:
                 stack.pop()
-                acc[name] += time.perf_counter() - t0
+                acc[name] += clock() - t0
         return wrapper
 
     layers.Linear.matmul = timed("linears", layers.Linear.matmul)
@@ -70,10 +73,10 @@ def _child(threads: int) -> dict:
 
     def prepare(self, plan, t0):
         acc.clear()
-        state["t0"] = time.perf_counter()
-        p0 = time.perf_counter()
+        state["t0"] = clock()
+        p0 = clock()
         prep = orig_prepare(self, plan, t0)
-        acc["prepare"] += time.perf_counter() - p0
+        acc["prepare"] += clock() - p0
         batch = getattr(prep, "batch", None)
         state["kind"] = "prefill" if batch is not None and any(q > 1 for q in batch.query_lens) else "decode"
         return prep
@@ -87,7 +90,7 @@ def _child(threads: int) -> dict:
 
     def finish(self, prep, out):
         r = orig_finish(self, prep, out)
-        total = time.perf_counter() - state.pop("t0", time.perf_counter())
+        total = clock() - state.pop("t0", clock())
         kind = state.get("kind", "decode")
         parts = {"prepare": acc["prepare"], "linears": acc["linears"],
                  "decode attention kernel": acc["decode attention kernel"],
@@ -113,11 +116,11 @@ def _child(threads: int) -> dict:
     for k in kinds:
         kinds[k].clear()
         counts[k] = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), clock()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n))
-    wall = time.perf_counter() - t0
+    wall, busy = time.perf_counter() - t0, clock() - c0
     toks = sum(len(o.token_ids) for o in outs)
-    return {"tokens_per_s": toks / wall, "wall_s": wall, "steps": counts,
+    return {"tokens_per_s": toks / wall, "wall_s": wall, "tokens_per_busy_s": toks / busy, "steps": counts,
             "ms_per_step": {k: {p: 1e3 * v / max(counts[k], 1) for p, v in d.items()} for k, d in kinds.items()},
             "s_total": {k: dict(d) for k, d in kinds.items()},
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -158,14 +161,15 @@ def main(argv=None) -> int:
             res = json.loads(line[7:])
             res.update(isa=name, host=describe_host(cap).as_dict())
             results.append(res)
-            print(f"{name:6} gemm={g:6} {res['tokens_per_s']:.0f} tok/s, vector floats {res['attention_vector_floats']}, "
+            print(f"{name:6} gemm={g:6} {res['tokens_per_s']:.0f} tok/s ({res['tokens_per_busy_s']:.0f} per "
+                  f"{'CPU' if a.threads == 1 else 'wall'} second of the timers), vector floats {res['attention_vector_floats']}, "
                   f"torch {res['torch_cpu_capability']}", flush=True)
-    lines = ["| ISA | GEMM | tok/s | step kind | steps | " + " | ".join(PARTS) + " | step ms |",
-             "|---|---|---|---|---|" + "---|" * (len(PARTS) + 1)]
+    lines = ["| ISA | GEMM | tok/s (wall) | tok/s (timers' clock) | step kind | steps | " + " | ".join(PARTS) + " | step ms |",
+             "|---|---|---|---|---|---|" + "---|" * (len(PARTS) + 1)]
     for res in results:
         for kind in ("decode", "prefill"):
             ms = res["ms_per_step"][kind]
-            lines.append(f"| {res['isa']} | {res['gemm']} | {res['tokens_per_s']:.0f} | {kind} | {res['steps'][kind]} | "
+            lines.append(f"| {res['isa']} | {res['gemm']} | {res['tokens_per_s']:.0f} | {res['tokens_per_busy_s']:.0f} | {kind} | {res['steps'][kind]} | "
                          + " | ".join(f"{ms.get(p, 0):.2f}" for p in PARTS) + f" | {ms.get('total', 0):.2f} |")
     table = "\n".join(lines)
     print(table)

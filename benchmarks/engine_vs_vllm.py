@@ -19,8 +19,10 @@ For each thread count, the systems alternate (tandem, vLLM, tandem, ...) --runs 
 process: tandem through `tandem.LLM` with torch.set_num_threads(N); vLLM through `vllm.LLM` (benchmarks/
 _vllm_runner.py, run by the vLLM virtualenv's python) with VLLM_CPU_OMP_THREADS_BIND=0 (or 0-1, ...) and
 VLLM_CPU_KVCACHE_SPACE=1. Reported: output tokens/s (generate() wall time, after a 4-token warm-up) min/median/max,
-the ratio of the medians, the greedy outputs compared token for token, the time from process launch to an engine
-ready to generate, and the peak RSS summed over the process tree (psutil, sampled every 0.25 s; PSS every 2 s).
+the ratio of the medians, output tokens per CPU-second of the process tree during generate() (benchmarks/
+proc_cpu.py: with other work on a shared machine's cores it moves far less than wall time; vLLM's count includes
+its front-end process and any threads spinning at a barrier), the greedy outputs compared token for token, the time
+from process launch to an engine ready to generate, and the peak RSS summed over the process tree (psutil, sampled every 0.25 s; PSS every 2 s).
 
 Online: `tandem serve --colocated 1 --policy vllm --threads 1` against vLLM's OpenAI server
 (`python -m vllm.entrypoints.openai.api_server`, VLLM_CPU_OMP_THREADS_BIND=0), both on 127.0.0.1 with the same
@@ -61,6 +63,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from proc_cpu import cpu_seconds_since, tree_cpu_seconds      # benchmarks/ is this script's directory
 from tandem.bench.host import describe_host, isa_cap_env
 from tandem.bench.ports import free_port
 from tandem.engine.attention.isa import IsaCap, parse_isa_cap
@@ -321,12 +324,14 @@ def _tandem_runner(spec_path: str, out_path: str, threads: str) -> int:
     n = spec["output_len"]
     llm.generate([spec["prompts"][0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     sp = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)    # min_tokens masks EOS for all n tokens
+    cpu0 = tree_cpu_seconds()
     t0 = time.perf_counter()
     outs = llm.generate(spec["prompts"], sp)
     wall = time.perf_counter() - t0
+    cpu = cpu_seconds_since(cpu0)
     ids = [list(o.token_ids) for o in outs]
     Path(out_path).write_text(json.dumps({
-        "ready_unix": ready, "wall_s": wall, "output_tokens": sum(map(len, ids)), "token_ids": ids,
+        "ready_unix": ready, "wall_s": wall, "cpu_s": cpu, "output_tokens": sum(map(len, ids)), "token_ids": ids,
         "versions": {"torch": torch.__version__, "tandem": str(Path(tandem.__file__).parent)},
         "torch_threads": torch.get_num_threads(), "ran_at": _tandem_ran_at()}))
     return 0
@@ -376,6 +381,7 @@ def offline_run(system: str, threads: int, spec: Path, work: Path, tag: str, vll
         raise RunFailed(f"{system} offline run {why}: {_tail(logp.read_text(errors='replace'))} (log: {logp})")
     r = json.loads(out.read_text())
     return {"tokens_per_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"], "output_tokens": r["output_tokens"],
+            "tokens_per_cpu_s": r["output_tokens"] / r["cpu_s"] if r.get("cpu_s") else None,
             "startup_s": r["ready_unix"] - launch, "peak_rss_bytes": mem.peak_rss, "peak_pss_bytes": mem.peak_pss,
             "torch_threads": r.get("torch_threads"), "versions": r.get("versions", {}), "ran_at": r.get("ran_at"),
             "token_ids": r["token_ids"]}
@@ -596,13 +602,16 @@ def export_tandem(rev: str, dest: Path) -> None:
 
 
 def tables(res: dict) -> tuple[str, str]:
-    off_lines = ["| threads | system | output tokens/s min / median / max | tandem / vLLM (medians) | startup s (median) "
-                 "| peak RSS GiB (median) | peak PSS GiB (median) | identical greedy outputs |", "|---|---|---|---|---|---|---|---|"]
+    off_lines = ["| threads | system | output tokens/s min / median / max | tandem / vLLM (medians) | tokens per "
+                 "CPU-second (median) | tandem / vLLM per CPU-second | startup s (median) | peak RSS GiB (median) | "
+                 "peak PSS GiB (median) | identical greedy outputs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t, cell in (res.get("offline") or {}).items():
         for s in SYSTEMS:
             c = cell.get(s) or {}
             tp = c.get("tokens_per_s") or {}
             ratio = f"**{cell['ratio']:.2f}x**" if s == "tandem" and cell.get("ratio") else ""
+            cpu_ratio = f"{cell['cpu_ratio']:.2f}x" if s == "tandem" and cell.get("cpu_ratio") else ""
+            per_cpu = _f((c.get("tokens_per_cpu_s") or {}).get("median"))
             cmp_ = cell.get("outputs") or {}
             same = ""
             if s == "tandem" and cmp_:
@@ -611,7 +620,7 @@ def tables(res: dict) -> tuple[str, str]:
                     fm = cmp_["first_mismatch"]
                     same += f" (first mismatch: request {fm['request']}, token {fm['position']})"
             vals = " / ".join(_f(tp.get(k)) for k in ("min", "median", "max")) if tp else f"failed: {c.get('error', '')}"
-            off_lines.append(f"| {t} | {s} | {vals} | {ratio} | {_f(c.get('startup_s'), '.1f')} | "
+            off_lines.append(f"| {t} | {s} | {vals} | {ratio} | {per_cpu} | {cpu_ratio} | {_f(c.get('startup_s'), '.1f')} | "
                              f"{_gib(c.get('peak_rss_bytes'))} | {_gib(c.get('peak_pss_bytes'))} | {same} |")
     on_lines = ["| rate req/s | system | achieved req/s (min-max) | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
                 "TPOT p50 min-max | ITL p50 / p99 ms | startup s | peak RSS GiB | peak PSS GiB | failed |",
@@ -756,7 +765,9 @@ def main(argv=None) -> int:
                         continue
                     toks = [r.pop("token_ids") for r in rs]
                     expect = OFFLINE["requests"] * OFFLINE["output_len"]
+                    cpu = [r["tokens_per_cpu_s"] for r in rs if r.get("tokens_per_cpu_s")]
                     cell[s] = {"tokens_per_s": _stats([r["tokens_per_s"] for r in rs]),
+                               "tokens_per_cpu_s": _stats(cpu) if len(cpu) == len(rs) else None,
                                "startup_s": statistics.median(r["startup_s"] for r in rs),
                                "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in rs),
                                "peak_pss_bytes": statistics.median(r["peak_pss_bytes"] for r in rs),
@@ -765,6 +776,9 @@ def main(argv=None) -> int:
                 if all("_tokens" in cell[s] for s in SYSTEMS):
                     cell["outputs"] = compare_outputs(cell["tandem"]["_tokens"], cell["vllm"]["_tokens"])
                     cell["ratio"] = cell["tandem"]["tokens_per_s"]["median"] / cell["vllm"]["tokens_per_s"]["median"]
+                    if cell["tandem"]["tokens_per_cpu_s"] and cell["vllm"]["tokens_per_cpu_s"]:
+                        cell["cpu_ratio"] = (cell["tandem"]["tokens_per_cpu_s"]["median"]
+                                             / cell["vllm"]["tokens_per_cpu_s"]["median"])
                 for s in SYSTEMS:
                     cell[s].pop("_tokens", None)
                 res["offline"][str(t)] = cell
