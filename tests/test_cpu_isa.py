@@ -94,3 +94,25 @@ def test_no_cap_sets_no_variables_and_the_short_model_line_names_the_widest():
     assert isa_cap_env(None) == {}
     h = describe_host()
     assert isinstance(h, Host) and cpu_model() == f"{h.cpu} ({h.widest})"
+
+
+def test_vllms_feature_checks_report_no_avx512_under_the_benchmarks_avx2_cap():
+    """Protects the vLLM side of engine_vs_vllm.py --isa avx2: with benchmarks/vllm_isa first on PYTHONPATH and
+    TANDEM_VLLM_ISA=avx2, torch.cpu's AVX-512 and AMX checks (which vLLM reads to pick _C_AVX2 and its attention
+    variant) say False in a fresh interpreter; without the variable they are untouched."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    site = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_isa"
+    code = ("import torch; c = torch.cpu; print(c._is_avx512_supported(), c._is_avx512_bf16_supported(), "
+            "c._is_amx_tile_supported(), c.get_capabilities().get('avx512_f', False))")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    env.pop("TANDEM_VLLM_ISA", None)
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    capped = subprocess.run([sys.executable, "-c", code], env={**env, "TANDEM_VLLM_ISA": "avx2"},
+                            capture_output=True, text=True, check=True)
+    machine = plain.stdout.split()
+    assert capped.stdout.split() == ["False", "False", "False", machine[3]]
+    assert machine[0] == machine[3]                   # untouched: the check agrees with the raw capability
