@@ -34,6 +34,10 @@ tokens, ignore_eos, temperature 0. Client-side TTFT, TPOT ((e2e - TTFT) / (token
 token chunks), achieved requests/s and output tokens/s, startup (launch to GET /v1/models answering) and the
 server tree's peak RSS. The client runs in this process, on the same 2 cores as the servers.
 
+vLLM binds its OpenMP threads to cores 0..N-1 (VLLM_CPU_OMP_THREADS_BIND above); tandem's are left to the
+scheduler unless --bind-tandem-threads binds them the same way (GOMP_CPU_AFFINITY), which matters on a machine
+whose cores other work shares: an unbound team of two threads can land on one core and wait at every barrier.
+
 --isa avx2 emulates an AVX2-only host on an AVX-512 one, for both systems: torch's ATen kernels
 (ATEN_CPU_CAPABILITY=avx2), oneDNN (ONEDNN_MAX_CPU_ISA=AVX2), MKL (MKL_ENABLE_INSTRUCTIONS=AVX2) and tandem's C
 attention kernels (TANDEM_CPU_ISA=avx2: built with -march=x86-64-v3) in both process trees, and vLLM's choice of
@@ -141,6 +145,8 @@ def parse_args(argv):
                     "git archive, put first on PYTHONPATH) instead of the working tree")
     ap.add_argument("--isa", default="native", help="native (default), or avx2: emulate an AVX2-only host on an "
                     "AVX-512 one, for both systems")
+    ap.add_argument("--bind-tandem-threads", action="store_true", help="offline: bind tandem's OpenMP threads to "
+                    "cores 0..N-1 (GOMP_CPU_AFFINITY), as vLLM's VLLM_CPU_OMP_THREADS_BIND binds its own")
     args = ap.parse_args(argv)
     try:
         if args.runs < 1:
@@ -367,10 +373,13 @@ def _launch(cmd: list[str], env: dict | None, work: Path, log) -> tuple[float, s
     return launch, proc, mem
 
 
-def offline_run(system: str, threads: int, spec: Path, work: Path, tag: str, vllm_py: str) -> dict:
+def offline_run(system: str, threads: int, spec: Path, work: Path, tag: str, vllm_py: str,
+                bind_tandem: bool = False) -> dict:
     out, logp = work / f"{tag}.json", work / f"{tag}.log"
     if system == "tandem":
-        cmd, env = [sys.executable, str(Path(__file__).resolve()), "_tandem-runner", str(spec), str(out), str(threads)], None
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_tandem-runner", str(spec), str(out), str(threads)]
+        # the counterpart of vLLM's VLLM_CPU_OMP_THREADS_BIND: OpenMP thread i on core i (libgomp's variable)
+        env = {**os.environ, "GOMP_CPU_AFFINITY": " ".join(map(str, range(threads)))} if bind_tandem else None
     else:
         cmd, env = [vllm_py, str(REPO / "benchmarks" / "_vllm_runner.py"), str(spec), str(out)], _vllm_env(threads)
     with open(logp, "w") as log:
@@ -739,7 +748,7 @@ def main(argv=None) -> int:
         "limits": {**LIMITS, "kv_cache_gib": KV_GIB, "offline_block_size": OFFLINE_BLOCK_SIZE,
                    "online_block_size": {"tandem": 16, "vllm": OFFLINE_BLOCK_SIZE}},
         "offline_workload": OFFLINE, "online_workload": {**ONLINE, "requests": args.requests, "threads": 1},
-        "runs": args.runs, "online_runs": args.online_runs, "offline": {}, "online": {}, "failures": [],
+        "runs": args.runs, "online_runs": args.online_runs, "tandem_threads_bound": args.bind_tandem_threads, "offline": {}, "online": {}, "failures": [],
     }
     spec = work / "offline-spec.json"
     spec.write_text(json.dumps({"model": str(MODEL_DIR), "prompts": offline_prompts(vocab),
@@ -756,7 +765,8 @@ def main(argv=None) -> int:
                     for s in SYSTEMS:
                         bar.update(task, description=f"offline {s}, {t} thread(s), run {i + 1}/{args.runs}")
                         try:
-                            r = offline_run(s, t, spec, work, f"offline-{s}-t{t}-r{i}", vllm_py)
+                            r = offline_run(s, t, spec, work, f"offline-{s}-t{t}-r{i}", vllm_py,
+                                            args.bind_tandem_threads)
                             runs[s].append(r)
                             console.print(f"offline {s:6} {t} thread(s) run {i + 1}: {r['tokens_per_s']:.0f} tok/s, "
                                           f"startup {r['startup_s']:.1f} s, peak RSS {_gib(r['peak_rss_bytes'])} GiB")
@@ -819,6 +829,8 @@ def main(argv=None) -> int:
     off_md, on_md = tables(res)
     head = (f"{res['model']}; host: {res['machine']['line']}; {res['date']}; commit {res['commit']}; "
             f"vLLM {vllm_version} (CPU), torch {torch.__version__}\n")
+    if args.bind_tandem_threads:
+        head += "\ntandem's OpenMP threads bound to cores 0..N-1 (GOMP_CPU_AFFINITY), as vLLM binds its own.\n"
     ran_at = _ran_at_summary(res)
     if ran_at:
         head += f"\nRan at: {ran_at}\n"
