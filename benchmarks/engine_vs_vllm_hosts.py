@@ -31,7 +31,8 @@ def rows(sets: list[tuple[dict, dict | None]]) -> list[dict]:
     """One row per (host kind, threads): tandem before/after, vLLM, the ratios, identical outputs."""
     out = []
     for after, before in sets:
-        kind = after["machine"].get("kind", "unknown host")
+        kind = after["machine"].get("kind", "unknown host") + \
+            (", tandem's threads bound" if after.get("tandem_threads_bound") else "")
         for t, cell in after["offline"].items():
             bcell = (before or {}).get("offline", {}).get(t, {})
             out.append({
