@@ -66,6 +66,14 @@ def table(rs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _short(kind: str) -> str:
+    """A host kind for an axis label: "AVX2 emulated" for "AVX2 emulated on an AVX-512 + AMX CPU", the binding on a
+    line of its own."""
+    head, _, bound = kind.partition(", ")
+    head = head.split(" on an ")[0]
+    return head + (f"\n{bound}" if bound else "")
+
+
 def plot(rs: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -83,10 +91,10 @@ def plot(rs: list[dict], path: Path) -> None:
             if v:
                 ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     for i, r in enumerate(rs):
-        ax.text(i, max(r["tandem"] or 0, r["vllm"] or 0, r["before_tandem"] or 0) * 1.08,
+        ax.text(i, max(r["tandem"] or 0, r["vllm"] or 0, r["before_tandem"] or 0) * 1.12 + 10,
                 f"{_f(r['ratio'], '.2f')}x", ha="center", fontsize=9, fontweight="bold")
     ax.set_xticks(range(len(rs)))
-    ax.set_xticklabels([f"{r['kind']}\n{r['threads']} thread{'s' if r['threads'] != '1' else ''}" for r in rs],
+    ax.set_xticklabels([f"{_short(r['kind'])}\n{r['threads']} thread{'s' if r['threads'] != '1' else ''}" for r in rs],
                        fontsize=8)
     ax.set_ylabel("offline output tokens/s (median)")
     ax.margins(y=0.2)
