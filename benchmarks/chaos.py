@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import platform
 import sys
 import tempfile
 import time
@@ -25,22 +24,10 @@ from rich.table import Table
 
 from tandem.bench.chaos import ChaosContext, Outcome
 from tandem.bench.chaos.lifecycle import make_model
+from tandem.bench.host import cpu_model
 
 MODULES = ("known", "http_body", "zmq_inbox", "lifecycle", "diffusion")
 SDAR = Path(__file__).resolve().parents[1] / "tandem" / "engine" / "diffusion" / "assets" / "tiny-sdar"
-
-
-def cpu_model() -> str:
-    """The CPU model and its widest vector extension, for the record."""
-    name, flags = platform.processor() or "unknown CPU", ""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
-        flags = next(line for line in info.splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    ext = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
-    return f"{name} ({ext})"
 
 
 def run(modules: list[str], workdir: Path) -> list[tuple[str, Outcome, float]]:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from tandem.bench.host import cpu_model
 from tandem.bench.provenance import report_meta
 from tandem.cli.common import csv_list, positive_int
 
@@ -36,17 +36,6 @@ OLD, NEW = "elastic", "auto"
 BATCHES = (8, 32)
 OUTPUT_TOKENS = 64
 SAMPLED_TEMPERATURE = 0.8
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo; platform's processor string elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

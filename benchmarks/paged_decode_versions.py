@@ -29,12 +29,13 @@ HQ, HKV, D, BS = 8, 4, 64, 16
 
 def _build(src: str, out: Path):
     from tandem.engine.attention import native
-    cc = native._compiler()
+    cc = native.compiler()
     if cc is None:
         raise SystemExit("paged_decode_versions.py: no C compiler on PATH")
     c = out.with_suffix(".c")
     c.write_text(src)
-    subprocess.run([cc, *native.FLAGS, "-o", str(out), str(c), "-lm"], check=True)
+    subprocess.run([cc, *native.compile_flags(None), "-I", str(native.SOURCE.parent), "-o", str(out), str(c), "-lm"],
+                   check=True)
     return native.bind(ctypes.CDLL(str(out))).tandem_paged_decode
 
 

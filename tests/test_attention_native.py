@@ -139,3 +139,35 @@ def test_a_prefill_kernel_that_does_not_compile_leaves_the_decode_kernel(fresh_l
     sdpa_only()
     want = SdpaBackend().forward(q, k, v, kv.clone(), meta(), 0.125)
     assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+
+def _vector_flags() -> tuple[str, ...]:
+    from tandem.bench.host import describe_host
+    return describe_host().vector_extensions
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64" or "avx2" not in _vector_flags(),
+                    reason="needs an x86-64 CPU with AVX2")
+def test_the_avx2_build_takes_8_float_vectors_and_gives_the_same_bits():
+    """Protects the AVX2 variant (TANDEM_CPU_ISA=avx2, what an AVX2-only host compiles): it runs 8-float vectors and
+    its decode and prefill outputs equal the loaded build's bit for bit (each lane's arithmetic is the same at either
+    width). Compiled once into the kernel cache, as the loaded build is."""
+    from tandem.engine.attention.isa import IsaCap, isa_cap
+    avx2 = native.build(IsaCap.AVX2)
+    assert avx2.tandem_simd_width() == 8
+    assert native.vector_width() == (16 if "avx512f" in _vector_flags() and isa_cap() is None else 8)
+    # rows: 0 decodes seq 0 (300 tokens), 1-70 a fresh 70-token prompt, 71 decodes seq 2 (17), 72-104 a 33-token
+    # chunk after a 67-token prefix
+    q, k, v, kv, meta = _attend([1, 70, 1, 33], [300, 70, 17, 100], 8, 4, 64, 32, seed=5, reverse_tables=True)
+    m = meta()
+    SdpaBackend().forward(q, k, v, kv, m, 0.125)             # writes the step's K/V into the cache
+    outs = []
+    for lib in (None, avx2):
+        out = torch.zeros_like(q)
+        native.paged_decode(q, kv, m.block_tables, torch.tensor([0, 71]), torch.tensor([0, 2]),
+                            torch.tensor([300, 17]), 0.125, out, lib=lib)
+        native.paged_prefill(q, kv, m.block_tables, torch.tensor([1, 72]), torch.tensor([70, 33]),
+                             torch.tensor([1, 3]), torch.tensor([70, 100]), 0.125, out, lib=lib)
+        outs.append(out)
+    assert outs[0].abs().min() > 0 and torch.equal(outs[0], outs[1])

@@ -6,8 +6,10 @@ contiguous copy and attends to the copy: K/V cross memory twice per step. The de
 place, with an online softmax (what vLLM's CPU backend does with its own C++ kernels). The prefill kernel attends a
 chunk's queries causally to the paged K/V in tiles of query rows, about 2.7x faster than PyTorch's CPU flash
 attention on a 256-token prompt (benchmarks/prefill_attention.py). It is built with the machine's C
-compiler (-O3 -march=native -fopenmp) into a cache directory keyed by the source, the compiler and the CPU, and
-called through ctypes (which releases the GIL). Without a compiler, or with TANDEM_CPU_ATTENTION=sdpa, the SDPA
+compiler (-O3 -march=native -fopenmp; TANDEM_CPU_ISA=avx2 targets an AVX2-only CPU instead, see isa.py) into a
+cache directory keyed by the sources, the compiler, the flags and the CPU, and called through ctypes (which
+releases the GIL). The kernels take 16-float vectors where the target has AVX-512 and 8-float ones elsewhere
+(csrc/simd.h); `vector_width()` says which. Without a compiler, or with TANDEM_CPU_ATTENTION=sdpa, the SDPA
 path runs instead; `load()` says why in `unavailable_reason()`.
 """
 from __future__ import annotations
@@ -25,11 +27,14 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.attention.isa import IsaCap, isa_cap, march_flag
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 PREFILL_SOURCE = SOURCE.with_name("paged_prefill.c")
 SOURCES = (SOURCE, PREFILL_SOURCE)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+HEADERS = (SOURCE.with_name("simd.h"),)          # included by both sources: part of the cache key
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 COMPILE_TIMEOUT_S = 120.0
 
 _lock = threading.Lock()
@@ -55,37 +60,50 @@ def _cpu_key() -> str:
     return "\n".join([platform.machine(), platform.processor(), *keep])
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc:
         return cc
     return next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
 
 
-def _build() -> ctypes.CDLL:
-    """Both kernels in one library; if the prefill kernel does not compile here, the decode kernel alone."""
-    cc = _compiler()
+def compile_flags(cap: IsaCap | None) -> tuple[str, ...]:
+    """The compiler flags for a target: this machine's (-march=native) or a capped instruction set."""
+    return (*BASE_FLAGS, march_flag(cap))
+
+
+def build(cap: IsaCap | None) -> ctypes.CDLL:
+    """Both kernels in one library compiled for `cap` (None: this machine), or the decode kernel alone if the
+    prefill kernel does not compile here; RuntimeError without a working compiler."""
+    cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    flags = compile_flags(cap)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     try:
-        return bind(ctypes.CDLL(str(_compile(cc, version, SOURCES))))
+        return bind(ctypes.CDLL(str(_compile(cc, version, SOURCES, flags))))
     except RuntimeError as e:
         log.warning("CPU paged prefill attention kernel unavailable (%s): prefill chunks use SDPA", e)
-        return bind(ctypes.CDLL(str(_compile(cc, version, (SOURCE,)))))
+        return bind(ctypes.CDLL(str(_compile(cc, version, (SOURCE,), flags))))
 
 
-def _compile(cc: str, version: str, sources: tuple[Path, ...]) -> Path:
+def cache_key(sources: list[bytes], compiler_version: str, cpu: str, flags: tuple[str, ...]) -> str:
+    """The compiled library's name in the cache: a hash of everything the machine code depends on."""
+    return hashlib.sha256(b"\0".join([*sources, compiler_version.encode(), cpu.encode(),
+                                       " ".join(flags).encode()])).hexdigest()[:16]
+
+
+def _compile(cc: str, version: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> Path:
     """The cached shared library built from `sources` (compiled now when absent); RuntimeError if cc fails."""
-    srcs = [p.read_bytes() for p in sources]
-    key = hashlib.sha256(b"\0".join([*srcs, version.encode(), _cpu_key().encode(), " ".join(FLAGS).encode()]))
-    path = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    srcs = [p.read_bytes() for p in (*sources, *HEADERS)]
+    key = cache_key(srcs, version, _cpu_key(), flags)
+    path = _cache_dir() / f"paged_attention-{key}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True,
+            done = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True,
                                   timeout=COMPILE_TIMEOUT_S)
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
@@ -103,6 +121,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     f.restype = None
     lib.tandem_paged_decode_limits.restype = ctypes.c_int
+    if hasattr(lib, "tandem_simd_width"):
+        lib.tandem_simd_width.restype = ctypes.c_int
     if hasattr(lib, "tandem_paged_prefill"):        # absent from a library built from paged_decode.c alone
         f = lib.tandem_paged_prefill
         f.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
@@ -123,12 +143,18 @@ def load() -> ctypes.CDLL | None:
                 _why = "turned off by TANDEM_CPU_ATTENTION"
             else:
                 try:
-                    _lib = _build()
+                    _lib = build(isa_cap())
                 except Exception as e:  # noqa: BLE001 - any failure means: use the SDPA path, and say why once
                     _why = f"{type(e).__name__}: {e}"
                     log.warning("CPU paged decode attention kernel unavailable (%s): using the SDPA path", _why)
             _tried = True
     return _lib
+
+
+def vector_width() -> int | None:
+    """Floats per vector the loaded kernels were compiled with (16: AVX-512, 8: AVX2 or narrower); None if none."""
+    lib = load()
+    return lib.tandem_simd_width() if lib is not None and hasattr(lib, "tandem_simd_width") else None
 
 
 def unavailable_reason() -> str | None:
@@ -176,14 +202,14 @@ def supports_prefill(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 def paged_prefill(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor,
                   qlens: torch.Tensor, seqs: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, lib: ctypes.CDLL | None = None) -> None:
     """out[starts[i] + t] = causal attention of q[starts[i] + t] (position seq_lens[i] - qlens[i] + t) over the first
     seq_lens[i] tokens of sequence seqs[i]'s blocks, for t < qlens[i].
 
     q/out [T, Hq, D] float32 contiguous, kv [2, blocks, block_size, Hkv, D] with the chunk's own K/V written,
     block_tables int32 [S, max_blocks], starts/qlens/seqs/seq_lens int64 [n]. The caller checks
-    `supports_prefill` first."""
-    lib = load()
+    `supports_prefill` first. `lib`: another build of the kernels (`build`) instead of the loaded one."""
+    lib = lib or load()
     assert lib is not None, "paged_prefill without the kernel: check supports_prefill() first"
     assert q.is_contiguous() and out.is_contiguous() and block_tables.dtype == torch.int32
     bt = block_tables.contiguous()
@@ -194,12 +220,13 @@ def paged_prefill(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
-                 seqs: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                 seqs: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                 lib: ctypes.CDLL | None = None) -> None:
     """out[rows[i]] = attention of q[rows[i]] over the first seq_lens[i] tokens of sequence seqs[i]'s blocks.
 
     q/out [T, Hq, D] float32 contiguous, kv [2, blocks, block_size, Hkv, D], block_tables int32 [S, max_blocks],
-    rows/seqs/seq_lens int64 [n]. The caller checks `supports` first."""
-    lib = load()
+    rows/seqs/seq_lens int64 [n]. The caller checks `supports` first. `lib`: as in `paged_prefill`."""
+    lib = lib or load()
     assert lib is not None, "paged_decode without the kernel: check supports() first"
     assert q.is_contiguous() and out.is_contiguous() and block_tables.dtype == torch.int32
     bt = block_tables.contiguous()

@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define MAX_H 64      /* query heads */
 #define MAX_D 256     /* head dim */
 #define MAX_BS 64     /* tokens per block */
@@ -38,6 +40,9 @@ static inline float exp_nonpos(float x)
     union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
     return p * scale.f;
 }
+
+/* Floats per vector these kernels were compiled with (simd.h): 16 with AVX-512, else 8. */
+int tandem_simd_width(void) { return VW; }
 
 int tandem_paged_decode_limits(void) { return MAX_H * 1000000 + MAX_D * 1000 + MAX_BS; }
 

@@ -5,7 +5,7 @@
  * 256-token causal prompt of 8 heads here, against 250 for the linears), and a chunk with a cached prefix first
  * needs its K/V gathered into a contiguous copy. This kernel works on tiles of about 32 query rows (the query
  * positions of a tile times the G query heads of one KV head), transposed once per tile so the rows sit in vector
- * lanes: each key's scores for all rows are 16-lane FMAs with the key's elements broadcast, and the probabilities
+ * lanes: each key's scores for all rows are VW-lane FMAs with the key's elements broadcast, and the probabilities
  * meet each value row with two rows' accumulators held in registers.
  *
  * Layouts (float32, contiguous): q [T, Hq, D]; kv [2, num_blocks, block_size, Hkv, D]; block_tables int32
@@ -15,35 +15,38 @@
  * compared as floats in the vector lanes: exact below 2^24 tokens. Nothing is allocated: the tiles of one chunk are
  * spread over `nthreads` OpenMP threads, chunk after chunk.
  *
- * Written with GCC/Clang vector extensions (16 floats): -march=native maps them to AVX-512, AVX2 pairs or NEON.
+ * Written with GCC/Clang vector extensions of VW floats (simd.h): 16 with AVX-512, 8 with AVX2 (or NEON pairs).
+ * The register blocking follows VW (KEYS keys' scores at a time, PV_COLS vectors of two rows' outputs per pass over
+ * a block's values) so the accumulators fit the target's 32 or 16 vector registers; each lane's arithmetic, and so
+ * the result, is the same at either width.
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "simd.h"
 
 #define TILE_ROWS 32    /* query rows (positions x heads of one KV head) per tile */
 #define PMAX_D 128      /* head dim */
 #define PMAX_BS 64      /* tokens per block */
 #define PMAX_G 32       /* query heads per KV head */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16v __attribute__((vector_size(64)));
+#if VW == 16
+#define KEYS 4          /* keys scored at a time: KEYS * RV accumulators (8 of 32 zmm) */
+#define PV_COLS 8       /* output vectors per row per pass over a block's values: 2 * PV_COLS of 32 zmm */
+#else
+#define KEYS 2          /* 2 * RV = 8 of 16 ymm */
+#define PV_COLS 4       /* 8 of 16 ymm */
+#endif
 
-static inline v16 ld(const float *p) { return *(const v16u *)p; }
-static inline void st(float *p, v16 v) { *(v16u *)p = v; }
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-/* lanes of a where m is set (all ones), of b elsewhere: C has no ?: on vectors */
-static inline v16 vsel(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
-
-/* exp(x) on 16 lanes for x <= 0 (scores minus their running max): x = n ln2 + r, exp(r) by its degree-7 Taylor
+/* exp(x) on VW lanes for x <= 0 (scores minus their running max): x = n ln2 + r, exp(r) by its degree-7 Taylor
  * polynomial, 2^n from the exponent bits; as exp_nonpos in paged_decode.c (relative error under 1.1e-7). */
-static inline v16 vexp_nonpos(v16 x)
+static inline vf vexp_nonpos(vf x)
 {
-    const v16 lo = splat(-87.0f), magic = splat(12582912.0f);          /* 1.5 * 2^23: round to nearest */
+    const vf lo = splat(-87.0f), magic = splat(12582912.0f);          /* 1.5 * 2^23: round to nearest */
     x = vsel(x < lo, lo, x);
-    const v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
-    const v16 r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
-    v16 p = splat(1.0f / 5040.0f);
+    const vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+    const vf r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+    vf p = splat(1.0f / 5040.0f);
     p = p * r + splat(1.0f / 720.0f);
     p = p * r + splat(1.0f / 120.0f);
     p = p * r + splat(1.0f / 24.0f);
@@ -51,8 +54,8 @@ static inline v16 vexp_nonpos(v16 x)
     p = p * r + splat(0.5f);
     p = p * r + splat(1.0f);
     p = p * r + splat(1.0f);
-    const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
-    return p * (v16)e;
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
 }
 
 int tandem_paged_prefill_limits(void) { return PMAX_G * 1000000 + PMAX_D * 1000 + PMAX_BS; }
@@ -62,19 +65,19 @@ int tandem_paged_prefill_limits(void) { return PMAX_G * 1000000 + PMAX_D * 1000 
  * the running max and the running sum are lane-wise vector operations, and each key's K row is read in place (its
  * elements broadcast). D and BS are compile-time constants at every call site (always_inline), so the loops over
  * them unroll and the accumulators stay in registers. */
-#define RV (TILE_ROWS / 16)
+#define RV (TILE_ROWS / VW)
 static inline __attribute__((always_inline)) void prefill_tile(
     const int D, const int BS, const float *q, float *out, const float *K, const float *V, const int32_t *table,
     int64_t blk_stride, int64_t tok_stride, int64_t hq, int64_t G, int64_t h, int64_t row0, int64_t pos0,
     int64_t t0, int64_t tq, float scale)
 {
-    const int ND = D / 16;
+    const int ND = D / VW;
     const int64_t R = tq * G;
     float Qt[PMAX_D][TILE_ROWS] __attribute__((aligned(64)));       /* scaled Q^T: lane r of Qt[dd] is row r */
     float P[PMAX_BS][TILE_ROWS] __attribute__((aligned(64)));       /* a block's scores, then probabilities */
     float pos[TILE_ROWS] __attribute__((aligned(64))), cr[TILE_ROWS] __attribute__((aligned(64)));
-    v16 acc[TILE_ROWS][PMAX_D / 16];
-    v16 mv[RV], lv[RV], posv[RV];
+    vf acc[TILE_ROWS][PMAX_D / VW];
+    vf mv[RV], lv[RV], posv[RV];
     for (int64_t r = 0; r < TILE_ROWS; r++) {         /* row r: position t0 + r / G, query head h*G + r % G */
         if (r < R) {
             const int64_t t = t0 + r / G;
@@ -93,9 +96,9 @@ static inline __attribute__((always_inline)) void prefill_tile(
     for (int v = 0; v < RV; v++) {
         mv[v] = splat(-INFINITY);
         lv[v] = splat(0.0f);
-        posv[v] = ld(&pos[16 * v]);
+        posv[v] = ld(&pos[VW * v]);
     }
-    const v16 ninf = splat(-INFINITY), zero = splat(0.0f);
+    const vf ninf = splat(-INFINITY), zero = splat(0.0f);
     const int64_t last = pos0 + t0 + tq - 1;          /* the tile's last position: keys 0..last */
     const int64_t nblk = last / BS + 1;
     for (int64_t bi = 0; bi < nblk; bi++) {
@@ -103,96 +106,96 @@ static inline __attribute__((always_inline)) void prefill_tile(
         const int64_t nk = last - k0 + 1 < BS ? last - k0 + 1 : BS;
         const float *kb = K + b * blk_stride + h * D, *vb = V + b * blk_stride + h * D;
         int64_t t = 0;
-        for (; t + 4 <= nk; t += 4) {                 /* scores of four keys at a time against each Q^T row */
-            const float *k0p = kb + t * tok_stride, *k1p = k0p + tok_stride, *k2p = k1p + tok_stride,
-                        *k3p = k2p + tok_stride;
-            v16 s[4][RV];
-            for (int v = 0; v < RV; v++)
-                s[0][v] = s[1][v] = s[2][v] = s[3][v] = zero;
+        for (; t + KEYS <= nk; t += KEYS) {           /* scores of KEYS keys at a time against each Q^T row */
+            const float *kp = kb + t * tok_stride;
+            vf s[KEYS][RV];
+            for (int u = 0; u < KEYS; u++)
+                for (int v = 0; v < RV; v++)
+                    s[u][v] = zero;
             for (int dd = 0; dd < D; dd++)
                 for (int v = 0; v < RV; v++) {
-                    const v16 qv = ld(&Qt[dd][16 * v]);
-                    s[0][v] += qv * k0p[dd];
-                    s[1][v] += qv * k1p[dd];
-                    s[2][v] += qv * k2p[dd];
-                    s[3][v] += qv * k3p[dd];
+                    const vf qv = ld(&Qt[dd][VW * v]);
+                    for (int u = 0; u < KEYS; u++)
+                        s[u][v] += qv * kp[u * tok_stride + dd];
                 }
-            for (int u = 0; u < 4; u++)
+            for (int u = 0; u < KEYS; u++)
                 for (int v = 0; v < RV; v++)
-                    st(&P[t + u][16 * v], s[u][v]);
+                    st(&P[t + u][VW * v], s[u][v]);
         }
         for (; t < nk; t++) {
             const float *kp = kb + t * tok_stride;
-            v16 s[RV];
+            vf s[RV];
             for (int v = 0; v < RV; v++)
                 s[v] = zero;
             for (int dd = 0; dd < D; dd++)
                 for (int v = 0; v < RV; v++)
-                    s[v] += ld(&Qt[dd][16 * v]) * kp[dd];
+                    s[v] += ld(&Qt[dd][VW * v]) * kp[dd];
             for (int v = 0; v < RV; v++)
-                st(&P[t][16 * v], s[v]);
+                st(&P[t][VW * v], s[v]);
         }
         for (int v = 0; v < RV; v++) {                /* causal mask and online softmax, lane-wise */
-            v16 bm = ninf;
+            vf bm = ninf;
             for (t = 0; t < nk; t++) {
-                v16 x = ld(&P[t][16 * v]);
+                vf x = ld(&P[t][VW * v]);
                 x = vsel(posv[v] >= splat((float)(k0 + t)), x, ninf);
-                st(&P[t][16 * v], x);
+                st(&P[t][VW * v], x);
                 bm = vsel(x > bm, x, bm);
             }
-            const v16 mx = vsel(bm > mv[v], bm, mv[v]);
-            const v16 base = vsel(mx == ninf, zero, mx);                  /* lanes with no key yet */
-            const v16 corr = vexp_nonpos(mv[v] - base);
-            v16 sum = zero;
+            const vf mx = vsel(bm > mv[v], bm, mv[v]);
+            const vf base = vsel(mx == ninf, zero, mx);                  /* lanes with no key yet */
+            const vf corr = vexp_nonpos(mv[v] - base);
+            vf sum = zero;
             for (t = 0; t < nk; t++) {
-                const v16 x = ld(&P[t][16 * v]);
-                const v16 p = vsel(x == ninf, zero, vexp_nonpos(x - base));
-                st(&P[t][16 * v], p);
+                const vf x = ld(&P[t][VW * v]);
+                const vf p = vsel(x == ninf, zero, vexp_nonpos(x - base));
+                st(&P[t][VW * v], p);
                 sum += p;
             }
             lv[v] = lv[v] * corr + sum;
             mv[v] = mx;
-            st(&cr[16 * v], corr);
+            st(&cr[VW * v], corr);
         }
         int64_t r = 0;
-        for (; r + 2 <= R; r += 2) {                  /* P V, two rows at a time sharing each value row */
-            v16 a0[PMAX_D / 16], a1[PMAX_D / 16];
-            const float c0 = cr[r], c1 = cr[r + 1];
-            for (int j = 0; j < ND; j++) {
-                a0[j] = acc[r][j] * c0;
-                a1[j] = acc[r + 1][j] * c1;
-            }
-            for (t = 0; t < nk; t++) {
-                const float *vr = vb + t * tok_stride;
-                const float p0 = P[t][r], p1 = P[t][r + 1];
-                for (int j = 0; j < ND; j++) {
-                    const v16 x = ld(vr + 16 * j);
-                    a0[j] += x * p0;
-                    a1[j] += x * p1;
+        for (; r + 2 <= R; r += 2)                    /* P V, two rows at a time sharing each value row, */
+            for (int c = 0; c < ND; c += PV_COLS) {   /* PV_COLS output vectors of each per pass */
+                const int nc = ND - c < PV_COLS ? ND - c : PV_COLS;
+                vf a0[PV_COLS], a1[PV_COLS];
+                const float c0 = cr[r], c1 = cr[r + 1];
+                for (int j = 0; j < nc; j++) {
+                    a0[j] = acc[r][c + j] * c0;
+                    a1[j] = acc[r + 1][c + j] * c1;
+                }
+                for (t = 0; t < nk; t++) {
+                    const float *vr = vb + t * tok_stride + VW * c;
+                    const float p0 = P[t][r], p1 = P[t][r + 1];
+                    for (int j = 0; j < nc; j++) {
+                        const vf x = ld(vr + VW * j);
+                        a0[j] += x * p0;
+                        a1[j] += x * p1;
+                    }
+                }
+                for (int j = 0; j < nc; j++) {
+                    acc[r][c + j] = a0[j];
+                    acc[r + 1][c + j] = a1[j];
                 }
             }
-            for (int j = 0; j < ND; j++) {
-                acc[r][j] = a0[j];
-                acc[r + 1][j] = a1[j];
-            }
-        }
         for (; r < R; r++) {
             for (int j = 0; j < ND; j++)
                 acc[r][j] *= cr[r];
             for (t = 0; t < nk; t++)
                 for (int j = 0; j < ND; j++)
-                    acc[r][j] += ld(vb + t * tok_stride + 16 * j) * P[t][r];
+                    acc[r][j] += ld(vb + t * tok_stride + VW * j) * P[t][r];
         }
     }
     float l[TILE_ROWS] __attribute__((aligned(64)));
     for (int v = 0; v < RV; v++)
-        st(&l[16 * v], lv[v]);
+        st(&l[VW * v], lv[v]);
     for (int64_t r = 0; r < R; r++) {
         const int64_t t = t0 + r / G;
         float *dst = out + (row0 + t) * hq * D + (h * G + r % G) * D;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         for (int j = 0; j < ND; j++)
-            st(dst + 16 * j, acc[r][j] * inv);
+            st(dst + VW * j, acc[r][j] * inv);
     }
 }
 
