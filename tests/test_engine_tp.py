@@ -25,11 +25,11 @@ from tandem.engine.parallel import group  # noqa: E402
 from tandem.engine.parallel.driver import TensorParallelError  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+from tp_helpers import needs_two_cores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SDAR = ROOT / "tandem" / "engine" / "diffusion" / "assets" / "tiny-sdar"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-needs_two_cores = pytest.mark.skipif(group.usable_cpus() < 2, reason="two ranks need two CPU cores")
 
 
 def _prompts(vocab: int, lens=(5, 17, 33), seed: int = 0) -> list[list[int]]:

@@ -13,15 +13,14 @@ psutil = pytest.importorskip("psutil")
 from tandem.core.types import FetchHistory, PrefillDone  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
 from tandem.engine.kv_transfer import export_kv  # noqa: E402
-from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.engine.parallel import group  # noqa: E402
 from tandem.engine.parallel.head_map import kv_head_spans  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
+from tp_helpers import needs_two_cores, three_round_reference  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-needs_two_cores = pytest.mark.skipif(group.usable_cpus() < 2, reason="two ranks need two CPU cores")
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +78,7 @@ def _session(p: LLMEngine, d: LLMEngine, news: list[list[int]]):
 @pytest.fixture(scope="module")
 def reference(tiny):
     """The tp=1 co-located engine's tokens for a three-round session, and the tp=1 P/D pair's wire payloads."""
-    vocab = LLMEngine(EngineConfig(model=tiny, num_kv_blocks=8, max_model_len=128)).model_config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    news = [torch.randint(3, vocab - 8, (k,), generator=g).tolist() for k in (37, 21, 9)]
-    ref = LLM(tiny, max_num_batched_tokens=32)
-    conv, want = [], []
-    for new in news:
-        conv = conv + new
-        o = ref.generate([conv], GREEDY)[0].token_ids
-        want.append(o)
-        conv = conv + o
+    news, want = three_round_reference(tiny, GREEDY)
     d1 = _engine(tiny, "decode", 1, 1)
     got, cached, wire = _session(_engine(tiny, "prefill", 0, 1), d1, news)
     assert got == want

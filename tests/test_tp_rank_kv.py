@@ -17,7 +17,6 @@ pytest.importorskip("zmq")
 from tandem.core.types import FetchHistory, PrefillDone  # noqa: E402
 from tandem.engine.config import EngineConfig  # noqa: E402
 from tandem.engine.kv_transfer import KVTransferError  # noqa: E402
-from tandem.engine.llm import LLM  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.engine.parallel import group  # noqa: E402
 from tandem.engine.parallel.head_map import kv_head_spans  # noqa: E402
@@ -28,10 +27,10 @@ from tandem.runtime import messages as m  # noqa: E402
 from tandem.runtime.kv_send import KVSender  # noqa: E402
 from tandem.runtime.rank_kv import endpoint_factory  # noqa: E402
 from tandem.runtime.transport import Keys, WorkerAuth, curve_available  # noqa: E402
+from tp_helpers import needs_two_cores, three_round_reference  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PART = 16                       # tokens per rank-to-rank message: the 37-token first round goes in three parts
-needs_two_cores = pytest.mark.skipif(group.usable_cpus() < 2, reason="two ranks need two CPU cores")
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +95,7 @@ def _session(p, pa, d, da, news):
 def reference(tiny, factory):
     """Three rounds' new tokens, the tp=1 co-located engine's tokens, and the tp=1 pair's decode engine (KV moved
     over the endpoints too: one rank each)."""
-    vocab = LLMEngine(EngineConfig(model=tiny, num_kv_blocks=8, max_model_len=128)).model_config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    news = [torch.randint(3, vocab - 8, (k,), generator=g).tolist() for k in (37, 21, 9)]
-    ref = LLM(tiny, max_num_batched_tokens=32)
-    conv, want = [], []
-    for new in news:
-        conv = conv + new
-        o = ref.generate([conv], GREEDY)[0].token_ids
-        want.append(o)
-        conv = conv + o
+    news, want = three_round_reference(tiny, GREEDY)
     p1, pa = _engine(tiny, "prefill", 0, 1, factory)
     d1, da = _engine(tiny, "decode", 1, 1, factory)
     got, cached, sent = _session(p1, pa, d1, da, news)

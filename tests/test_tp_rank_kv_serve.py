@@ -15,18 +15,17 @@ torch = pytest.importorskip("torch")
 
 from tandem.bench.serve_client import parse_kv_paths  # noqa: E402
 from tandem.cli.serve_cmd import deployment_lines  # noqa: E402
-from tandem.engine.parallel import group  # noqa: E402
 from tandem.engine.parallel.head_map import kv_head_spans  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.cluster import ClusterConfig  # noqa: E402
 
 from live_server import LiveServer, one_thread_llm  # noqa: E402
+from tp_helpers import needs_two_cores  # noqa: E402
 
 MODEL = "tiny-tp"
 ENGINE = dict(max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=256)
 SESSIONS, NEW, OUT = 2, (29, 13, 7), 6
-needs_two_cores = pytest.mark.skipif(group.usable_cpus() < 2, reason="two ranks need two CPU cores")
 
 
 @pytest.fixture(scope="module")
