@@ -37,6 +37,7 @@ import msgspec
 from tandem.server.body import BodyLimits, check_structure, decode
 from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.bench.host import describe_host
 
 try:
     import orjson
@@ -182,8 +183,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     sys.setswitchinterval(TICK_S)                   # the serving process's (tandem.server.process)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor() or "unknown") if sys.platform.startswith("linux") else platform.processor()
+    cpu = describe_host().cpu
     print(f"CPU: {cpu}; Python {platform.python_version()}; msgspec {msgspec.__version__}; "
           f"orjson {getattr(orjson, '__version__', 'not installed')}; repeat {args.repeat} (median)")
     print(f"{'body':<24} {'MB':>5}  {'parser':<15} {'answer ms':>10} {'max stall ms':>13} {'x':>7}  outcome")

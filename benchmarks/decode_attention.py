@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tandem.bench.host import describe_host
+
 PATHS = ("native", "sdpa")
 
 
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             res["offline_tok_s"][str(t)] = {m: [r["tok_s"] for r in runs[m]] for m in PATHS}
             res["same_tokens"][str(t)] = sum(x == y for x, y in zip(runs["native"][0]["tokens"],
                                                                     runs["sdpa"][0]["tokens"]))
-    res["machine"] = {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()}
+    res["machine"] = {"cpu": describe_host().cpu, "cores": os.cpu_count(), "python": platform.python_version()}
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = ["| threads | layer attention ms: kernel / gather+SDPA (ratio) | offline tok/s kernel, median (min-max) "
             "| offline tok/s gather+SDPA | ratio | same greedy tokens |", "|---|---|---|---|---|---|"]
@@ -143,13 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(res, indent=1))
     _plot(res, threads, out / "decode_attention.png")
     return 0
-
-
-def _cpu() -> str:
-    try:
-        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def _plot(res: dict, threads: list[int], path: Path) -> None:

@@ -95,6 +95,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tandem.server.http_protocol import HEADER_TIMEOUT_S  # noqa: E402
+from tandem.bench.host import describe_host  # noqa: E402
 
 HOST = "127.0.0.1"
 PARTS = ("hostile", "slow", "frames", "streams")
@@ -1212,10 +1213,7 @@ def write_raw(path: Path, probes: list, res: Results, t0: float) -> None:
 
 def machine() -> dict:
     """Where the run ran."""
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), cpu)
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    return {"cpu": describe_host().cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "load_avg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
