@@ -17,28 +17,15 @@ from tandem.bench.serve_client import parse_kv_paths  # noqa: E402
 from tandem.cli.serve_cmd import deployment_lines  # noqa: E402
 from tandem.engine.parallel.head_map import kv_head_spans  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
-from tandem.engine.tiny_model import make_tiny_model  # noqa: E402
 from tandem.runtime.cluster import ClusterConfig  # noqa: E402
 
-from live_server import LiveServer, one_thread_llm  # noqa: E402
+from live_server import LiveServer  # noqa: E402
+import tp_helpers  # noqa: E402
 from tp_helpers import needs_two_cores  # noqa: E402
 
-MODEL = "tiny-tp"
-ENGINE = dict(max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=256)
+MODEL, ENGINE = tp_helpers.SERVED_MODEL, tp_helpers.SERVE_ENGINE
+tiny, offline = tp_helpers.tiny, tp_helpers.offline   # the shared module fixtures
 SESSIONS, NEW, OUT = 2, (29, 13, 7), 6
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-tp-rank-serve")
-    make_tiny_model(path, arch="qwen3", size="1m", seed=5)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny):
-    with one_thread_llm(tiny, **ENGINE) as llm:
-        yield llm
 
 
 def _rounds(url: str, vocab: int) -> list[tuple[list[int], list[int], int]]:

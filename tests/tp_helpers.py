@@ -27,3 +27,25 @@ def three_round_reference(model: str, greedy: SamplingParams) -> tuple[list[list
         want.append(out)
         conv = conv + out
     return news, want
+
+
+# The live TP serving modules' checkpoint, engine limits and tp=1 offline reference (module fixtures, imported there)
+SERVED_MODEL = "tiny-tp"
+SERVE_ENGINE = dict(max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """The tiny Qwen3 (1m, seed 5) the live TP modules serve."""
+    from tandem.engine.tiny_model import make_tiny_model
+    path = tmp_path_factory.mktemp("tiny-tp-serve")
+    make_tiny_model(path, arch="qwen3", size="1m", seed=5)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny):
+    """The one-thread offline engine on that checkpoint: the tokens every deployment must reproduce."""
+    from live_server import one_thread_llm
+    with one_thread_llm(tiny, **SERVE_ENGINE) as llm:
+        yield llm
