@@ -120,3 +120,19 @@ def test_from_samples_fits_measurements_generically():
     assert cm.t_dec(8, 2, 8000) == pytest.approx(0.02 + 8e-4 + 8e-5, rel=1e-6)
     assert cm.t_kv(500, 2, 2) == pytest.approx(1e-3 + 5e-4, rel=1e-6)
     assert cm.meta["source"] == "samples" and max(cm.meta["fit_error"].values()) < 1e-6
+
+
+def test_routing_costs_of_overlapping_degree_sets_share_each_degrees_fits():
+    """A planner builds the routing costs of many degree combinations: each degree is fitted once, and a model built
+    from shared fits equals one fitted from its samples afresh."""
+    from tandem.perf.ampd_cost import from_timers, roofline_dec_samples, roofline_pre_samples
+
+    r4, r8 = Roofline("llama-3.1-70b", "h20", 4), Roofline("llama-3.1-70b", "h20", 8)
+    both, alone = from_timers({4: r4, 8: r8}), from_timers({8: r8})
+    assert both.pre[8] is alone.pre[8] and both.dec[8] is alone.dec[8]
+    fresh = AMPDCostModel.from_samples({8: roofline_pre_samples(r8)}, {8: roofline_dec_samples(r8)})
+    assert alone.pre[8].to_dict() == fresh.pre[8].to_dict()
+    assert alone.dec[8].to_dict() == fresh.dec[8].to_dict()
+    assert alone.meta["fit_error"]["pre/tp8"] == fresh.meta["fit_error"]["pre/tp8"]
+    assert sorted(both.kv) == ["4-4-net", "4-4-node", "4-8-net", "4-8-node", "8-4-net", "8-4-node", "8-8-net",
+                               "8-8-node"]

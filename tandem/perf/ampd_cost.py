@@ -37,6 +37,7 @@ DEC_SEGMENTS = 3
 FORMAT_VERSION = 1
 
 Samples = tuple[Sequence[Sequence[float]], Sequence[float]]  # (feature rows, seconds)
+Fitted = tuple[PiecewiseLinear, float]                      # a fit and its training median relative error
 
 
 def pre_features(l_hist: float, l_incr: float) -> tuple[float, float, float, float]:
@@ -112,22 +113,22 @@ class AMPDCostModel:
         """Fit from (features, seconds) samples: `pre[tp]` rows are `pre_features(...)`,
         `dec[tp]` rows `dec_features(...)`, `kv[(src_tp, dst_tp, same_node)]` rows
         `kv_features(...)`. Training median relative errors are stored in meta["fit_error"]."""
+        pre_f = {tp: _fitted(X, y, pre_segments) for tp, (X, y) in pre.items()}
+        dec_f = {tp: _fitted(X, y, dec_segments) for tp, (X, y) in dec.items()}
+        kv_f = {_kv_key(*k): _fitted(X, y, []) for k, (X, y) in (kv or {}).items()}   # alpha-beta: one segment
+        return cls.from_fits(pre_f, dec_f, kv_f, typical_ctx=typical_ctx, meta=meta)
+
+    @classmethod
+    def from_fits(cls, pre: Mapping[int, Fitted], dec: Mapping[int, Fitted], kv: Mapping[str, Fitted], *,
+                  typical_ctx: int = TYPICAL_CTX, meta: dict | None = None) -> "AMPDCostModel":
+        """From fits already made, each with its training median relative error (kept in meta["fit_error"])."""
         meta = dict(meta or {})
-        err: dict[str, float] = {}
-        pre_f, dec_f, kv_f = {}, {}, {}
-        for tp, (X, y) in pre.items():
-            pre_f[tp] = fit(X, y, key=1, breakpoints=pre_segments)
-            err[f"pre/tp{tp}"] = pre_f[tp].median_rel_error(X, y)
-        for tp, (X, y) in dec.items():
-            dec_f[tp] = fit(X, y, key=1, breakpoints=dec_segments)
-            err[f"dec/tp{tp}"] = dec_f[tp].median_rel_error(X, y)
-        for (src, dst, same), (X, y) in (kv or {}).items():
-            k = _kv_key(src, dst, same)
-            kv_f[k] = fit(X, y, key=1, breakpoints=[])  # alpha-beta: one segment
-            err[f"kv/{k}"] = kv_f[k].median_rel_error(X, y)
+        err = {**{f"pre/tp{tp}": e for tp, (_, e) in pre.items()}, **{f"dec/tp{tp}": e for tp, (_, e) in dec.items()},
+               **{f"kv/{k}": e for k, (_, e) in kv.items()}}
         meta.setdefault("source", "samples")
         meta["fit_error"] = err
-        return cls(pre_f, dec_f, kv_f, typical_ctx, meta)
+        return cls({tp: f for tp, (f, _) in pre.items()}, {tp: f for tp, (f, _) in dec.items()},
+                   {k: f for k, (f, _) in kv.items()}, typical_ctx, meta)
 
     @classmethod
     def from_roofline(cls, model: ModelSpec | str, gpu: GPU | str, tps: Sequence[int] | None = None,
@@ -222,8 +223,26 @@ def from_timers(timers: Mapping[int, StepTimer], typical_ctx: int = TYPICAL_CTX,
     model, gpu, tp, prefill_time and decode_time); T_kv from the alpha-beta link model."""
     any_timer = next(iter(timers.values()))
     model, gpu, tps = any_timer.model, any_timer.gpu, tuple(sorted(timers))
-    pre = {tp: roofline_pre_samples(r, chunk_tokens) for tp, r in timers.items()}
-    dec = {tp: roofline_dec_samples(r) for tp, r in timers.items()}
-    kv = {(s, d, same): _kv_samples(model, gpu, s, d, same) for s in tps for d in tps for same in (True, False)}
+    pre = {tp: timer_fits(r, chunk_tokens)[0] for tp, r in timers.items()}
+    dec = {tp: timer_fits(r, chunk_tokens)[1] for tp, r in timers.items()}
+    kv = {_kv_key(s, d, same): _kv_fit(model, gpu, s, d, same) for s in tps for d in tps for same in (True, False)}
     meta = {"source": source, "model": model.name, "gpu": gpu.name, "chunk_tokens": chunk_tokens}
-    return AMPDCostModel.from_samples(pre, dec, kv, typical_ctx=typical_ctx, meta=meta)
+    return AMPDCostModel.from_fits(pre, dec, kv, typical_ctx=typical_ctx, meta=meta)
+
+
+def _fitted(X, y, segments: int | Sequence[float]) -> Fitted:
+    f = fit(X, y, key=1, breakpoints=segments)
+    return f, f.median_rel_error(X, y)
+
+
+@lru_cache(maxsize=128)
+def timer_fits(timer: StepTimer, chunk_tokens: int | None) -> tuple[Fitted, Fitted]:
+    """T_pre and T_dec fitted to one step timer's samples (cached per timer: a planner builds the routing costs of
+    many combinations of the same few degrees, and each degree's fits are the same in every one)."""
+    return (_fitted(*roofline_pre_samples(timer, chunk_tokens), PRE_SEGMENTS),
+            _fitted(*roofline_dec_samples(timer), DEC_SEGMENTS))
+
+
+@lru_cache(maxsize=256)
+def _kv_fit(model: ModelSpec, gpu: GPU, src: int, dst: int, same: bool) -> Fitted:
+    return _fitted(*_kv_samples(model, gpu, src, dst, same), [])
