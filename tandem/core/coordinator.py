@@ -2,6 +2,7 @@
 sessions, handles lost workers and failed transfers, keeps records. Every shell runs this one object."""
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -71,8 +72,8 @@ class Coordinator:
         self.rounds_done = 0                              # rounds finished so far (a progress signal for shells)
         self.records: list[SessionRecord] = []
         self.committed, self.capacity = self.placement.committed, self.placement.capacity   # the same dicts
-        self.transfers: dict[int, tuple[Transfer, float]] = {}   # in flight: id -> (transfer, started)
-        self._xfer_ids = 0
+        self.transfers: dict[int, Transfer] = {}          # in flight, by id
+        self._xfer_ids = itertools.count(1)
         self.deadlines = Deadlines(self._stale)
         self.kv_failures = 0                              # transfers failed or timed out (fell back to local)
         self.rebinds = 0                                  # bound sessions moved to another worker between rounds
@@ -238,7 +239,7 @@ class Coordinator:
             if dl.stale(kind, key):
                 continue
             if kind == _XFER:
-                out += self._fall_back(self.transfers.pop(key)[0], now)
+                out += self._fall_back(self.transfers.pop(key), now)
             else:
                 out += self._expire(self.live[key[0]], now)
         dl.rearm(out)
@@ -246,7 +247,7 @@ class Coordinator:
 
     def _abandon(self, which) -> None:
         """Stop tracking the in-flight transfers `which(transfer)` selects (their completions are then ignored)."""
-        for tid in [tid for tid, (tr, _) in self.transfers.items() if which(tr)]:
+        for tid in [tid for tid, tr in self.transfers.items() if which(tr)]:
             del self.transfers[tid]
 
     @property
@@ -274,8 +275,7 @@ class Coordinator:
         if tr.purpose is INCREMENTAL:
             rec.kv_fallback_tokens += t.l_incr            # computed remotely, computed again here
         rec.prefill_where, rec.prefill_worker = "local", st.worker
-        out = [Cancel(t.worker, t), RunLocal(st.worker, t)]
-        return out
+        return [Cancel(t.worker, t), RunLocal(st.worker, t)]
 
     def _expire(self, st: _Live, now: float) -> list:
         """An idle session outlived session_ttl_s: its KV is released. A live session ends (its client resends
@@ -383,9 +383,8 @@ class Coordinator:
 
     def _transfer(self, src: int, dst: int, tokens: int, purpose: TransferPurpose, t: PrefillTask,
                   now: float) -> list:
-        self._xfer_ids += 1
-        tr = Transfer(src, dst, tokens, purpose, t, self._xfer_ids)
-        self.transfers[tr.id] = (tr, now)
+        tr = Transfer(src, dst, tokens, purpose, t, next(self._xfer_ids))
+        self.transfers[tr.id] = tr
         out: list = [tr]
         self.deadlines.arm(now + self.kv_timeout_s, _XFER, tr.id, out)
         return out
@@ -434,9 +433,7 @@ class Coordinator:
         return self._end(st)
 
     def _fail(self, st: _Live, now: float, reason: str) -> list:
-        st.record.failed = True
-        st.record.fail_reason = reason
-        st.record.finish_s = now
+        st.record.failed, st.record.fail_reason, st.record.finish_s = True, reason, now
         return self._end(st)
 
     def _end(self, st: _Live) -> list:
