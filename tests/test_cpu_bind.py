@@ -260,3 +260,29 @@ print(json.dumps({{"driver": list(llm.engine.cpu_binding.cpus), "me": sorted(os.
 llm.close()
 """)
     assert r == {"driver": [ALLOWED[0]], "me": [ALLOWED[0]], "rank1": [ALLOWED[1]]}
+
+
+@two_cores
+def test_a_servers_workers_each_run_on_their_own_cpu(tiny):
+    """`tandem serve --cpu-omp-threads-bind auto` with 1P+1D at one thread each: worker i's loop and step threads
+    on CPU i alone (the step thread bound from itself), no thread of a worker on the other's CPU, and requests
+    served."""
+    import httpx
+    import psutil
+
+    from live_server import LiveServer
+    srv = LiveServer(ClusterConfig(tiny, 1, 1, 0, "ampd", served_model_name="tiny", threads=1,
+                                   engine_args={"max_model_len": 128, "num_kv_blocks": 32,
+                                                "cpu_omp_threads_bind": "auto"}))
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": [5, 6, 7, 8],
+                                                                      "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        for wid, cpu in ((0, ALLOWED[0]), (1, ALLOWED[1])):
+            pid = srv.pid(wid)
+            masks = [sorted(os.sched_getaffinity(t.id)) for t in psutil.Process(pid).threads()]
+            assert sorted(os.sched_getaffinity(pid)) == [cpu]
+            assert masks.count([cpu]) >= 2, masks                 # the loop and the step thread at least
+            assert all(m in ([cpu], ALLOWED) for m in masks), masks
+    finally:
+        srv.stop()
