@@ -68,8 +68,9 @@ def markdown(res: dict, off_md: str, on_md: str) -> str:
     head = (f"{res['model']}; host: {res['machine']['line']}; {res['date']}; commit {res['commit']}; "
             f"vLLM {res['versions']['vllm']} (CPU), torch {res['versions']['tandem_torch']}\n")
     if res.get("tandem_threads_bound"):
-        head += (f"\ntandem's OpenMP threads bound one per core by the engine (cpu_omp_threads_bind "
-                 f"{res.get('tandem_cpu_omp_threads_bind', 'auto')}: cores 0..N-1), as vLLM binds its own.\n")
+        how = res.get("tandem_cpu_omp_threads_bind") or "auto"
+        head += (f"\ntandem's OpenMP threads bound one per core by the engine (cpu_omp_threads_bind {how}"
+                 f"{': cores 0..N-1' if how == 'auto' else ''}), as vLLM binds its own.\n")
     ran_at = ran_at_summary(res)
     if ran_at:
         head += f"\nRan at: {ran_at}\n"
