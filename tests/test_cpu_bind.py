@@ -44,6 +44,7 @@ def test_values_parse_as_vllm_writes_them(text, want):
     ("0||1", "cpu_omp_threads_bind: '' is not a CPU list such as 0-3 or 0,2,4,6"),
     ("3-1", "cpu_omp_threads_bind: range '3-1' runs backwards"),
     ("0-2,1", "cpu_omp_threads_bind: CPU 1 is listed twice in '0-2,1'"),
+    ("0-99999999", "cpu_omp_threads_bind: CPU 99999999 is past the 1024 CPUs a CPU set can name"),
 ])
 def test_a_bad_value_is_one_line(text, why):
     with pytest.raises(CpuBindError) as e:

@@ -19,6 +19,7 @@ from tandem.knob import KnobError
 NOBIND = "nobind"
 AUTO = "auto"
 OPTION = "cpu_omp_threads_bind"
+MAX_CPUS = 1024                  # glibc's CPU_SETSIZE: the CPUs a cpu_set_t (csrc/omp_bind.c) can name
 
 
 class CpuBindError(ValueError):
@@ -73,10 +74,14 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
         a, b = int(lo), int(hi) if dash else int(lo)
         if b < a:
             raise CpuBindError(f"{OPTION}: range {part!r} runs backwards")
+        if b >= MAX_CPUS:
+            raise CpuBindError(f"{OPTION}: CPU {b} is past the {MAX_CPUS} CPUs a CPU set can name")
         cpus.extend(range(a, b + 1))
-    dup = sorted({c for c in cpus if cpus.count(c) > 1})
-    if dup:
-        raise CpuBindError(f"{OPTION}: CPU {dup[0]} is listed twice in {text.strip()!r}")
+    seen: set[int] = set()
+    for c in cpus:
+        if c in seen:
+            raise CpuBindError(f"{OPTION}: CPU {c} is listed twice in {text.strip()!r}")
+        seen.add(c)
     return tuple(cpus)
 
 
@@ -87,9 +92,9 @@ def parse_cpu_bind(text: str | None) -> CpuBind:
     if not isinstance(text, str):
         raise CpuBindError(f"{OPTION} must be auto, nobind or CPU lists such as 0-3, got {text!r}")
     t = text.strip()
-    if t.lower() in (NOBIND, ""):
-        if not t:
-            raise CpuBindError(f"{OPTION} must be auto, nobind or CPU lists such as 0-3, got an empty value")
+    if not t:
+        raise CpuBindError(f"{OPTION} must be auto, nobind or CPU lists such as 0-3, got an empty value")
+    if t.lower() == NOBIND:
         return CpuBind()
     if t.lower() == AUTO:
         return CpuBind(BindMode.AUTO)

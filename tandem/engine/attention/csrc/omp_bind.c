@@ -17,9 +17,13 @@ int tandem_omp_bind(const int *cpus, int n, int *tids) {
         int i = omp_get_thread_num();
         cpu_set_t set;
         CPU_ZERO(&set);
-        CPU_SET(cpus[i], &set);
-        if (sched_setaffinity(0, sizeof(set), &set) != 0)
+        if (cpus[i] < 0 || cpus[i] >= CPU_SETSIZE)
             failed += 1;
+        else {
+            CPU_SET(cpus[i], &set);
+            if (sched_setaffinity(0, sizeof(set), &set) != 0)
+                failed += 1;
+        }
         if (tids)
             tids[i] = (int)syscall(SYS_gettid);
 #pragma omp single
