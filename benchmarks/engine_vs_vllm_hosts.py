@@ -27,12 +27,19 @@ def _med(cell: dict, system: str, key: str = "tokens_per_s") -> float | None:
     return ((cell.get(system) or {}).get(key) or {}).get("median")
 
 
+def _bound(res: dict) -> str:
+    """How tandem's threads were bound in a results set: by the engine's cpu_omp_threads_bind, by libgomp's
+    GOMP_CPU_AFFINITY (results from before the engine had the option), or not at all ("")."""
+    if res.get("tandem_cpu_omp_threads_bind"):
+        return f", tandem's threads bound by the engine (cpu_omp_threads_bind {res['tandem_cpu_omp_threads_bind']})"
+    return ", tandem's threads bound (GOMP_CPU_AFFINITY)" if res.get("tandem_threads_bound") else ""
+
+
 def rows(sets: list[tuple[dict, dict | None]]) -> list[dict]:
     """One row per (host kind, threads): tandem before/after, vLLM, the ratios, identical outputs."""
     out = []
     for after, before in sets:
-        kind = after["machine"].get("kind", "unknown host") + \
-            (", tandem's threads bound" if after.get("tandem_threads_bound") else "")
+        kind = after["machine"].get("kind", "unknown host") + _bound(after)
         for t, cell in after["offline"].items():
             bcell = (before or {}).get("offline", {}).get(t, {})
             out.append({
@@ -68,9 +75,13 @@ def table(rs: list[dict]) -> str:
 
 def _short(kind: str) -> str:
     """A host kind for an axis label: "AVX2 emulated" for "AVX2 emulated on an AVX-512 + AMX CPU", the binding on a
-    line of its own."""
+    line of its own, shortened ("bound by the engine", "bound (GOMP)")."""
     head, _, bound = kind.partition(", ")
     head = head.split(" on an ")[0]
+    if "by the engine" in bound:
+        bound = "bound by the engine"
+    elif "GOMP" in bound:
+        bound = "bound (GOMP)"
     return head + (f"\n{bound}" if bound else "")
 
 

@@ -19,7 +19,7 @@ from tandem.cli.options import OutputOptions
 from tandem.engine.config import DLLM_SERVE_KNOBS, EngineConfig
 from tandem.knob import field_default
 from tandem.policy.presets import POLICIES, PrefillSchedKind
-from tandem.runtime.cluster_config import ClusterConfig
+from tandem.runtime.cluster_config import ClusterConfig, worker_cpu_binds
 from tandem.server.options import API_KEY_ENV, ServerOptions
 
 LAPS_POLICIES = tuple(name for name, spec in POLICIES.items() if spec.prefill_sched is PrefillSchedKind.LAPS)
@@ -29,7 +29,7 @@ ENGINE_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_
                 "cpu_memory_budget_bytes", "dllm_block_length", "dllm_chunk", "dllm_unmasking_strategy",
                 "dllm_denoising_steps", "dllm_confidence_threshold", "dllm_latency_profile", "dllm_admission",
                 *DLLM_SERVE_KNOBS, "preemption_mode", "swap_space", "kv_offloading_size", "enforce_eager",
-                "tensor_parallel_size",
+                "tensor_parallel_size", "cpu_omp_threads_bind",
                 "cuda_graph_sizes")
 CLUSTER_TIMEOUTS = ("kv_timeout_s", "worker_timeout_s", "max_restarts", "session_ttl_s", "slo_ttft_s", "slo_itl_s")
 CLUSTER_LAUNCHER = ("launcher", "ray_address", "ray_place", "ray_namespace")
@@ -161,6 +161,7 @@ def _cluster_config(args) -> ClusterConfig:
         knobs["prefill_workers"] = knobs["decode_workers"] = 0
     cfg = ClusterConfig(**knobs, engine_args=eng, role_tp=role_tp)
     _check_host_tier(cfg, eng)
+    _check_cpu_bind(cfg)
     if (cfg.laps_length_threshold is not None or cfg.laps_min_pool is not None) and cfg.policy not in LAPS_POLICIES:
         raise CLIError(f"--laps-* options apply to the LAPS policies ({', '.join(LAPS_POLICIES)}), not {cfg.policy!r}")
     return cfg
@@ -184,6 +185,17 @@ def _check_host_tier(cfg: ClusterConfig, eng: dict) -> None:
     if gib * homes * (1 << 30) > have:
         raise CLIError(f"--kv-offloading-size {gib:g} GiB on each of {homes} worker(s) exceeds the "
                        f"{have / (1 << 30):.1f} GiB of host memory available")
+
+
+def _check_cpu_bind(cfg: ClusterConfig) -> None:
+    """--cpu-omp-threads-bind: every worker's CPUs within this process's, none shared (before any worker starts)."""
+    tp = cfg.engine_args.get("tensor_parallel_size", 1)
+    roles = [("colocated", cfg.colocated)] if cfg.colocated else [("prefill", cfg.prefill_workers),
+                                                                     ("decode", cfg.decode_workers)]
+    try:
+        worker_cpu_binds(cfg, [cfg.role_tp.get(role, tp) for role, n in roles for _ in range(n)])
+    except ValueError as e:
+        raise CLIError(str(e)) from None
 
 
 def _check_launcher(args) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from tandem.core.config import SchedulerConfig
 from tandem.core.factory import resolve_policy
+from tandem.engine.cpu_bind import CpuBindError, cpu_bind_text, parse_cpu_bind
 from tandem.engine.sampling_params import UNMASKING_STRATEGIES
 from tandem.engine.sparse_kv_config import DEFAULT_POOL_KERNEL, DEFAULT_RETENTION, SELECTIONS, SparseKVConfig
 from tandem.knob import byte_size, csv_list, knob, nonneg_int, positive_int, shared, unit_fraction
@@ -78,6 +79,12 @@ class EngineConfig:
     tensor_parallel_size: int = knob(1, "ranks per worker (one process each, rank 0 the driver that schedules and "
                                      "samples; heads, MLP and vocabulary split; --deploy sets one per role)",
                                      parse=positive_int, metavar="N", flags=("-tp", "--tensor-parallel-size"))
+    cpu_omp_threads_bind: str | None = knob(
+        None, "CPU: bind the engine's OpenMP threads one per CPU, as vLLM's VLLM_CPU_OMP_THREADS_BIND: auto (the "
+        "first N CPUs this process may use, N its threads; each tensor-parallel rank, and each worker of a server, its "
+        "own N), or CPU "
+        "lists such as 0-3 or 0,2,4,6, one per rank separated by '|' (a list sets its rank's threads to its length); "
+        "default: nobind, threads left to the OS scheduler", parse=cpu_bind_text, metavar="auto|nobind|CPUS")
     enforce_eager: bool = knob(False, "CUDA: run decode steps eagerly (no CUDA graphs)")
     cuda_graph_sizes: tuple[int, ...] | None = knob(None, "CUDA: decode batch sizes captured as CUDA graphs "
                                                     "(default: 1,2,4,8,16,... up to max-num-seqs, at most 512)",
@@ -168,6 +175,10 @@ class EngineConfig:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise EngineError(f"laps_graph_max_len must be an integer >= 1, got {m!r}")
         self._check_tp()
+        try:                                      # the CPUs are checked where the engine starts (omp_affinity)
+            parse_cpu_bind(self.cpu_omp_threads_bind)
+        except CpuBindError as e:
+            raise EngineError(str(e)) from None
         try:                                      # the scheduler's own check of the preemption knobs
             SchedulerConfig(preemption_mode=self.preemption_mode, swap_space=self.swap_space,
                             kv_offloading_size=self.kv_offloading_size)

@@ -16,6 +16,7 @@ from tandem.engine.diffusion_setup import build_decoder, load_latency_profile, w
 from tandem.engine.input_processor import InputProcessor
 from tandem.engine.kv_transfer import KVPayload
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.omp_affinity import Binding
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.parallel.kv_ranks import CLAIM_WAIT_S
 from tandem.engine.parallel.kv_stage import StagedKV
@@ -117,6 +118,11 @@ class LLMEngine:
         self.stats = self.steps.stats
         self.kv = SessionKV(config, self.core, self.runner, self.table, self.clock, self.stats, self.tier)
         self._ids = itertools.count()
+
+    @property
+    def cpu_binding(self) -> Binding | None:
+        """What the driver's OpenMP threads are bound to (cpu_omp_threads_bind; None: left to the OS scheduler)."""
+        return self.runner.cpu_binding
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,

@@ -7,6 +7,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
+from tandem.engine import omp_affinity
 from tandem.engine.attention import allocate_kv_cache, kv_bytes_per_block, native
 from tandem.engine.attention.metadata import AttnMetadata
 from tandem.engine.config import EngineConfig, EngineError, explicit_kv_pool, kv_pool_blocks, wants_memory_profile
@@ -43,7 +44,11 @@ class ModelRunner:
             raise EngineError(TP_LAPS_GRAPHS)
         self.group = None                              # the other ranks of a tensor-parallel worker (parallel/driver.py)
         self.kv_plane = None                           # every rank's KV endpoint, once opened (parallel/kv_ranks.py)
+        self.cpu_plan = omp_affinity.engine_plan(cfg, self.device)    # each rank's CPUs (checked before any starts)
+        self.cpu_binding: omp_affinity.Binding | None = None          # what this rank's threads were bound to
         self.model, self.model_config = self._load()
+        if self.cpu_plan is not None:                  # after the group's join set this rank's threads
+            self.cpu_binding = omp_affinity.bind_threads(self.cpu_plan[0])
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = cfg.block_size
@@ -112,7 +117,7 @@ class ModelRunner:
         if mc.is_canvas_diffusion:
             raise EngineError("tensor_parallel_size > 1 does not run LLaDA-style models yet (their dLLM-Serve phases "
                               "keep packed KV on the driver only)")
-        group = RankGroup(cfg, self.tp.size, self.device)
+        group = RankGroup(cfg, self.tp.size, self.device, self.cpu_plan)
         try:
             model, mc = load(self.tp)
             group.join()
@@ -222,6 +227,12 @@ class ModelRunner:
     def rank_pids(self) -> list[int]:
         """The process ids of this worker's other tensor-parallel ranks (none without a group)."""
         return [] if self.group is None else self.group.pids
+
+    def bind_calling_thread(self) -> None:
+        """Bind the calling thread's OpenMP team as this rank's was at start (cpu_omp_threads_bind): for a thread
+        other than the one that built the runner that runs its steps (a live worker's step thread)."""
+        if self.cpu_plan is not None:
+            self.cpu_binding = omp_affinity.bind_threads(self.cpu_plan[0])
 
     def close(self, force: bool = False) -> None:
         """Stop a tensor-parallel group's other ranks (nothing to do without one): told to stop, or with `force`

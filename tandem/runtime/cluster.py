@@ -24,7 +24,7 @@ from tandem.policy.laps.cost import boundary_from_profile
 from tandem.policy.presets import PolicySpec, PrefillSchedKind, get_policy
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError, add_memory_reports
-from tandem.runtime.cluster_config import KV_TRANSFERS, ClusterConfig, RESTART_WINDOW_S
+from tandem.runtime.cluster_config import KV_TRANSFERS, ClusterConfig, RESTART_WINDOW_S, worker_cpu_binds
 from tandem.runtime.coordinator_shell import CoordinatorShell
 from tandem.runtime.costs import serving_cost_model
 from tandem.runtime.launcher import Cluster, WorkerSpec, WorkerStartupError
@@ -114,8 +114,11 @@ class ServingCluster:
         args = dict(cfg.engine_args, model=model, policy=spec.name, policy_options={**cfg.policy_knobs(), **opts})
         self.roles = dict(enumerate(roles))
         rank_kv = wants_rank_kv(cfg, [self._role_args(args, r) for r in set(roles)])
+        worker_args = [self._role_args(args, r) for r in roles]
+        binds = worker_cpu_binds(cfg, [int(a.get("tensor_parallel_size", 1)) for a in worker_args])
+        worker_args = [a if b is None else {**a, "cpu_omp_threads_bind": b} for a, b in zip(worker_args, binds)]
         return [WorkerSpec(i, "tandem.runtime.worker_main:main",
-                           dict(role=r, engine_args=self._role_args(args, r), state=cfg.state, perf=perf,
+                           dict(role=r, engine_args=worker_args[i], state=cfg.state, perf=perf,
                                 threads=cfg.threads, rank_kv=rank_kv, **cfg.worker_kwargs.get(i, {})))
                 for i, r in enumerate(roles)]
 

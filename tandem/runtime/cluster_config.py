@@ -6,10 +6,13 @@ the command line stays fast; tandem.runtime.cluster runs it.
 """
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.core.config import SchedulerConfig
+from tandem.engine.cpu_bind import OPTION as CPU_BIND, parse_cpu_bind, plan_workers
 from tandem.knob import KnobError, knob, nonneg_int, positive_float, positive_int, shared
 from tandem.runtime.request_audit import AUDIT_S
 
@@ -125,3 +128,16 @@ class ClusterConfig:
         """The PolicySpec knobs every core gets: policy_options with the LAPS fields that are set."""
         laps = {k: getattr(self, k) for k in ("laps_length_threshold", "laps_min_pool") if getattr(self, k) is not None}
         return {**self.policy_options, **laps}
+
+
+def worker_cpu_binds(cfg: ClusterConfig, tps: Sequence[int]) -> list[str | None]:
+    """Each worker's own cpu_omp_threads_bind (workers of tensor-parallel degrees `tps`, in worker order), decided by
+    tandem.engine.cpu_bind over the CPUs this process may use: under auto no two workers share a CPU. None per
+    worker when nothing is bound; ValueError (one line) when it cannot be applied, before any worker starts."""
+    bind = parse_cpu_bind(cfg.engine_args.get(CPU_BIND))
+    if not bind.on:
+        return [None] * len(tps)
+    if cfg.launcher != "embedded":
+        raise ValueError(f"--{CPU_BIND.replace('_', '-')} applies to the embedded launcher (Ray places each worker on "
+                         f"its node's CPUs)")
+    return plan_workers(bind, os.sched_getaffinity(0), cfg.threads or 1, tps)

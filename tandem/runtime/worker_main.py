@@ -123,6 +123,7 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
 
     def run_steps() -> None:
         try:
+            engine.runner.bind_calling_thread()        # the steps run on this thread's OpenMP team
             shell.run(wake)
         except BaseException as e:  # noqa: BLE001 - reported on the loop, which ends the worker
             log.exception("worker %d: its step thread failed; exiting (the supervisor replaces this worker)",
@@ -228,6 +229,9 @@ async def main(env: WorkerEnv, *, role: str, engine_args: dict, state: str = "em
                           "tensor_parallel_size": engine.config.tensor_parallel_size,
                           "rank_pids": engine.runner.rank_pids, "rank_kv_addresses": rank_addrs,
                           "memory": memory_report(engine.runner.memory, engine.runner.kv_pool_bytes)})
+        if engine.cpu_binding is not None:              # the loop on the worker's CPUs; the step thread binds its team
+            from tandem.engine.omp_affinity import spread_calling_thread
+            spread_calling_thread(engine.cpu_binding)
         stepper = threading.Thread(target=run_steps, name=f"tandem-worker-{env.worker_id}-steps", daemon=True)
         stepper.start()
         dirty = False                                   # a step ran or a message came since the last publish

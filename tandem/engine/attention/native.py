@@ -93,11 +93,22 @@ def cache_key(sources: list[bytes], compiler_version: str, cpu: str, flags: tupl
                                        " ".join(flags).encode()])).hexdigest()[:16]
 
 
-def _compile(cc: str, version: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> Path:
+def compile_library(sources: tuple[Path, ...], flags: tuple[str, ...], stem: str) -> Path:
+    """Another small C library (e.g. csrc/omp_bind.c) built and cached as the kernels are, named `stem`-KEY.so;
+    RuntimeError without a working compiler."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return _compile(cc, version, sources, flags, stem, headers=())
+
+
+def _compile(cc: str, version: str, sources: tuple[Path, ...], flags: tuple[str, ...], stem: str = "paged_attention",
+             headers: tuple[Path, ...] = HEADERS) -> Path:
     """The cached shared library built from `sources` (compiled now when absent); RuntimeError if cc fails."""
-    srcs = [p.read_bytes() for p in (*sources, *HEADERS)]
+    srcs = [p.read_bytes() for p in (*sources, *headers)]
     key = cache_key(srcs, version, _cpu_key(), flags)
-    path = _cache_dir() / f"paged_attention-{key}.so"
+    path = _cache_dir() / f"{stem}-{key}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)

@@ -60,7 +60,8 @@ def _how(exitcode: int | None) -> str:
 class RankGroup:
     """Ranks 1..size-1 of one worker, as processes, and the driver's end of their process group."""
 
-    def __init__(self, cfg: EngineConfig, size: int, device: torch.device) -> None:
+    def __init__(self, cfg: EngineConfig, size: int, device: torch.device,
+                 cpus: tuple[tuple[int, ...], ...] | None = None) -> None:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             raise EngineError("this process already drives a tensor-parallel engine: close it first (LLM.close())")
@@ -68,7 +69,10 @@ class RankGroup:
         self.device = device
         self.error: str | None = None
         self.forwarded_bytes = 0     # KV bytes this driver gathered from or scattered to its ranks (kv_group.py)
-        self.threads = max(1, group.usable_cpus() // size) if device.type == "cpu" else torch.get_num_threads()
+        # cpus: each rank's CPUs when its OpenMP threads are bound (omp_affinity.engine_plan): one thread per CPU
+        self.threads = group.default_rank_threads(size) if device.type == "cpu" else torch.get_num_threads()
+        if cpus is not None:
+            self.threads = len(cpus[0])
         self._threads_before = torch.get_num_threads()
         sock = channel.listen_loopback()
         self.port = sock.getsockname()[1]
@@ -86,7 +90,8 @@ class RankGroup:
         for r in range(1, size):
             dev = str(device) if device.type == "cpu" else f"cuda:{(device.index or 0) + r}"
             read, write = ctx.Pipe(duplex=False)
-            spec = RankSpec(r, size, self.port, os.getpid(), cfg, dev, self.threads, env, write)
+            spec = RankSpec(r, size, self.port, os.getpid(), cfg, dev, len(cpus[r]) if cpus else self.threads, env,
+                            write, cpus[r] if cpus else None)
             p = ctx.Process(target=rank_main, args=(spec,), name=f"tandem-tp-rank{r}", daemon=True)
             p.start()
             write.close()                        # the rank holds the write end: its exit is the pipe's end here

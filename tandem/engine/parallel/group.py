@@ -121,6 +121,11 @@ def check_shardable(mc: "ModelConfig", size: int) -> None:
                          f"{mc.intermediate_size}")
 
 
+def default_rank_threads(size: int) -> int:
+    """torch threads of each rank of a CPU group of `size` ranks: an even share of the usable cores (at least one)."""
+    return max(1, usable_cpus() // size)
+
+
 def usable_cpus() -> int:
     """CPU cores this process may run on."""
     try:

@@ -34,6 +34,7 @@ class RankSpec:
     threads: int              # torch CPU threads of this rank
     env: dict[str, str]       # the driver's environment when it started the group
     notices: Any = None       # the write end of this rank's notice pipe to the driver (driver.RankGroup.listen)
+    cpus: tuple[int, ...] | None = None   # its OpenMP threads' CPUs, one each (cpu_omp_threads_bind); None: unbound
 
 
 def ready_key(rank: int) -> str:
@@ -71,6 +72,9 @@ def rank_main(spec: RankSpec) -> None:
     os.environ.clear()
     os.environ.update(spec.env)
     torch.set_num_threads(spec.threads)
+    if spec.cpus:
+        from tandem.engine.omp_affinity import bind_threads
+        bind_threads(spec.cpus)
     from tandem.engine.parallel import channel
     store = channel.rank_store(spec.port, spec.size)
     try:
