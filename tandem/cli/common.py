@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from tandem import knob
-from tandem.bench.sweep_options import ray_address
 from tandem.workload.options import DEFAULT_RATE, DEFAULT_SESSIONS
 from tandem.workload.session import SLO, WorkloadError
 
@@ -110,7 +109,6 @@ positive_int = argparse_type(knob.positive_int)
 nonneg_int = argparse_type(knob.nonneg_int)
 seed_arg = argparse_type(knob.seed)
 byte_size = argparse_type(knob.byte_size)
-ray_address_arg = argparse_type(ray_address)
 
 
 def csv_list(item_type: Callable[[str], Any]) -> Callable[[str], list]:

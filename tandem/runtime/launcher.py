@@ -311,16 +311,6 @@ async def stop_worker(w: WorkerHandle, hub: Hub | None, grace_s: float, term_s: 
             await w.wait(10.0)
 
 
-def spawn_worker(target: str, kwargs: dict[str, Any], worker_id: int, hub_address: str, *,
-                 heartbeat_s: float = HEARTBEAT_S, env: dict[str, str] | None = None,
-                 auth: WorkerAuth | None = None) -> WorkerProcess:
-    """Start a worker process running `target(WorkerEnv, **kwargs)`; does not wait for Ready.
-
-    `auth` (the worker's keys) travels in the WorkerEnv through the spawn pipe, never on argv or in the env."""
-    return spawn_local(WorkerSpec(worker_id, target, kwargs, env),
-                       WorkerEnv(worker_id, hub_address, heartbeat_s, os.getpid(), auth))
-
-
 def spawn_local(spec: WorkerSpec, wenv: WorkerEnv) -> WorkerProcess:
     """The default Spawner: `spec` as a child process of this one (multiprocessing spawn)."""
     recv_err, send_err = _SPAWN.Pipe(duplex=False)

@@ -131,7 +131,6 @@ class PoolController:
         self._t_last = -math.inf
         self._last_to: PrefillClass | None = None     # the pool the previous move went to
         self._reversals = 0                           # moves in a row that undid the previous one
-        self.last_pool_pressures: dict[PrefillClass, float] | None = None
 
     def pools(self) -> dict[PrefillClass, frozenset[int]]:
         """Current membership of the SHORT and LONG pools."""
@@ -168,7 +167,6 @@ class PoolController:
         psi = {cls: {k: self.pressure(s) for k, s in (by_class[cls] if by_class else signals).items()}
                for cls in PrefillClass}
         pressures = self._pool_pressures(self._pools, psi)
-        self.last_pool_pressures = pressures
         if pressures is None or now - self._t_last < self.config.t_cool_s:
             return None
         c = self.config
