@@ -123,7 +123,7 @@ class AsyncLLM:
                            kv_cache_usage_perc=c.kv_usage, num_requests_swapped=c.swapped,
                            cpu_cache_usage_perc=c.swap_usage, prefix_cache_queries=c.prefix_queries,
                            prefix_cache_hits=c.prefix_hits, local_prefills=c.prefills, remote_prefills=0,
-                           workers_alive=int(self.is_healthy()), workers_total=1,
+                           workers_alive=int(self.is_healthy()),
                            iteration_tokens=dict(self.engine.stats.iteration_tokens),   # a C-level copy: atomic
                            dllm_commits=dict(self.engine.stats.dllm_commits),
                            dllm_chunks=dict(self.engine.stats.dllm_chunks),

@@ -41,7 +41,6 @@ class BackendStats:
     lost_requests: int = 0                         # tandem: requests failed because their worker no longer held
                                                    # them (a message between them was lost; coordinator_shell.audit)
     workers_alive: int = 0
-    workers_total: int = 0
     iteration_tokens: dict[int, int] = field(default_factory=dict)   # tokens per engine step -> steps (cumulative)
     dllm_commits: dict[int, int] = field(default_factory=dict)       # diffusion: tokens committed by a sequence in
                                                                      # a step -> how often (cumulative)

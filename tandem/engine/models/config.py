@@ -26,7 +26,6 @@ class ModelConfig:
     """The fields of a Hugging Face config.json that build a decoder and size its KV cache."""
 
     architecture: str
-    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -105,8 +104,7 @@ class ModelConfig:
                 raise ValueError(f"config.json field 'mask_token_id' must be a token id below vocab_size {vocab}, "
                                  f"got {mask_id!r}")
         return cls(
-            architecture=arch, model_type=str(d.get("model_type", "")),
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=need_int("intermediate_size"),
+            architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=need_int("intermediate_size"),
             num_hidden_layers=need_int("num_hidden_layers"), num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,

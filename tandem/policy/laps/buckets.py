@@ -86,17 +86,6 @@ class BucketGrid:
             return None
         return bucket
 
-    def padding(self, lengths: Sequence[int], bucket: Bucket) -> int:
-        """Padding tokens of running `lengths` in `bucket`: tokens × batch − sum(lengths)."""
-        if not lengths:
-            raise ValueError("padding() needs a non-empty batch")
-        for x in lengths:
-            _check_positive_int("every request length", x)
-        if max(lengths) > bucket.tokens or len(lengths) > bucket.batch:
-            raise ValueError(f"{bucket} does not hold a batch of {len(lengths)} requests of up to "
-                             f"{max(lengths)} tokens")
-        return bucket.padded_tokens - sum(lengths)
-
     def max_depth(self, mem_budget_tokens: int | None, length: int = 1) -> int:
         """Largest captured batch B with a bucket (L >= length, B) within the budget; 0 when none fits.
 

@@ -114,10 +114,6 @@ class PrefillCostModel:
             return max(0.0, 2 * c / (b + root))
         return max(0.0, (root - b) / (2 * a))
 
-    def reprefill_boundary_limit(self) -> float:
-        """γ_r/(2α): the saturation of L_m^re-prefill(H) for H ≫ |β − γ_w|/(2α)."""
-        return self.gamma_r / (2 * self.alpha)
-
     # --- construction --------------------------------------------------------------------------
     @classmethod
     def fit(cls, samples: Iterable[Sequence[float]]) -> PrefillCostModel:
