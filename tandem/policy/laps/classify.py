@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from tandem.policy.checks import check_int
 from tandem.policy.laps.cost import PrefillCostModel
 
 __all__ = ["DEFAULT_THRESHOLD", "LengthClassifier", "PrefillClass"]
@@ -23,11 +24,6 @@ class PrefillClass(StrEnum):
     LONG = "long"
 
 
-def _check_tokens(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-
-
 @dataclass(frozen=True, slots=True)
 class LengthClassifier:
     """Classifies a (re-)prefill as SHORT when its new tokens are below `threshold`, else LONG."""
@@ -35,8 +31,7 @@ class LengthClassifier:
     threshold: int = DEFAULT_THRESHOLD
 
     def __post_init__(self) -> None:
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) or self.threshold < 1:
-            raise ValueError(f"threshold must be an int >= 1, got {self.threshold!r}")
+        check_int("threshold", self.threshold, 1, "an int")
 
     def classify(self, new_tokens: int, history_tokens: int = 0) -> PrefillClass:
         """SHORT when new_tokens < threshold, else LONG.
@@ -44,8 +39,8 @@ class LengthClassifier:
         history_tokens is validated but does not move the threshold, which is fixed at construction:
         to split re-prefills at L_m^re-prefill(H), build the classifier with from_cost_model(model, H).
         """
-        _check_tokens("new_tokens", new_tokens)
-        _check_tokens("history_tokens", history_tokens)
+        check_int("new_tokens", new_tokens, 0, "an int")
+        check_int("history_tokens", history_tokens, 0, "an int")
         return PrefillClass.SHORT if new_tokens < self.threshold else PrefillClass.LONG
 
     @classmethod
@@ -54,7 +49,7 @@ class LengthClassifier:
 
         An integer L is then SHORT exactly when L < L_m, i.e. when the (re-)prefill is memory-bound.
         """
-        _check_tokens("history_tokens", history_tokens)
+        check_int("history_tokens", history_tokens, 0, "an int")
         bound = model.prefill_boundary() if history_tokens == 0 else model.reprefill_boundary(history_tokens)
         nearest = round(bound)
         if abs(bound - nearest) <= _ROUND_TOL * max(1.0, bound):
