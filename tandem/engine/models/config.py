@@ -5,13 +5,14 @@ tandem.engine.models maps each name to its class.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.models.llada_config import LLADA_ARCHITECTURE, llada_fields
+from tandem.engine.models.llada_config import LLADA_ARCHITECTURE, llada_fields, positive_field
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM",
@@ -71,12 +72,7 @@ class ModelConfig:
         if arch == LLADA_ARCHITECTURE:
             d = llada_fields(d)
 
-        def need_int(name: str) -> int:
-            v = d.get(name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"config.json field {name!r} must be a positive integer, got {v!r}")
-            return v
-
+        need_int = functools.partial(positive_field, d)
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (supported: silu)")
