@@ -335,7 +335,7 @@ class Cluster:
     """Workers around one Hub: start them and wait until all are ready, fence the dead, stop them all."""
 
     def __init__(self, hub: Hub, *, startup_timeout_s: float = STARTUP_TIMEOUT_S, stop_grace_s: float = 5.0,
-                 fence: bool = True, heartbeat_s: float = HEARTBEAT_S, spawner: Spawner = spawn_local) -> None:
+                 heartbeat_s: float = HEARTBEAT_S, spawner: Spawner = spawn_local) -> None:
         self.hub, self.startup_timeout_s, self.stop_grace_s = hub, startup_timeout_s, stop_grace_s
         self.heartbeat_s = heartbeat_s
         self.spawner = spawner
@@ -343,14 +343,13 @@ class Cluster:
         self.deaths: list[WorkerDead] = []
         # worker id -> monotonic times of its latest start: "spawn" (asked for) and "ready" (its Ready received)
         self.started: dict[int, dict[str, float]] = {}
-        self._fence = fence
         hub.on_worker_dead(self._on_dead)
 
     def _on_dead(self, event: WorkerDead) -> None:
         """Record a death; kill a hung worker so it cannot come back with stale state (fencing)."""
         self.deaths.append(event)
         wp = self.workers.get(event.worker_id)
-        if wp is not None and self._fence:
+        if wp is not None:
             wp.kill()
 
     async def start(self, specs: Iterable[WorkerSpec]) -> dict[int, WorkerHandle]:
