@@ -140,7 +140,7 @@ def _error_message(payload: object) -> str:
 
 def parse_prometheus(text: str, names: Sequence[str] = PREFILL_COUNTERS) -> dict[str, float | None]:
     """Sum of every sample (all label sets) of each metric name in a Prometheus text page; None if absent."""
-    out: dict[str, float | None] = {n: None for n in names}
+    out: dict[str, float | None] = dict.fromkeys(names)
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue

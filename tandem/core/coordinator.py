@@ -274,8 +274,7 @@ class Coordinator:
         if tr.purpose is INCREMENTAL:
             rec.kv_fallback_tokens += t.l_incr            # computed remotely, computed again here
         rec.prefill_where, rec.prefill_worker = "local", st.worker
-        out = [Cancel(t.worker, t), RunLocal(st.worker, t)]
-        return out
+        return [Cancel(t.worker, t), RunLocal(st.worker, t)]
 
     def _expire(self, st: _Live, now: float) -> list:
         """An idle session outlived session_ttl_s: its KV is released. A live session ends (its client resends

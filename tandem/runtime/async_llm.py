@@ -8,6 +8,7 @@ Closing a request's iterator early (the HTTP client went away) aborts it and fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures
 import logging
 import queue
@@ -296,7 +297,5 @@ _NOTHING = object()
 
 def _put(stream: _Stream, out: RequestOutput) -> None:
     """Hand an output to its event loop (ignored if that loop has closed)."""
-    try:
+    with contextlib.suppress(RuntimeError):
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-    except RuntimeError:
-        pass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import importlib
 import inspect
 import logging
@@ -177,10 +178,8 @@ def _child_main(target: str, kwargs: dict[str, Any], env: WorkerEnv, extra_env: 
     except SystemExit:
         raise
     except BaseException as e:
-        try:
+        with contextlib.suppress(OSError):
             err.send(f"{type(e).__name__}: {e}")
-        except OSError:
-            pass
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
