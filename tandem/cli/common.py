@@ -56,18 +56,31 @@ def clear_notes() -> None:
 # --------------------------------------------------------------------------- progress
 
 
-class SessionBar:
-    """A rich progress bar of completed sessions on stderr, one line per tracked run; inert when not enabled."""
+class StderrBar:
+    """A transient rich progress bar on stderr (description, bar, done/total, `extra` columns, elapsed time); inert
+    when not enabled."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, description: str = "{task.description}", *extra: str) -> None:
         self.bar = None
         if enabled:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(),
+            self.bar = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(),
+                                *(TextColumn(c) for c in extra), TimeElapsedColumn(),
                                 console=Console(stderr=True), transient=True)
             self.bar.start()
+
+    def close(self) -> None:
+        """Stop drawing (the bar is transient: it leaves nothing behind)."""
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class SessionBar(StderrBar):
+    """A progress bar of completed sessions, one line per tracked run."""
+
+    def __init__(self, enabled: bool) -> None:
+        super().__init__(enabled, "{task.description}", "{task.fields[failed]} failed")
 
     def track(self, label: str, total: int):
         """A new line of `total` sessions; returns the callback that advances it by one finished session record."""
@@ -80,11 +93,6 @@ class SessionBar:
             failed[0] += bool(rec.failed)
             self.bar.update(task, advance=1, failed=failed[0])
         return done
-
-    def close(self) -> None:
-        """Stop drawing (the bar is transient: it leaves nothing behind)."""
-        if self.bar is not None:
-            self.bar.stop()
 
 
 # --------------------------------------------------------------------------- argument types

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tandem.bench.sweep_options import SweepOptions
 from tandem.cli.args import add_knobs
-from tandem.cli.common import CLIError, cost_fields, cost_note, flush_notes, load_workload, ray_executor
+from tandem.cli.common import CLIError, StderrBar, cost_fields, cost_note, flush_notes, load_workload, ray_executor
 from tandem.cli.options import PlanOutputOptions
 from tandem.plan.options import DEFAULT_JOBS, PlanOptions
 from tandem.sim.config import COST_KNOBS, SimConfig, SimTarget
@@ -52,17 +52,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- running
 
 
-class _Bar:
-    """A rich progress bar on stderr, one line per stage (plan, exhaustive), whose total follows the planner."""
+class _Bar(StderrBar):
+    """A progress bar with one line per stage (plan, exhaustive), whose total follows the planner."""
 
     def __init__(self, enabled: bool):
-        self.bar = self.task = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("{task.description:<30}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-            self.bar.start()
+        super().__init__(enabled, "{task.description:<30}")
+        self.task = None
 
     def stage(self, name: str) -> None:
         if self.bar is not None:
@@ -75,10 +70,6 @@ class _Bar:
         self.done += 1
         self.bar.update(self.task, description=f"simulating {label}", completed=self.done,
                         total=max(self.done, total))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _sessions(args, model: str):

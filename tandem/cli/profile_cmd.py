@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from tandem.cli.args import add_knobs, knob_values
-from tandem.cli.common import CLIError
+from tandem.cli.common import CLIError, StderrBar
 from tandem.cli.options import OutputOptions, ProfileFiles
 from tandem.engine.profiling.options import ProfileOptions
 
@@ -34,18 +34,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-class _Bar:
-    """A rich progress bar on stderr with one task per stage of the profiler."""
+class _Bar(StderrBar):
+    """A progress bar with one task per stage of the profiler."""
 
     def __init__(self, enabled: bool) -> None:
-        self.bar = None
+        super().__init__(enabled, "{task.description:<18}")
         self.tasks: dict[str, int] = {}
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-            self.bar.start()
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self.bar is None:
@@ -53,10 +47,6 @@ class _Bar:
         if stage not in self.tasks:
             self.tasks[stage] = self.bar.add_task(stage, total=total)
         self.bar.update(self.tasks[stage], completed=done, total=total)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _pct(x) -> str:
