@@ -236,49 +236,39 @@ class ServerMetrics:
         for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):   # process_*, python_info, python_gc_*
             r.register(c)
         tok_buckets = build_1_2_5_buckets(max_model_len or getattr(client, "max_model_len", 0) or 1 << 20)
-        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
-                                               lab, buckets=tok_buckets, registry=r)
-        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
-                                                   "Generated tokens per finished request.", lab,
-                                                   buckets=tok_buckets, registry=r)
-        self.request_prefill = Histogram("vllm:request_prefill_time_seconds",
-                                         "First scheduled to first token (arrival when not reported).", lab,
-                                         buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_decode = Histogram("vllm:request_decode_time_seconds", "First token to last token.", lab,
-                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_inference = Histogram("vllm:request_inference_time_seconds",
-                                           "First scheduled (or arrival) to last token.", lab,
-                                           buckets=_LATENCY_BUCKETS, registry=r)
-        self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions of finished requests.", lab,
-                                       registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token, server-measured.", lab,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens, server-measured.", lab,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request received to finished.", lab,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled (backend clock); a "
-                               "request never scheduled: arrival to finished.", lab, buckets=_LATENCY_BUCKETS,
-                               registry=r)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Per finished request: first to last "
-                              "token over the tokens after the first (0 for one token), server-measured.", lab,
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.params_n = Histogram("vllm:request_params_n", "The n request parameter (choices per request).", lab,
-                                  buckets=_N_BUCKETS, registry=r)
-        self.kv_transfer = Histogram("tandem:kv_transfer_seconds", "KV transfer time between workers.", lab,
-                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", lab, registry=r)
+        # attribute, metric, help, histogram buckets (None: a counter); each labelled by model_name alone
+        for attr, name, doc, buckets in (
+                ("request_prompt_tokens", "vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+                 tok_buckets),
+                ("request_generation_tokens", "vllm:request_generation_tokens",
+                 "Generated tokens per finished request.", tok_buckets),
+                ("request_prefill", "vllm:request_prefill_time_seconds",
+                 "First scheduled to first token (arrival when not reported).", _LATENCY_BUCKETS),
+                ("request_decode", "vllm:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS),
+                ("request_inference", "vllm:request_inference_time_seconds",
+                 "First scheduled (or arrival) to last token.", _LATENCY_BUCKETS),
+                ("num_preemptions", "vllm:num_preemptions", "Preemptions of finished requests.", None),
+                ("ttft", "vllm:time_to_first_token_seconds", "Time to first token, server-measured.",
+                 _LATENCY_BUCKETS),
+                ("itl", "vllm:inter_token_latency_seconds", "Time between tokens, server-measured.", _ITL_BUCKETS),
+                ("e2e", "vllm:e2e_request_latency_seconds", "Request received to finished.", _LATENCY_BUCKETS),
+                ("queue", "vllm:request_queue_time_seconds", "Arrival to first scheduled (backend clock); a request "
+                 "never scheduled: arrival to finished.", _LATENCY_BUCKETS),
+                ("tpot", "vllm:request_time_per_output_token_seconds", "Per finished request: first to last token "
+                 "over the tokens after the first (0 for one token), server-measured.", _TPOT_BUCKETS),
+                ("params_n", "vllm:request_params_n", "The n request parameter (choices per request).", _N_BUCKETS),
+                ("kv_transfer", "tandem:kv_transfer_seconds", "KV transfer time between workers.", _LATENCY_BUCKETS),
+                ("prompt_tokens", "vllm:prompt_tokens", "Prompt tokens processed.", None),
+                ("generation_tokens", "vllm:generation_tokens", "Tokens generated.", None)):
+            m = Counter(name, doc, lab, registry=r) if buckets is None else \
+                Histogram(name, doc, lab, buckets=buckets, registry=r)
+            m.labels(model_name)                  # export zero-valued series before the first request
+            setattr(self, attr, m)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self._backend = _BackendCollector(model_name)
         r.register(self._backend)
         self._lock = threading.Lock()
-        for m in (self.ttft, self.itl, self.e2e, self.queue, self.tpot, self.params_n, self.kv_transfer,
-                  self.prompt_tokens,
-                  self.generation_tokens, self.request_prompt_tokens, self.request_generation_tokens,
-                  self.request_prefill, self.request_decode, self.request_inference, self.num_preemptions):
-            m.labels(model_name)                  # export zero-valued series before the first request
 
     def timer(self, received: float | None = None) -> RequestTimer:
         """Time a request received at `received` (time.perf_counter(); default now)."""
