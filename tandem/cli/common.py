@@ -53,6 +53,11 @@ def clear_notes() -> None:
     _NOTES.clear()
 
 
+def percent(x: float | None) -> str:
+    """A share as a percentage with one decimal ("-" for None): 0.4567 -> '45.7%'."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 # --------------------------------------------------------------------------- progress
 
 
