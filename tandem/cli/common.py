@@ -117,9 +117,7 @@ def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 positive_float = argparse_type(knob.positive_float)
 nonneg_float = argparse_type(knob.nonneg_float)
-unit_fraction = argparse_type(knob.unit_fraction)
 positive_int = argparse_type(knob.positive_int)
-nonneg_int = argparse_type(knob.nonneg_int)
 seed_arg = argparse_type(knob.seed)
 byte_size = argparse_type(knob.byte_size)
 
