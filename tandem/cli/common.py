@@ -103,28 +103,16 @@ class SessionBar(StderrBar):
 # --------------------------------------------------------------------------- argument types
 
 
-def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """A tandem.knob value parser as an argparse type (for hand-written flags, e.g. of the scripts under
-    benchmarks/): its KnobError becomes the one-line message argparse prints."""
-    def typed(text: str) -> Any:
-        try:
-            return parse(text)
-        except knob.KnobError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    typed.__name__ = getattr(parse, "__name__", "value")
-    return typed
-
-
-positive_float = argparse_type(knob.positive_float)
-nonneg_float = argparse_type(knob.nonneg_float)
-positive_int = argparse_type(knob.positive_int)
-seed_arg = argparse_type(knob.seed)
-byte_size = argparse_type(knob.byte_size)
+positive_float = knob.argparse_type(knob.positive_float)
+nonneg_float = knob.argparse_type(knob.nonneg_float)
+positive_int = knob.argparse_type(knob.positive_int)
+seed_arg = knob.argparse_type(knob.seed)
+byte_size = knob.argparse_type(knob.byte_size)
 
 
 def csv_list(item_type: Callable[[str], Any]) -> Callable[[str], list]:
     """An argument type: a comma-separated list of `item_type` values."""
-    return argparse_type(knob.csv_list(item_type))
+    return knob.argparse_type(knob.csv_list(item_type))
 
 
 def check_preemption(mode: str | None, swap_space: float | None) -> None:
