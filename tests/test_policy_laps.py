@@ -116,14 +116,6 @@ def test_classifier_threshold():
         c.classify(-1)
 
 
-def test_classifier_from_cost_model():
-    """from_cost_model: threshold = ceil(boundary) (300 at H=0, 6 at H=1000), at least 1."""
-    assert LengthClassifier.from_cost_model(M).threshold == 300       # 300.00000000000006 is 300
-    c = LengthClassifier.from_cost_model(M, history_tokens=1000)    # 5.86...
-    assert c.threshold == 6 and c.classify(5) is SHORT and c.classify(6) is LONG
-    assert LengthClassifier.from_cost_model(PrefillCostModel(1e-6, 6e-4, 5e-4, 0.0)).threshold == 1
-
-
 # --- buckets ----------------------------------------------------------------------------------
 
 G = BucketGrid()
