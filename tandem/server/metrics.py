@@ -42,6 +42,13 @@ def _histogram(name: str, doc: str, label: list[str], counts: dict[int, int],
     return h
 
 
+def _single(family: type, name: str, doc: str, model: str, value: float) -> Metric:
+    """A gauge or counter family of one sample, labelled by the model name."""
+    fam = family(name, doc, labels=["model_name"])
+    fam.add_metric([model], float(value))
+    return fam
+
+
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
     out, mantissa, exp = [], (1, 2, 5), 0
@@ -102,14 +109,8 @@ class _BackendCollector:
                     ("tandem:laps_short_steps", "LAPS: short-prefill batch steps.", s.laps_short_steps),
                     ("tandem:laps_graph_steps", "LAPS: short-prefill steps run in a captured bucket (bucket hits).",
                      s.laps_graph_steps)]
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, float(value))
-            yield g
-        for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, float(value))
-            yield c
+        yield from (_single(GaugeMetricFamily, name, doc, self.model_name, v) for name, doc, v in gauges)
+        yield from (_single(CounterMetricFamily, name, doc, self.model_name, v) for name, doc, v in counters)
         if s.activation_peak_bytes:
             g = GaugeMetricFamily("tandem:activation_peak_bytes", "Activation peak of the worst-case step measured at "
                                   "start, all logit rows at once (monolithic) or max_num_logits at a time "
@@ -146,9 +147,7 @@ def _host_tier_metrics(s: BackendStats, model: str) -> Iterator[Metric]:
                               s.host_tier_bytes),
                              ("tandem:host_kv_cache_capacity_bytes", "Host KV tier capacity, summed over the workers.",
                               s.host_tier_capacity_bytes)):
-        g = GaugeMetricFamily(name, doc, labels=["model_name"])
-        g.add_metric([model], float(value))
-        yield g
+        yield _single(GaugeMetricFamily, name, doc, model, value)
     hits = CounterMetricFamily("tandem:prefix_cache_hits_by_medium", "History and prefix tokens a round found "
                                "cached, by where they were: GPU (resident) or CPU (brought back from the host tier).",
                                labels=["model_name", "medium"])
@@ -161,10 +160,8 @@ def _host_tier_metrics(s: BackendStats, model: str) -> Iterator[Metric]:
     for kind in ("offload", "write", "prefetch", "load"):
         copied.add_metric([model, kind], float(c.get(f"{kind}_bytes", 0)))
     yield copied
-    failed = CounterMetricFamily("tandem:host_kv_failed_copies", "Host-tier copies that failed (their rounds "
-                                 "recomputed).", labels=["model_name"])
-    failed.add_metric([model], float(c.get("failed_copies", 0)))
-    yield failed
+    yield _single(CounterMetricFamily, "tandem:host_kv_failed_copies", "Host-tier copies that failed (their rounds "
+                  "recomputed).", model, c.get("failed_copies", 0))
     late = SummaryMetricFamily("tandem:host_kv_prefetch_late_seconds", "Rounds that took their KV from the host "
                                "tier: how long each waited for it (0: prefetched in time).", labels=["model_name"])
     late.add_metric([model], float(c.get("late_rounds", 0)), c.get("late_us", 0) / 1e6)
@@ -210,19 +207,15 @@ def _dllm_serve_metrics(c: dict[str, int], model: str) -> Iterator[Metric]:
     for p in phases:
         g.add_metric([model, p], c.get("seq_steps_" + p, 0) / steps if steps else 0.0)
     yield g
-    fam = CounterMetricFamily("tandem:dllm_steps", "dLLM-Serve: steps run.", labels=["model_name"])
-    fam.add_metric([model], float(steps))
-    yield fam
+    yield _single(CounterMetricFamily, "tandem:dllm_steps", "dLLM-Serve: steps run.", model, steps)
     fam = CounterMetricFamily("tandem:dllm_admissions", "dLLM-Serve: requests admitted into a step that ran earlier "
                               "requests (into=running: the Reuse headroom) or an idle one (into=idle).",
                               labels=["model_name", "into"])
     for into in ("running", "idle"):
         fam.add_metric([model, into], float(c.get("admitted_" + into, 0)))
     yield fam
-    fam = CounterMetricFamily("tandem:dllm_deferrals", "dLLM-Serve: sequence-steps a running request waited (its "
-                              "phase did not fit the token budget).", labels=["model_name"])
-    fam.add_metric([model], float(c.get("deferrals", 0)))
-    yield fam
+    yield _single(CounterMetricFamily, "tandem:dllm_deferrals", "dLLM-Serve: sequence-steps a running request waited "
+                  "(its phase did not fit the token budget).", model, c.get("deferrals", 0))
 
 
 class ServerMetrics:
