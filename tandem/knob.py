@@ -146,3 +146,17 @@ def csv_list(item: Callable[[str], Any]) -> Callable[[str], list]:
         return [item(t) for t in items]
     parse.__name__ = f"csv_list({getattr(item, '__name__', 'item')})"
     return parse
+
+
+def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A value parser as an argparse type (the knobs' generated flags, hand-written flags of the scripts under
+    benchmarks/): its KnobError becomes the one-line message argparse prints."""
+    import argparse
+
+    def typed(text: str) -> Any:
+        try:
+            return parse(text)
+        except KnobError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    typed.__name__ = getattr(parse, "__name__", "value")
+    return typed

@@ -54,8 +54,7 @@ def test_reprefill_boundary_hand_value_and_limits():
                                                                        rel=1e-9)
     assert M.reprefill_boundary(0) == M.prefill_boundary()
     assert M.reprefill_boundary(1e-9) == pytest.approx(300.0, rel=1e-6)   # continuous at H -> 0
-    assert M.reprefill_boundary_limit() == pytest.approx(1e-5 / 2e-6, rel=1e-12)  # 5
-    assert M.reprefill_boundary(1e9) == pytest.approx(5.0, rel=1e-6)    # no cancellation at huge H
+    assert M.reprefill_boundary(1e9) == pytest.approx(1e-5 / 2e-6, rel=1e-6)  # γ_r/(2α) = 5; no cancellation
 
 
 def test_fit_recovers_known_coefficients():
@@ -117,29 +116,18 @@ def test_classifier_threshold():
         c.classify(-1)
 
 
-def test_classifier_from_cost_model():
-    """from_cost_model: threshold = ceil(boundary) (300 at H=0, 6 at H=1000), at least 1."""
-    assert LengthClassifier.from_cost_model(M).threshold == 300       # 300.00000000000006 is 300
-    c = LengthClassifier.from_cost_model(M, history_tokens=1000)    # 5.86...
-    assert c.threshold == 6 and c.classify(5) is SHORT and c.classify(6) is LONG
-    assert LengthClassifier.from_cost_model(PrefillCostModel(1e-6, 6e-4, 5e-4, 0.0)).threshold == 1
-
-
 # --- buckets ----------------------------------------------------------------------------------
 
 G = BucketGrid()
 
 
-def test_nearest_graph_choices_and_padding():
-    """NearestGraph picks the smallest length and batch holding the batch; padding = padded − real tokens."""
+def test_nearest_graph_choices():
+    """NearestGraph picks the smallest length and batch holding the batch."""
     assert G.nearest([5]) == Bucket(8, 1)
     assert G.nearest([8, 9, 3]) == Bucket(16, 4)
-    assert G.padding([8, 9, 3], Bucket(16, 4)) == 64 - 20
     assert G.nearest([256] * 64) == Bucket(256, 64)
     assert G.nearest([257]) is None                  # longer than any captured length
     assert G.nearest([1] * 65) is None               # more requests than any captured batch
-    with pytest.raises(ValueError, match="does not hold"):
-        G.padding([20], Bucket(16, 1))
 
 
 def test_nearest_graph_respects_the_memory_budget():

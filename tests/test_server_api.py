@@ -545,7 +545,7 @@ class _FailingClient:
         pass
 
     def stats(self) -> BackendStats:
-        return BackendStats(kv_transfer_seconds=[0.01, 0.02], remote_prefills=3, workers_alive=2, workers_total=3)
+        return BackendStats(kv_transfer_seconds=[0.01, 0.02], remote_prefills=3, workers_alive=2)
 
     def is_healthy(self) -> bool:
         return self.healthy

@@ -129,7 +129,7 @@ def cell_metrics(res: SimResult, slo_s: float) -> dict:
     prefill = [w for w in res.workers if str(w["role"]) == "prefill"]
     laps = [w["laps"] for w in prefill if "laps" in w]
     short_steps = sum(x["short_steps"] for x in laps)
-    out = {
+    return {
         "sessions": len(recs), "sessions_failed": sum(1 for r in recs if r.failed), "rounds": total,
         "window_s": window, "sim_time_s": res.sim_time_s, "wall_s": res.wall_s,
         "rounds_per_s": done / window if window > 0 else None,
@@ -145,7 +145,6 @@ def cell_metrics(res: SimResult, slo_s: float) -> dict:
         "graph_step_share": sum(x["graph_steps"] for x in laps) / short_steps if short_steps else None,
         "padded_tokens": sum(x["padded_tokens"] for x in laps) if laps else None,
     }
-    return out
 
 
 def run_cell(cell: Cell, grid: Grid) -> dict:
@@ -190,7 +189,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["model"], r["instances"], r["client"], r["concurrency"], r["policy"]), []).append(r)
     out = []
     for key, rs in groups.items():
-        a = {k: v for k, v in zip(("model", "instances", "client", "concurrency", "policy"), key)}
+        a = dict(zip(("model", "instances", "client", "concurrency", "policy"), key))
         a["seeds"] = [r["seed"] for r in rs]
         a["deploy"] = rs[0]["deploy"]
         a["slo_ttft_s"] = rs[0]["slo_ttft_s"]

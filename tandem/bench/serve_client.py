@@ -140,7 +140,7 @@ def _error_message(payload: object) -> str:
 
 def parse_prometheus(text: str, names: Sequence[str] = PREFILL_COUNTERS) -> dict[str, float | None]:
     """Sum of every sample (all label sets) of each metric name in a Prometheus text page; None if absent."""
-    out: dict[str, float | None] = {n: None for n in names}
+    out: dict[str, float | None] = dict.fromkeys(names)
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -514,19 +514,14 @@ def bench_metrics(res: BenchResult) -> dict:
     out.update(summary)
     local = _delta(res.server_before, res.server_after, PREFILL_COUNTERS[0])
     remote = _delta(res.server_before, res.server_after, PREFILL_COUNTERS[1])
-    out["local_prefills"] = local
-    out["remote_prefills"] = remote
-    out["local_prefill_fraction"] = (local / (local + remote)
-                                     if local is not None and remote is not None and local + remote > 0 else None)
     sources = Counter(m.history_source for m in res.rounds if m.history_source)
-    out["history_sources"] = dict(sorted(sources.items()))
-    out["text_mode"] = res.text_mode
-    out["inexact_texts"] = res.inexact_texts
-    out["failures"] = [{"session_id": m.session_id, "round": m.index, "reason": m.error}
-                       for m in res.rounds if m.error]
-    out["model"] = res.model
-    out["url"] = base_url(res.config.url)
-    out["endpoint"] = res.config.endpoint
-    out["scale"] = res.config.scale
-    out["max_tokens_cap"] = res.config.max_tokens_cap
+    out.update(local_prefills=local, remote_prefills=remote,
+               local_prefill_fraction=(local / (local + remote) if local is not None and remote is not None
+                                       and local + remote > 0 else None),
+               history_sources=dict(sorted(sources.items())), text_mode=res.text_mode,
+               inexact_texts=res.inexact_texts,
+               failures=[{"session_id": m.session_id, "round": m.index, "reason": m.error}
+                         for m in res.rounds if m.error],
+               model=res.model, url=base_url(res.config.url), endpoint=res.config.endpoint, scale=res.config.scale,
+               max_tokens_cap=res.config.max_tokens_cap)
     return out

@@ -173,9 +173,6 @@ def to_case(row: dict) -> Case | Skipped:
                 _int(row["osl"]), float(row["silicon_ttft_ms"]), float(row["silicon_tpot_ms"]), client_of(row))
 
 
-WARMUP_PER_CLIENT = 2         # both clients' warm-up: 2 x c requests
-
-
 def sessions(case: Case, seed: int = 0, scale: float = 1.0, warmup: int = 0) -> list[Session]:
     """The measured run's requests as one-round sessions, in the order the clients send them (`scale` shortens the
     run: fewer requests per client, at least one), after `warmup` x c warm-up requests ("w" ids) sent through the

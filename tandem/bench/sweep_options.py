@@ -5,15 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.knob import KnobError, csv_list, knob, positive_float, positive_int, seed
-
-
-def ray_address(text: str) -> str:
-    """--ray-address: 'auto' or HOST:PORT (checked here; the cluster is joined later)."""
-    from tandem.runtime.ray_launcher import check_ray_address
-    try:
-        return check_ray_address(text)
-    except ValueError as e:
-        raise KnobError(str(e)) from None
+from tandem.runtime.cluster_config import ray_address
 
 
 def gpus_per_workload(text: str) -> int | dict[str, int]:

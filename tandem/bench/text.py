@@ -83,10 +83,7 @@ class TextSynth:
             got = tok.encode(text, add_special_tokens=False)
             if len(got) == n:
                 return text
-            if len(got) > n:
-                text = tok.decode(got[:n])
-            else:
-                text = text + tok.decode(rng.choices(self.pool, k=n - len(got)))
+            text = tok.decode(got[:n]) if len(got) > n else text + tok.decode(rng.choices(self.pool, k=n - len(got)))
         self.inexact += 1
         return text
 

@@ -5,26 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from dataclasses import MISSING
 
-from tandem.knob import KnobError, field_default, knob_of
-
-
-def _flag_type(parse: Callable[[str], Any] | None) -> Callable[[str], Any] | None:
-    """The knob's parser as an argparse type: a KnobError becomes the message argparse prints."""
-    if parse is None:
-        return None
-
-    def typed(text: str) -> Any:
-        try:
-            return parse(text)
-        except KnobError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    typed.__name__ = getattr(parse, "__name__", "value")
-    return typed
+from tandem.knob import argparse_type, field_default, knob_of
 
 
 def _optional_bool(f: dataclasses.Field) -> bool:
@@ -59,7 +45,7 @@ def add_knob(parser: argparse.ArgumentParser | Any, cls: type, name: str, *, req
     elif default is None and k.parse is None and _optional_bool(f):   # --x/--no-x; None: neither given
         kw.update(action=argparse.BooleanOptionalAction, default=None)
     else:
-        kw.update(default=default, type=_flag_type(k.parse), metavar=k.metavar, choices=k.choices)
+        kw.update(default=default, type=k.parse and argparse_type(k.parse), metavar=k.metavar, choices=k.choices)
         if k.repeat:
             kw["action"] = "append"
         if required:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from tandem import knob
-from tandem.bench.sweep_options import ray_address
 from tandem.workload.options import DEFAULT_RATE, DEFAULT_SESSIONS
 from tandem.workload.session import SLO, WorkloadError
 
@@ -54,21 +53,39 @@ def clear_notes() -> None:
     _NOTES.clear()
 
 
+def percent(x: float | None) -> str:
+    """A share as a percentage with one decimal ("-" for None): 0.4567 -> '45.7%'."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 # --------------------------------------------------------------------------- progress
 
 
-class SessionBar:
-    """A rich progress bar of completed sessions on stderr, one line per tracked run; inert when not enabled."""
+class StderrBar:
+    """A transient rich progress bar on stderr (description, bar, done/total, `extra` columns, elapsed time); inert
+    when not enabled."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, description: str = "{task.description}", *extra: str) -> None:
         self.bar = None
         if enabled:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(),
+            self.bar = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(),
+                                *(TextColumn(c) for c in extra), TimeElapsedColumn(),
                                 console=Console(stderr=True), transient=True)
             self.bar.start()
+
+    def close(self) -> None:
+        """Stop drawing (the bar is transient: it leaves nothing behind)."""
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class SessionBar(StderrBar):
+    """A progress bar of completed sessions, one line per tracked run."""
+
+    def __init__(self, enabled: bool) -> None:
+        super().__init__(enabled, "{task.description}", "{task.fields[failed]} failed")
 
     def track(self, label: str, total: int):
         """A new line of `total` sessions; returns the callback that advances it by one finished session record."""
@@ -82,40 +99,20 @@ class SessionBar:
             self.bar.update(task, advance=1, failed=failed[0])
         return done
 
-    def close(self) -> None:
-        """Stop drawing (the bar is transient: it leaves nothing behind)."""
-        if self.bar is not None:
-            self.bar.stop()
-
 
 # --------------------------------------------------------------------------- argument types
 
 
-def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """A tandem.knob value parser as an argparse type (for hand-written flags, e.g. of the scripts under
-    benchmarks/): its KnobError becomes the one-line message argparse prints."""
-    def typed(text: str) -> Any:
-        try:
-            return parse(text)
-        except knob.KnobError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    typed.__name__ = getattr(parse, "__name__", "value")
-    return typed
-
-
-positive_float = argparse_type(knob.positive_float)
-nonneg_float = argparse_type(knob.nonneg_float)
-unit_fraction = argparse_type(knob.unit_fraction)
-positive_int = argparse_type(knob.positive_int)
-nonneg_int = argparse_type(knob.nonneg_int)
-seed_arg = argparse_type(knob.seed)
-byte_size = argparse_type(knob.byte_size)
-ray_address_arg = argparse_type(ray_address)
+positive_float = knob.argparse_type(knob.positive_float)
+nonneg_float = knob.argparse_type(knob.nonneg_float)
+positive_int = knob.argparse_type(knob.positive_int)
+seed_arg = knob.argparse_type(knob.seed)
+byte_size = knob.argparse_type(knob.byte_size)
 
 
 def csv_list(item_type: Callable[[str], Any]) -> Callable[[str], list]:
     """An argument type: a comma-separated list of `item_type` values."""
-    return argparse_type(knob.csv_list(item_type))
+    return knob.argparse_type(knob.csv_list(item_type))
 
 
 def check_preemption(mode: str | None, swap_space: float | None) -> None:

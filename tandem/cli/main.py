@@ -323,7 +323,7 @@ def cmd_experiment(args) -> int:
     spec = dataclasses.replace(spec, sim={**spec.sim, **cost_fields(args)})
     cost_note(spec.gpu, args)
     if args.gpus is not None:
-        gpus = args.gpus if isinstance(args.gpus, dict) else {w: args.gpus for w in spec.workloads}
+        gpus = args.gpus if isinstance(args.gpus, dict) else dict.fromkeys(spec.workloads, args.gpus)
         unknown = sorted(set(gpus) - set(spec.workloads))
         if unknown:
             raise CLIError(f"--gpus names workloads not in the experiment: {', '.join(unknown)}")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from tandem.bench.sweep_options import SweepOptions
 from tandem.cli.args import add_knobs
-from tandem.cli.common import CLIError, cost_fields, cost_note, flush_notes, load_workload, ray_executor
+from tandem.cli.common import (CLIError, StderrBar, cost_fields, cost_note, flush_notes, load_workload, percent,
+                               ray_executor)
 from tandem.cli.options import PlanOutputOptions
 from tandem.plan.options import DEFAULT_JOBS, PlanOptions
 from tandem.sim.config import COST_KNOBS, SimConfig, SimTarget
@@ -52,17 +53,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- running
 
 
-class _Bar:
-    """A rich progress bar on stderr, one line per stage (plan, exhaustive), whose total follows the planner."""
+class _Bar(StderrBar):
+    """A progress bar with one line per stage (plan, exhaustive), whose total follows the planner."""
 
     def __init__(self, enabled: bool):
-        self.bar = self.task = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("{task.description:<30}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-            self.bar.start()
+        super().__init__(enabled, "{task.description:<30}")
+        self.task = None
 
     def stage(self, name: str) -> None:
         if self.bar is not None:
@@ -75,10 +71,6 @@ class _Bar:
         self.done += 1
         self.bar.update(self.task, description=f"simulating {label}", completed=self.done,
                         total=max(self.done, total))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _sessions(args, model: str):
@@ -231,10 +223,6 @@ def _s(x: float | None) -> str:
     return f"{x:.3f} s" if x >= 0.1 else f"{1000 * x:.1f} ms"
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
 def _slo_text(result) -> str:
     slos = result.slos
     if len(slos) != 1:
@@ -251,7 +239,7 @@ def _table(args, result, rows, full, ex_rows, model, gpu, rate, nsessions) -> st
             + f" · {nsessions} sessions, seed {args.seed} · policy {args.policy}" + _slo_text(result))
     cols = [Column("rk", "rank"), Column("table2", "deployment (AMPD Table 2)"),
             Column("p95_ttft_s", "P95 TTFT", _s), Column("p95_itl_s", "P95 ITL", _s),
-            Column("zb", "worst P95/SLO"), Column("slo_attainment", "SLO attainment", _pct),
+            Column("zb", "worst P95/SLO"), Column("slo_attainment", "SLO attainment", percent),
             Column("deploy", "--deploy")]
     for r in rows + ex_rows:
         r["zb"] = "inf" if r["z"] == float("inf") else f"{r['z']:.3f} ({r['bottleneck']})"

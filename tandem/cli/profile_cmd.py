@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from tandem.cli.args import add_knobs, knob_values
-from tandem.cli.common import CLIError
+from tandem.cli.common import CLIError, StderrBar, percent
 from tandem.cli.options import OutputOptions, ProfileFiles
 from tandem.engine.profiling.options import ProfileOptions
 
@@ -34,18 +34,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-class _Bar:
-    """A rich progress bar on stderr with one task per stage of the profiler."""
+class _Bar(StderrBar):
+    """A progress bar with one task per stage of the profiler."""
 
     def __init__(self, enabled: bool) -> None:
-        self.bar = None
+        super().__init__(enabled, "{task.description:<18}")
         self.tasks: dict[str, int] = {}
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-            self.bar.start()
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self.bar is None:
@@ -53,14 +47,6 @@ class _Bar:
         if stage not in self.tasks:
             self.tasks[stage] = self.bar.add_task(stage, total=total)
         self.bar.update(self.tasks[stage], completed=done, total=total)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def _runs(prof) -> str:
@@ -89,9 +75,9 @@ def summary_rows(prof) -> list[tuple[str, str]]:
     for k in ("prefill", "decode", "mixed", "window"):
         e = (he.get("by_kind") or {}).get(k)
         if e and e.get("n"):
-            rows.append((f"held-out {k}", f"median {_pct(e['median'])}, p90 {_pct(e['p90'])} (n={e['n']})"))
-    rows += [("held-out error", f"median {_pct(he.get('median'))}, p90 {_pct(he.get('p90'))} (n={he.get('n')})"),
-             ("training error", f"median {_pct(prof.train_error.get('median'))}, p90 {_pct(prof.train_error.get('p90'))}")]
+            rows.append((f"held-out {k}", f"median {percent(e['median'])}, p90 {percent(e['p90'])} (n={e['n']})"))
+    rows += [("held-out error", f"median {percent(he.get('median'))}, p90 {percent(he.get('p90'))} (n={he.get('n')})"),
+             ("training error", f"median {percent(prof.train_error.get('median'))}, p90 {percent(prof.train_error.get('p90'))}")]
     st = prof.step_model
     rows += [("decode step (1 seq, ctx 512)", f"{1e3 * st.decode_time(1, 512):.2f} ms"),
              ("decode step (32 seqs, ctx 512)", f"{1e3 * st.decode_time(32, 32 * 512):.2f} ms"),
@@ -135,8 +121,8 @@ def window_latency_rows(prof) -> list[tuple[str, str]]:
                                   f"{w.per_seq_s * 1e3:.3f} ms a sequence, {w.head_s * 1e6:.2f} us a sampled "
                                   f"row's LM head; fitted to {n_train} window "
                                   f"steps (block {w.block}, {w.context} cached tokens each), training median "
-                                  f"{_pct(te.get('median'))}"),
-            ("T(c, b) held-out error", f"median {_pct(he.get('median'))}, p90 {_pct(he.get('p90'))} "
+                                  f"{percent(te.get('median'))}"),
+            ("T(c, b) held-out error", f"median {percent(he.get('median'))}, p90 {percent(he.get('p90'))} "
                                        f"(n={he.get('n')})")]
 
 
@@ -186,5 +172,5 @@ def cmd_profile(args) -> int:
         t.add_row(k, v)
     Console(soft_wrap=False).print(t)
     he = prof.heldout_error
-    print(f"held-out median error {_pct(he.get('median'))} (p90 {_pct(he.get('p90'))}); wrote {out}")
+    print(f"held-out median error {percent(he.get('median'))} (p90 {percent(he.get('p90'))}); wrote {out}")
     return 0

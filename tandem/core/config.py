@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tandem.knob import KnobError, knob, nonneg_float, nonneg_int, positive_float, positive_int, share, unit_fraction
+from tandem.policy.checks import check_int
 from tandem.policy.dllm_serve import PhaseSpec, parse_admission
 from tandem.policy.dllm_serve.admission import AdmissionMode
 from tandem.policy.optimus.chunk import DEFAULT_CHUNK, parse_chunk
@@ -36,11 +37,6 @@ def chunk_text(text: str) -> str:
         return str(parse_chunk(text))
     except ValueError as e:
         raise KnobError(str(e)) from None
-
-
-def _int(name: str, v, lo: int = 1) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
 
 
 def _seconds(name: str, v, allow_inf: bool = True) -> None:
@@ -104,14 +100,14 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "decode_query_tokens"):
-            _int(name, getattr(self, name))
+            check_int(name, getattr(self, name), 1)
         if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         _seconds("window_s", self.window_s, allow_inf=False)
         _seconds("kv_timeout_s", self.kv_timeout_s)
         _seconds("session_ttl_s", self.session_ttl_s)
         if self.dllm_block_length != 0:
-            _int("dllm_block_length", self.dllm_block_length, lo=2)
+            check_int("dllm_block_length", self.dllm_block_length, 2)
         object.__setattr__(self, "dllm_chunk", str(parse_chunk(self.dllm_chunk)))
         if not (isinstance(self.dllm_prefill_share, (int, float)) and not isinstance(self.dllm_prefill_share, bool)
                 and 0 <= self.dllm_prefill_share < 1):

@@ -60,22 +60,20 @@ def make_router(spec: PolicySpec, rng: random.Random, boundary: int | None = Non
     return router
 
 
+# the routers without state of their own, and the AdaptiveRouter variants' options beside AMPD's (alpha, beta)
+_FIXED_ROUTERS = {RouterKind.LEAST_COST_REMOTE: LeastCostRemoteRouter, RouterKind.LOCAL: LocalRouter,
+                  RouterKind.ROUND_ROBIN: RoundRobinRouter, RouterKind.LEAST_LOAD: LeastLoadRouter}
+_ADAPTIVE = {RouterKind.ADAPTIVE_WINDOW: {"slack": "window"}, RouterKind.ADAPTIVE_REMOTE: {"allow_local": False}}
+
+
 def _base_router(spec: PolicySpec, rng: random.Random) -> Router:
     kind = spec.router
     if kind is RouterKind.ADAPTIVE:
         return AdaptiveRouter(rng, spec.alpha, spec.beta, local_chunked=spec.local_chunked)
-    if kind is RouterKind.ADAPTIVE_WINDOW:
-        return AdaptiveRouter(rng, spec.alpha, spec.beta, slack="window")
-    if kind is RouterKind.ADAPTIVE_REMOTE:
-        return AdaptiveRouter(rng, spec.alpha, spec.beta, allow_local=False)
-    if kind is RouterKind.LEAST_COST_REMOTE:
-        return LeastCostRemoteRouter()
-    if kind is RouterKind.LOCAL:
-        return LocalRouter()
-    if kind is RouterKind.ROUND_ROBIN:
-        return RoundRobinRouter()
-    if kind is RouterKind.LEAST_LOAD:
-        return LeastLoadRouter()
+    if kind in _ADAPTIVE:
+        return AdaptiveRouter(rng, spec.alpha, spec.beta, **_ADAPTIVE[kind])
+    if kind in _FIXED_ROUTERS:
+        return _FIXED_ROUTERS[kind]()
     raise ValueError(f"no router for {kind!r}")
 
 

@@ -25,7 +25,7 @@ class Homes:
         self.view, self.binder, self.block_size = view, binder, block_size
         self.prefixes = getattr(binder, "index", None)   # what each worker may hold in its prefix cache
         self.rebinding = isinstance(binder, CacheAwareBinder)
-        self.committed: dict[int, int] = {w: 0 for w in view.home_workers()}
+        self.committed: dict[int, int] = dict.fromkeys(view.home_workers(), 0)
         self.capacity = {w: view.capacity(w) for w in view.home_workers()}
 
     def live(self) -> list[int]:

@@ -132,9 +132,8 @@ class HostTier:
             return best
         # latest expected next use first; a prefix run is expected back after as long as it has been unused
         best = max(sessions, key=lambda r: r.expect_s if r.expect_s is not None else now, default=None)
-        if oldest_prefix is not None:
-            if best is None or 2 * now - oldest_prefix.last_use > (best.expect_s or now):
-                return oldest_prefix
+        if oldest_prefix is not None and (best is None or 2 * now - oldest_prefix.last_use > (best.expect_s or now)):
+            return oldest_prefix
         return best
 
     def room(self, nblocks: int, now: float, keep: object = None) -> bool:

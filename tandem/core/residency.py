@@ -69,7 +69,7 @@ class KVResidency:
         self.swap_blocks = cfg.swap_blocks if cfg.preemption_mode is PreemptionMode.SWAP else 0   # host KV blocks
         self.swap_free = self.swap_blocks
         self.swaps: list[Swap] = []                 # KV copies for the shell to carry out before its next forward
-        self.preempted = {m: 0 for m in PreemptionMode}   # preemptions so far, by how they freed the KV
+        self.preempted = dict.fromkeys(PreemptionMode, 0)   # preemptions so far, by how they freed the KV
         self.tier: TierManager | None = None        # the host tier's rules (tandem/core/tiering.py), if it has one
 
     # ---------------------------------------------------------------- admission and prefix reuse

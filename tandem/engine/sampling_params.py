@@ -14,14 +14,13 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.structured_output import StructuredOutput, StructuredOutputError
+from tandem.engine.structured_output import StructuredOutput, StructuredOutputError, shorten
 from tandem.policy.optimus.chunk import MAX_FIXED_CHUNK, parse_chunk
 
 MAX_LOGPROBS = 20          # the most top logprobs a request may ask for (vLLM's default max_logprobs)
 MIN_TEMPERATURE = 1e-2     # positive temperatures below this are raised to it (vLLM's _MAX_TEMP)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1     # seed range (a signed 64-bit integer, as vLLM and torch take)
 INT32_MAX = (1 << 31) - 1  # top_k, token ids (stop_token_ids): no tokenizer has more ids
-MAX_SHOWN = 100            # an error message quotes at most this many characters of a bad value
 MAX_LOGIT_BIAS = 1024      # entries a logit_bias may have: vLLM's cap (MAX_NUM_LOGIT_BIAS_TOKENS of its Model
                            # Runner V2 sampler's logit-bias state); the server also caps it at the vocabulary
 MAX_BIAS = 100.0           # |bias| a logit_bias entry may add (OpenAI's range [-100, 100])
@@ -29,15 +28,6 @@ MAX_BIAS = 100.0           # |bias| a logit_bias entry may add (OpenAI's range [
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; the message names the field and the bad value."""
-
-
-def shorten(value: Any, limit: int = MAX_SHOWN) -> str:
-    """repr(value) cut to `limit` characters (an error must not echo a 10 MB value back)."""
-    try:
-        text = repr(value)
-    except ValueError:                  # an int with more digits than Python will print
-        return f"<{type(value).__name__} too large to show>"
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _bad(field: str, value: Any, why: str) -> SamplingParamsError:

@@ -42,9 +42,13 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
-def _shorten(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + f"... ({len(text)} characters)"
+def shorten(value: Any, limit: int = MAX_SHOWN) -> str:
+    """repr(value) cut to `limit` characters (an error must not echo a 10 MB value back)."""
+    try:
+        text = repr(value)
+    except ValueError:                  # an int with more digits than Python will print
+        return f"<{type(value).__name__} too large to show>"
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,11 @@ class StructuredOutput:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise StructuredOutputError(f"structured output kind must be one of {', '.join(KINDS)}, "
-                                        f"got {_shorten(self.kind)}")
+                                        f"got {shorten(self.kind)}")
         for name in ("strict", "any_whitespace"):
             if not isinstance(getattr(self, name), bool):
                 raise StructuredOutputError(f"structured output {name} must be a bool, "
-                                            f"got {_shorten(getattr(self, name))}")
+                                            f"got {shorten(getattr(self, name))}")
         if self.kind == JSON_OBJECT:
             if self.schema is not None:
                 raise StructuredOutputError("structured output json_object takes no schema (use json_schema)")
@@ -81,7 +85,7 @@ class StructuredOutput:
             except json.JSONDecodeError as e:
                 raise StructuredOutputError(f"JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
-            raise StructuredOutputError(f"JSON schema must be an object (or a bool), got {_shorten(schema)}")
+            raise StructuredOutputError(f"JSON schema must be an object (or a bool), got {shorten(schema)}")
         try:
             text = json.dumps(schema, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
         except (TypeError, ValueError) as e:
@@ -109,7 +113,7 @@ class StructuredOutput:
     def from_dict(cls, d: dict[str, Any]) -> StructuredOutput:
         """From its fields as a dict (how a StructuredOutput travels in a message)."""
         if not isinstance(d, dict):
-            raise StructuredOutputError(f"structured output must be a dict of its fields, got {_shorten(d)}")
+            raise StructuredOutputError(f"structured output must be a dict of its fields, got {shorten(d)}")
         unknown = set(d) - {"kind", "schema", "strict", "any_whitespace"}
         if unknown:
             raise StructuredOutputError(f"unknown structured output fields: {', '.join(sorted(map(str, unknown)))}")
@@ -132,7 +136,7 @@ class StructuredOutput:
             strict = js.get("strict")
             return cls.json_schema(js["schema"], strict=True if strict is None else strict)
         raise StructuredOutputError(f"response_format type must be text, json_object or json_schema, "
-                                    f"got {_shorten(kind)}")
+                                    f"got {shorten(kind)}")
 
 
 # ---------------------------------------------------------------------------------------------- vocabulary

@@ -66,7 +66,7 @@ class TierRunner:
         self.tier, self.pool, self.kv_caches, self.clock = tier, pool, kv_caches, clock
         self.group = group                              # a tensor-parallel worker's other ranks (their shares)
         self.fail_copies = _env_faults() if fail_copies is None else fail_copies
-        self.counters: dict[str, int] = {k: 0 for k in HOST_TIER_COUNTERS}
+        self.counters: dict[str, int] = dict.fromkeys(HOST_TIER_COUNTERS, 0)
         self.inflight: dict[int, KVCopy] = {}
         self.to_gpu: dict[int, KVCopy] = {}             # block -> the copy writing it
         self.ended: collections.deque = collections.deque()   # (copy, ok), once every rank's share ended

@@ -379,7 +379,7 @@ def _save_weights(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> N
     for i, g in enumerate(groups, 1):
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         save_file({n: tensors[n] for n in g}, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in g})
+        weight_map.update(dict.fromkeys(g, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 

@@ -160,13 +160,11 @@ def make_idle_rule(kind: IdleRuleKind | str, ttl_s: float) -> IdleRule:
     kind = IdleRuleKind(kind)
     if kind is IdleRuleKind.TTL:
         return TTLRule(ttl_s)
-    if kind is IdleRuleKind.INFERCEPT:
-        return InferCeptRule()
-    if kind is IdleRuleKind.TOOL_AWARE:
-        return ToolAwareRule()
-    if kind is IdleRuleKind.WRITE_THROUGH:
-        return WriteThroughRule()
-    raise ValueError("an untiered policy (idle_kv none) has no idle rule")
+    rules = {IdleRuleKind.INFERCEPT: InferCeptRule, IdleRuleKind.TOOL_AWARE: ToolAwareRule,
+             IdleRuleKind.WRITE_THROUGH: WriteThroughRule}
+    if kind not in rules:
+        raise ValueError("an untiered policy (idle_kv none) has no idle rule")
+    return rules[kind]()
 
 
 PRIOR_GAP_S = 10.0               # expected tool time before any gap was seen

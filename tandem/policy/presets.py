@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from tandem.policy.checks import check_int
 from tandem.policy.kv_tiers import EvictionKind, IdleRuleKind
 
 
@@ -112,20 +113,16 @@ class PolicySpec:
                      "cache_aware"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
-        if isinstance(self.laps_min_pool, bool) or not isinstance(self.laps_min_pool, int) or self.laps_min_pool < 0:
-            raise ValueError(f"laps_min_pool must be an integer >= 0, got {self.laps_min_pool!r}")
+        check_int("laps_min_pool", self.laps_min_pool, 0)
         for knob in ("laps_length_threshold", "laps_long_chunk"):
-            v = getattr(self, knob)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{knob} must be None or an integer >= 1, got {v!r}")
+            check_int(knob, getattr(self, knob), 1, optional=True)
         if self.laps_local_awd and (self.prefill_sched is not PrefillSchedKind.LAPS or not self.disaggregated
                                     or self.local_chunked):
             raise ValueError("laps_local_awd needs a disaggregated LAPS policy whose local prefills run prefill-first "
                              "(not local_chunked)")
         if self.laps_pools and not self.disaggregated:
             raise ValueError("laps_pools needs a disaggregated policy (pools of prefill workers)")
-        if isinstance(self.reorder_window, bool) or not isinstance(self.reorder_window, int) or self.reorder_window < 1:
-            raise ValueError(f"reorder_window must be an integer >= 1, got {self.reorder_window!r}")
+        check_int("reorder_window", self.reorder_window, 1)
         if not (isinstance(self.retain_idle_kv_s, (int, float)) and 0 <= self.retain_idle_kv_s < math.inf):
             raise ValueError(f"retain_idle_kv_s must be a finite number of seconds >= 0, got {self.retain_idle_kv_s!r}")
         for knob in ("alpha", "beta"):

@@ -8,6 +8,7 @@ Closing a request's iterator early (the HTTP client went away) aborts it and fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures
 import logging
 import queue
@@ -123,7 +124,7 @@ class AsyncLLM:
                            kv_cache_usage_perc=c.kv_usage, num_requests_swapped=c.swapped,
                            cpu_cache_usage_perc=c.swap_usage, prefix_cache_queries=c.prefix_queries,
                            prefix_cache_hits=c.prefix_hits, local_prefills=c.prefills, remote_prefills=0,
-                           workers_alive=int(self.is_healthy()), workers_total=1,
+                           workers_alive=int(self.is_healthy()),
                            iteration_tokens=dict(self.engine.stats.iteration_tokens),   # a C-level copy: atomic
                            dllm_commits=dict(self.engine.stats.dllm_commits),
                            dllm_chunks=dict(self.engine.stats.dllm_chunks),
@@ -296,7 +297,5 @@ _NOTHING = object()
 
 def _put(stream: _Stream, out: RequestOutput) -> None:
     """Hand an output to its event loop (ignored if that loop has closed)."""
-    try:
+    with contextlib.suppress(RuntimeError):
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-    except RuntimeError:
-        pass

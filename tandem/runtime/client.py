@@ -37,12 +37,10 @@ class BackendStats:
     local_prefills: int = 0                        # tandem: prefills run on the session's decode worker
     remote_prefills: int = 0                       # tandem: prefills run on a prefill worker
     kv_transfer_seconds: list[float] = field(default_factory=list)   # new observations since the last call
-    kv_transfer_bytes: int = 0
     kv_transfer_timeouts: int = 0                  # transfers that fell back to local recompute
     lost_requests: int = 0                         # tandem: requests failed because their worker no longer held
                                                    # them (a message between them was lost; coordinator_shell.audit)
     workers_alive: int = 0
-    workers_total: int = 0
     iteration_tokens: dict[int, int] = field(default_factory=dict)   # tokens per engine step -> steps (cumulative)
     dllm_commits: dict[int, int] = field(default_factory=dict)       # diffusion: tokens committed by a sequence in
                                                                      # a step -> how often (cumulative)

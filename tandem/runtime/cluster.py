@@ -403,7 +403,6 @@ class ServingCluster:
             out.rejected_handshakes += self.hub.rejected_handshakes
         states = [st for st in self.shell.coord.view.states() if st.worker_id not in self._lost]
         _worker_gauges(out, states)
-        out.workers_total = len(self.roles)
         out.workers_alive = len(self.roles) - len(self._lost)
         _laps_stats(out, states, self.shell.coord.router)
         add_memory_reports(out, [r for wid, r in self._memory.items() if wid not in self._lost])

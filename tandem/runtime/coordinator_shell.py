@@ -265,7 +265,6 @@ class CoordinatorShell:
             samples.append(msg.elapsed_s)
             if len(samples) > MAX_KV_SAMPLES:                  # nobody scrapes /metrics: keep the newest only
                 del samples[:len(samples) - MAX_KV_SAMPLES]
-            self.stats.kv_transfer_bytes += msg.nbytes
             self._apply(self.coord.on_transfer_done(tr, now, msg.elapsed_s))
         elif isinstance(msg, m.RoundBegun):
             fut, _ = self._begun.pop(msg.request_id, (None, -1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import importlib
 import inspect
 import logging
@@ -177,10 +178,8 @@ def _child_main(target: str, kwargs: dict[str, Any], env: WorkerEnv, extra_env: 
     except SystemExit:
         raise
     except BaseException as e:
-        try:
+        with contextlib.suppress(OSError):
             err.send(f"{type(e).__name__}: {e}")
-        except OSError:
-            pass
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
@@ -311,16 +310,6 @@ async def stop_worker(w: WorkerHandle, hub: Hub | None, grace_s: float, term_s: 
             await w.wait(10.0)
 
 
-def spawn_worker(target: str, kwargs: dict[str, Any], worker_id: int, hub_address: str, *,
-                 heartbeat_s: float = HEARTBEAT_S, env: dict[str, str] | None = None,
-                 auth: WorkerAuth | None = None) -> WorkerProcess:
-    """Start a worker process running `target(WorkerEnv, **kwargs)`; does not wait for Ready.
-
-    `auth` (the worker's keys) travels in the WorkerEnv through the spawn pipe, never on argv or in the env."""
-    return spawn_local(WorkerSpec(worker_id, target, kwargs, env),
-                       WorkerEnv(worker_id, hub_address, heartbeat_s, os.getpid(), auth))
-
-
 def spawn_local(spec: WorkerSpec, wenv: WorkerEnv) -> WorkerProcess:
     """The default Spawner: `spec` as a child process of this one (multiprocessing spawn)."""
     recv_err, send_err = _SPAWN.Pipe(duplex=False)
@@ -345,7 +334,7 @@ class Cluster:
     """Workers around one Hub: start them and wait until all are ready, fence the dead, stop them all."""
 
     def __init__(self, hub: Hub, *, startup_timeout_s: float = STARTUP_TIMEOUT_S, stop_grace_s: float = 5.0,
-                 fence: bool = True, heartbeat_s: float = HEARTBEAT_S, spawner: Spawner = spawn_local) -> None:
+                 heartbeat_s: float = HEARTBEAT_S, spawner: Spawner = spawn_local) -> None:
         self.hub, self.startup_timeout_s, self.stop_grace_s = hub, startup_timeout_s, stop_grace_s
         self.heartbeat_s = heartbeat_s
         self.spawner = spawner
@@ -353,14 +342,13 @@ class Cluster:
         self.deaths: list[WorkerDead] = []
         # worker id -> monotonic times of its latest start: "spawn" (asked for) and "ready" (its Ready received)
         self.started: dict[int, dict[str, float]] = {}
-        self._fence = fence
         hub.on_worker_dead(self._on_dead)
 
     def _on_dead(self, event: WorkerDead) -> None:
         """Record a death; kill a hung worker so it cannot come back with stale state (fencing)."""
         self.deaths.append(event)
         wp = self.workers.get(event.worker_id)
-        if wp is not None and self._fence:
+        if wp is not None:
             wp.kill()
 
     async def start(self, specs: Iterable[WorkerSpec]) -> dict[int, WorkerHandle]:

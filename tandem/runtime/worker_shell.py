@@ -130,11 +130,6 @@ class WorkerShell:
         return ran
 
     # ------------------------------------------------------------------ control plane
-    def on_control(self, msg) -> None:
-        """Carry out one coordinator message, then report what it caused."""
-        with self.lock:
-            self._control(msg)
-
     def _control(self, msg) -> None:
         eng = self.engine
         try:
@@ -186,11 +181,6 @@ class WorkerShell:
         return self.sender.driver_bytes + self.received_driver_bytes
 
     # ------------------------------------------------------------------ KV plane
-    def on_kv(self, head: m.KVData, frames: list) -> None:
-        """A peer's KV landed: keep it for its request and tell the coordinator (it decides where it goes)."""
-        with self.lock:
-            self._kv(head, frames)
-
     def _kv(self, head: m.KVData | m.KVRanked, frames: list) -> None:
         req = self.engine.requests.get(head.request_id)
         if req is None or (self.engine.role == DECODE and req.task.local):

@@ -33,8 +33,7 @@ def _content(m: ChatMessage, i: int) -> str | None:
         for part in c:
             if part.type != "text" or part.text is None:
                 raise APIError(f"messages[{i}].content: only text parts are supported, got {shorten(part.type, 40)}",
-                               400,
-                               "unsupported_parameter", f"messages.{i}.content")
+                               400, "unsupported_parameter", f"messages.{i}.content")
             texts.append(part.text)
         c = "".join(texts)
     if c is None and not (m.role == "assistant" and m.tool_calls):
@@ -101,10 +100,8 @@ def _reply(policy: ToolPolicy, text: str, reason: str | None) -> tuple[str | Non
         calls = scan_all(policy, text)
         if not calls:                        # cut before any call began: nothing is lost, the text is the content
             return text, [], reason
-        tool_calls = [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
-                      for c in calls]
         done = "tool_calls" if policy.mode == ToolMode.REQUIRED and reason != "length" else reason
-        return None, tool_calls, done
+        return None, _calls(calls), done
     if policy.mode != ToolMode.AUTO:
         return text, [], reason
     content, parsed = parse_tool_calls(text)
@@ -127,8 +124,7 @@ async def create_chat_completion(state: ServerState, request: Request, received:
         text, ids = await state.prepare(chars, render_prompt, state, req)
         params = chat_params(state, req, len(ids), policy)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received,
-                                  tool_s)
+    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received, tool_s)
     if req.stream:
         return SSEResponse(_stream(state, req, rid, len(ids), params, started, policy))
     outs = await choices.finish_all(state, request, started)

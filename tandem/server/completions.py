@@ -114,8 +114,7 @@ async def create_completion(state: ServerState, request: Request, received: floa
         text, ids = await state.prepare(chars, prompt_of, state, req)
         params = completion_params(state, req, len(ids))
     rid = f"cmpl-{uuid.uuid4().hex}"
-    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received,
-                                  tool_s)
+    started = await choices.start(state, request, ids, params, rid, sid, text, req.n, received, tool_s)
     tok = state.client.tokenizer
     try:
         echo = echo_of(tok, req, text, ids, started[0].first)

@@ -45,11 +45,6 @@ class Drain:
         self._idle.set()
         self._hurry = asyncio.Event()
 
-    @property
-    def open_requests(self) -> int:
-        """Requests in flight now (not counting /health and /metrics)."""
-        return len(self._open)
-
     def enter(self) -> OpenRequest:
         """Track the current task's request until `leave`."""
         req = OpenRequest(asyncio.current_task())

@@ -42,6 +42,13 @@ def _histogram(name: str, doc: str, label: list[str], counts: dict[int, int],
     return h
 
 
+def _single(family: type, name: str, doc: str, model: str, value: float) -> Metric:
+    """A gauge or counter family of one sample, labelled by the model name."""
+    fam = family(name, doc, labels=["model_name"])
+    fam.add_metric([model], float(value))
+    return fam
+
+
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
     out, mantissa, exp = [], (1, 2, 5), 0
@@ -102,14 +109,8 @@ class _BackendCollector:
                     ("tandem:laps_short_steps", "LAPS: short-prefill batch steps.", s.laps_short_steps),
                     ("tandem:laps_graph_steps", "LAPS: short-prefill steps run in a captured bucket (bucket hits).",
                      s.laps_graph_steps)]
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, float(value))
-            yield g
-        for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, float(value))
-            yield c
+        yield from (_single(GaugeMetricFamily, name, doc, self.model_name, v) for name, doc, v in gauges)
+        yield from (_single(CounterMetricFamily, name, doc, self.model_name, v) for name, doc, v in counters)
         if s.activation_peak_bytes:
             g = GaugeMetricFamily("tandem:activation_peak_bytes", "Activation peak of the worst-case step measured at "
                                   "start, all logit rows at once (monolithic) or max_num_logits at a time "
@@ -146,9 +147,7 @@ def _host_tier_metrics(s: BackendStats, model: str) -> Iterator[Metric]:
                               s.host_tier_bytes),
                              ("tandem:host_kv_cache_capacity_bytes", "Host KV tier capacity, summed over the workers.",
                               s.host_tier_capacity_bytes)):
-        g = GaugeMetricFamily(name, doc, labels=["model_name"])
-        g.add_metric([model], float(value))
-        yield g
+        yield _single(GaugeMetricFamily, name, doc, model, value)
     hits = CounterMetricFamily("tandem:prefix_cache_hits_by_medium", "History and prefix tokens a round found "
                                "cached, by where they were: GPU (resident) or CPU (brought back from the host tier).",
                                labels=["model_name", "medium"])
@@ -161,10 +160,8 @@ def _host_tier_metrics(s: BackendStats, model: str) -> Iterator[Metric]:
     for kind in ("offload", "write", "prefetch", "load"):
         copied.add_metric([model, kind], float(c.get(f"{kind}_bytes", 0)))
     yield copied
-    failed = CounterMetricFamily("tandem:host_kv_failed_copies", "Host-tier copies that failed (their rounds "
-                                 "recomputed).", labels=["model_name"])
-    failed.add_metric([model], float(c.get("failed_copies", 0)))
-    yield failed
+    yield _single(CounterMetricFamily, "tandem:host_kv_failed_copies", "Host-tier copies that failed (their rounds "
+                  "recomputed).", model, c.get("failed_copies", 0))
     late = SummaryMetricFamily("tandem:host_kv_prefetch_late_seconds", "Rounds that took their KV from the host "
                                "tier: how long each waited for it (0: prefetched in time).", labels=["model_name"])
     late.add_metric([model], float(c.get("late_rounds", 0)), c.get("late_us", 0) / 1e6)
@@ -210,19 +207,15 @@ def _dllm_serve_metrics(c: dict[str, int], model: str) -> Iterator[Metric]:
     for p in phases:
         g.add_metric([model, p], c.get("seq_steps_" + p, 0) / steps if steps else 0.0)
     yield g
-    fam = CounterMetricFamily("tandem:dllm_steps", "dLLM-Serve: steps run.", labels=["model_name"])
-    fam.add_metric([model], float(steps))
-    yield fam
+    yield _single(CounterMetricFamily, "tandem:dllm_steps", "dLLM-Serve: steps run.", model, steps)
     fam = CounterMetricFamily("tandem:dllm_admissions", "dLLM-Serve: requests admitted into a step that ran earlier "
                               "requests (into=running: the Reuse headroom) or an idle one (into=idle).",
                               labels=["model_name", "into"])
     for into in ("running", "idle"):
         fam.add_metric([model, into], float(c.get("admitted_" + into, 0)))
     yield fam
-    fam = CounterMetricFamily("tandem:dllm_deferrals", "dLLM-Serve: sequence-steps a running request waited (its "
-                              "phase did not fit the token budget).", labels=["model_name"])
-    fam.add_metric([model], float(c.get("deferrals", 0)))
-    yield fam
+    yield _single(CounterMetricFamily, "tandem:dllm_deferrals", "dLLM-Serve: sequence-steps a running request waited "
+                  "(its phase did not fit the token budget).", model, c.get("deferrals", 0))
 
 
 class ServerMetrics:
@@ -236,49 +229,39 @@ class ServerMetrics:
         for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):   # process_*, python_info, python_gc_*
             r.register(c)
         tok_buckets = build_1_2_5_buckets(max_model_len or getattr(client, "max_model_len", 0) or 1 << 20)
-        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
-                                               lab, buckets=tok_buckets, registry=r)
-        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
-                                                   "Generated tokens per finished request.", lab,
-                                                   buckets=tok_buckets, registry=r)
-        self.request_prefill = Histogram("vllm:request_prefill_time_seconds",
-                                         "First scheduled to first token (arrival when not reported).", lab,
-                                         buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_decode = Histogram("vllm:request_decode_time_seconds", "First token to last token.", lab,
-                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_inference = Histogram("vllm:request_inference_time_seconds",
-                                           "First scheduled (or arrival) to last token.", lab,
-                                           buckets=_LATENCY_BUCKETS, registry=r)
-        self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions of finished requests.", lab,
-                                       registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token, server-measured.", lab,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens, server-measured.", lab,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request received to finished.", lab,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled (backend clock); a "
-                               "request never scheduled: arrival to finished.", lab, buckets=_LATENCY_BUCKETS,
-                               registry=r)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Per finished request: first to last "
-                              "token over the tokens after the first (0 for one token), server-measured.", lab,
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.params_n = Histogram("vllm:request_params_n", "The n request parameter (choices per request).", lab,
-                                  buckets=_N_BUCKETS, registry=r)
-        self.kv_transfer = Histogram("tandem:kv_transfer_seconds", "KV transfer time between workers.", lab,
-                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", lab, registry=r)
+        # attribute, metric, help, histogram buckets (None: a counter); each labelled by model_name alone
+        for attr, name, doc, buckets in (
+                ("request_prompt_tokens", "vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+                 tok_buckets),
+                ("request_generation_tokens", "vllm:request_generation_tokens",
+                 "Generated tokens per finished request.", tok_buckets),
+                ("request_prefill", "vllm:request_prefill_time_seconds",
+                 "First scheduled to first token (arrival when not reported).", _LATENCY_BUCKETS),
+                ("request_decode", "vllm:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS),
+                ("request_inference", "vllm:request_inference_time_seconds",
+                 "First scheduled (or arrival) to last token.", _LATENCY_BUCKETS),
+                ("num_preemptions", "vllm:num_preemptions", "Preemptions of finished requests.", None),
+                ("ttft", "vllm:time_to_first_token_seconds", "Time to first token, server-measured.",
+                 _LATENCY_BUCKETS),
+                ("itl", "vllm:inter_token_latency_seconds", "Time between tokens, server-measured.", _ITL_BUCKETS),
+                ("e2e", "vllm:e2e_request_latency_seconds", "Request received to finished.", _LATENCY_BUCKETS),
+                ("queue", "vllm:request_queue_time_seconds", "Arrival to first scheduled (backend clock); a request "
+                 "never scheduled: arrival to finished.", _LATENCY_BUCKETS),
+                ("tpot", "vllm:request_time_per_output_token_seconds", "Per finished request: first to last token "
+                 "over the tokens after the first (0 for one token), server-measured.", _TPOT_BUCKETS),
+                ("params_n", "vllm:request_params_n", "The n request parameter (choices per request).", _N_BUCKETS),
+                ("kv_transfer", "tandem:kv_transfer_seconds", "KV transfer time between workers.", _LATENCY_BUCKETS),
+                ("prompt_tokens", "vllm:prompt_tokens", "Prompt tokens processed.", None),
+                ("generation_tokens", "vllm:generation_tokens", "Tokens generated.", None)):
+            m = Counter(name, doc, lab, registry=r) if buckets is None else \
+                Histogram(name, doc, lab, buckets=buckets, registry=r)
+            m.labels(model_name)                  # export zero-valued series before the first request
+            setattr(self, attr, m)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self._backend = _BackendCollector(model_name)
         r.register(self._backend)
         self._lock = threading.Lock()
-        for m in (self.ttft, self.itl, self.e2e, self.queue, self.tpot, self.params_n, self.kv_transfer,
-                  self.prompt_tokens,
-                  self.generation_tokens, self.request_prompt_tokens, self.request_generation_tokens,
-                  self.request_prefill, self.request_decode, self.request_inference, self.num_preemptions):
-            m.labels(model_name)                  # export zero-valued series before the first request
 
     def timer(self, received: float | None = None) -> RequestTimer:
         """Time a request received at `received` (time.perf_counter(); default now)."""

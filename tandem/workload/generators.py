@@ -302,10 +302,7 @@ def rounds_mean(dist: str, param: float, shape: float | None, cap: int) -> float
     from scipy import stats
 
     j = np.arange(0, cap - 1)
-    if dist == "poisson":
-        sf = stats.poisson.sf(j, param)
-    else:
-        sf = stats.nbinom.sf(j, shape, shape / (shape + param))
+    sf = stats.poisson.sf(j, param) if dist == "poisson" else stats.nbinom.sf(j, shape, shape / (shape + param))
     return 1.0 + float(sf.sum())
 
 

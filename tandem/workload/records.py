@@ -94,8 +94,7 @@ def record_from_json(d: dict) -> SessionRecord:
 def dump_records(records: list[SessionRecord], path) -> None:
     """Write one JSON line per session record (`tandem simulate|bench --records FILE`)."""
     with Path(path).open("w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(record_to_json(rec), separators=(",", ":")) + "\n")
+        f.writelines(json.dumps(record_to_json(rec), separators=(",", ":")) + "\n" for rec in records)
 
 
 def load_records(path) -> list[SessionRecord]:

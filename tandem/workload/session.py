@@ -6,6 +6,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -229,8 +230,7 @@ def session_to_dict(s: Session) -> dict:
 
 def _read_lines(path: str | os.PathLike) -> list[str]:
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().splitlines()
+        return Path(path).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         raise WorkloadError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -290,7 +290,6 @@ def dump_sessions(sessions: Iterable[Session], path: str | os.PathLike) -> None:
     if not lines:
         raise WorkloadError(f"{path}: refusing to write an empty trace")
     try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+        Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
     except OSError as e:
         raise WorkloadError(f"{path}: cannot write ({e.strerror})") from None

@@ -119,9 +119,8 @@ def _coordinator_listeners(served: Served) -> list[int]:
     http = int(served.url.rsplit(":", 1)[1])
     ports = []
     with contextlib.suppress(psutil.Error):
-        for conn in psutil.Process(served.proc.pid).net_connections(kind="tcp"):
-            if conn.status == psutil.CONN_LISTEN and conn.laddr.port != http:
-                ports.append(conn.laddr.port)
+        ports += [conn.laddr.port for conn in psutil.Process(served.proc.pid).net_connections(kind="tcp")
+                  if conn.status == psutil.CONN_LISTEN and conn.laddr.port != http]
     return sorted(ports)
 
 

@@ -100,10 +100,8 @@ def serve_tiny(model: Path, workdir: Path, extra: list[str], name: str = "server
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -16,8 +16,6 @@ PAPER_IMPROVEMENT: dict[str, str] = {
 }
 """AMPD's reported gain in SLO attainment over each baseline (§7.2)."""
 
-PAPER_MEAN_IMPROVEMENT: dict[str, float] = {"dynamo": 0.6729, "vllm": 3.3974}
-
 
 def relative_improvement(cells: Sequence[dict], baseline: str, target: str = "ampd",
                          metric: str = "slo_attainment") -> dict | None:

@@ -240,9 +240,7 @@ def init_model(seed: int, std: float = 0.1, embed_std: float = 0.5) -> tuple[SDA
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            elif "embed_tokens" in name:
+            elif name.endswith("bias") or "embed_tokens" in name:
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * (scaled if name.endswith(("o_proj.weight",

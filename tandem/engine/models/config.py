@@ -5,13 +5,14 @@ tandem.engine.models maps each name to its class.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.models.llada_config import LLADA_ARCHITECTURE, llada_fields
+from tandem.engine.models.llada_config import LLADA_ARCHITECTURE, llada_fields, positive_field
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SDARForCausalLM",
@@ -26,7 +27,6 @@ class ModelConfig:
     """The fields of a Hugging Face config.json that build a decoder and size its KV cache."""
 
     architecture: str
-    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -72,12 +72,7 @@ class ModelConfig:
         if arch == LLADA_ARCHITECTURE:
             d = llada_fields(d)
 
-        def need_int(name: str) -> int:
-            v = d.get(name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"config.json field {name!r} must be a positive integer, got {v!r}")
-            return v
-
+        need_int = functools.partial(positive_field, d)
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (supported: silu)")
@@ -105,8 +100,7 @@ class ModelConfig:
                 raise ValueError(f"config.json field 'mask_token_id' must be a token id below vocab_size {vocab}, "
                                  f"got {mask_id!r}")
         return cls(
-            architecture=arch, model_type=str(d.get("model_type", "")),
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=need_int("intermediate_size"),
+            architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=need_int("intermediate_size"),
             num_hidden_layers=need_int("num_hidden_layers"), num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,

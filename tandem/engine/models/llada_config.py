@@ -20,8 +20,8 @@ _REQUIRED: dict[str, Any] = {
 }
 
 
-def _int(d: dict[str, Any], name: str) -> int:
-    """A positive integer field of LLaDA's config, by name."""
+def positive_field(d: dict[str, Any], name: str) -> int:
+    """A positive integer field of a config.json dict, by name (ValueError naming it otherwise)."""
     v = d.get(name)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"config.json field {name!r} must be a positive integer, got {v!r}")
@@ -35,17 +35,17 @@ def llada_fields(d: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"config.json field {name!r} = {d[name]!r} is not supported for LLaDA (only {want!r})")
     if d.get("multi_query_attention"):
         raise ValueError("config.json field 'multi_query_attention' is not supported for LLaDA (give n_kv_heads)")
-    hidden, heads = _int(d, "d_model"), _int(d, "n_heads")
+    hidden, heads = positive_field(d, "d_model"), positive_field(d, "n_heads")
     if hidden % heads:
         raise ValueError(f"config.json field 'd_model' {hidden} is not a multiple of n_heads {heads}")
-    mlp = d.get("mlp_hidden_size") or _int(d, "mlp_ratio") * hidden
-    vocab = d.get("embedding_size") or _int(d, "vocab_size")
+    mlp = d.get("mlp_hidden_size") or positive_field(d, "mlp_ratio") * hidden
+    vocab = d.get("embedding_size") or positive_field(d, "vocab_size")
     if d.get("vocab_size") and vocab < d["vocab_size"]:
         raise ValueError(f"config.json field 'embedding_size' {vocab} is below vocab_size {d['vocab_size']}")
     out = {
         "architectures": d.get("architectures"), "model_type": d.get("model_type", "llada"),
         "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": d.get("n_kv_heads") or heads,
-        "num_hidden_layers": _int(d, "n_layers"), "intermediate_size": mlp, "vocab_size": vocab,
+        "num_hidden_layers": positive_field(d, "n_layers"), "intermediate_size": mlp, "vocab_size": vocab,
         "head_dim": hidden // heads, "hidden_act": d.get("activation_type", "silu"),
         "rms_norm_eps": d.get("rms_norm_eps", 1e-5), "rope_theta": d.get("rope_theta", 10000.0),
         "max_position_embeddings": d.get("max_sequence_length", 2048),

@@ -166,9 +166,8 @@ class BlockDiffusionMetadata(QueryShape):
                                  f"blocks of {B} (got {q} query tokens after {c} cached); decode it with "
                                  "tandem.engine.diffusion")
         tables = [row.tolist() for row in meta.block_tables.cpu()]
-        out = cls.build(positions, ctx, list(meta.query_lens), tables, meta.block_size, B,
-                        device=meta.block_tables.device)
-        return out
+        return cls.build(positions, ctx, list(meta.query_lens), tables, meta.block_size, B,
+                         device=meta.block_tables.device)
 
 
 class BlockDiffusionBackend:

@@ -19,19 +19,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_WHERE = {"device_info": "device", "Point": "grids", "heldout_grid": "grids", "train_grid": "grids",
-          "measure_interference": "interference", "measure_kv_link": "kv_path", "measure_kv_path": "kv_path",
-          "ProfileOptions": "options", "profile": "run"}
+_WHERE = {"heldout_grid": "grids", "train_grid": "grids", "measure_kv_path": "kv_path", "ProfileOptions": "options",
+          "profile": "run"}
 
-__all__ = ["Point", "ProfileOptions", "Profile", "profile", "train_grid", "heldout_grid", "measure_kv_link",
-           "measure_kv_path", "measure_interference", "device_info"]
+__all__ = ["ProfileOptions", "profile", "train_grid", "heldout_grid", "measure_kv_path"]
 
 
 def __getattr__(name: str) -> Any:
     """The package's public names, imported from their module when first asked for."""
-    if name == "Profile":
-        from tandem.perf.step_model import Profile
-        return Profile
     if name in _WHERE:
         return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -207,7 +207,7 @@ def measure_collective(runner: ModelRunner, tp: int, itemsize: int, max_tokens: 
     """All-reduces of `tp` ranks (at tp1: of every 2..cores ranks, up to 8) timed on this host, and the count one
     step makes, counted from the loaded model; None when this host has one core (no second rank to run)."""
     mc = runner.model_config
-    counts = [tp] if tp > 1 else [n for n in range(2, min(usable_cpus(), 8) + 1)]
+    counts = [tp] if tp > 1 else list(range(2, min(usable_cpus(), 8) + 1))
     if not counts:
         return None
     bpt = mc.hidden_size * itemsize

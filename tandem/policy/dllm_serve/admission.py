@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from tandem.policy.checks import check_int
 from tandem.policy.dllm_serve.phases import Phase, PhaseSchedule, PhaseSpec, PhaseState
 
 
@@ -92,9 +93,8 @@ class Admission:
 
     def __init__(self, mode: AdmissionMode | str, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.mode = parse_admission(mode)
-        for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_int("max_num_seqs", max_num_seqs, 1)
         self.budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
 

@@ -47,6 +47,8 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from tandem.policy.checks import check_int
+
 DEFAULT_DELAY_STEP = 1          # dLLM-Serve's SparseConfig.delay_step
 DEFAULT_RETENTION = 1.0         # the dense cache; dLLM-Serve runs 0.5 (its Table 3)
 
@@ -74,11 +76,6 @@ class RefreshSpan(StrEnum):
                            # layout in the engine: the block and the masks after it recomputed, the prefix cached)
 
 
-def _nonneg_int(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-
-
 @dataclass(frozen=True, slots=True)
 class PhaseSpec:
     """A validated Refresh/Reuse policy."""
@@ -92,8 +89,8 @@ class PhaseSpec:
     def __post_init__(self) -> None:
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 2:
             raise ValueError(f"a diffusion block has at least 2 positions, got {self.block!r}")
-        _nonneg_int("delay_step", self.delay_step)
-        _nonneg_int("refresh_interval", self.refresh_interval)
+        check_int("delay_step", self.delay_step, 0)
+        check_int("refresh_interval", self.refresh_interval, 0)
         object.__setattr__(self, "span", RefreshSpan(self.span))
         r = self.retention
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:

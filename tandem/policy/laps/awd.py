@@ -46,19 +46,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from tandem.policy.checks import check_finite, check_int
 from tandem.policy.laps.buckets import Bucket, BucketGrid
 
 __all__ = ["AWDBatcher", "AWDConfig", "Decision", "DispatchReason", "ShortRequest"]
-
-
-def _check_nonneg(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def _check_time(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def _clip(x: float, lo: float, hi: float) -> float:
@@ -80,16 +71,14 @@ class AWDConfig:
 
     def __post_init__(self) -> None:
         for name in ("w_min_s", "w_max_s", "sigma_s", "delta_s", "t_max_s"):
-            _check_nonneg(name, getattr(self, name))
+            check_finite(name, getattr(self, name), 0)
         if self.w_min_s > self.w_max_s:
             raise ValueError(f"w_min_s ({self.w_min_s}) must not exceed w_max_s ({self.w_max_s})")
         for name in ("epsilon_rate", "rate_halflife_s"):
-            _check_nonneg(name, getattr(self, name))
+            check_finite(name, getattr(self, name), 0)
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        t = self.token_target
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
-            raise ValueError(f"token_target must be None or an int >= 1, got {t!r}")
+        check_int("token_target", self.token_target, 1, "an int", optional=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +96,8 @@ class ShortRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key:
             raise ValueError(f"key must be a non-empty str, got {self.key!r}")
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
-            raise ValueError(f"tokens must be an int >= 1, got {self.tokens!r}")
-        _check_time("arrival_s", self.arrival_s)
+        check_int("tokens", self.tokens, 1, "an int")
+        check_finite("arrival_s", self.arrival_s)
         d = self.deadline_s
         if isinstance(d, bool) or not isinstance(d, (int, float)) or math.isnan(d) or d == -math.inf:
             raise ValueError(f"deadline_s must be a finite number or +inf, got {d!r}")
@@ -267,9 +255,7 @@ class AWDBatcher:
 
     def set_mem_budget(self, mem_budget_tokens: int | None) -> None:
         """Change the memory budget (tokens; None: unlimited) and re-derive D's upper bound from it."""
-        if mem_budget_tokens is not None and (isinstance(mem_budget_tokens, bool) or
-                                              not isinstance(mem_budget_tokens, int) or mem_budget_tokens < 0):
-            raise ValueError(f"mem_budget_tokens must be None or an int >= 0, got {mem_budget_tokens!r}")
+        check_int("mem_budget_tokens", mem_budget_tokens, 0, "an int", optional=True)
         self._budget = mem_budget_tokens
         self._depth_cap = max(1, self.grid.max_depth(mem_budget_tokens))
         self._depth = min(self._depth, self._depth_cap)
@@ -284,9 +270,8 @@ class AWDBatcher:
         d < D: D <- d. D stays within [1, depth_cap]. poll() calls this itself for the batches it
         dispatches; call it directly only to feed batches formed elsewhere (replay, tests).
         """
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be an int >= 1, got {depth!r}")
-        _check_nonneg("fill_time_s", fill_time_s)
+        check_int("depth", depth, 1, "an int")
+        check_finite("fill_time_s", fill_time_s, 0)
         if depth >= self._depth:
             self._window = _clip(fill_time_s, self.config.w_min_s, self.config.w_max_s)
             larger = [b for b in self.grid.batches if b > self._depth]
@@ -369,13 +354,13 @@ class AWDBatcher:
 
     # --- internals ---------------------------------------------------------------------------
     def _advance(self, now: float) -> None:
-        _check_time("now", now)
+        check_finite("now", now)
         if now < self._now:
             raise ValueError(f"time went backwards: now={now!r} after {self._now!r}")
         self._now = now
 
     def _check_query_time(self, now: float) -> None:
-        _check_time("now", now)
+        check_finite("now", now)
         if now < self._now:
             raise ValueError(f"time went backwards: now={now!r} after {self._now!r}")
 

@@ -11,18 +11,9 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.policy.checks import check_int
+
 __all__ = ["Bucket", "BucketGrid"]
-
-
-def _check_positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _check_budget(mem_budget_tokens: int | None) -> None:
-    if mem_budget_tokens is not None and (isinstance(mem_budget_tokens, bool) or
-                                          not isinstance(mem_budget_tokens, int) or mem_budget_tokens < 0):
-        raise ValueError(f"mem_budget_tokens must be None or an int >= 0, got {mem_budget_tokens!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +24,8 @@ class Bucket:
     batch: int
 
     def __post_init__(self) -> None:
-        _check_positive_int("tokens", self.tokens)
-        _check_positive_int("batch", self.batch)
+        check_int("tokens", self.tokens, 1, "an int")
+        check_int("batch", self.batch, 1, "an int")
 
     @property
     def padded_tokens(self) -> int:
@@ -55,14 +46,14 @@ class BucketGrid:
             if not values:
                 raise ValueError(f"{name} must not be empty")
             for v in values:
-                _check_positive_int(f"every entry of {name}", v)
+                check_int(f"every entry of {name}", v, 1, "an int")
             if any(a >= b for a, b in zip(values, values[1:])):
                 raise ValueError(f"{name} must be strictly increasing, got {values!r}")
             object.__setattr__(self, name, values)
 
     def length_index(self, tokens: int) -> int:
         """Index of the smallest captured length >= tokens; len(lengths) when none is long enough."""
-        _check_positive_int("tokens", tokens)
+        check_int("tokens", tokens, 1, "an int")
         return bisect_left(self.lengths, tokens)
 
     def nearest(self, lengths: Sequence[int], mem_budget_tokens: int | None = None) -> Bucket | None:
@@ -72,11 +63,11 @@ class BucketGrid:
         form the bucket that is smallest in both dimensions, hence in padded size; if it exceeds the
         budget every other holding bucket does too. None means: use the standard prefill kernel.
         """
-        _check_budget(mem_budget_tokens)
+        check_int("mem_budget_tokens", mem_budget_tokens, 0, "an int", optional=True)
         if not lengths:
             raise ValueError("nearest() needs a non-empty batch")
         for x in lengths:
-            _check_positive_int("every request length", x)
+            check_int("every request length", x, 1, "an int")
         li = self.length_index(max(lengths))
         bi = bisect_left(self.batches, len(lengths))
         if li == len(self.lengths) or bi == len(self.batches):
@@ -86,24 +77,13 @@ class BucketGrid:
             return None
         return bucket
 
-    def padding(self, lengths: Sequence[int], bucket: Bucket) -> int:
-        """Padding tokens of running `lengths` in `bucket`: tokens × batch − sum(lengths)."""
-        if not lengths:
-            raise ValueError("padding() needs a non-empty batch")
-        for x in lengths:
-            _check_positive_int("every request length", x)
-        if max(lengths) > bucket.tokens or len(lengths) > bucket.batch:
-            raise ValueError(f"{bucket} does not hold a batch of {len(lengths)} requests of up to "
-                             f"{max(lengths)} tokens")
-        return bucket.padded_tokens - sum(lengths)
-
     def max_depth(self, mem_budget_tokens: int | None, length: int = 1) -> int:
         """Largest captured batch B with a bucket (L >= length, B) within the budget; 0 when none fits.
 
         Alg. 1's initial depth D = max over captured graphs G with mem(G) <= M of depth(G). The
         shortest captured length >= `length` admits the most requests, so only it is checked.
         """
-        _check_budget(mem_budget_tokens)
+        check_int("mem_budget_tokens", mem_budget_tokens, 0, "an int", optional=True)
         li = self.length_index(length)
         if li == len(self.lengths):
             return 0

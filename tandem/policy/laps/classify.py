@@ -1,19 +1,15 @@
 """LAPS §3.2 mutual exclusion: every prefill is short (memory-bound) or long (compute-bound) by its new tokens."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from tandem.policy.laps.cost import PrefillCostModel
+from tandem.policy.checks import check_int
 
 __all__ = ["DEFAULT_THRESHOLD", "LengthClassifier", "PrefillClass"]
 
 # LAPS's own implementation splits at 256 new tokens when no fitted boundary is given.
 DEFAULT_THRESHOLD = 256
-# A boundary within this relative distance above an integer is taken as that integer, so that a
-# boundary of 300 computed as 300.00000000000006 still gives threshold 300.
-_ROUND_TOL = 1e-9
 
 
 class PrefillClass(StrEnum):
@@ -23,11 +19,6 @@ class PrefillClass(StrEnum):
     LONG = "long"
 
 
-def _check_tokens(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-
-
 @dataclass(frozen=True, slots=True)
 class LengthClassifier:
     """Classifies a (re-)prefill as SHORT when its new tokens are below `threshold`, else LONG."""
@@ -35,28 +26,14 @@ class LengthClassifier:
     threshold: int = DEFAULT_THRESHOLD
 
     def __post_init__(self) -> None:
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) or self.threshold < 1:
-            raise ValueError(f"threshold must be an int >= 1, got {self.threshold!r}")
+        check_int("threshold", self.threshold, 1, "an int")
 
     def classify(self, new_tokens: int, history_tokens: int = 0) -> PrefillClass:
         """SHORT when new_tokens < threshold, else LONG.
 
-        history_tokens is validated but does not move the threshold, which is fixed at construction:
-        to split re-prefills at L_m^re-prefill(H), build the classifier with from_cost_model(model, H).
+        history_tokens is validated but does not move the threshold, which is fixed at construction (the shells
+        set it to L_m^prefill: tandem.policy.laps.cost.boundary_from_profile).
         """
-        _check_tokens("new_tokens", new_tokens)
-        _check_tokens("history_tokens", history_tokens)
+        check_int("new_tokens", new_tokens, 0, "an int")
+        check_int("history_tokens", history_tokens, 0, "an int")
         return PrefillClass.SHORT if new_tokens < self.threshold else PrefillClass.LONG
-
-    @classmethod
-    def from_cost_model(cls, model: PrefillCostModel, history_tokens: int = 0) -> LengthClassifier:
-        """Threshold at the fitted boundary: L_m^prefill (H = 0) or L_m^re-prefill(H), rounded up, at least 1.
-
-        An integer L is then SHORT exactly when L < L_m, i.e. when the (re-)prefill is memory-bound.
-        """
-        _check_tokens("history_tokens", history_tokens)
-        bound = model.prefill_boundary() if history_tokens == 0 else model.reprefill_boundary(history_tokens)
-        nearest = round(bound)
-        if abs(bound - nearest) <= _ROUND_TOL * max(1.0, bound):
-            bound = float(nearest)
-        return cls(max(1, math.ceil(bound)))

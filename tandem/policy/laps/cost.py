@@ -15,18 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.perf.nonneg import nonneg_lstsq
+from tandem.policy.checks import check_finite
 
 __all__ = ["PrefillCostModel", "boundary_from_profile"]
 
 
-def _finite_nonneg(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
 def _check_lh(L: float, H: float) -> None:
-    _finite_nonneg("L (new tokens)", L)
-    _finite_nonneg("H (history tokens)", H)
+    check_finite("L (new tokens)", L, 0)
+    check_finite("H (history tokens)", H, 0)
 
 
 def _nnls_scaled(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -58,7 +54,7 @@ def _rows(samples: Iterable[Sequence[float]], width: int, what: str) -> np.ndarr
         if len(r) != width:
             raise ValueError(f"each sample must be a {what} tuple of {width} numbers, got {r!r}")
         for name, v in zip(what.strip("()").split(", "), r):
-            _finite_nonneg(f"sample {name}", v)
+            check_finite(f"sample {name}", v, 0)
     return np.asarray(rows, dtype=float).reshape(len(rows), width)
 
 
@@ -73,7 +69,7 @@ class PrefillCostModel:
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma_w", "gamma_r"):
-            _finite_nonneg(name, getattr(self, name))
+            check_finite(name, getattr(self, name), 0)
         if self.alpha <= 0:
             raise ValueError(f"alpha must be > 0 (the boundaries divide by it), got {self.alpha!r}")
 
@@ -103,7 +99,7 @@ class PrefillCostModel:
         Equals prefill_boundary() at H = 0 and tends to γ_r/(2α) as H grows. The root is computed in
         the cancellation-free form 2γ_r H / (b + √(b² + 4αγ_r H)) when b = 2αH + β − γ_w > 0.
         """
-        _finite_nonneg("H (history tokens)", H)
+        check_finite("H (history tokens)", H, 0)
         if H == 0:
             return self.prefill_boundary()
         a = self.alpha
@@ -113,10 +109,6 @@ class PrefillCostModel:
         if b > 0:
             return max(0.0, 2 * c / (b + root))
         return max(0.0, (root - b) / (2 * a))
-
-    def reprefill_boundary_limit(self) -> float:
-        """γ_r/(2α): the saturation of L_m^re-prefill(H) for H ≫ |β − γ_w|/(2α)."""
-        return self.gamma_r / (2 * self.alpha)
 
     # --- construction --------------------------------------------------------------------------
     @classmethod
@@ -152,7 +144,7 @@ class PrefillCostModel:
         total = α·L(L+2H) + (β+γ_w)·L + γ_r·H and β = max(0, fitted(β+γ_w) − γ_w). Raises ValueError
         with fewer than 3 samples, degenerate samples, or α fitted as 0.
         """
-        _finite_nonneg("gamma_w", gamma_w)
+        check_finite("gamma_w", gamma_w, 0)
         x = _rows(samples, 3, "(L, H, total_s)")
         if len(x) < 3:
             raise ValueError(f"fit_total needs at least 3 samples (3 unknowns), got {len(x)}")
@@ -174,7 +166,7 @@ class PrefillCostModel:
         rows = [m for m in measurements
                 if m.get("kind") == "prefill" and m.get("num_prefill") == 1 and m.get("num_decode", 0) == 0]
         samples = [(float(m["prefill_tokens"]), float(m["prefill_kv_read_tokens"]), float(m["seconds"])) for m in rows]
-        _finite_nonneg("memory_bandwidth_bytes_per_s", memory_bandwidth_bytes_per_s)
+        check_finite("memory_bandwidth_bytes_per_s", memory_bandwidth_bytes_per_s, 0)
         if memory_bandwidth_bytes_per_s <= 0:
             raise ValueError("the profile has no measured memory bandwidth (profile again with this version)")
         return cls.fit_total(samples, kv_bytes_per_token / memory_bandwidth_bytes_per_s)
@@ -202,9 +194,9 @@ class PrefillCostModel:
         for name, v in (("flops_per_token", flops_per_token),
                         ("attn_flops_per_token_pair", attn_flops_per_token_pair),
                         ("kv_bytes_per_token", kv_bytes_per_token)):
-            _finite_nonneg(name, v)
+            check_finite(name, v, 0)
         for name, v in (("peak_flops", peak_flops), ("mem_bw", mem_bw)):
-            _finite_nonneg(name, v)
+            check_finite(name, v, 0)
             if v <= 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
         kv = kv_bytes_per_token / mem_bw

@@ -35,16 +35,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.policy.checks import check_finite, check_int
 from tandem.policy.laps.classify import PrefillClass
 
 __all__ = ["InstanceSignal", "Move", "PoolController", "PressureConfig", "exceeds"]
 
 MAX_BACKOFF_EXP = 6          # the longest wait before a reversal: t_cool * backoff^6
-
-
-def _check_nonneg(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def exceeds(a: float, b: float, tau: float) -> bool:
@@ -68,17 +64,14 @@ class PressureConfig:
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma", "tau", "t_cool_s"):
-            _check_nonneg(name, getattr(self, name))
-        if isinstance(self.n_min, bool) or not isinstance(self.n_min, int) or self.n_min < 0:
-            raise ValueError(f"n_min must be an int >= 0, got {self.n_min!r}")
+            check_finite(name, getattr(self, name), 0)
+        check_int("n_min", self.n_min, 0, "an int")
         q = self.aggregator_quantile
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
             raise ValueError(f"aggregator_quantile must be in [0, 1], got {q!r}")
         if not isinstance(self.guard_reversal, bool):
             raise ValueError(f"guard_reversal must be a bool, got {self.guard_reversal!r}")
-        b = self.reversal_backoff
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 1:
-            raise ValueError(f"reversal_backoff must be a finite number >= 1, got {b!r}")
+        check_finite("reversal_backoff", self.reversal_backoff, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +86,9 @@ class InstanceSignal:
     def __post_init__(self) -> None:
         if isinstance(self.instance, bool) or not isinstance(self.instance, int):
             raise ValueError(f"instance must be an int, got {self.instance!r}")
-        _check_nonneg("queue", self.queue)
-        _check_nonneg("utilization", self.utilization)
-        e = self.sla_deviation
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e):
-            raise ValueError(f"sla_deviation must be a finite number, got {e!r}")
+        check_finite("queue", self.queue, 0)
+        check_finite("utilization", self.utilization, 0)
+        check_finite("sla_deviation", self.sla_deviation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +122,6 @@ class PoolController:
         self._t_last = -math.inf
         self._last_to: PrefillClass | None = None     # the pool the previous move went to
         self._reversals = 0                           # moves in a row that undid the previous one
-        self.last_pool_pressures: dict[PrefillClass, float] | None = None
 
     def pools(self) -> dict[PrefillClass, frozenset[int]]:
         """Current membership of the SHORT and LONG pools."""
@@ -159,8 +149,7 @@ class PoolController:
         is then scored on its class's signals, and an empty pool (n_min 0) on its class's signals over every
         instance (they all serve it), so the class can win an instance back.
         """
-        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-            raise ValueError(f"now must be a finite number, got {now!r}")
+        check_finite("now", now)
         for group in (signals, *(by_class or {}).values()):
             for k, s in group.items():
                 if not isinstance(s, InstanceSignal) or s.instance != k:
@@ -168,7 +157,6 @@ class PoolController:
         psi = {cls: {k: self.pressure(s) for k, s in (by_class[cls] if by_class else signals).items()}
                for cls in PrefillClass}
         pressures = self._pool_pressures(self._pools, psi)
-        self.last_pool_pressures = pressures
         if pressures is None or now - self._t_last < self.config.t_cool_s:
             return None
         c = self.config

@@ -46,6 +46,8 @@ import math
 from collections.abc import Iterable
 from enum import IntEnum
 
+from tandem.policy.checks import check_int
+
 
 DEFAULT_HALFLIFE = 256      # windows of one entry after which an observation there weighs half as much
 OPTIMISM_WEIGHT = 4.0       # pseudo-windows of "as good as the best seen" in a group of entries
@@ -94,8 +96,7 @@ class CommitEstimator:
     """Online N_commit for windows of up to the block size `block` masked positions."""
 
     def __init__(self, block: int, halflife: float = DEFAULT_HALFLIFE) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ValueError(f"block must be an integer >= 1, got {block!r}")
+        check_int("block", block, 1)
         if not (isinstance(halflife, (int, float)) and halflife > 0):
             raise ValueError(f"halflife must be > 0, got {halflife!r}")
         self.block = block

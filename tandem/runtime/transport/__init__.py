@@ -6,20 +6,19 @@ carry KV directly between workers (PULL/PUSH), so many-MB payloads never pass th
 authentication: security.py; framing: codec.py; socket caps and helpers: sockets.py. Sockets, frames, liveness
 timings and lifecycle: docs/runtime-transport.md.
 """
-from tandem.runtime.transport.codec import PLUMBING, Codec, Frames, Goodbye, Heartbeat, Ready, Shutdown
+from tandem.runtime.transport.codec import Codec, Heartbeat, Ready, Shutdown
 from tandem.runtime.transport.errors import BadMessage, MessageTooLarge, PeerUnreachable, TransportError, \
     WorkerUnreachable
-from tandem.runtime.transport.hub import CHECK_S, DEAD_AFTER_S, DeadCallback, Hub, Watched, WorkerDead, WorkerDied
+from tandem.runtime.transport.hub import Hub, WorkerDead, WorkerDied
 from tandem.runtime.transport.link import HEARTBEAT_S, Link
 from tandem.runtime.transport.peers import PeerInbox, PeerOutbox
 from tandem.runtime.transport.security import Keys, WorkerAuth, curve_available
 from tandem.runtime.transport.sockets import HANDSHAKE_MAX_MSG_BYTES, HANDSHAKE_S, HUB_MAX_MSG_BYTES, LOCAL_HOSTS, \
-    PEER_MAX_MSG_BYTES, PEER_RCVHWM, REJECT_LOG_EVERY_S, Buffer, identity, limit
+    PEER_RCVHWM, identity
 
 __all__ = [
-    "BadMessage", "Buffer", "CHECK_S", "Codec", "DEAD_AFTER_S", "DeadCallback", "Frames", "Goodbye",
-    "HANDSHAKE_MAX_MSG_BYTES", "HANDSHAKE_S", "HEARTBEAT_S", "HUB_MAX_MSG_BYTES", "Heartbeat", "Hub", "Keys",
-    "LOCAL_HOSTS", "Link", "MessageTooLarge", "PEER_MAX_MSG_BYTES", "PEER_RCVHWM", "PLUMBING", "PeerInbox",
-    "PeerOutbox", "PeerUnreachable", "REJECT_LOG_EVERY_S", "Ready", "Shutdown", "TransportError", "Watched",
-    "WorkerAuth", "WorkerDead", "WorkerDied", "WorkerUnreachable", "curve_available", "identity", "limit",
+    "BadMessage", "Codec", "HANDSHAKE_MAX_MSG_BYTES", "HANDSHAKE_S", "HEARTBEAT_S", "HUB_MAX_MSG_BYTES", "Heartbeat",
+    "Hub", "Keys", "LOCAL_HOSTS", "Link", "MessageTooLarge", "PEER_RCVHWM", "PeerInbox", "PeerOutbox",
+    "PeerUnreachable", "Ready", "Shutdown", "TransportError", "WorkerAuth", "WorkerDead", "WorkerDied",
+    "WorkerUnreachable", "curve_available", "identity",
 ]

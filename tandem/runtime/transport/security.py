@@ -2,6 +2,7 @@
 of handshakes a socket refused."""
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 from dataclasses import dataclass, field
@@ -185,10 +186,8 @@ class HandshakeWatch:
     def close(self) -> None:
         if self._pair is not None:
             self.drain()
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
             self._pair.close(linger=0)
             self._pair = None
 
