@@ -212,22 +212,26 @@ def test_one_allowed_cpu_binds_the_team_that_runs_torchs_operators(tiny):
     assert len(r["tokens"]) == 4
 
 
+@pytest.fixture(scope="module")
+def unbound(tiny) -> dict:
+    """A two-thread engine run without the option (the default), shared by the tests that compare against it."""
+    return _run(ENGINE.format(threads=2, kw={}, model=tiny))
+
+
 @two_cores
-def test_each_thread_of_the_team_gets_its_own_cpu_in_list_order(tiny):
+def test_each_thread_of_the_team_gets_its_own_cpu_in_list_order(tiny, unbound):
     """Two CPUs listed in reverse: thread 0 (the caller) on the second, thread 1 on the first; the same tokens as
     an unbound engine."""
     a, b = ALLOWED[0], ALLOWED[1]
     r = _run(ENGINE.format(threads=1, kw={"cpu_omp_threads_bind": f"{b},{a}"}, model=tiny))
     assert r["binding"] == [[b, a], "openmp"] and r["torch_threads"] == 2
     assert r["team"] == [[b], [a]]
-    free = _run(ENGINE.format(threads=2, kw={}, model=tiny))
-    assert free["tokens"] == r["tokens"]
+    assert unbound["tokens"] == r["tokens"]
 
 
-def test_without_the_option_nothing_is_bound(tiny):
+def test_without_the_option_nothing_is_bound(tiny, unbound):
     """The default (and nobind): no binding recorded, every thread of the process on every allowed CPU."""
-    for kw in ({}, {"cpu_omp_threads_bind": "nobind"}):
-        r = _run(ENGINE.format(threads=2, kw=kw, model=tiny))
+    for r in (unbound, _run(ENGINE.format(threads=2, kw={"cpu_omp_threads_bind": "nobind"}, model=tiny))):
         assert r["binding"] is None and r["torch_threads"] == 2
         assert all(cpus == ALLOWED for cpus in r["threads"].values()), r["threads"]
 
