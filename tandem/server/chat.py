@@ -100,8 +100,10 @@ def _reply(policy: ToolPolicy, text: str, reason: str | None) -> tuple[str | Non
         calls = scan_all(policy, text)
         if not calls:                        # cut before any call began: nothing is lost, the text is the content
             return text, [], reason
+        tool_calls = [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
+                      for c in calls]
         done = "tool_calls" if policy.mode == ToolMode.REQUIRED and reason != "length" else reason
-        return None, _calls(calls), done
+        return None, tool_calls, done
     if policy.mode != ToolMode.AUTO:
         return text, [], reason
     content, parsed = parse_tool_calls(text)
