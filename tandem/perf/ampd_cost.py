@@ -223,8 +223,8 @@ def from_timers(timers: Mapping[int, StepTimer], typical_ctx: int = TYPICAL_CTX,
     model, gpu, tp, prefill_time and decode_time); T_kv from the alpha-beta link model."""
     any_timer = next(iter(timers.values()))
     model, gpu, tps = any_timer.model, any_timer.gpu, tuple(sorted(timers))
-    pre = {tp: timer_fits(r, chunk_tokens)[0] for tp, r in timers.items()}
-    dec = {tp: timer_fits(r, chunk_tokens)[1] for tp, r in timers.items()}
+    fits = {tp: timer_fits(r, chunk_tokens) for tp, r in timers.items()}
+    pre, dec = {tp: f[0] for tp, f in fits.items()}, {tp: f[1] for tp, f in fits.items()}
     kv = {_kv_key(s, d, same): _kv_fit(model, gpu, s, d, same) for s in tps for d in tps for same in (True, False)}
     meta = {"source": source, "model": model.name, "gpu": gpu.name, "chunk_tokens": chunk_tokens}
     return AMPDCostModel.from_fits(pre, dec, kv, typical_ctx=typical_ctx, meta=meta)

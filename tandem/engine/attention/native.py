@@ -75,11 +75,8 @@ def compile_flags(cap: IsaCap | None) -> tuple[str, ...]:
 def build(cap: IsaCap | None) -> ctypes.CDLL:
     """Both kernels in one library compiled for `cap` (None: this machine), or the decode kernel alone if the
     prefill kernel does not compile here; RuntimeError without a working compiler."""
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    cc, version = _toolchain()
     flags = compile_flags(cap)
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     try:
         return bind(ctypes.CDLL(str(_compile(cc, version, SOURCES, flags))))
     except RuntimeError as e:
@@ -96,11 +93,15 @@ def cache_key(sources: list[bytes], compiler_version: str, cpu: str, flags: tupl
 def compile_library(sources: tuple[Path, ...], flags: tuple[str, ...], stem: str) -> Path:
     """Another small C library (e.g. csrc/omp_bind.c) built and cached as the kernels are, named `stem`-KEY.so;
     RuntimeError without a working compiler."""
+    return _compile(*_toolchain(), sources, flags, stem, headers=())
+
+
+def _toolchain() -> tuple[str, str]:
+    """The C compiler and its version text (part of every cache key); RuntimeError without one."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    return _compile(cc, version, sources, flags, stem, headers=())
+    return cc, subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
 def _compile(cc: str, version: str, sources: tuple[Path, ...], flags: tuple[str, ...], stem: str = "paged_attention",
