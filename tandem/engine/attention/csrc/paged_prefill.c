@@ -38,26 +38,6 @@
 #define PV_COLS 4       /* 8 of 16 ymm */
 #endif
 
-/* exp(x) on VW lanes for x <= 0 (scores minus their running max): x = n ln2 + r, exp(r) by its degree-7 Taylor
- * polynomial, 2^n from the exponent bits; as exp_nonpos in paged_decode.c (relative error under 1.1e-7). */
-static inline vf vexp_nonpos(vf x)
-{
-    const vf lo = splat(-87.0f), magic = splat(12582912.0f);          /* 1.5 * 2^23: round to nearest */
-    x = vsel(x < lo, lo, x);
-    const vf n = (x * splat(1.44269504088896341f) + magic) - magic;
-    const vf r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
-    vf p = splat(1.0f / 5040.0f);
-    p = p * r + splat(1.0f / 720.0f);
-    p = p * r + splat(1.0f / 120.0f);
-    p = p * r + splat(1.0f / 24.0f);
-    p = p * r + splat(1.0f / 6.0f);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)e;
-}
-
 int tandem_paged_prefill_limits(void) { return PMAX_G * 1000000 + PMAX_D * 1000 + PMAX_BS; }
 
 /* One tile: `tq` consecutive query positions (from chunk index t0) of KV head h, all G query heads of each: R rows,
