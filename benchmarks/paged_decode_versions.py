@@ -1,6 +1,6 @@
 """The CPU paged decode kernel against an earlier version of its source, same run, on a cold and a warm cache.
 
-    python benchmarks/paged_decode_versions.py [--base 3531e25] [--shapes 34x300,64x400] [--calls 10]
+    python benchmarks/paged_decode_versions.py [--base d1b1ccf] [--shapes 34x300,64x400] [--calls 10]
         [--out docs/results/paged_decode_versions]
 
 Both sources (the working tree's tandem/engine/attention/csrc/paged_decode.c and the one at --base) are compiled
@@ -87,7 +87,7 @@ def measure(fns: dict, s: int, n: int, calls: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", default="3531e25", help="git revision of the earlier source (default 3531e25)")
+    ap.add_argument("--base", default="d1b1ccf", help="git revision of the earlier source (default d1b1ccf)")
     ap.add_argument("--shapes", default="34x300,64x400")
     ap.add_argument("--calls", type=int, default=10, help="rounds over the 8 layers (default 10)")
     ap.add_argument("--out", default="docs/results/paged_decode_versions")

@@ -42,6 +42,7 @@ def _attend(qlens, lens, hq, hkv, d, bs, seed, reverse_tables=False):
     ([1] * 6, [1, 2, 15, 16, 17, 300], 8, 4, 64, 16),           # partial, exact and multi-block sequences (GQA 2)
     ([1, 9, 1, 1, 30, 1], [40, 9, 1, 77, 130, 33], 4, 4, 32, 16),  # decodes between prefills (no GQA)
     ([1, 1, 1], [5, 64, 129], 16, 2, 128, 32),                  # GQA 8, head dim 128, blocks of 32
+    ([1, 1], [3, 200], 6, 2, 40, 16),                           # GQA 3, head dim 40: 8 lanes past a 16-float chunk
 ])
 def test_kernel_matches_the_gather_sdpa_path(qlens, lens, hq, hkv, d, bs, sdpa_only):
     """Protects decode attention numerics: every query row (decode and prefill alike) equals the SDPA path to
