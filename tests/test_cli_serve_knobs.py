@@ -66,12 +66,12 @@ def test_default_flags_build_the_default_configs(ckpt):
     assert serve_cmd.server_options(p.parse_args(["serve", "--model", ckpt]))["app"]["max_body_bytes"] == \
         ServerOptions().max_body_bytes
     args = p.parse_args(["serve", "--model", ckpt, "--colocated", "2", "--kv-timeout", "3", "--session-ttl", "9",
-                         "--max-worker-restarts", "0", "--max-num-seqs", "8", "--swap-space", "1",
+                         "--max-worker-restarts", "0", "--max-num-seqs", "8", "--swap-space", "1", "--block-size", "32",
                          "--slo-ttft", "0.5", "--port", "0"])
     cfg = serve_cmd._cluster_config(args)
     assert (cfg.policy, cfg.prefill_workers, cfg.decode_workers, cfg.colocated) == ("vllm", 0, 0, 2)
     assert (cfg.kv_timeout_s, cfg.session_ttl_s, cfg.max_restarts, cfg.slo_ttft_s) == (3, 9, 0, 0.5)
-    assert cfg.engine_args == {"max_num_seqs": 8, "swap_space": 1}
+    assert cfg.engine_args == {"max_num_seqs": 8, "swap_space": 1, "block_size": 32}
     assert args.port == 0
 
 
@@ -85,7 +85,8 @@ def test_demo_flags_keep_the_demo_defaults(ckpt):
 
 @pytest.mark.parametrize("flag,value", [("--kv-timeout", "0"), ("--port", "70000"), ("--max-body-bytes", "0"),
                                         ("--ray-place", "gpu=x"), ("--max-worker-restarts", "-1"),
-                                        ("--laps-min-pool", "-1"), ("--shutdown-timeout", "0")])
+                                        ("--laps-min-pool", "-1"), ("--shutdown-timeout", "0"),
+                                        ("--block-size", "0")])
 def test_a_bad_value_is_one_line_naming_the_flag(flag, value, ckpt, capsys):
     """Protects the validation the flags had: a refused value exits 2 with one line that names the flag."""
     assert main(["serve", "--model", ckpt, flag, value]) == 2

@@ -25,7 +25,7 @@ from tandem.server.options import API_KEY_ENV, ServerOptions
 LAPS_POLICIES = tuple(name for name, spec in POLICIES.items() if spec.prefill_sched is PrefillSchedKind.LAPS)
 
 # the EngineConfig fields `tandem serve` sets, in the order of its help (its --max-model-len comes first)
-ENGINE_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_num_logits", "gpu_memory_utilization",
+ENGINE_FLAGS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_num_logits", "gpu_memory_utilization",
                 "cpu_memory_budget_bytes", "dllm_block_length", "dllm_chunk", "dllm_unmasking_strategy",
                 "dllm_denoising_steps", "dllm_confidence_threshold", "dllm_latency_profile", "dllm_admission",
                 *DLLM_SERVE_KNOBS, "preemption_mode", "swap_space", "kv_offloading_size", "enforce_eager",

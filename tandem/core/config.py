@@ -48,7 +48,7 @@ def _seconds(name: str, v, allow_inf: bool = True) -> None:
 class SchedulerConfig:
     """How every worker core schedules and how the coordinator times out (validated on construction)."""
 
-    block_size: int = knob(DEFAULT_BLOCK_SIZE, "tokens per KV block", parse=positive_int)
+    block_size: int = knob(DEFAULT_BLOCK_SIZE, "tokens per KV block", parse=positive_int, metavar="N")
     max_num_batched_tokens: int = knob(DEFAULT_MAX_NUM_BATCHED_TOKENS, "query tokens per step of every worker "
                                        "(chunked prefill's budget)", parse=positive_int, metavar="N")
     max_num_seqs: int = knob(DEFAULT_MAX_NUM_SEQS, "sequences prefilling or decoding at once per worker",
