@@ -40,6 +40,12 @@ static inline void prefetch_some(prefetcher *pf)
         __builtin_prefetch(pf->cur < pf->len ? pf->k + pf->cur : pf->v + (pf->cur - pf->len), 0, 3);
 }
 
+/* Tokens of block bi of a sequence of L tokens: block_size, or fewer in its last block. */
+static inline int64_t block_tokens(int64_t bi, int64_t block_size, int64_t L)
+{
+    return (bi + 1) * block_size <= L ? block_size : L - bi * block_size;
+}
+
 /* One query row (all hq heads) against the first L tokens of the sequence whose block table is `table`. */
 static inline __attribute__((always_inline)) void decode_row(
     const int D, const float *qr, const float *K, const float *V, const int32_t *table, int64_t L,
@@ -63,13 +69,12 @@ static inline __attribute__((always_inline)) void decode_row(
     const vf lane = ld(iota), ninf = splat(-INFINITY), zero = splat(0.0f);
     const int64_t nblk = (L + block_size - 1) / block_size;
     for (int64_t bi = 0; bi < nblk; bi++) {
-        const int64_t n = (bi + 1) * block_size <= L ? block_size : L - bi * block_size;
+        const int64_t n = block_tokens(bi, block_size, L);
         const float *kb = K + table[bi] * blk_stride, *vb = V + table[bi] * blk_stride;
         prefetcher pf = { 0 };
         if (bi + PF_DIST < nblk) {                    /* its lines spread evenly over this block's hq * n keys */
-            const int64_t nn = (bi + PF_DIST + 1) * block_size <= L ? block_size : L - (bi + PF_DIST) * block_size;
             pf = (prefetcher){ K + table[bi + PF_DIST] * blk_stride, V + table[bi + PF_DIST] * blk_stride,
-                               nn * tok_stride, 0, 0 };
+                               block_tokens(bi + PF_DIST, block_size, L) * tok_stride, 0, 0 };
             pf.step = ((2 * pf.len + hq * n - 1) / (hq * n) + 15) / 16 * 16;
         }
         const int64_t nv = (n + 15) / 16 * VPC;       /* score vectors of this block: whole 16-float chunks */
