@@ -366,3 +366,73 @@ def test_releasing_a_decoding_session_mid_step_leaves_no_context_behind():
     plan = core.schedule(2.0)
     assert names(plan) == ["b"]
     assert plan.shape.decode_ctx_tokens == 5 + 1   # b's 5 resident tokens + the one it writes
+
+
+# ------------------------------------------------------------------------------------------------ decode shortcut
+
+def _seq_state(core: WorkerCore) -> list[tuple]:
+    return [(s.session_id, s.num_tokens, s.to_decode, s.itl_sum, s.itl_count, s.itl_max, s.last_token_s, s.state)
+            for s in core.seqs.values()]
+
+
+def _core_state(core: WorkerCore, now: float) -> tuple:
+    return (_seq_state(core), core.steps, core.busy_s, core.ctx_tokens, core.itl.mean(now), core.itl.count(now),
+            core.utilization(now), core.blocks.num_free, [s.session_id for s in core.running])
+
+
+def test_the_decode_shortcut_applies_a_step_and_plans_the_next_exactly_as_on_step_done_then_schedule():
+    """decode_step_done (the simulator's path for plain decode steps) against on_step_done + schedule on a twin core,
+    step by step through block growth (16-token blocks), rounds ending at different steps and a prefill arriving
+    mid-run: every state equal after every step, the shortcut declining exactly when the general path has work to
+    do (a round ended, a queued prefill, a block to grow)."""
+    from tandem.core.worker import decode_step_done, steady_decoder
+    twins = [make(DECODE, num_blocks=64, block_size=16, max_num_batched_tokens=256) for _ in range(2)]
+    fast, slow = twins
+    for core in twins:
+        start(core, "a", 30, 40)                       # 30 prompt tokens: the 33rd token needs a third block
+        start(core, "b", 10, 7)
+    assert steady_decoder(fast)
+    now = 0.0
+    plans = [core.schedule(now) for core in twins]   # the prefills
+    for core, plan in zip(twins, plans):
+        core.on_step_done(plan, StepResult(0.5), now + 0.5)
+        core.drain()
+    now += 0.5
+    plans = [core.schedule(now) for core in twins]
+    took = declined = 0
+    for i in range(45):
+        assert names(plans[0]) == names(plans[1]) and plans[0].shape == plans[1].shape
+        if not plans[1].decode and not plans[1].prefill:
+            break
+        end = now + 0.25 + 0.01 * i                    # steps of growing length: distinct gaps in the ITL sums
+        if i == 20:
+            for core in twins:
+                start(core, "c", 5, 3, now=now + 0.1)  # a new round queues while the step runs
+        slow.on_step_done(plans[1], StepResult(end - now), end)
+        ev_slow = slow.drain()
+        nxt_slow = slow.schedule(end)
+        ev_slow += slow.drain()
+        if plans[0].prefill:
+            fast.on_step_done(plans[0], StepResult(end - now), end)
+            nxt = None
+        else:
+            nxt = decode_step_done(fast, plans[0], end - now, end)
+        ev_fast = fast.drain()
+        if nxt is None:
+            declined += 1
+            nxt = fast.schedule(end)
+            ev_fast += fast.drain()
+        else:
+            took += 1
+        assert kinds(ev_fast) == kinds(ev_slow)
+        now = end
+        assert _core_state(fast, now) == _core_state(slow, now)
+        plans = [nxt, nxt_slow]
+        if nxt_slow is None:
+            assert nxt is None
+            break
+    # 40 steps after the prefills. The general path runs at 8: 'a' (30 prompt tokens) grows into its 3rd, 4th and
+    # 5th 16-token block (3), 'b' ends, 'c' queues, c's prefill step (a mixed step never takes the shortcut), 'c'
+    # ends, 'a' ends; the other 32 take the shortcut
+    assert (took, declined, i) == (32, 8, 39)
+    assert fast.seqs["a"].to_decode == 0 and fast.seqs["b"].to_decode == 0

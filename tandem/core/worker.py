@@ -467,4 +467,32 @@ def commit_caps(core: WorkerCore, decode: list[Seq], now: float) -> None:
         core._retire(now)
 
 
-__all__ = ["WorkerConfig", "WorkerCore", "commit_caps"]
+def steady_decoder(core: WorkerCore) -> bool:
+    """Whether `core` may ever take `decode_step_done`'s shortcut: a decode or co-located worker of the plain
+    autoregressive planner, one token a step, without LAPS or a host tier (their hooks run at every step)."""
+    return (type(core.planner) is ChunkedPlanner and core.role != PREFILL and core.cfg.decode_query_tokens == 1
+            and core.laps is None and core.local_laps is None and core.kv.tier is None)
+
+
+def decode_step_done(core: WorkerCore, plan: StepPlan, elapsed_s: float, now: float) -> StepPlan | None:
+    """A decode-only step of a `steady_decoder` ended, every sequence committing its token and no stop rule firing:
+    apply it (what `on_step_done` does) and, when nothing but those commits changed the worker (no round ended,
+    nothing queued, pending, swapped or short of a block), return the step `schedule` would form next: `plan` itself,
+    refilled with the same sequences one token further. None: the step is applied and the caller schedules as usual.
+    The simulator's commonest event, taken without the admission and dispatch layers that have nothing to do in it."""
+    core.steps += 1
+    core.busy_s += elapsed_s
+    core.busy_window.add(now, elapsed_s)
+    commit_caps(core, plan.decode, now)
+    running = core.running
+    kv = core.kv
+    if core.events or core.queue or core.active or core.pending_kv or kv.swapped or kv.swaps or not running:
+        return None
+    for seq in running:
+        if seq.num_tokens + 1 > seq.cap:
+            return None                          # a block to grow (or a preemption): the planner's full pass
+    core.planner.decode(core, plan)              # the same sequences again, one token further: the plan refilled
+    return plan
+
+
+__all__ = ["WorkerConfig", "WorkerCore", "commit_caps", "decode_step_done", "steady_decoder"]

@@ -18,7 +18,7 @@ from tandem.core.commands import CANCEL, DELIVERED, EXPECT, HISTORY_READY, KV_AR
 from tandem.core.host_tier import KVCopy
 from tandem.core.coordinator import Coordinator
 from tandem.core.types import BatchShape, StepPlan, StepResult, Swap
-from tandem.core.worker import WorkerCore
+from tandem.core.worker import WorkerCore, decode_step_done, steady_decoder
 from tandem.sim.faults import Fate, FaultInjector, FaultSpec
 from tandem.sim.network import Flow, Network
 from tandem.workload.records import SessionRecord
@@ -73,6 +73,7 @@ class EventLoop:
         self.record_sink: Callable[[SessionRecord], None] | None = None   # takes each ended record (stream_records)
         self.streamed = 0                               # records handed to record_sink so far
         self._arrivals_n0 = self._arrivals_next = 0     # the number before the first arrival's; the next to feed
+        self._steady: list[bool] = [False] * len(workers)   # per worker: decode steps by decode_step_done (run sets)
         self.handlers: dict[int, Callable] = {ARRIVAL: self._on_arrival, TOOL: self._on_tool, STEP: self._on_step,
                                               XFER: self._on_xfer, WAKE: self._on_wake, TICK: self._on_tick,
                                               KILL: self._on_kill, COPY: self._on_copy}
@@ -241,8 +242,19 @@ class EventLoop:
     def _on_step(self, a, b) -> None:
         if self.dead[a]:
             return
-        self._end_step(a)
         w = self.workers[a]
+        plan = self._plans[a]
+        if self._steady[a] and not plan.prefill:
+            nxt = decode_step_done(w, plan, self.now - self._started[a], self.now)
+            if nxt is not None:                         # the worker goes on decoding: nothing else to hear or kick
+                self._plans[a] = nxt
+                self._started[a] = self.now
+                self._start_step(a, nxt)
+                return
+            self._plans[a] = None
+            w.busy = False
+        else:
+            self._end_step(a)
         if w.events:
             self._forward(w)
         self._kick(a)
@@ -307,6 +319,8 @@ class EventLoop:
         starts when its client sees that end (`_client_end_s`), its `arrival_s` overwritten with that time (the
         records show it). Without it every session arrives at its own `arrival_s` (open loop)."""
         t0 = time.perf_counter()
+        # workers whose plain decode steps take the core's shortcut (not with a commit hook: it decides the commits)
+        self._steady = [self.commit is None and steady_decoder(w) for w in self.workers]
         order = sorted(sessions, key=lambda s: s.arrival_s)
         if concurrency is None:
             # arrivals enter the heap one at a time, each numbered as if all had been pushed now: the same order
