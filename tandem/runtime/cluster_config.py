@@ -15,13 +15,13 @@ from tandem.core.config import SchedulerConfig
 from tandem.engine.cpu_bind import OPTION as CPU_BIND, parse_cpu_bind, plan_workers
 from tandem.knob import KnobError, knob, nonneg_int, positive_float, positive_int, shared
 from tandem.runtime.ray_address import ray_address
-from tandem.runtime.request_audit import AUDIT_S
 
 DEFAULT_POLICY = "ampd"                  # prefill/decode workers
 DEFAULT_COLOCATED_POLICY = "vllm"        # co-located workers (--colocated N)
 DEFAULT_WORKER_TIMEOUT_S = 10.0
 DEFAULT_MAX_RESTARTS = 3
 RESTART_WINDOW_S = 300.0
+AUDIT_S = 5.0             # how often each worker is asked which requests it holds (a lost message fails its round)
 LAUNCHERS = ("embedded", "ray")
 RAY_ROLES = ("prefill", "decode", "colocated")
 POLICY_HELP = ("ampd | ampd-no-pr | ampd-no-ar-pr | dynamo | vllm | continuum | laps | laps-no-graph | laps-no-split | "
