@@ -78,13 +78,15 @@ def test_usage_errors_stay_one_line(argv, message, capsys):
 
 def test_plan_imports_neither_the_server_nor_the_engine_nor_the_runtime():
     """Protects `tandem plan`'s start-up: its parser needs the simulator's, the planner's and the workload's options,
-    not `serve`'s (runtime messages, state store, engine and server options) nor the other commands' modules."""
+    not `serve`'s (runtime messages, state store, engine and server options), the other commands' modules, nor the
+    factory of the cores (SimConfig's fields are not the simulator)."""
     probe = ("import contextlib, io, json, sys\nfrom tandem.cli.main import main\n"
              "with contextlib.redirect_stdout(io.StringIO()):\n    main(['plan', '--help'])\n"
              "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('tandem', 'msgspec')))))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    unwanted = [m for m in loaded if m.startswith(("tandem.server", "tandem.engine", "msgspec"))
+    unwanted = [m for m in loaded if m.startswith(("tandem.server", "tandem.engine", "msgspec", "tandem.core.factory",
+                                                   "tandem.sim.cluster"))
                 or (m.startswith("tandem.runtime.") and m != "tandem.runtime.ray_address")
                 or (m.startswith("tandem.cli.") and m.endswith("_cmd") and m != "tandem.cli.plan_cmd")]
     assert unwanted == []
