@@ -7,9 +7,10 @@ libraries keep their installed bytecode); `--bytecode compiled` compiles both co
 new on one CPU (--cpu). Per command: the median wall seconds of `tandem CMD --help`, and in a separate run (the
 measurement slows the imports) `-X importtime`'s total (every module's own import time summed) and the part of it
 tandem's modules started (the cumulative times of its top-level tandem entries: no interpreter start-up). With
---plan also the whole `tandem plan` command of plan_speed.py's CLI_ARGS with --no-cache --jobs 1 (median wall and CPU
-seconds, and its imports' total), and whether old and new print the same plan (`--json`, all but the wall-time
-field). Writes cli_startup.json, .md and .png to --out.
+--plan also the whole `tandem plan` command of plan_speed.py's CLI_ARGS with --jobs 1: with --no-cache (median wall
+and CPU seconds, and its imports' total) and from a warm run cache (the same command again: median wall seconds),
+and whether old and new print the same plan (`--json`, all but the wall-time field). Writes cli_startup.json, .md
+and .png to --out.
 
     python benchmarks/cli_startup.py [--base REV] [--commands plan,simulate,serve] [--repeat 5] [--cpu 0] [--plan]
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_ARGS = ("plan", "--gpus", "256", "--workload", "toolbench", "--rate", "16", "--slo-ttft", "1.0", "--slo-itl",
-             "0.05", "--no-cache", "--jobs", "1", "--no-progress")
+             "0.05", "--jobs", "1", "--no-progress")
 WALL_FIELDS = ("plan_wall_s",)
 _IMPORT = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)")
 
@@ -101,16 +102,20 @@ def measure(trees: dict[str, Path], commands: list[str], repeat: int, cpu: int |
                 add(f"{cmd} --help tandem imports ms", version, import_tandem_ms(err))
     same = None
     if plan:
-        outs = {}
+        cold = (*PLAN_ARGS, "--no-cache")
+        warm = {v: (*PLAN_ARGS, "--cache-dir", str(cwd / f"cache-{v}")) for v in trees}   # a key holds the source
+        for version in ("old", "new"):
+            _run(trees[version], warm[version], cpu, cwd=cwd)                              # fills the run cache
         for _ in range(repeat):
             for version in ("old", "new"):
-                wall, used, out, _ = _run(trees[version], PLAN_ARGS, cpu, cwd=cwd)
+                wall, used, _, _ = _run(trees[version], cold, cpu, cwd=cwd)
                 add("plan command wall s", version, wall)
                 add("plan command CPU s", version, used)
-                err = _run(trees[version], PLAN_ARGS, cpu, importtime=True, cwd=cwd)[3]
+                err = _run(trees[version], cold, cpu, importtime=True, cwd=cwd)[3]
                 add("plan command imports ms", version, import_total_ms(err))
-        for version in ("old", "new"):
-            outs[version] = _run(trees[version], (*PLAN_ARGS, "--json"), cpu, cwd=cwd)[2]
+                add("plan command, warm run cache, wall s", version, _run(trees[version], warm[version], cpu,
+                                                                          cwd=cwd)[0])
+        outs = {v: _run(trees[v], (*cold, "--json"), cpu, cwd=cwd)[2] for v in ("old", "new")}
         same = _same_plan(outs["old"], outs["new"])
     rows = []
     for key, by in samples.items():
@@ -135,24 +140,25 @@ def markdown(res: dict, meta: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    """Old against new for each measurement, as a ratio to old, every sample a dot."""
+    """Old against new for each measurement, as a share of old: the median a bar, every sample a dot."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
-    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 1.5))
     for i, r in enumerate(rows):
         for j, version in enumerate(("old", "new")):
             vals = [v / r["old"] for v in r[f"{version}_samples"]]
-            x = i * 3 + j
-            ax.bar(x, statistics.median(vals), color=("#999999", "#1f77b4")[j], label=version if i == 0 else None)
-            ax.scatter([x] * len(vals), vals, s=8, color="black", zorder=3)
-    ax.set_xticks([i * 3 + 0.5 for i in range(len(rows))], [r["what"] for r in rows], rotation=20, ha="right",
-                  fontsize=8)
-    ax.set_ylabel("relative to old (median = bar)")
-    ax.set_title("tandem start-up: old against new")
-    ax.legend()
+            y = i * 3 + j
+            ax.barh(y, statistics.median(vals), color=("#999999", "#1f77b4")[j], label=version if i == 0 else None)
+            ax.scatter(vals, [y] * len(vals), s=8, color="black", zorder=3)
+        ax.text(0.02, i * 3 + 1, f"{r['new'] / r['old']:.2f}", va="center", fontsize=7, color="white")
+    ax.set_yticks([i * 3 + 0.5 for i in range(len(rows))], [r["what"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of old (bar: median of the runs, dots: each run)")
+    ax.set_title("tandem start-up and `tandem plan`: old against new", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
