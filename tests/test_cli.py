@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import main as cli
+from tandem.cli import simulate_cmd
 from tandem.cli.main import main
 
 HAS_SIM = importlib.util.find_spec("tandem.sim.cluster") is not None
@@ -132,7 +132,7 @@ def test_unknown_policy_subprocess(tmp_path):
 def test_keyboard_interrupt_exits_130(monkeypatch, capsys):
     def boom(args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(cli, "cmd_simulate", boom)
+    monkeypatch.setattr(simulate_cmd, "cmd_simulate", boom)
     assert main(BASE + ["--deploy", "P:tp4x1,D:tp4x1"]) == 130
     assert "Traceback" not in capsys.readouterr().err
 
@@ -145,7 +145,7 @@ def test_help_exits_zero(capsys):
 def test_internal_errors_are_not_swallowed(monkeypatch):
     def bug(args):
         raise ZeroDivisionError("a bug")
-    monkeypatch.setattr(cli, "cmd_simulate", bug)
+    monkeypatch.setattr(simulate_cmd, "cmd_simulate", bug)
     with pytest.raises(ZeroDivisionError):
         main(BASE + ["--deploy", "P:tp4x1,D:tp4x1"])
 

@@ -43,6 +43,22 @@ def test_a_whole_plan_command_never_imports_torch(tmp_path):
     assert {m: seen[m] for m in HEAVY} == {m: False for m in HEAVY}
 
 
+def test_a_plan_from_the_run_cache_builds_no_simulator(tmp_path):
+    """Protects `tandem plan`'s warm wall time (the same command again): every run comes from the cache, so neither
+    the simulator (tandem.sim.cluster) nor the factory of its cores (tandem.core.factory) is imported."""
+    argv = ["plan", "--gpus", "8", "--workload", "toolbench", "--rate", "1.2", "--sessions", "6", "--jobs", "1",
+            "--cache-dir", str(tmp_path), "--best-effort", "--no-progress"]
+    code = ("import contextlib, io, json, sys\nfrom tandem.cli.main import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    rc = main({argv!r})\n"
+            "assert rc == 0, rc\n"
+            "print(json.dumps([m for m in ('tandem.sim.cluster', 'tandem.core.factory') if m in sys.modules]))")
+    cold = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    warm = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(cold.stdout.strip().splitlines()[-1]) == ["tandem.sim.cluster", "tandem.core.factory"]
+    assert json.loads(warm.stdout.strip().splitlines()[-1]) == []
+
+
 class _ReferencePool:
     """The block pool as one ordered dict of every block (what BlockManager did before handing out never-used
     blocks from a counter): the order blocks are handed out in must not change."""

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncContextManager
 
-from tandem.bench.demo_calibration import DEFAULT_LOAD, DEFAULT_SLO_FACTOR, Calibration, calibrate
-from tandem.bench.demo_options import DEFAULT_BASELINE, DEFAULT_THREADS
+from tandem.bench.demo_calibration import Calibration, calibrate
+from tandem.bench.demo_options import DEFAULT_BASELINE, DEFAULT_LOAD, DEFAULT_SLO_FACTOR, DEFAULT_THREADS
 from tandem.bench.demo_runtime import Probe, probe_sessions, run_probe, runtime_block, ttfts
 from tandem.bench.serve_client import BenchConfig, BenchResult, run_bench, scale_session
 from tandem.perf.step_model import Profile

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.bench.demo_options import DEFAULT_LOAD, DEFAULT_SLO_FACTOR
 from tandem.perf.ampd_cost import AMPDCostModel
 from tandem.workload.session import SLO, Session
 
-DEFAULT_LOAD = 0.65          # the demo's rate as a share of the profiled capacity
-DEFAULT_SLO_FACTOR = 5.0     # the demo's SLO as a multiple of the profiled unloaded latencies (their p90)
 UNLOADED_PERCENTILE = 90
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.bench.demo_calibration import DEFAULT_LOAD, DEFAULT_SLO_FACTOR
 from tandem.knob import knob, positive_float, positive_int, shared, unit_fraction
 from tandem.workload.options import WorkloadOptions
 
 DEFAULT_BASELINE = "dynamo"
+DEFAULT_LOAD = 0.65          # the demo's rate as a share of the profiled capacity
+DEFAULT_SLO_FACTOR = 5.0     # the demo's SLO as a multiple of the profiled unloaded latencies (their p90)
 DEFAULT_THREADS = 1              # torch threads per worker when neither --threads nor OMP_NUM_THREADS says
 DEMO_MODEL = "models/tiny-qwen3-1m"       # the tiny checkpoint the demo makes once when no --model is given
 DEMO_MAX_MODEL_LEN = 4096                 # the demo's context: its scaled sessions and its quick profile fit it

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.knob import KnobError, csv_list, knob, positive_float, positive_int, seed
-from tandem.runtime.cluster_config import ray_address
+from tandem.runtime.ray_address import ray_address
 
 
 def gpus_per_workload(text: str) -> int | dict[str, int]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from tandem.bench.bench_options import DEFAULT_BENCH_SESSIONS, BenchConfig, BenchOptions
 from tandem.cli.args import add_knobs, knob_values
 from tandem.cli.bench_table import print_table
+from tandem.cli.commands import COMMAND_HELP
 from tandem.cli.common import CLIError, SessionBar, check_out_path, flush_notes, load_workload
 from tandem.cli.options import OutputOptions, ReportFileOptions
 from tandem.workload.options import WorkloadOptions
@@ -24,7 +25,7 @@ from tandem.workload.options import WorkloadOptions
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `bench` on the subparsers `sub` of the tandem parser."""
-    p = sub.add_parser("bench", help="replay multi-round sessions against an OpenAI-compatible server",
+    p = sub.add_parser("bench", help=COMMAND_HELP["bench"],
                        description="Start every session of a workload at its arrival time, send its rounds as "
                                    "streamed requests (header x-session-id), sleep the tool gaps, and report "
                                    "TTFT/ITL/TPOT/E2E, throughput and SLO attainment (docs/bench.md).")

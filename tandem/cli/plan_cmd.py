@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tandem.bench.sweep_options import SweepOptions
 from tandem.cli.args import add_knobs
+from tandem.cli.commands import COMMAND_HELP
 from tandem.cli.common import (CLIError, StderrBar, cost_fields, cost_note, flush_notes, load_workload, percent,
                                ray_executor)
 from tandem.cli.options import PlanOutputOptions
@@ -30,7 +31,7 @@ from tandem.workload.options import DEFAULT_RATE, DEFAULT_SESSIONS, WorkloadOpti
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `plan` on the subparsers `sub` of the tandem parser."""
-    p = sub.add_parser("plan", help="choose prefill/decode workers and TP degrees for a GPU budget (AMPD planner)",
+    p = sub.add_parser("plan", help=COMMAND_HELP["plan"],
                        description="Search the prefill/decode deployments of --gpus GPUs (TP degrees 1, 2, 4, 8) "
                                    "for the one whose worst P95 latency relative to the SLO (TTFT for prefill, "
                                    "ITL for decode) is lowest, by simulating them (AMPD §5, docs/planner.md). "

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tandem.cli.args import add_knobs, knob_values
+from tandem.cli.commands import COMMAND_HELP
 from tandem.cli.common import CLIError, StderrBar, percent
 from tandem.cli.options import OutputOptions, ProfileFiles
 from tandem.engine.profiling.options import ProfileOptions
@@ -20,7 +21,7 @@ from tandem.engine.profiling.options import ProfileOptions
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `profile` on the subparsers `sub` of the tandem parser."""
-    p = sub.add_parser("profile", help="measure the engine's step times on this device and fit its cost model",
+    p = sub.add_parser("profile", help=COMMAND_HELP["profile"],
                        description="Time prefill, decode and mixed steps of the PyTorch engine over lengths, "
                                    "histories and batch sizes, fit the step-time model and AMPD's cost functions, "
                                    "and write them as JSON for `tandem simulate --perf FILE` (docs/profiler.md). "

@@ -14,6 +14,7 @@ from tandem.bench.demo_options import DEMO_MODEL, DemoOptions
 from tandem.bench.ports import free_port
 from tandem.cli.args import add_knobs, knob_values
 from tandem.cli.bench_table import print_table
+from tandem.cli.commands import COMMAND_HELP
 from tandem.cli.common import CLIError, SessionBar, check_preemption, require_ray
 from tandem.cli.options import OutputOptions
 from tandem.engine.config import DLLM_SERVE_KNOBS, EngineConfig
@@ -51,13 +52,12 @@ def _add_server_args(p: argparse.ArgumentParser, demo: bool) -> None:
 
 def add_parser(sub) -> None:
     """Register `serve` and `demo`."""
-    p = sub.add_parser("serve", help="serve a model over the OpenAI API with prefill/decode worker processes")
+    p = sub.add_parser("serve", help=COMMAND_HELP["serve"])
     _add_server_args(p, demo=False)
     add_knobs(p, ClusterConfig, ("deploy", "kv_transfer"))
     add_knobs(p, ServerOptions)
     p.set_defaults(func=cmd_serve)
-    d = sub.add_parser("demo", help="serve a tiny model 1P+1D with AMPD and a baseline, replay multi-round sessions "
-                                     "through HTTP at a load calibrated to this machine, compare with the simulator")
+    d = sub.add_parser("demo", help=COMMAND_HELP["demo"])
     _add_server_args(d, demo=True)
     add_knobs(d, DemoOptions, exclude=("model", "max_model_len", "threads"))
     add_knobs(d, OutputOptions, ("json",))

@@ -12,13 +12,14 @@ import argparse
 from pathlib import Path
 
 from tandem.cli.args import add_knobs
+from tandem.cli.commands import COMMAND_HELP
 from tandem.cli.common import CLIError
 from tandem.engine.tiny_options import DEFAULT_DTYPE, TinyModelOptions
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `tiny-model` on the subparsers `sub` of the tandem parser."""
-    p = sub.add_parser("tiny-model", help="write a tiny Qwen3/Llama/SDAR/LLaDA checkpoint (HF layout) for tests",
+    p = sub.add_parser("tiny-model", help=COMMAND_HELP["tiny-model"],
                        description="Write a random model with its config, safetensors weights, byte-level BPE "
                                    "tokenizer and chat template, loadable by tandem (and by transformers, but sdar and "
                                    "llada). "

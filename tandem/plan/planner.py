@@ -110,7 +110,7 @@ def _check(inp: PlanInputs) -> tuple[str, str]:
     missing = [s.session_id for s in inp.sessions if s.slo is None]
     if missing:
         raise PlanError(f"{len(missing)} session(s) have no SLO (first: {missing[0]!r}); give --slo-ttft and --slo-itl")
-    from tandem.sim.cluster import POLICIES
+    from tandem.policy.presets import POLICIES
     spec = POLICIES.get(inp.policy)
     if spec is None:
         raise PlanError(f"unknown policy {inp.policy!r} (valid: {', '.join(POLICIES)})")

@@ -14,27 +14,19 @@ from dataclasses import dataclass, field
 from tandem.core.config import SchedulerConfig
 from tandem.engine.cpu_bind import OPTION as CPU_BIND, parse_cpu_bind, plan_workers
 from tandem.knob import KnobError, knob, nonneg_int, positive_float, positive_int, shared
-from tandem.runtime.request_audit import AUDIT_S
+from tandem.runtime.ray_address import ray_address
 
 DEFAULT_POLICY = "ampd"                  # prefill/decode workers
 DEFAULT_COLOCATED_POLICY = "vllm"        # co-located workers (--colocated N)
 DEFAULT_WORKER_TIMEOUT_S = 10.0
 DEFAULT_MAX_RESTARTS = 3
 RESTART_WINDOW_S = 300.0
+AUDIT_S = 5.0             # how often each worker is asked which requests it holds (a lost message fails its round)
 LAUNCHERS = ("embedded", "ray")
 RAY_ROLES = ("prefill", "decode", "colocated")
 POLICY_HELP = ("ampd | ampd-no-pr | ampd-no-ar-pr | dynamo | vllm | continuum | laps | laps-no-graph | laps-no-split | "
                "ampd+laps | ampd+laps-chunked | sglang-pd | sglang-pd-router (tandem.policy.presets; default: "
                f"{DEFAULT_POLICY}; with --colocated: {DEFAULT_COLOCATED_POLICY})")
-
-
-def ray_address(text: str) -> str:
-    """--ray-address: 'auto' or HOST:PORT (checked here; the cluster is joined later)."""
-    from tandem.runtime.ray_launcher import check_ray_address
-    try:
-        return check_ray_address(text)
-    except ValueError as e:
-        raise KnobError(str(e)) from None
 
 
 def ray_place(text: str) -> tuple[str, str]:

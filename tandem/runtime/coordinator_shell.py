@@ -21,7 +21,8 @@ from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime import messages as m
 from tandem.runtime.client import BackendStats, RequestError
-from tandem.runtime.request_audit import AUDIT_S, RequestAudit
+from tandem.runtime.cluster_config import AUDIT_S
+from tandem.runtime.request_audit import RequestAudit
 from tandem.runtime.round_checks import check_prompt, round_budget
 from tandem.runtime.shell_request import ShellRequest
 from tandem.runtime.step_counts import add_step_counts

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import os
-import re
 import signal
 import socket
 import threading
@@ -26,13 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.runtime.launcher import Hub, WorkerEnv, WorkerSpec, WorkerStartupError, run_target, stop_worker
+from tandem.runtime.ray_address import check_ray_address
 
 log = logging.getLogger("tandem.ray")
 RAY_EXTRA = "pip install 'tandem[ray]'"
 PROBE_S = 3.0              # how long connecting to a Ray head's port may take before the address is refused
 PLACE_SHARE = 0.001        # what each worker takes of a --ray-place resource (so a node labelled 1 holds 1000)
 POLL_S = 0.1               # a RayWorker asks Ray whether its actor still runs at most this often
-_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
 
 class RayLaunchError(WorkerStartupError):
@@ -50,22 +48,6 @@ def import_ray(what: str = "--launcher ray") -> Any:
     except ImportError:
         raise RayUnavailable(f"{what} needs Ray, which is not installed: {RAY_EXTRA}") from None
     return ray
-
-
-def check_ray_address(text: str) -> str:
-    """`text` if it is 'auto' or HOST:PORT (port 1-65535, a host name or IPv4/IPv6 address), else ValueError."""
-    if text == "auto":
-        return text
-    host, sep, port = text.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{text!r} is not 'auto' or HOST:PORT (the head's GCS port, 6379 by default)")
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        if not _HOST.match(host):
-            raise ValueError(f"{text!r}: {host!r} is not a host name or IP address") from None
-    return text
 
 
 def _probe(address: str, timeout_s: float = PROBE_S) -> None:

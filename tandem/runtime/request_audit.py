@@ -8,7 +8,6 @@ from collections.abc import Iterable
 from tandem.runtime import messages as m
 from tandem.runtime.shell_request import ShellRequest
 
-AUDIT_S = 5.0             # how often each worker is asked which requests it holds (a lost message fails its round)
 AUDIT_RETRY = 4            # an Audit unanswered for this many intervals is asked again (it may be what was lost)
 
 

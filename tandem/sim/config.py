@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tandem.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_WINDOW_S, SchedulerConfig
-from tandem.core.factory import resolve_policy
+from tandem.policy.presets import get_policy as resolve_policy
 from tandem.knob import KnobError, knob, positive_int, shared
 from tandem.perf.costs import COST_MODELS, DEFAULT_COST_MODEL, CostChoice, choose_cost_model
 from tandem.perf.dllm import OPTIMUS_LENGTHS

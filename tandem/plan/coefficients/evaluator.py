@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Executor, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, wait
 from dataclasses import dataclass, field
 
 from tandem.plan.coefficients.cache import RunCache, usable
@@ -132,7 +132,8 @@ class Evaluator:
         if self._pool is None and self.executor is not None:
             self._pool, self._inherited = self.executor, frozenset()     # tasks carry their sessions
         if self._pool is None:
-            import multiprocessing as mp
+            import multiprocessing as mp                    # with its process pool: only when runs go to processes
+            from concurrent.futures import ProcessPoolExecutor
             ctx = mp.get_context()
             self._pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx, initializer=_ignore_sigint)
             self._inherited = frozenset(_SHARED) if ctx.get_start_method() == "fork" else frozenset()
