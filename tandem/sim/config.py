@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tandem.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_WINDOW_S, SchedulerConfig
-from tandem.policy.presets import get_policy as resolve_policy
+from tandem.policy.presets import get_policy
 from tandem.knob import KnobError, knob, positive_int, shared
 from tandem.perf.costs import COST_MODELS, DEFAULT_COST_MODEL, CostChoice, choose_cost_model
 from tandem.perf.dllm import OPTIMUS_LENGTHS
@@ -138,7 +138,7 @@ class SimConfig:
     def policy_spec(self) -> PolicySpec:
         """The run's policy with this config's knobs (validated; ConfigError names the bad one)."""
         try:
-            spec = resolve_policy(self.policy)
+            spec = get_policy(self.policy)
             return spec.with_options(
                 reorder_window=self.reorder_window, alpha=self.alpha, beta=self.beta,
                 retain_idle_kv_s=self.continuum_ttl_s if spec.retain_idle_kv else 0.0,
