@@ -41,39 +41,47 @@ class LogGrid:
         return cls(axes, _fill_holes(grid, axes, exponents), tuple(float(e) for e in exponents), ~np.isnan(grid))
 
     def __call__(self, *points) -> np.ndarray:
-        """Latency at the given points (one array per axis, broadcast together)."""
-        pts = np.broadcast_arrays(*[np.asarray(p, dtype=float) for p in points])
-        out_shape = pts[0].shape
-        pts = [p.ravel() for p in pts]
-        scale = np.zeros(len(pts[0]))
+        """Latency at the given points (one array per axis, broadcast together). Each axis's interpolation index and
+        weight are computed on that axis's own points (a scalar once, not once per point) and broadcast only in the
+        corner sum; every point gets the same arithmetic, in the same order, as evaluating it alone."""
+        pts = [np.asarray(p, dtype=float) for p in points]
+        pts = [p if p.flags.c_contiguous else p.copy() for p in pts]       # log reads contiguous memory
+        out_shape = np.broadcast_shapes(*(p.shape for p in pts))
+        scale = 0.0
         lo_idx, weights = [], []
         for a, p, e in zip(self.axes, pts, self.exponents):
             lp, la = np.log(np.maximum(p, 1e-300)), np.log(a)
             clamped = np.clip(lp, la[0], la[-1])
-            scale += e * np.maximum(lp - la[-1], 0.0)   # constant utilisation past the last measured value
+            scale = scale + e * np.maximum(lp - la[-1], 0.0)   # constant utilisation past the last measured value
             if len(a) == 1:
-                lo_idx.append(np.zeros(len(p), dtype=int))
-                weights.append(np.zeros(len(p)))
+                lo_idx.append(None)
+                weights.append(None)
                 continue
             i = np.clip(np.searchsorted(la, clamped, side="right") - 1, 0, len(a) - 2)
             lo_idx.append(i)
-            weights.append((clamped - la[i]) / (la[i + 1] - la[i]))
-        acc = np.zeros(len(pts[0]))
+            w = (clamped - la[i]) / (la[i + 1] - la[i])
+            weights.append((1.0 - w, w))
+        acc = 0.0
         d = len(self.axes)
         for corner in range(1 << d):
-            w = np.ones(len(pts[0]))
+            if any((corner >> j) & 1 and lo_idx[j] is None for j in range(d)):
+                continue                              # weight 0 on a one-value axis: adds an exact zero
+            w = None
             idx = []
             for j in range(d):
-                up = (corner >> j) & 1
-                if len(self.axes[j]) == 1:
-                    if up:
-                        w = w * 0.0
-                    idx.append(lo_idx[j])
+                if lo_idx[j] is None:
+                    idx.append(0)
                     continue
+                up = (corner >> j) & 1
                 idx.append(lo_idx[j] + up)
-                w = w * (weights[j] if up else 1.0 - weights[j])
-            acc += w * self.log_values[tuple(idx)]
-        return np.exp(acc + scale).reshape(out_shape)
+                f = weights[j][up]
+                w = f if w is None else w * f
+            v = _gather(self.log_values, idx)
+            acc = acc + (v if w is None else w * v)
+        x = acc + scale
+        if np.shape(x) != out_shape:
+            x = np.broadcast_to(x, out_shape)
+        return np.exp(np.ravel(x)).reshape(out_shape)      # ravel: exp reads contiguous memory, as for one point
 
     def leave_one_out(self, axis: int) -> np.ndarray:
         """Relative errors of predicting every interior grid value along `axis` from its two neighbours on that
@@ -94,6 +102,15 @@ class LogGrid:
         return err.ravel()
 
 
+def _gather(values: np.ndarray, idx: list) -> np.ndarray:
+    """values at one index per axis, the index arrays broadcast together (an axis indexed by one value is sliced
+    first, so the gather runs over the varying axes alone)."""
+    basic = tuple(int(i) if np.ndim(i) == 0 else slice(None) for i in idx)
+    arrays = tuple(i for i in idx if np.ndim(i) != 0)
+    sub = values[basic]
+    return sub[arrays] if arrays else sub
+
+
 def _fill_holes(grid: np.ndarray, axes: tuple[np.ndarray, ...], exponents: tuple[float, ...]) -> np.ndarray:
     """Fill NaN cells from the nearest measured cell along one axis, scaled at constant utilisation
     (log latency + exponent x log axis ratio); repeated over the axes until no hole is left."""
@@ -101,24 +118,31 @@ def _fill_holes(grid: np.ndarray, axes: tuple[np.ndarray, ...], exponents: tuple
     if np.isnan(g).all():
         raise ValueError("a measured table without a single positive latency")
     for _ in range(sum(len(a) for a in axes)):
-        holes = np.isnan(g)
-        if not holes.any():
+        if not np.isnan(g).any():
             return g
         for ax, (a, e) in enumerate(zip(axes, exponents)):
-            la = np.log(a)
-            v = np.moveaxis(g, ax, 0)
-            for i in range(len(a)):
-                row = v[i:i + 1]                      # a view, also for one-axis grids
-                miss = np.isnan(row)
-                if not miss.any():
-                    continue
-                for j in sorted(range(len(a)), key=lambda j: abs(j - i)):
-                    if j == i:
-                        continue
-                    src = v[j:j + 1]
-                    take = miss & ~np.isnan(src)
-                    row[take] = src[take] + e * (la[i] - la[j])
-                    miss &= ~take
-                    if not miss.any():
-                        break
+            if len(a) > 1:
+                v = np.moveaxis(g, ax, 0)
+                lines = v.reshape(len(a), -1)             # a copy where the view cannot be flattened
+                _fill_lines(lines, np.log(a), e)
+                v[...] = lines.reshape(v.shape)
     return g
+
+
+def _fill_lines(v: np.ndarray, la: np.ndarray, e: float) -> None:
+    """One pass of hole filling along the rows of `v` (index along the axis x line), in place and in index order:
+    a hole takes the nearest cell of its line that has a value (the lower index on a tie), holes filled earlier in
+    the pass included. So a hole past index 0 takes its left neighbour (filled by then, unless its whole line is
+    empty) and a hole at index 0 the first value of its line, each at log latency + e x log axis ratio: the very
+    sums of a cell-by-cell search."""
+    nan = np.isnan(v)
+    if not nan.any():
+        return
+    head = np.flatnonzero(nan[0] & ~nan.all(axis=0))     # lines empty at index 0 with some value
+    if len(head):
+        first = np.argmax(~nan[:, head], axis=0)         # each one's first value
+        v[0, head] = v[first, head] + e * (la[0] - la[first])
+    for i in range(1, len(la)):
+        miss = nan[i]
+        if miss.any():                                   # an empty line stays empty: NaN + x is NaN
+            v[i, miss] = v[i - 1, miss] + e * (la[i] - la[i - 1])
