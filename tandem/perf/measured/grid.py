@@ -41,47 +41,39 @@ class LogGrid:
         return cls(axes, _fill_holes(grid, axes, exponents), tuple(float(e) for e in exponents), ~np.isnan(grid))
 
     def __call__(self, *points) -> np.ndarray:
-        """Latency at the given points (one array per axis, broadcast together). Each axis's interpolation index and
-        weight are computed on that axis's own points (a scalar once, not once per point) and broadcast only in the
-        corner sum; every point gets the same arithmetic, in the same order, as evaluating it alone."""
-        pts = [np.asarray(p, dtype=float) for p in points]
-        pts = [p if p.flags.c_contiguous else p.copy() for p in pts]       # log reads contiguous memory
-        out_shape = np.broadcast_shapes(*(p.shape for p in pts))
-        scale = 0.0
-        lo_idx, weights = [], []
-        for a, p, e in zip(self.axes, pts, self.exponents):
-            lp, la = np.log(np.maximum(p, 1e-300)), np.log(a)
-            clamped = np.clip(lp, la[0], la[-1])
-            scale = scale + e * np.maximum(lp - la[-1], 0.0)   # constant utilisation past the last measured value
-            if len(a) == 1:
-                lo_idx.append(None)
-                weights.append(None)
-                continue
-            i = np.clip(np.searchsorted(la, clamped, side="right") - 1, 0, len(a) - 2)
-            lo_idx.append(i)
-            w = (clamped - la[i]) / (la[i + 1] - la[i])
-            weights.append((1.0 - w, w))
-        acc = 0.0
-        d = len(self.axes)
+        """Latency at the given points (one array, or `Points`, per axis, broadcast together). Each axis's
+        interpolation indices and weights are computed on that axis's own points (a scalar once, not once per point)
+        and broadcast only in the corner sum; every point gets the same arithmetic, in the same order, as evaluating
+        it alone."""
+        plans = [p.plan(a, e) if isinstance(p, Points) else _axis_plan(a, _contiguous(p), e)
+                 for a, p, e in zip(self.axes, points, self.exponents)]
+        out_shape = np.broadcast_shapes(*(np.shape(plan[2]) for plan in plans))
+        # the sums and products run in place in arrays of the output's shape (fresh temporaries would cost a page
+        # fault per page each); values and order are those of the plain expression exp(0 + w v + w v ... + scale)
+        acc, term, weight = np.zeros(out_shape), np.empty(out_shape), None
+        d = len(plans)
         for corner in range(1 << d):
-            if any((corner >> j) & 1 and lo_idx[j] is None for j in range(d)):
+            ups = [(corner >> j) & 1 for j in range(d)]
+            if any(up and plans[j][0] is None for j, up in enumerate(ups)):
                 continue                              # weight 0 on a one-value axis: adds an exact zero
             w = None
-            idx = []
-            for j in range(d):
-                if lo_idx[j] is None:
-                    idx.append(0)
-                    continue
-                up = (corner >> j) & 1
-                idx.append(lo_idx[j] + up)
-                f = weights[j][up]
-                w = f if w is None else w * f
-            v = _gather(self.log_values, idx)
-            acc = acc + (v if w is None else w * v)
-        x = acc + scale
-        if np.shape(x) != out_shape:
-            x = np.broadcast_to(x, out_shape)
-        return np.exp(np.ravel(x)).reshape(out_shape)      # ravel: exp reads contiguous memory, as for one point
+            for (_, ws, _), up in zip(plans, ups):
+                if ws is not None and w is None:
+                    w = ws[up]
+                elif ws is not None:
+                    weight = np.empty(out_shape) if weight is None else weight
+                    w = np.multiply(w, ws[up], out=weight)
+            v = _gather(self.log_values, [0 if lo is None else lo[up] for (lo, _, _), up in zip(plans, ups)], term)
+            if w is not None:
+                np.multiply(w, v, out=term)
+            elif v is not term:
+                term[...] = v
+            np.add(acc, term, out=acc)
+        np.add(0.0, plans[0][2], out=term)            # scale = 0 + s_0 + s_1 ...
+        for _, _, s in plans[1:]:
+            np.add(term, s, out=term)
+        np.add(acc, term, out=acc)
+        return np.exp(acc, out=term)                  # contiguous, apart from its input: exp as for one point
 
     def leave_one_out(self, axis: int) -> np.ndarray:
         """Relative errors of predicting every interior grid value along `axis` from its two neighbours on that
@@ -102,12 +94,57 @@ class LogGrid:
         return err.ravel()
 
 
-def _gather(values: np.ndarray, idx: list) -> np.ndarray:
+MAX_PLANS = 256      # grid axes a `Points` keeps its interpolation on
+
+
+class Points:
+    """Points on one axis that several grids are read at (a token count per table entry): their interpolation
+    indices and weights on each grid axis are computed once, for the first grid with that axis."""
+
+    __slots__ = ("values", "_plans")
+
+    def __init__(self, values) -> None:
+        self.values = _contiguous(values)
+        self._plans: dict[tuple[int, float], tuple] = {}
+
+    def plan(self, axis: np.ndarray, exponent: float) -> tuple:
+        """`_axis_plan` of these points on `axis` (cached; the entry holds the axis, so its id is not reused)."""
+        got = self._plans.get((id(axis), exponent))
+        if got is None or got[0] is not axis:
+            if len(self._plans) >= MAX_PLANS:                # grids rebuilt (caches cleared): start afresh
+                self._plans.clear()
+            got = (axis, _axis_plan(axis, self.values, exponent))
+            self._plans[(id(axis), exponent)] = got
+        return got[1]
+
+
+def _contiguous(p) -> np.ndarray:
+    """p as a float array in contiguous memory (where log and exp take the same path for every element)."""
+    p = np.asarray(p, dtype=float)
+    return p if p.flags.c_contiguous else p.copy()
+
+
+def _axis_plan(a: np.ndarray, p: np.ndarray, e: float) -> tuple:
+    """Points p on axis a: (lower and upper cell index, (1 - weight, weight) of the upper cell, log-latency added past
+    the axis's end); None for the indices and weights of a one-value axis."""
+    lp, la = np.log(np.maximum(p, 1e-300)), np.log(a)
+    clamped = np.clip(lp, la[0], la[-1])
+    scale = e * np.maximum(lp - la[-1], 0.0)                 # constant utilisation past the last measured value
+    if len(a) == 1:
+        return None, None, scale
+    i = np.clip(np.searchsorted(la, clamped, side="right") - 1, 0, len(a) - 2)
+    w = (clamped - la[i]) / (la[i + 1] - la[i])
+    return (i, i + 1), (1.0 - w, w), scale
+
+
+def _gather(values: np.ndarray, idx: list, out: np.ndarray):
     """values at one index per axis, the index arrays broadcast together (an axis indexed by one value is sliced
-    first, so the gather runs over the varying axes alone)."""
+    first, so the gather runs over the varying axes alone); into `out` where one axis varies over out's shape."""
     basic = tuple(int(i) if np.ndim(i) == 0 else slice(None) for i in idx)
     arrays = tuple(i for i in idx if np.ndim(i) != 0)
     sub = values[basic]
+    if len(arrays) == 1 and arrays[0].shape == out.shape:
+        return np.take(sub, arrays[0], out=out)
     return sub[arrays] if arrays else sub
 
 
