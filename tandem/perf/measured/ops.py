@@ -129,19 +129,21 @@ def clear_caches() -> None:
     clear_read_cache()
 
 
+# every column any reader takes from these tables (one read per table: streaming_fit reads them first)
+GEMM_COLUMNS = ("gemm_dtype", "m", "n", "k", "latency")
+ATTENTION_COLUMNS = ("batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype", "step",
+                     "window_size", "latency")
+
+
 @memoised
 def _gemm_grid(t: OpTables, dtype: str) -> LogGrid:
     if dtype not in GEMM_DTYPES:
         raise ValueError(f"GEMM dtype must be one of {GEMM_DTYPES}, got {dtype!r}")
-    _, c = t.table("gemm", "gemm_perf.parquet", ("gemm_dtype", "m", "n", "k", "latency"))
+    _, c = t.table("gemm", "gemm_perf.parquet", GEMM_COLUMNS)
     sel = c["gemm_dtype"] == dtype
     if not sel.any():
         raise MissingCostData(f"no {dtype} GEMM measurements for {t.system} under {t.framework}")
     return LogGrid.from_points([c["m"][sel], c["n"][sel], c["k"][sel]], c["latency"][sel] * _MS, (1.0, 1.0, 1.0))
-
-
-_ATTN_COLS = ("batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype", "step",
-              "window_size", "latency")
 
 
 @memoised
@@ -163,16 +165,22 @@ def _attention_grid(t: OpTables, phase: str, hs: HeadShape, kv_dtype: str) -> Lo
 def _attention_rows(t: OpTables, phase: str, kv_dtype: str):
     """The attention table's rows without a sliding window at a KV-cache dtype, their (heads, KV heads, head dim)
     columns and the set of those shapes (shared by every head shape looked up: one per tp degree)."""
-    c = t.table("attention", f"{phase}_attention_perf.parquet", _ATTN_COLS)[1]
+    c = t.table("attention", f"{phase}_attention_perf.parquet", ATTENTION_COLUMNS)[1]
     sel = (c["window_size"] == 0) & (c["kv_cache_dtype"] == kv_dtype)
     if not sel.any():
         raise MissingCostData(f"no {kv_dtype}-KV {phase} attention measurements for {t.system} under {t.framework}")
     rows = np.flatnonzero(sel)
     heads = (c["num_heads"][rows], c["num_key_value_heads"][rows], c["head_dim"][rows])
-    first = np.unique(np.stack(heads, axis=1), axis=0, return_index=True)[1]
+    h, kvh, d = (x.astype(np.int64) for x in heads)
+    if 0 <= min(h.min(), kvh.min(), d.min()) and max(h.max(), kvh.max(), d.max()) < 1 << 20:
+        key = (h << 40) | (kvh << 20) | d                 # one integer per shape, distinct for distinct shapes
+        first = np.unique(key, return_index=True)[1]
+    else:
+        first = np.unique(np.stack((h, kvh, d), axis=1), axis=0, return_index=True)[1]
     # the distinct shapes inserted in the order the rows first hold them: the very set (iteration order included)
     # that inserting every row's shape builds
-    shapes = {(a, b, d) for a, b, d in np.stack(heads, axis=1)[np.sort(first)].tolist()}
+    at = np.sort(first)
+    shapes = {(a, b, e) for a, b, e in zip(h[at].tolist(), kvh[at].tolist(), d[at].tolist())}
     return c, rows, heads, shapes
 
 
