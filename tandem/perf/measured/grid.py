@@ -94,7 +94,7 @@ class LogGrid:
         return err.ravel()
 
 
-MAX_PLANS = 256      # grid axes a `Points` keeps its interpolation on
+MAX_PLANS = 32       # grid axes a `Points` keeps its interpolation on (a few MiB each for the token counts)
 
 
 class Points:

@@ -126,17 +126,22 @@ def _array_numpy(arr) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=False)
 
 
-_READ: dict[Path, dict[str, np.ndarray]] = {}       # the columns of each table read so far in this process
+_READ: dict[Path, dict[str, np.ndarray]] = {}       # the columns of each table read so far, least recent first
+MAX_TABLES = 64                                     # tables whose columns are kept
 
 
 def read_columns(path: Path, columns: tuple[str, ...]) -> dict[str, np.ndarray]:
     """Columns of one parquet table as numpy arrays (each column read once per process, whichever callers ask for
-    it); a column an older table lacks reads as zeros (window_size 0: no sliding window)."""
+    it, for the MAX_TABLES tables read last); a column an older table lacks reads as zeros (window_size 0: no sliding
+    window)."""
     have = _READ.get(path, {})
     want = [c for c in dict.fromkeys(columns) if c not in have]
     if want:
         have = {**have, **_read(path, want)}
-        _READ[path] = have
+    _READ.pop(path, None)                           # (re)inserted last: the most recently read
+    _READ[path] = have
+    while len(_READ) > MAX_TABLES:
+        del _READ[next(iter(_READ))]
     return {c: have[c] for c in columns}
 
 
