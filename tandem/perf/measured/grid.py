@@ -99,23 +99,23 @@ MAX_PLANS = 32       # grid axes a `Points` keeps its interpolation on (a few Mi
 
 class Points:
     """Points on one axis that several grids are read at (a token count per table entry): their interpolation
-    indices and weights on each grid axis are computed once, for the first grid with that axis."""
+    indices and weights on an axis are computed once, for the first grid with an axis of those values."""
 
     __slots__ = ("values", "_plans")
 
     def __init__(self, values) -> None:
         self.values = _contiguous(values)
-        self._plans: dict[tuple[int, float], tuple] = {}
+        self._plans: dict[tuple[bytes, float], tuple] = {}
 
     def plan(self, axis: np.ndarray, exponent: float) -> tuple:
-        """`_axis_plan` of these points on `axis` (cached; the entry holds the axis, so its id is not reused)."""
-        got = self._plans.get((id(axis), exponent))
-        if got is None or got[0] is not axis:
+        """`_axis_plan` of these points on `axis` (cached by the axis's values)."""
+        key = (np.asarray(axis, dtype=float).tobytes(), exponent)
+        got = self._plans.get(key)
+        if got is None:
             if len(self._plans) >= MAX_PLANS:                # grids rebuilt (caches cleared): start afresh
                 self._plans.clear()
-            got = (axis, _axis_plan(axis, self.values, exponent))
-            self._plans[(id(axis), exponent)] = got
-        return got[1]
+            got = self._plans[key] = _axis_plan(axis, self.values, exponent)
+        return got
 
 
 def _contiguous(p) -> np.ndarray:

@@ -95,9 +95,9 @@ _NUMPY_TYPES = {"int64": np.int64, "int32": np.int32, "double": np.float64, "flo
 
 def _numpy(column) -> np.ndarray:
     """A pyarrow column as numpy, as `to_numpy(zero_copy_only=False)` gives it, without the pandas import that
-    pyarrow's to_numpy makes (~0.25 s of every process that reads a table): numbers without nulls are copied from
-    the data buffer; strings without nulls (read dictionary-encoded, as parquet stores them) become an object array
-    of str, each distinct value converted once."""
+    pyarrow's to_numpy makes (~0.25 s of every process that reads a table): numbers without nulls are read-only
+    views of the data buffer (no copy: the tables are only read); strings without nulls (read dictionary-encoded, as
+    parquet stores them) become an object array of str, each distinct value converted once."""
     import pyarrow as pa
 
     if pa.types.is_dictionary(column.type):
@@ -112,7 +112,7 @@ def _array_numpy(arr) -> np.ndarray:
     dtype = _NUMPY_TYPES.get(str(arr.type))
     if dtype is not None and arr.null_count == 0:
         dtype = np.dtype(dtype)
-        return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize).copy()
+        return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
     if pa.types.is_dictionary(arr.type) and pa.types.is_string(arr.type.value_type) and arr.null_count == 0:
         words = np.empty(len(arr.dictionary), dtype=object)
         words[:] = arr.dictionary.to_pylist()

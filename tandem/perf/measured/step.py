@@ -203,6 +203,16 @@ _TOKENS = Points(np.maximum(np.arange(T_MAX + 1, dtype=float), 1.0))
 _CTX = Points(2.0 ** (np.arange(CTX_OCTAVES * BINS_PER_OCTAVE + 1) / BINS_PER_OCTAVE))
 
 
+@lru_cache(maxsize=16)
+def scaled_tokens(*factors: float) -> Points:
+    """The token counts times `factors`, multiplied in order (m * f0 * f1 ...): message sizes every tp degree's
+    collectives are read at, interpolated once per grid axis."""
+    v = _TOKENS.values
+    for f in factors:
+        v = v * f
+    return Points(v)
+
+
 def _kernels_per_layer(model: ModelSpec, tp: int) -> int:
     """Kernels one layer launches in an eager forward: 4 GEMMs, attention, 4 elementwise kernels, 2 all-reduces at
     tp > 1, and the attention output's quantisation under fp8; MLA adds q_b, kv_b (or the two absorbed BMMs) and the
@@ -260,12 +270,12 @@ def token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overhea
         graph = graph + layer_cost(False, model.dense_intermediate // tp) * model.dense_layers
     eager = graph.copy()
     if tp > 1:
-        nbytes = Points(m * h * a)
+        nbytes = scaled_tokens(h, a)                          # m * h * a
         graph = graph + 2 * L * ops.all_reduce(tp, True)(nbytes)
         eager = eager + 2 * L * ops.all_reduce(tp, False)(nbytes)
     head = ops.gemm("bfloat16")(mp, model.vocab // tp, h)
     if tp > 1:
-        head = head + ops.all_gather(tp)(m * model.vocab * 4)      # fp32 logits gathered across the vocab shards
+        head = head + ops.all_gather(tp)(scaled_tokens(model.vocab, 4))   # m * vocab * 4: fp32 logits gathered
     for arr in (graph, eager, head):
         arr[0] = 0.0
     return graph, eager, head
