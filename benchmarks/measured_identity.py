@@ -1,6 +1,6 @@
 """Bit-identity check of the measured step timers between two trees: every table a timer builds and `step_time` over
-a grid of batch shapes, for several models (dense, GQA, MoE, MLA) x GPUs (measured and derived) x tp (and ep)
-degrees x frameworks, plus the routing-cost fits; each value is dumped as a SHA-256 of its float64 bytes.
+a grid of batch shapes, for several models (dense, GQA, MoE, MLA; bf16 and fp8) x GPUs (measured and derived) x tp
+(and ep) degrees x frameworks, plus the routing-cost fits; each value is dumped as a SHA-256 of its float64 bytes.
 
     PYTHONPATH=/path/to/old/tree python benchmarks/measured_identity.py --out old.json
     PYTHONPATH=/path/to/new/tree python benchmarks/measured_identity.py --out new.json
@@ -119,6 +119,15 @@ def dump(models, gpus, frameworks) -> dict:
                         out[f"{model}/{gpu}/{fw}/fits{ok}"] = fits_digest(model, gpu, tuple(ok), fw)
                     except Exception as e:                         # noqa: BLE001
                         out[f"{model}/{gpu}/{fw}/fits{ok}"] = f"{type(e).__name__}: {e}"
+    for model in ("llama-3.1-70b", "qwen3-235b-a22b"):             # fp8 weights and KV cache (fp8 GEMMs, quantisation)
+        spec = get_model(model).with_precision("fp8", "fp8")
+        for gpu in ("h100", "h200", "h20"):
+            for tp in TPS:
+                key = f"{model}+fp8/{gpu}/vllm/tp{tp}"
+                try:
+                    out[key] = timer_digests(MeasuredStep(spec, gpu, tp, "vllm"))
+                except Exception as e:                             # noqa: BLE001
+                    out[key] = f"{type(e).__name__}: {e}"
     for model in ("llama-3.1-70b", "deepseek-v3"):                 # a measured GPU derived from another's tables
         for tp in (4, 8):
             key = f"{model}/h200<-h100/vllm/tp{tp}"
