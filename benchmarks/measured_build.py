@@ -38,11 +38,13 @@ print(time.perf_counter() - t)
 
 def one(tree: Path, cpu: int | None) -> float:
     """Seconds one fresh process on `tree` takes to build the clusters."""
-    cmd = [sys.executable, "-c", CHILD, json.dumps([SLICES, FULL])]
+    cmd = [sys.executable, "-c", CHILD + f"\nassert __import__('tandem').__file__.startswith({str(tree)!r})",
+           json.dumps([SLICES, FULL])]
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu)] + cmd
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    # run in the tree's root: `python -c` puts the working directory first on sys.path
+    out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
