@@ -67,4 +67,5 @@ def routing_costs(model: ModelSpec, gpu: str, tps: tuple[int, ...], choice: Cost
     """AMPD's T_pre / T_dec / T_kv for workers of these tp degrees, fitted to their step timers (cached)."""
     if choice.model == "roofline" and model.weight_dtype == "bf16" and model.kv_dtype == "bf16":
         return AMPDCostModel.from_roofline(model.name, gpu, tps)
-    return from_timers({tp: step_timer(model, gpu, tp, choice) for tp in tps}, source=str(choice.label))
+    # ep passed as the simulator passes it, so both share one cached timer per worker (lru_cache keys on the call)
+    return from_timers({tp: step_timer(model, gpu, tp, choice, 1) for tp in tps}, source=str(choice.label))

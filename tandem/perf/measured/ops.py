@@ -21,7 +21,8 @@ import numpy as np
 from tandem.perf.measured.grid import LogGrid
 from tandem.perf.measured.memo import clear_memos, memoised
 from tandem.perf.measured.mla import MLAShape, context_mla_grid, generation_mla_grid, mla_bmm_grid
-from tandem.perf.measured.source import MissingCostData, TableRef, find_table, find_tables, read_columns
+from tandem.perf.measured.source import (MissingCostData, TableRef, clear_read_cache, find_table, find_tables,
+                                         read_columns)
 
 GEMM_DTYPES = ("bfloat16", "fp8", "fp8_block")
 KV_DTYPES = ("bfloat16", "fp8")
@@ -125,35 +126,33 @@ def clear_caches() -> None:
     """Forget every table and grid read in this process (after the package's data changed on disk)."""
     clear_memos()
     op_tables.cache_clear()
-    read_columns.cache_clear()
+    clear_read_cache()
+
+
+# every column any reader takes from these tables (one read per table: streaming_fit reads them first)
+GEMM_COLUMNS = ("gemm_dtype", "m", "n", "k", "latency")
+ATTENTION_COLUMNS = ("batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype", "step",
+                     "window_size", "latency")
 
 
 @memoised
 def _gemm_grid(t: OpTables, dtype: str) -> LogGrid:
     if dtype not in GEMM_DTYPES:
         raise ValueError(f"GEMM dtype must be one of {GEMM_DTYPES}, got {dtype!r}")
-    _, c = t.table("gemm", "gemm_perf.parquet", ("gemm_dtype", "m", "n", "k", "latency"))
+    _, c = t.table("gemm", "gemm_perf.parquet", GEMM_COLUMNS)
     sel = c["gemm_dtype"] == dtype
     if not sel.any():
         raise MissingCostData(f"no {dtype} GEMM measurements for {t.system} under {t.framework}")
     return LogGrid.from_points([c["m"][sel], c["n"][sel], c["k"][sel]], c["latency"][sel] * _MS, (1.0, 1.0, 1.0))
 
 
-_ATTN_COLS = ("batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype", "step",
-              "window_size", "latency")
-
-
 @memoised
 def _attention_grid(t: OpTables, phase: str, hs: HeadShape, kv_dtype: str) -> LogGrid:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"KV-cache dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    _, c = t.table("attention", f"{phase}_attention_perf.parquet", _ATTN_COLS)
-    sel = (c["window_size"] == 0) & (c["kv_cache_dtype"] == kv_dtype)
-    if not sel.any():
-        raise MissingCostData(f"no {kv_dtype}-KV {phase} attention measurements for {t.system} under {t.framework}")
-    h, kvh, d = (c["num_heads"][sel], c["num_key_value_heads"][sel], c["head_dim"][sel])
-    donor, factor = _nearest_heads(hs, h, kvh, d, phase)
-    pick = np.flatnonzero(sel)[(h == donor.heads) & (kvh == donor.kv_heads) & (d == donor.head_dim)]
+    c, rows, (h, kvh, d), shapes = _attention_rows(t, phase, kv_dtype)
+    donor, factor = _nearest_heads(hs, shapes, phase)
+    pick = rows[(h == donor.heads) & (kvh == donor.kv_heads) & (d == donor.head_dim)]
     lat = c["latency"][pick] * _MS * factor
     if phase == "context":
         # (batch, isl): compute-bound past the table, attention work grows with isl^2
@@ -162,12 +161,33 @@ def _attention_grid(t: OpTables, phase: str, hs: HeadShape, kv_dtype: str) -> Lo
     return LogGrid.from_points([c["batch_size"][pick], c["step"][pick] + 1.0], lat, (1.0, 1.0))
 
 
-def _nearest_heads(hs: HeadShape, h: np.ndarray, kvh: np.ndarray, d: np.ndarray, phase: str
-                   ) -> tuple[HeadShape, float]:
+@memoised
+def _attention_rows(t: OpTables, phase: str, kv_dtype: str):
+    """The attention table's rows without a sliding window at a KV-cache dtype, their (heads, KV heads, head dim)
+    columns and the set of those shapes (shared by every head shape looked up: one per tp degree)."""
+    c = t.table("attention", f"{phase}_attention_perf.parquet", ATTENTION_COLUMNS)[1]
+    sel = (c["window_size"] == 0) & (c["kv_cache_dtype"] == kv_dtype)
+    if not sel.any():
+        raise MissingCostData(f"no {kv_dtype}-KV {phase} attention measurements for {t.system} under {t.framework}")
+    rows = np.flatnonzero(sel)
+    heads = (c["num_heads"][rows], c["num_key_value_heads"][rows], c["head_dim"][rows])
+    h, kvh, d = (x.astype(np.int64) for x in heads)
+    if 0 <= min(h.min(), kvh.min(), d.min()) and max(h.max(), kvh.max(), d.max()) < 1 << 20:
+        key = (h << 40) | (kvh << 20) | d                 # one integer per shape, distinct for distinct shapes
+        first = np.unique(key, return_index=True)[1]
+    else:
+        first = np.unique(np.stack((h, kvh, d), axis=1), axis=0, return_index=True)[1]
+    # the distinct shapes inserted in the order the rows first hold them: the very set (iteration order included)
+    # that inserting every row's shape builds
+    at = np.sort(first)
+    shapes = {(a, b, e) for a, b, e in zip(h[at].tolist(), kvh[at].tolist(), d[at].tolist())}
+    return c, rows, heads, shapes
+
+
+def _nearest_heads(hs: HeadShape, shapes: set[tuple[int, int, int]], phase: str) -> tuple[HeadShape, float]:
     """The measured head shape to read for `hs`, and the factor its latency is scaled by: the shape itself (1.0),
     else the measured one of the same head dim and GQA ratio closest in heads, scaled by the work ratio (query
     heads for prefill, which is compute-bound; KV heads for decode, which reads the cache)."""
-    shapes = {(int(a), int(b), int(c)) for a, b, c in zip(h, kvh, d)}
     if (hs.heads, hs.kv_heads, hs.head_dim) in shapes:
         return hs, 1.0
     ratio = hs.heads / hs.kv_heads

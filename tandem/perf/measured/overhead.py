@@ -16,6 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from tandem.perf.measured.frameworks import FrameworkDefaults
+from tandem.perf.measured.ops import ATTENTION_COLUMNS, GEMM_COLUMNS
 from tandem.perf.measured.source import MissingCostData, find_table, read_columns
 
 # Host seconds a step spends outside the GPU's kernels (see docs/cost-models.md, "Measured costs: overheads").
@@ -55,11 +56,11 @@ def streaming_fit(system: str, framework: str) -> tuple[float, float, float, flo
     (the least a launched kernel takes on this GPU); the bandwidth is fitted (relative least squares) to the decode
     attention table's streaming part (bf16 KV, no sliding window, at least 64 MiB read), a kernel that streams
     memory as the elementwise kernels do."""
-    g = read_columns(find_table(system, "gemm", framework, "gemm_perf.parquet").path, ("latency",))
+    # (all the columns the grids will take: each table is read in one pass)
+    g = read_columns(find_table(system, "gemm", framework, "gemm_perf.parquet").path, GEMM_COLUMNS)
     floor = float(np.min(g["latency"])) * 1e-3
     ref = find_table(system, "attention", framework, "generation_attention_perf.parquet")
-    c = read_columns(ref.path, ("batch_size", "num_key_value_heads", "head_dim", "kv_cache_dtype", "step",
-                                "window_size", "latency"))
+    c = read_columns(ref.path, ATTENTION_COLUMNS)
     nbytes = (c["batch_size"] * (c["step"] + 1.0) * 2 * c["num_key_value_heads"] * c["head_dim"] * 2).astype(float)
     sel = (c["kv_cache_dtype"] == "bfloat16") & (c["window_size"] == 0) & (nbytes >= 1 << 26)
     y, x = c["latency"][sel] * 1e-3 - floor, nbytes[sel]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -96,15 +95,30 @@ _NUMPY_TYPES = {"int64": np.int64, "int32": np.int32, "double": np.float64, "flo
 
 def _numpy(column) -> np.ndarray:
     """A pyarrow column as numpy, as `to_numpy(zero_copy_only=False)` gives it, without the pandas import that
-    pyarrow's to_numpy makes (~0.25 s of every process that reads a table): numbers without nulls are copied
-    from the data buffer, strings become an object array of str."""
+    pyarrow's to_numpy makes (~0.25 s of every process that reads a table): numbers without nulls are read-only
+    views of the data buffer (no copy: the tables are only read); strings without nulls (read dictionary-encoded, as
+    parquet stores them) become an object array of str, each distinct value converted once."""
     import pyarrow as pa
 
-    arr = column.combine_chunks()
+    if pa.types.is_dictionary(column.type):
+        column = column.unify_dictionaries()
+    return _array_numpy(column.combine_chunks())
+
+
+def _array_numpy(arr) -> np.ndarray:
+    """One pyarrow array as numpy (see `_numpy`)."""
+    import pyarrow as pa
+
     dtype = _NUMPY_TYPES.get(str(arr.type))
     if dtype is not None and arr.null_count == 0:
         dtype = np.dtype(dtype)
-        return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize).copy()
+        return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+    if pa.types.is_dictionary(arr.type) and pa.types.is_string(arr.type.value_type) and arr.null_count == 0:
+        words = np.empty(len(arr.dictionary), dtype=object)
+        words[:] = arr.dictionary.to_pylist()
+        return words[_array_numpy(arr.indices)]
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.cast(arr.type.value_type)
     if pa.types.is_string(arr.type) and arr.null_count == 0:
         out = np.empty(len(arr), dtype=object)
         out[:] = arr.to_pylist()
@@ -112,17 +126,41 @@ def _numpy(column) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=False)
 
 
-@lru_cache(maxsize=64)
+_READ: dict[Path, dict[str, np.ndarray]] = {}       # the columns of each table read so far, least recent first
+MAX_TABLES = 64                                     # tables whose columns are kept
+
+
 def read_columns(path: Path, columns: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Columns of one parquet table as numpy arrays (read once per process); a column an older table lacks reads as
-    zeros (window_size 0: no sliding window)."""
+    """Columns of one parquet table as numpy arrays (each column read once per process, whichever callers ask for
+    it, for the MAX_TABLES tables read last); a column an older table lacks reads as zeros (window_size 0: no sliding
+    window)."""
+    have = _READ.get(path, {})
+    want = [c for c in dict.fromkeys(columns) if c not in have]
+    if want:
+        have = {**have, **_read(path, want)}
+    _READ.pop(path, None)                           # (re)inserted last: the most recently read
+    _READ[path] = have
+    while len(_READ) > MAX_TABLES:
+        del _READ[next(iter(_READ))]
+    return {c: have[c] for c in columns}
+
+
+def clear_read_cache() -> None:
+    """Forget every column read (after the package's data changed on disk)."""
+    _READ.clear()
+
+
+def _read(path: Path, columns: list[str]) -> dict[str, np.ndarray]:
+    """Read `columns` of one parquet table (strings dictionary-encoded), checked."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:        # ParquetFile, not read_table: read_table imports pyarrow.dataset and pandas (~0.3 s), for nothing here
         with pq.ParquetFile(path) as f:
             names = set(f.schema_arrow.names)
-            t = f.read(columns=[c for c in columns if c in names])
+        there = [c for c in columns if c in names]
+        with pq.ParquetFile(path, read_dictionary=there) as f:       # (only string columns read as dictionaries)
+            t = f.read(columns=there)
     except (OSError, pa.ArrowException) as e:
         raise MissingCostData(f"{path}: not a readable parquet table ({e}); reinstall with {INSTALL_HINT}") from None
     missing = [c for c in columns if c not in names and c not in OPTIONAL_COLUMNS]

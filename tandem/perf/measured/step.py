@@ -31,6 +31,7 @@ import numpy as np
 from tandem.perf.hardware import GPU, get_gpu
 from tandem.perf.measured.derive import derived_ops
 from tandem.perf.measured.frameworks import FrameworkDefaults, framework_defaults
+from tandem.perf.measured.grid import Points
 from tandem.perf.measured.mla import MLAShape
 from tandem.perf.measured.ops import HeadShape, MoEShape, OpTables
 from tandem.perf.measured.overhead import Overheads, overheads
@@ -185,17 +186,31 @@ class AttentionTable:
     """An attention grid over (batch, context) read at every batch 1..b_max and every context bin; a batch's row is
     computed the first time a step has that batch (most runs see few batch sizes)."""
 
-    __slots__ = ("grid", "b_max", "rows", "_ctx")
+    __slots__ = ("grid", "b_max", "rows")
 
     def __init__(self, grid, b_max: int) -> None:
         self.grid, self.b_max = grid, b_max
         self.rows: list[list[float] | None] = [None] * (b_max + 1)
-        self._ctx = 2.0 ** (np.arange(CTX_OCTAVES * BINS_PER_OCTAVE + 1) / BINS_PER_OCTAVE)
 
     def fill(self, b: int) -> list[float]:
-        row = self.grid(float(b), self._ctx).tolist()
+        row = self.grid(float(b), _CTX).tolist()
         self.rows[b] = row
         return row
+
+
+# the token counts 0..T_MAX (at least 1: an empty step's entry is zeroed) and the context bins every table is read at
+_TOKENS = Points(np.maximum(np.arange(T_MAX + 1, dtype=float), 1.0))
+_CTX = Points(2.0 ** (np.arange(CTX_OCTAVES * BINS_PER_OCTAVE + 1) / BINS_PER_OCTAVE))
+
+
+@lru_cache(maxsize=16)
+def scaled_tokens(*factors: float) -> Points:
+    """The token counts times `factors`, multiplied in order (m * f0 * f1 ...): message sizes every tp degree's
+    collectives are read at, interpolated once per grid axis."""
+    v = _TOKENS.values
+    for f in factors:
+        v = v * f
+    return Points(v)
 
 
 def _kernels_per_layer(model: ModelSpec, tp: int) -> int:
@@ -210,8 +225,8 @@ def _kernels_per_layer(model: ModelSpec, tp: int) -> int:
 def token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overheads
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per token count T = 0..T_MAX: the layers' T-only cost under a CUDA graph and eager, and the LM head's."""
-    T = np.arange(T_MAX + 1, dtype=float)
-    m = np.maximum(T, 1.0)
+    mp = _TOKENS                      # every grid read at the token counts shares their log and interpolation
+    m = mp.values
     L, h, d = model.layers, model.hidden, model.head_dim
     wdt = model.weight_dtype if model.weight_dtype.startswith("fp8") else "bfloat16"
     gemm = ops.gemm(wdt)
@@ -219,7 +234,7 @@ def token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overhea
     if model.mla is not None:
         # fused down-projection (replicated), q_b and o_proj; kv_b and the absorbed BMMs depend on the step's mix
         shape = MLAShape.of(model, tp)
-        attn = shape.projections(gemm, m)
+        attn = shape.projections(gemm, mp)
         q = shape.heads * shape.v_head_dim                                  # o_proj's input
         mla = model.mla
         # rotary of the local queries' and the shared key's rope part, the two latent norms, the latent KV write
@@ -228,7 +243,7 @@ def token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overhea
         kernels = 6
     else:
         q, kv = model.heads // tp * d, kv_heads_per_gpu(model, tp) * d
-        attn = gemm(m, q + 2 * kv, h) + gemm(m, h, q)
+        attn = gemm(mp, q + 2 * kv, h) + gemm(mp, h, q)
         attn_elems = (q + 2 * kv) + kv * 2 * model.kv_elem_bytes / a
         kernels = 4
 
@@ -238,14 +253,14 @@ def token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overhea
             routed = model.experts - model.shared_experts
             shape = MoEShape(h, model.intermediate, model.experts_per_token - model.shared_experts, routed,
                              tp // ep, ep)
-            layer = layer + ops.moe(shape, wdt)(m) + gemm(m, routed, h)          # + router
+            layer = layer + ops.moe(shape, wdt)(mp) + gemm(mp, routed, h)        # + router
             inter = model.intermediate * model.shared_experts // tp             # shared experts: a dense MLP
         if inter > 0:
-            layer = layer + gemm(m, 2 * inter, h) + gemm(m, h, inter)
+            layer = layer + gemm(mp, 2 * inter, h) + gemm(mp, h, inter)
         if wdt != "bfloat16":
             # the norms and SiLU-and-multiply write the QKV, gate/up and down inputs in fp8 (fused: vLLM's compile
             # passes, SGLang's and TRT-LLM's fused kernels); the attention output is quantised by a kernel of its own
-            layer = layer + ops.fp8_quant()(m, q)
+            layer = layer + ops.fp8_quant()(mp, q)
         elementwise_bytes = m * a * (2 * 4 * h + attn_elems + 3 * inter)
         return layer + kernels * ovh.kernel_s + elementwise_bytes / ovh.elementwise_bps
 
@@ -255,12 +270,12 @@ def token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overhea
         graph = graph + layer_cost(False, model.dense_intermediate // tp) * model.dense_layers
     eager = graph.copy()
     if tp > 1:
-        nbytes = m * h * a
+        nbytes = scaled_tokens(h, a)                          # m * h * a
         graph = graph + 2 * L * ops.all_reduce(tp, True)(nbytes)
         eager = eager + 2 * L * ops.all_reduce(tp, False)(nbytes)
-    head = ops.gemm("bfloat16")(m, model.vocab // tp, h)
+    head = ops.gemm("bfloat16")(mp, model.vocab // tp, h)
     if tp > 1:
-        head = head + ops.all_gather(tp)(m * model.vocab * 4)      # fp32 logits gathered across the vocab shards
+        head = head + ops.all_gather(tp)(scaled_tokens(model.vocab, 4))   # m * vocab * 4: fp32 logits gathered
     for arr in (graph, eager, head):
         arr[0] = 0.0
     return graph, eager, head
@@ -270,7 +285,7 @@ def token_tables(model: ModelSpec, tp: int, ep: int, ops: OpTables, ovh: Overhea
 def _mla_count_tables(model: ModelSpec, tp: int, ops: OpTables) -> tuple[np.ndarray, np.ndarray]:
     """Per count 0..T_MAX, all layers: prefill's kv_b up-projection of that many latents (new and history), and
     decode's two absorbed BMMs for that many decode tokens."""
-    m = np.maximum(np.arange(T_MAX + 1, dtype=float), 1.0)
+    m = _TOKENS
     shape = MLAShape.of(model, tp)
     kv_up = shape.kv_up(ops.gemm(shape.gemm_dtype), m) * model.layers
     bmm = ops.mla_bmm(shape, shape.gemm_dtype)(m) * model.layers
