@@ -245,11 +245,10 @@ class EventLoop:
         w = self.workers[a]
         plan = self._plans[a]
         if self._steady[a] and not plan.prefill:
-            nxt = decode_step_done(w, plan, self.now - self._started[a], self.now)
-            if nxt is not None:                         # the worker goes on decoding: nothing else to hear or kick
-                self._plans[a] = nxt
-                self._started[a] = self.now
-                self._start_step(a, nxt)
+            now = self.now
+            if decode_step_done(w, plan, now - self._started[a], now) is not None:
+                self._started[a] = now                  # the worker goes on decoding (the plan refilled): nothing
+                self._start_step(a, plan)               # else to hear or kick
                 return
             self._plans[a] = None
             w.busy = False
