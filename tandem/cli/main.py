@@ -7,9 +7,9 @@ arguments) ends as one line `tandem: error: <message>` on stderr with exit statu
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable, Sequence
-from types import ModuleType
+from collections.abc import Sequence
 
 from tandem.cli.commands import COMMAND_HELP
 from tandem.cli.common import PROG, CLIError, Parser, clear_notes
@@ -19,50 +19,16 @@ from tandem.workload.session import WorkloadError
 # --------------------------------------------------------------------------- parser
 
 
-def _simulate_cmd() -> ModuleType:
-    from tandem.cli import simulate_cmd
-    return simulate_cmd
-
-
-def _experiment_cmd() -> ModuleType:
-    from tandem.cli import experiment_cmd
-    return experiment_cmd
-
-
-def _plan_cmd() -> ModuleType:
-    from tandem.cli import plan_cmd
-    return plan_cmd
-
-
-def _tiny_cmd() -> ModuleType:
-    from tandem.cli import tiny_cmd
-    return tiny_cmd
-
-
-def _profile_cmd() -> ModuleType:
-    from tandem.cli import profile_cmd
-    return profile_cmd
-
-
-def _serve_cmd() -> ModuleType:
-    from tandem.cli import serve_cmd
-    return serve_cmd
-
-
-def _bench_cmd() -> ModuleType:
-    from tandem.cli import bench_cmd
-    return bench_cmd
-
-
-# each module's `add_parser(sub)` registers its commands, in the order `tandem --help` lists them
-MODULES: tuple[tuple[tuple[str, ...], Callable[[], ModuleType]], ...] = (
-    (("simulate", "generate"), _simulate_cmd),
-    (("experiment",), _experiment_cmd),
-    (("plan",), _plan_cmd),
-    (("tiny-model",), _tiny_cmd),
-    (("profile",), _profile_cmd),
-    (("serve", "demo"), _serve_cmd),
-    (("bench",), _bench_cmd),
+# each module's `add_parser(sub)` registers its commands, in the order `tandem --help` lists them; a module is imported
+# only when one of its commands runs
+MODULES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("simulate", "generate"), "tandem.cli.simulate_cmd"),
+    (("experiment",), "tandem.cli.experiment_cmd"),
+    (("plan",), "tandem.cli.plan_cmd"),
+    (("tiny-model",), "tandem.cli.tiny_cmd"),
+    (("profile",), "tandem.cli.profile_cmd"),
+    (("serve", "demo"), "tandem.cli.serve_cmd"),
+    (("bench",), "tandem.cli.bench_cmd"),
 )
 
 
@@ -73,7 +39,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for names, module in MODULES:
         if command is None or command in names:
-            module().add_parser(sub)
+            importlib.import_module(module).add_parser(sub)
         else:
             for name in names:
                 sub.add_parser(name, help=COMMAND_HELP[name])
