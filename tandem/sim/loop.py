@@ -6,10 +6,8 @@ into a message the runtime would send, with its latencies and the host's CPU sha
 """
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import time
-from collections import deque
 from typing import Callable
 
 from tandem.core.actions import ToolCall, Transfer
@@ -19,6 +17,7 @@ from tandem.core.host_tier import KVCopy
 from tandem.core.coordinator import Coordinator
 from tandem.core.types import BatchShape, StepPlan, StepResult, Swap
 from tandem.core.worker import WorkerCore, decode_step_done, steady_decoder
+from tandem.sim.clients import ClosedLoop
 from tandem.sim.faults import Fate, FaultInjector, FaultSpec
 from tandem.sim.network import Flow, Network
 from tandem.workload.records import SessionRecord
@@ -65,10 +64,7 @@ class EventLoop:
         self._host_link = [[0.0, 0.0] for _ in workers]
         self.tiered = any(w.kv.tier is not None for w in workers)   # per worker: when its host link is free (to host, to GPU)
         self._done_sessions = 0                         # sessions ended (completed or failed) so far
-        self._waiting: deque[Session] | None = None     # closed loop: sessions no client has started yet
-        self._clients: list[str] = []                   # closed loop: the session each busy client runs
-        self._recorded: dict[str, SessionRecord] = {}   # closed loop: client sessions' records, until they end
-        self._records_read = 0                          # closed loop: coordinator records read into _recorded
+        self._closed: ClosedLoop | None = None          # closed loop: its clients and the sessions they have not begun
         self._arrivals: list[Session] = []              # open loop: sessions by arrival, fed to the heap in turn
         self.record_sink: Callable[[SessionRecord], None] | None = None   # takes each ended record (stream_records)
         self.streamed = 0                               # records handed to record_sink so far
@@ -328,11 +324,11 @@ class EventLoop:
             self._n += len(order)
             self.handlers[ARRIVAL] = self._arrive
             self._feed_arrival()
-            self._waiting = None
+            self._closed = None
         else:
             if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
                 raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
-            self._waiting = deque(order)
+            self._closed = ClosedLoop(order)
             for _ in range(min(concurrency, len(order))):
                 self._start_next(0.0)
         while True:
@@ -370,7 +366,7 @@ class EventLoop:
         if done == self._done_sessions:
             return
         self._done_sessions = done
-        if self._waiting is not None:
+        if self._closed is not None:
             self._free_clients()
         if self.progress is not None:
             self.progress(done + self.streamed)
@@ -389,35 +385,19 @@ class EventLoop:
             del records[:i]
             self.streamed += i
             self._done_sessions -= i
-            self._records_read = max(0, self._records_read - i)
+            if self._closed is not None:
+                self._closed.dropped(i)
 
     def _free_clients(self) -> None:
         """Closed loop: each client whose session ended starts the next waiting session when it sees the end."""
-        records, live = self.coord.records, self.coord.live
-        seen = self._recorded
-        for rec in records[self._records_read:]:
-            seen[rec.session_id] = rec
-        self._records_read = len(records)
-        ended: list[SessionRecord] = []
-        busy: list[str] = []
-        for sid in self._clients:
-            rec = seen.get(sid)
-            if rec is None or sid in live:              # not at the coordinator yet (HostLoop), or under way
-                busy.append(sid)
-            else:
-                ended.append(seen.pop(sid))
-        self._clients = busy
-        for rec in ended:
-            if self._waiting:
+        closed = self._closed
+        for rec in closed.ended(self.coord.records, self.coord.live):
+            if closed.waiting:
                 self._start_next(self._client_end_s(rec))
 
     def _start_next(self, at: float) -> None:
         """A client sends the next waiting session at `at` (its arrival time in the records)."""
-        s = self._waiting.popleft()
-        if s.arrival_s != at:
-            s = dataclasses.replace(s, arrival_s=at)
-        self._clients.append(s.session_id)
-        self._push(at, ARRIVAL, s)
+        self._push(at, ARRIVAL, self._closed.start(at))
 
     def _client_end_s(self, rec: SessionRecord) -> float:
         """When the client of a session that just ended sees the end (here: at once)."""
