@@ -127,10 +127,7 @@ class ChunkedPlanner(StepPlanner):
         decode_query_tokens, never past its round's end); preempt if short."""
         q_max = core.cfg.decode_query_tokens
         if q_max == 1:                               # AR: one token each (the hot path of the simulator)
-            for seq in core.running:
-                if seq.num_tokens + 1 > seq.cap:
-                    break
-            else:
+            if self.room_for_a_token(core):
                 return
         else:
             short = False
@@ -142,6 +139,25 @@ class ChunkedPlanner(StepPlanner):
             if not short:
                 return
         core.kv.grow(now)
+
+    @staticmethod
+    def room_for_a_token(core: WorkerHost) -> bool:
+        """Whether every running sequence's blocks hold one more token (an AR step needs no growth)."""
+        for seq in core.running:
+            if seq.num_tokens + 1 > seq.cap:
+                return False
+        return True
+
+    def refill(self, core: WorkerHost, plan: StepPlan) -> bool:
+        """Refill `plan`, a decode-only step just applied, as the step `plan()` would form next when only its decodes
+        changed the worker: nothing queued, active, pending or swapped, and every running sequence's blocks hold its
+        next token (AR, one token a step). False, with `plan` untouched: the full pass must run."""
+        kv = core.kv
+        if core.queue or core.active or core.pending_kv or kv.swapped or kv.swaps or not core.running \
+                or not self.room_for_a_token(core):
+            return False
+        self.decode(core, plan)                      # the same sequences again, one token further
+        return True
 
     def decode(self, core: WorkerHost, plan: StepPlan) -> int:
         """Put the running sequences in the step; returns the query rows they take of its budget."""

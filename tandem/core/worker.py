@@ -217,9 +217,7 @@ class WorkerCore:
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> None:
         """Apply a finished step: advance prefills, commit each decoding sequence's committed tokens (0..its
         query tokens; all of them when the result does not say)."""
-        self.steps += 1
-        self.busy_s += result.elapsed_s
-        self.busy_window.add(now, result.elapsed_s)
+        count_step(self, result.elapsed_s, now)
         stopped = result.finished
         active = self.active
         for t, n in plan.prefill:
@@ -425,6 +423,13 @@ class WorkerCore:
         return bool(self.queue or self.active or self.running or self.pending_kv or self.kv.swapped)
 
 
+def count_step(core: WorkerCore, elapsed_s: float, now: float) -> None:
+    """A finished step's share of the worker's statistics: its count, busy time and utilisation window."""
+    core.steps += 1
+    core.busy_s += elapsed_s
+    core.busy_window.add(now, elapsed_s)
+
+
 def commit_caps(core: WorkerCore, decode: list[Seq], now: float) -> None:
     """WorkerCore.commit when every decoding sequence commits its cap and no stop rule ended a round (the
     simulator's hot path): the same updates in the same order, without the per-sequence checks it does not need."""
@@ -480,18 +485,10 @@ def decode_step_done(core: WorkerCore, plan: StepPlan, elapsed_s: float, now: fl
     nothing queued, pending, swapped or short of a block), return the step `schedule` would form next: `plan` itself,
     refilled with the same sequences one token further. None: the step is applied and the caller schedules as usual.
     The simulator's commonest event, taken without the admission and dispatch layers that have nothing to do in it."""
-    core.steps += 1
-    core.busy_s += elapsed_s
-    core.busy_window.add(now, elapsed_s)
+    count_step(core, elapsed_s, now)
     commit_caps(core, plan.decode, now)
-    running = core.running
-    kv = core.kv
-    if core.events or core.queue or core.active or core.pending_kv or kv.swapped or kv.swaps or not running:
-        return None
-    for seq in running:
-        if seq.num_tokens + 1 > seq.cap:
-            return None                          # a block to grow (or a preemption): the planner's full pass
-    core.planner.decode(core, plan)              # the same sequences again, one token further: the plan refilled
+    if core.events or not core.planner.refill(core, plan):
+        return None                              # a round ended, or the planner has more to do than decode
     return plan
 
 
